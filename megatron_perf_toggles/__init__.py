@@ -1,0 +1,14 @@
+"""Default-on Megatron-LM performance toggles with guards, precision-tagged log dirs and provenance.
+
+Pass ``megatron_perf_toggles.extra_args_provider`` as Megatron's ``extra_args_provider`` (or use
+``python -m megatron_perf_toggles.run``); ``chain_providers`` combines it with another provider.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "chain_providers", "extra_args_provider", "PerfTogglesError"]
+
+from .errors import PerfTogglesError
+from .provider import chain_providers, extra_args_provider

@@ -1,0 +1,253 @@
+"""What this machine and this Megatron can honour. The one module that probes packages.
+
+Nothing here raises because a package is missing: an absent package is a capability that is
+``False`` (or a version that is ``None``), with a note saying why. Probes use import specs and
+package metadata where they can, so asking is cheap; kernels are only imported where the package
+itself is already there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from .errors import AssumeError
+
+# Earliest Transformer Engine releases with the kernels the toggles use. Only consulted when a
+# run is planned with MEGATRON_PERF_TOGGLES_ASSUME=te=VERSION; real runs import the kernels.
+TE_MIN_FUSED_QKV_ROPE = (2, 8)
+TE_MIN_CROSS_ENTROPY = (2, 0)
+
+ASSUME_NAMES = ("apex", "aiter", "rocm", "cuda", "te=VERSION", "none")
+
+
+@dataclass(frozen=True)
+class MegatronFacts:
+    """Facts about the Megatron-LM in use. ``None`` means unknown (no Megatron imported)."""
+
+    version: str | None = None
+    path: str | None = None
+    fused_single_qkv_rope_field: bool | None = None
+    asserts_te_cross_entropy: bool | None = None
+    asserts_ddp_average_with_gtp: bool | None = None
+    has_parse_and_validate_args: bool | None = None
+    pretrain_takes_extra_args_provider: bool | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    megatron: MegatronFacts = field(default_factory=MegatronFacts)
+    te_version: str | None = None
+    te_fused_qkv_rope: bool = False
+    te_cross_entropy: bool = False
+    apex_fused_wgrad: bool = False
+    aiter_version: str | None = None
+    torch_version: str | None = None
+    device: str | None = None  # "cuda", "rocm" or "cpu"; None when torch is absent
+    gpu_arch: str | None = None
+    assumed: tuple[str, ...] = ()  # capability names that came from MEGATRON_PERF_TOGGLES_ASSUME
+    notes: dict[str, str] = field(default_factory=dict)  # capability -> why it is missing
+
+    @property
+    def megatron_fused_single_qkv_rope_field(self) -> bool | None:
+        return self.megatron.fused_single_qkv_rope_field
+
+    def has(self, name: str) -> bool | None:
+        return getattr(self, name)
+
+    def is_assumed(self, name: str) -> bool:
+        return name in self.assumed
+
+    def to_record(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["assumed"] = list(self.assumed)
+        return out
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts: list[int] = []
+    for piece in text.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if not piece.isdigit():
+            break
+    return tuple(parts)
+
+
+def _try_import(path: str, attr: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(path), attr)
+    except Exception:  # noqa: BLE001 - a broken optional package counts as absent
+        return False
+
+
+def megatron_facts() -> MegatronFacts:
+    """Facts about the Megatron whose ``megatron.training.arguments`` is imported (or importable)."""
+    if "megatron.training.arguments" not in sys.modules and not _installed("megatron.training"):
+        return MegatronFacts()
+    try:
+        from megatron.core import package_info
+        from megatron.training import arguments
+    except Exception:  # noqa: BLE001 - report "unknown" rather than fail the caller
+        return MegatronFacts()
+    facts: dict[str, Any] = {
+        "version": getattr(package_info, "__version__", None),
+        "path": str(getattr(arguments, "__file__", "") or "").rsplit("/megatron/training/", 1)[0] or None,
+        "has_parse_and_validate_args": hasattr(arguments, "parse_and_validate_args"),
+    }
+    try:
+        source = inspect.getsource(arguments.validate_args)
+        facts["asserts_te_cross_entropy"] = "cross_entropy_fusion_impl == 'te'" in source
+        facts["asserts_ddp_average_with_gtp"] = (
+            "ddp_average_in_collective" in source and "gtp" in source.lower()
+        )
+    except (OSError, TypeError):
+        pass
+    try:
+        import dataclasses
+
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        names = {f.name for f in dataclasses.fields(TransformerConfig)}
+        facts["fused_single_qkv_rope_field"] = "fused_single_qkv_rope" in names
+    except Exception:  # noqa: BLE001
+        pass
+    training = sys.modules.get("megatron.training.training")
+    if training is not None and hasattr(training, "pretrain"):
+        params = inspect.signature(training.pretrain).parameters
+        facts["pretrain_takes_extra_args_provider"] = "extra_args_provider" in params
+    return MegatronFacts(**facts)
+
+
+def _detect_torch(deep: bool) -> dict[str, Any]:
+    torch = sys.modules.get("torch")
+    if torch is None and deep and _installed("torch"):
+        try:
+            import torch  # noqa: F811 - deliberate lazy import for `doctor`
+        except Exception:  # noqa: BLE001
+            torch = None
+    if torch is None:
+        return {"torch_version": _dist_version("torch")}
+    version = getattr(torch, "version", None)
+    device = "rocm" if getattr(version, "hip", None) else ("cuda" if getattr(version, "cuda", None) else "cpu")
+    out: dict[str, Any] = {"torch_version": getattr(torch, "__version__", None), "device": device}
+    if deep:
+        try:
+            if torch.cuda.is_available():
+                props = torch.cuda.get_device_properties(0)
+                arch = getattr(props, "gcnArchName", None)
+                out["gpu_arch"] = arch or f"sm_{props.major}{props.minor}"
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def detect(deep: bool = False) -> Capabilities:
+    """Probe this machine. ``deep`` also imports torch/TE kernels when they are installed."""
+    notes: dict[str, str] = {}
+    te_version = _dist_version("transformer_engine", "transformer-engine", "transformer_engine_torch")
+    te_imported = "transformer_engine" in sys.modules
+    te_rope = te_ce = False
+    if te_version is None and not _installed("transformer_engine"):
+        notes["te"] = "Transformer Engine is not installed"
+    elif deep or te_imported:
+        te_rope = _try_import("transformer_engine.pytorch.attention.rope", "apply_fused_qkv_rotary_pos_emb")
+        te_ce = _try_import("transformer_engine.pytorch.cross_entropy", "parallel_cross_entropy")
+    else:
+        # Installed but not imported yet: judge by version rather than pay for the import here.
+        vt = _version_tuple(te_version or "0")
+        te_rope, te_ce = vt >= TE_MIN_FUSED_QKV_ROPE, vt >= TE_MIN_CROSS_ENTROPY
+    if te_version is not None and not te_rope:
+        notes["te_fused_qkv_rope"] = f"TE {te_version} has no fused QKV RoPE kernel"
+    if te_version is not None and not te_ce:
+        notes["te_cross_entropy"] = f"TE {te_version} has no parallel cross-entropy kernel"
+    apex = _installed("fused_weight_gradient_mlp_cuda")
+    if not apex:
+        notes["apex_fused_wgrad"] = "APEX's fused_weight_gradient_mlp_cuda is not importable"
+    aiter_version = _dist_version("amd-aiter", "amd_aiter")
+    if aiter_version is None and _installed("aiter") and _dist_version("aiter") is not None:
+        notes["aiter"] = "the installed 'aiter' is the PyPI async library, not AMD's amd-aiter"
+    return Capabilities(
+        megatron=megatron_facts(),
+        te_version=te_version,
+        te_fused_qkv_rope=te_rope,
+        te_cross_entropy=te_ce,
+        apex_fused_wgrad=apex,
+        aiter_version=aiter_version,
+        notes=notes,
+        **_detect_torch(deep),
+    )
+
+
+def parse_assume(spec: str) -> dict[str, Any]:
+    """``apex,te=2.8,rocm`` -> capability overrides. Unknown names are an AssumeError."""
+    out: dict[str, Any] = {
+        "apex_fused_wgrad": False,
+        "te_version": None,
+        "te_fused_qkv_rope": False,
+        "te_cross_entropy": False,
+        "aiter_version": None,
+    }
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        name, _, value = item.partition("=")
+        name = name.strip().lower()
+        if name == "apex" and not value:
+            out["apex_fused_wgrad"] = True
+        elif name == "aiter" and not value:
+            out["aiter_version"] = "assumed"
+        elif name in ("rocm", "cuda") and not value:
+            out["device"] = name
+        elif name == "none" and not value:
+            continue
+        elif name == "te":
+            vt = _version_tuple(value.strip())
+            if not vt:
+                raise AssumeError(
+                    f"MEGATRON_PERF_TOGGLES_ASSUME: {item!r} needs a Transformer Engine version, e.g. te=2.8"
+                )
+            out["te_version"] = value.strip()
+            out["te_fused_qkv_rope"] = vt >= TE_MIN_FUSED_QKV_ROPE
+            out["te_cross_entropy"] = vt >= TE_MIN_CROSS_ENTROPY
+        else:
+            raise AssumeError(
+                f"MEGATRON_PERF_TOGGLES_ASSUME: unknown entry {item!r}; accepted: {', '.join(ASSUME_NAMES)}"
+            )
+    return out
+
+
+def with_assumptions(caps: Capabilities, spec: str | None) -> Capabilities:
+    """Replace detected packages with planned ones; Megatron facts stay as detected."""
+    if not spec:
+        return caps
+    overrides = parse_assume(spec)
+    return replace(caps, **overrides, assumed=tuple(sorted(overrides)), notes={})
+
+
+def resolve(spec: str | None, deep: bool = False) -> Capabilities:
+    return with_assumptions(detect(deep=deep), spec)

@@ -1,0 +1,369 @@
+"""The policy, pure: (parsed args, explicit flags, environment, capabilities) -> a Plan.
+
+No Megatron, torch or environment access happens here, so every rule can be unit-tested in
+milliseconds. Read top to bottom: base resolution (cli > env > plugin default), then the FP4
+layer selection, then the guards in order, then advice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .capabilities import Capabilities
+from .env import EnvSettings
+from .errors import CannotHonourError
+from .precision import precision_tag, tagged_log_dirs
+from .registry import BY_DEST, TOGGLES
+
+FP4_LAYER_DESTS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+FP4_RECIPE_SELECTION = {"nvfp4": (True, 2, 8), "mxfp4": (False, 2, 8)}  # (selective, start, end)
+PACKED_SEQUENCE_DESTS = ("sft", "rl_use_sequence_packing")
+GTP_DESTS = ("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards")
+ADAM_EPS_ADVICE = (5e-4, 1e-6)  # (lr at or above, eps below)
+
+
+@dataclass(frozen=True)
+class Decision:
+    value: Any
+    source: str  # cli | env | default | guard | assumed
+    reason: str
+
+    def to_record(self) -> dict[str, Any]:
+        return {"value": self.value, "source": self.source, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Message:
+    level: str  # warning | advice
+    text: str
+
+
+@dataclass
+class Plan:
+    decisions: dict[str, Decision]
+    precision: str
+    log_dirs: dict[str, str]  # dest -> tagged path (only those that are set and tagged)
+    messages: list[Message] = field(default_factory=list)
+
+    def values(self) -> dict[str, Any]:
+        return {dest: d.value for dest, d in self.decisions.items()}
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a guard wants: ``dest`` becomes ``value`` because ``reason``."""
+
+    dest: str
+    value: Any
+    reason: str
+    hint: str = ""
+    capability: str = ""  # the capability the change rests on, if any
+    over_cli: bool = False  # applies even over an explicit command-line value (with a warning)
+
+
+@dataclass(frozen=True)
+class Context:
+    args: Mapping[str, Any]
+    values: Mapping[str, Any]  # the decisions so far
+    caps: Capabilities
+
+
+Guard = Callable[[Context], Iterator[Change]]
+
+
+def _on(values: Mapping[str, Any], dest: str) -> bool:
+    return bool(values.get(dest))
+
+
+# --- guards, applied in this order ------------------------------------------------------------
+
+
+def mxfp4_bf16_wgrad(ctx: Context) -> Iterator[Change]:
+    if (
+        ctx.args.get("fp4")
+        and ctx.args.get("fp4_recipe") == "mxfp4"
+        and _on(ctx.values, "gradient_accumulation_fusion")
+        and not _on(ctx.values, "grad_reduce_in_bf16")
+    ):
+        yield Change(
+            "grad_reduce_in_bf16",
+            True,
+            "mxfp4 with gradient accumulation fusion: the a4w4 weight-gradient GEMM (aiter "
+            "gemm_a4w4_asm) only writes bf16, so the gradient buffer must be bf16",
+            over_cli=True,
+        )
+
+
+def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
+    if (
+        _on(ctx.values, "cross_entropy_loss_fusion")
+        and ctx.values.get("cross_entropy_fusion_impl") == "te"
+        and ctx.caps.megatron.asserts_te_cross_entropy
+    ):
+        yield Change(
+            "cross_entropy_fusion_impl",
+            "native",
+            f"Megatron {ctx.caps.megatron.version or ''} rejects the te impl with "
+            "--cross-entropy-loss-fusion (stability assertion in validate_args)".replace("  ", " "),
+            hint="use --cross-entropy-fusion-impl native",
+        )
+
+
+def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
+    if (
+        _on(ctx.values, "cross_entropy_loss_fusion")
+        and ctx.values.get("cross_entropy_fusion_impl") == "te"
+        and not ctx.caps.te_cross_entropy
+    ):
+        why = ctx.caps.notes.get("te_cross_entropy") or ctx.caps.notes.get("te") or (
+            "Transformer Engine's parallel cross-entropy kernel is not available"
+        )
+        yield Change(
+            "cross_entropy_fusion_impl",
+            "native",
+            why,
+            hint="install Transformer Engine or use --cross-entropy-fusion-impl native",
+            capability="te_cross_entropy",
+        )
+
+
+def gradient_accumulation_fusion_fsdp(ctx: Context) -> Iterator[Change]:
+    if not _on(ctx.values, "gradient_accumulation_fusion"):
+        return
+    for dest, name in (
+        ("use_torch_fsdp2", "--use-torch-fsdp2"),
+        ("use_megatron_fsdp", "--use-megatron-fsdp"),
+        ("use_custom_fsdp", "--use-custom-fsdp"),
+    ):
+        if ctx.args.get(dest):
+            yield Change(
+                "gradient_accumulation_fusion",
+                False,
+                f"{name}: FSDP does not support gradient accumulation fusion",
+                hint="drop --gradient-accumulation-fusion or the FSDP flag",
+            )
+            return
+
+
+def gradient_accumulation_fusion_apex(ctx: Context) -> Iterator[Change]:
+    if _on(ctx.values, "gradient_accumulation_fusion") and not ctx.caps.apex_fused_wgrad:
+        yield Change(
+            "gradient_accumulation_fusion",
+            False,
+            ctx.caps.notes.get("apex_fused_wgrad")
+            or "APEX's fused_weight_gradient_mlp_cuda is not available",
+            hint="install APEX (with --cuda_ext) or pass --no-gradient-accumulation-fusion",
+            capability="apex_fused_wgrad",
+        )
+
+
+def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
+    if not _on(ctx.values, "fused_single_qkv_rope"):
+        return
+    a, caps = ctx.args, ctx.caps
+    reason, capability = "", ""
+    rope = a.get("position_embedding_type") == "rope" or (
+        a.get("use_rotary_position_embeddings") and a.get("position_embedding_type") in (None, "learned_absolute")
+    )
+    if caps.megatron.fused_single_qkv_rope_field is False:
+        reason = f"Megatron {caps.megatron.version or ''} TransformerConfig has no fused_single_qkv_rope field (added in core 0.15)"
+    elif not caps.te_fused_qkv_rope:
+        reason = caps.notes.get("te_fused_qkv_rope") or caps.notes.get("te") or (
+            "Transformer Engine's fused QKV RoPE kernel is not available"
+        )
+        capability = "te_fused_qkv_rope"
+    elif not rope:
+        reason = f"position embedding {a.get('position_embedding_type')!r} is not RoPE"
+    elif a.get("qk_layernorm"):
+        reason = "--qk-layernorm: q/k are normalised after the split, so QKV cannot stay packed"
+    elif a.get("attention_output_gate"):
+        reason = "--attention-output-gate is not supported by the fused QKV RoPE path"
+    elif a.get("flash_decode"):
+        reason = "--flash-decode takes its own RoPE path"
+    else:
+        packed = [d for d in PACKED_SEQUENCE_DESTS if a.get(d)]
+        if packed:
+            reason = f"--{packed[0].replace('_', '-')} uses packed (THD) sequences, which the fused path does not take"
+    if reason:
+        yield Change(
+            "fused_single_qkv_rope",
+            False,
+            reason.replace("  ", " "),
+            hint="pass --no-fused-single-qkv-rope",
+            capability=capability,
+        )
+
+
+def ddp_average_unsupported(ctx: Context) -> Iterator[Change]:
+    if not _on(ctx.values, "ddp_average_in_collective"):
+        return
+    if ctx.args.get("calculate_per_token_loss"):
+        yield Change(
+            "ddp_average_in_collective",
+            False,
+            "--calculate-per-token-loss already normalises by token count; Megatron's DDP "
+            "rejects averaging in the collective with it",
+            hint="pass --no-ddp-average-in-collective",
+        )
+        return
+    shards = [d for d in GTP_DESTS if (ctx.args.get(d) or 1) > 1]
+    if shards and ctx.caps.megatron.asserts_ddp_average_with_gtp is not False:
+        yield Change(
+            "ddp_average_in_collective",
+            False,
+            f"--{shards[0].replace('_', '-')} > 1 enables GTP, which rejects averaging in the collective",
+            hint="pass --no-ddp-average-in-collective",
+        )
+
+
+GUARDS: tuple[Guard, ...] = (
+    mxfp4_bf16_wgrad,
+    cross_entropy_te_asserted,
+    cross_entropy_te_missing,
+    gradient_accumulation_fusion_fsdp,
+    gradient_accumulation_fusion_apex,
+    fused_qkv_rope_unsupported,
+    ddp_average_unsupported,
+)
+
+
+# --- resolution -------------------------------------------------------------------------------
+
+
+def _flag_words(dest: str, value: Any) -> str:
+    toggle = BY_DEST.get(dest)
+    if toggle is not None:
+        return " ".join(toggle.flag_for(value))
+    return f"--{dest.replace('_', '-')}"
+
+
+def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any]) -> Decision:
+    toggle = BY_DEST[dest]
+    if dest in explicit:
+        value = explicit[dest]
+        return Decision(value, "cli", f"set on the command line ({_flag_words(dest, value)})")
+    if dest in env.toggles:
+        value = env.toggles[dest]
+        raw = value if toggle.kind == "choice" else int(bool(value))
+        return Decision(value, "env", f"{toggle.env}={raw}")
+    if not env.plugin_enabled:
+        value = stock.get(dest, toggle.stock_default)
+        return Decision(value, "default", "MEGATRON_PERF_TOGGLES=0: Megatron's own default")
+    return Decision(toggle.default, "default", f"plugin default; {toggle.env}=0 turns it off"
+                    if toggle.kind == "bool" else f"plugin default; set {toggle.env} to change it")
+
+
+def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: EnvSettings) -> dict[str, Decision]:
+    if not args.get("fp4") or "first_last_layers_bf16" in explicit:
+        return {}
+    recipe = str(args.get("fp4_recipe") or "nvfp4")
+    selective, start, end = FP4_RECIPE_SELECTION.get(recipe, (False, 2, 8))
+    why = f"{recipe} recipe default"
+    out: dict[str, Decision] = {}
+    counts_from_env = env.fp4_bf16_start is not None or env.fp4_bf16_end is not None
+    if env.fp4_selective_bf16 is not None:
+        out["first_last_layers_bf16"] = Decision(
+            env.fp4_selective_bf16, "env", f"FP4_SELECTIVE_BF16={int(env.fp4_selective_bf16)}"
+        )
+    elif counts_from_env:
+        out["first_last_layers_bf16"] = Decision(True, "env", "FP4_BF16_START/FP4_BF16_END set")
+    else:
+        label = "first/last layers in bf16" if selective else "every layer in FP4"
+        out["first_last_layers_bf16"] = Decision(selective, "default", f"{why}: {label}")
+    if not out["first_last_layers_bf16"].value:
+        return out
+    for dest, env_value, recipe_value, var in (
+        ("num_layers_at_start_in_bf16", env.fp4_bf16_start, start, "FP4_BF16_START"),
+        ("num_layers_at_end_in_bf16", env.fp4_bf16_end, end, "FP4_BF16_END"),
+    ):
+        if dest in explicit:
+            out[dest] = Decision(explicit[dest], "cli", f"set on the command line (--{dest.replace('_', '-')})")
+        elif env_value is not None:
+            out[dest] = Decision(env_value, "env", f"{var}={env_value}")
+        else:
+            out[dest] = Decision(recipe_value, "default", why)
+    per_stage = _layers_per_stage(args)
+    if per_stage is not None:
+        for dest in FP4_LAYER_DESTS[1:]:
+            d = out[dest]
+            if d.source != "cli" and d.value > per_stage:
+                out[dest] = Decision(
+                    per_stage, "guard",
+                    f"{d.value} layers requested ({d.reason}) but a pipeline stage has only {per_stage}",
+                )
+    return out
+
+
+def _layers_per_stage(args: Mapping[str, Any]) -> int | None:
+    layers = args.get("num_layers")
+    if not isinstance(layers, int) or layers <= 0:
+        return None
+    pp = args.get("pipeline_model_parallel_size") or 1
+    return max(layers // pp, 0)
+
+
+def _advice(args: Mapping[str, Any]) -> list[Message]:
+    out: list[Message] = []
+    lr, eps = args.get("lr"), args.get("adam_eps")
+    min_lr, max_eps = ADAM_EPS_ADVICE
+    if (
+        str(args.get("optimizer") or "adam").startswith("adam")
+        and isinstance(lr, (int, float)) and isinstance(eps, (int, float))
+        and lr >= min_lr and eps < max_eps
+    ):
+        out.append(Message(
+            "advice",
+            f"--adam-eps {eps:g} with --lr {lr:g}: a small epsilon at a high learning rate can "
+            "plateau (grad norm climbing); the MLPerf Llama-3.1-8B recipe uses --adam-eps 1e-5 "
+            "at lr 8e-4. Nothing was changed.",
+        ))
+    if args.get("yaml_cfg"):
+        out.append(Message(
+            "warning",
+            "--yaml-cfg replaces the whole parsed namespace after this step: the toggles decided "
+            "here (and any provider-added argument) do not carry over; set them in the YAML file.",
+        ))
+    return out
+
+
+def decide(
+    args: Mapping[str, Any],
+    explicit: Mapping[str, Any],
+    env: EnvSettings,
+    caps: Capabilities,
+    stock: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Resolve every toggle, then let the guards veto what cannot be honoured.
+
+    ``args`` is the parsed namespace (non-explicit toggles at any value), ``explicit`` the dests
+    the command line set, ``stock`` Megatron's own defaults (used when the plugin is disabled).
+    Raises CannotHonourError for an explicit command-line request that a guard rejects.
+    """
+    stock = stock or {}
+    decisions = {t.dest: _base(t.dest, explicit, env, stock) for t in TOGGLES}
+    decisions.update(_fp4_selection(args, explicit, env))
+    messages: list[Message] = []
+    for guard in GUARDS:
+        ctx = Context(args=args, values={k: d.value for k, d in decisions.items()}, caps=caps)
+        for change in guard(ctx):
+            current = decisions[change.dest]
+            if current.value == change.value:
+                continue
+            if current.source == "cli" and not change.over_cli:
+                raise CannotHonourError(
+                    change.dest, _flag_words(change.dest, current.value), change.reason, change.hint
+                )
+            assumed = bool(change.capability) and caps.is_assumed(change.capability)
+            source = "assumed" if assumed else "guard"
+            reason = change.reason + (" (per MEGATRON_PERF_TOGGLES_ASSUME)" if assumed else "")
+            if current.source in ("cli", "env"):
+                messages.append(Message(
+                    "warning", f"{change.dest}: {current.value} ({current.reason}) overridden to {change.value}: {reason}"
+                ))
+            decisions[change.dest] = Decision(change.value, source, reason)
+    messages.extend(_advice(args))
+    tag = precision_tag(args)
+    log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}
+    return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages)

@@ -1,0 +1,55 @@
+"""Typed errors with a hint, and the one place that turns them into exit codes."""
+
+from __future__ import annotations
+
+import sys
+
+EXIT_USAGE = 2
+PREFIX = "[perf-toggles]"
+
+
+class PerfTogglesError(Exception):
+    """Base class: a user-facing problem that ends the run with one clear line, no traceback."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+
+class EnvValueError(PerfTogglesError):
+    """An environment variable holds a value outside its accepted set."""
+
+    def __init__(self, var: str, value: str, accepted: str) -> None:
+        super().__init__(f"{var}={value!r} is not valid; accepted values: {accepted}")
+        self.var = var
+        self.value = value
+        self.accepted = accepted
+
+
+class AssumeError(PerfTogglesError):
+    """MEGATRON_PERF_TOGGLES_ASSUME names something we cannot plan for."""
+
+
+class CannotHonourError(PerfTogglesError):
+    """An explicit command-line request that this Megatron, TE or machine cannot honour."""
+
+    def __init__(self, dest: str, flag: str, reason: str, hint: str) -> None:
+        super().__init__(f"{flag} was requested, but {reason}", hint)
+        self.dest = dest
+        self.flag = flag
+
+
+class RegistryError(PerfTogglesError):
+    """A toggle declaration is inconsistent: a bug in this package, caught at import."""
+
+
+def fail(error: PerfTogglesError) -> None:
+    """Print the error as one line on stderr and exit with its code (argparse's convention)."""
+    print(f"{PREFIX} error: {error}", file=sys.stderr)
+    raise SystemExit(error.exit_code)

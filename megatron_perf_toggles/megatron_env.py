@@ -1,0 +1,101 @@
+"""Make a Megatron-LM checkout importable for argument parsing on machines without a GPU stack.
+
+Megatron 0.16+ imports ``triton`` at module level in places that argument parsing pulls in, and
+0.18.2+ uses ``typing.override`` (Python 3.12+). Neither matters for parsing, so on machines that
+lack them Megatron's own modules get a stand-in. The stand-in never enters ``sys.modules``:
+torch's optional-triton probes must keep seeing "not installed".
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import os
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+STAND_IN_PACKAGES = ("triton",)
+
+
+class _Anything:
+    """A value that tolerates whatever module-level Megatron code does with a triton symbol."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> _Anything:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        return _Anything(f"{self._name}.{attr}")
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        # Decorator use (@triton.jit, @triton.autotune(...)(fn)) must hand the function back.
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return _Anything(f"{self._name}()")
+
+    def __getitem__(self, item: object) -> _Anything:
+        return self
+
+    def __iter__(self) -> Iterator[object]:
+        return iter(())
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<stand-in {self._name}>"
+
+
+class _StandInModule(types.ModuleType):
+    __version__ = "0.0.0+stand-in"
+
+    def __getattr__(self, attr: str) -> object:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        return _Anything(f"{self.__name__}.{attr}")
+
+
+def _is_megatron_module(name: str) -> bool:
+    return name == "megatron" or name.startswith("megatron.")
+
+
+def _stand_in_import(real_import: Callable[..., types.ModuleType]) -> Callable[..., types.ModuleType]:
+    def importer(name, globals=None, locals=None, fromlist=(), level=0):  # type: ignore[no-untyped-def]
+        if (
+            level == 0
+            and name.partition(".")[0] in STAND_IN_PACKAGES
+            and _is_megatron_module((globals or {}).get("__name__", ""))
+        ):
+            # "import a.b" binds the top package; "from a.b import c" reads c off a.b.
+            return _StandInModule(name if fromlist else name.partition(".")[0])
+        return real_import(name, globals, locals, fromlist, level)
+
+    return importer
+
+
+def _really_installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@contextmanager
+def megatron_importable(tree: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Within this block, ``import megatron.training.arguments`` works from ``tree`` on a CPU box."""
+    if tree is not None:
+        sys.path.insert(0, str(Path(tree).resolve()))
+    if not hasattr(typing, "override"):
+        typing.override = lambda fn: fn  # type: ignore[attr-defined]
+    real_import = builtins.__import__
+    if any(not _really_installed(name) for name in STAND_IN_PACKAGES):
+        builtins.__import__ = _stand_in_import(real_import)
+    try:
+        yield
+    finally:
+        builtins.__import__ = real_import

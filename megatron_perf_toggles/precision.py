@@ -1,0 +1,48 @@
+"""The precision a parsed Megatron namespace really trains in, and log directories tagged with it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+FP8_RECIPE_TAGS = {
+    "delayed": "fp8",
+    "tensorwise": "fp8_tensorwise",
+    "mxfp8": "mxfp8",
+    "blockwise": "fp8_blockwise",
+}
+FP4_RECIPE_TAGS = {"nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+TAGS = ("bf16", "fp16", "fp32", *FP8_RECIPE_TAGS.values(), *FP4_RECIPE_TAGS.values())
+LOG_DIR_DESTS = ("tensorboard_dir", "wandb_save_dir")
+
+
+def precision_tag(args: Mapping[str, Any]) -> str:
+    """FP4 wins over FP8 (Megatron quantizes with the narrowest format set); unknown recipes
+    keep their own name so the tag never lies."""
+    if args.get("fp4"):
+        recipe = str(args.get("fp4_recipe") or "nvfp4")
+        return FP4_RECIPE_TAGS.get(recipe, f"fp4_{recipe}")
+    if args.get("fp8"):
+        recipe = str(args.get("fp8_recipe") or "delayed")
+        return FP8_RECIPE_TAGS.get(recipe, f"fp8_{recipe}")
+    if args.get("fp16"):
+        return "fp16"
+    if args.get("bf16"):
+        return "bf16"
+    return "fp32"
+
+
+def tag_dir(path: str, tag: str) -> str:
+    """Append ``tag`` as the last component, unless it is already there (idempotent, so a
+    resumed run logs into the same directory)."""
+    trimmed = path.rstrip("/") or path
+    if os.path.basename(trimmed) == tag:
+        return path
+    return os.path.join(trimmed, tag)
+
+
+def tagged_log_dirs(args: Mapping[str, Any], tag: str) -> dict[str, str]:
+    """dest -> tagged directory, for the log directories that are set. ``save``/``load`` are
+    deliberately absent: checkpoints must stay where resume finds them."""
+    return {dest: tag_dir(str(args[dest]), tag) for dest in LOG_DIR_DESTS if args.get(dest)}

@@ -1,0 +1,219 @@
+"""The argparse adapter: register missing flags in Megatron's groups, then decide right after parsing.
+
+Megatron calls ``extra_args_provider(parser)`` before it parses. We add only the flag forms the
+live parser lacks (so no "conflicting option string" on any version), give every toggle a
+sentinel default so we can tell what the command line set, and wrap this parser's
+``parse_known_args`` (which ``parse_args`` also goes through) so the decisions are on ``args``
+by the time Megatron's ``parse_args`` returns, before ``validate_args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import provenance
+from .capabilities import resolve
+from .decide import FP4_LAYER_DESTS, Plan, decide
+from .env import EnvSettings, read_env
+from .errors import PerfTogglesError, fail
+from .provenance import format_value
+from .registry import GROUPS, TOGGLES, Toggle
+
+Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+PLUGIN_GROUP_TITLE = "perf toggles (megatron-perf-toggles)"
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<decided after parsing>"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclass
+class ProviderState:
+    env: EnvSettings
+    environ: Mapping[str, str]
+    stock: dict[str, Any]
+    watched: tuple[str, ...]
+    added_flags: list[str] = field(default_factory=list)
+    announce: bool = True
+    last_plan: Plan | None = None
+    announced: bool = False
+
+
+def _group_of(parser: argparse.ArgumentParser, flag: str) -> argparse._ArgumentGroup | None:
+    action = parser._option_string_actions.get(flag)
+    if action is None:
+        return None
+    for group in parser._action_groups:
+        if action in group._group_actions:
+            return group
+    return None
+
+
+def group_for(parser: argparse.ArgumentParser, toggle: Toggle) -> argparse._ArgumentGroup:
+    """The group of the toggle's nearest existing neighbour, else the group with Megatron's
+    title for that kind of setting, else our own group."""
+    for anchor in toggle.anchors:
+        group = _group_of(parser, anchor)
+        if group is not None:
+            return group
+    by_title = {g.title: g for g in parser._action_groups}
+    for title in GROUPS[toggle.group].titles:
+        if title in by_title:
+            return by_title[title]
+    return by_title.get(PLUGIN_GROUP_TITLE) or parser.add_argument_group(PLUGIN_GROUP_TITLE)
+
+
+def _default_words(toggle: Toggle, env: EnvSettings) -> str:
+    if toggle.dest in env.toggles:
+        return f"{format_value(env.toggles[toggle.dest])} (from {toggle.env})"
+    if not env.plugin_enabled:
+        return "Megatron's default (MEGATRON_PERF_TOGGLES=0)"
+    return f"{format_value(toggle.default)} (plugin default; env {toggle.env})"
+
+
+def _help(toggle: Toggle, env: EnvSettings) -> str:
+    # argparse %-formats help text: escape literal percent signs.
+    return f"{toggle.help} Default: {_default_words(toggle, env)}; guards may turn it off.".replace("%", "%%")
+
+
+def register_flags(parser: argparse.ArgumentParser, env: EnvSettings) -> list[str]:
+    """Add the forms the parser lacks; annotate the forms it has. Returns the flags added."""
+    added: list[str] = []
+    for toggle in TOGGLES:
+        group = group_for(parser, toggle)
+        forms: list[tuple[str, dict[str, Any]]] = []
+        if toggle.kind == "bool":
+            forms.append((toggle.flag, {"action": "store_true", "help": _help(toggle, env)}))
+            forms.append((toggle.off_flag, {"action": "store_false", "help": f"Turn off {toggle.title}."}))
+        else:
+            forms.append((toggle.flag, {"choices": list(toggle.choices), "help": _help(toggle, env)}))
+        for flag, kwargs in forms:
+            existing = parser._option_string_actions.get(flag)
+            if existing is None:
+                group.add_argument(flag, dest=toggle.dest, **kwargs)
+                added.append(flag)
+            elif existing.dest == toggle.dest and existing.help is not argparse.SUPPRESS:
+                note = f"[perf-toggles default: {_default_words(toggle, env)}]".replace("%", "%%")
+                if note not in (existing.help or ""):
+                    existing.help = f"{existing.help or ''} {note}".strip()
+    return added
+
+
+def _stock_defaults(parser: argparse.ArgumentParser, dests: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dest in dests:
+        if dest in parser._defaults:
+            out[dest] = parser._defaults[dest]
+            continue
+        for action in parser._actions:
+            if action.dest == dest:
+                out[dest] = action.default
+                break
+    return out
+
+
+def install(
+    parser: argparse.ArgumentParser,
+    environ: Mapping[str, str] | None = None,
+    announce: bool = True,
+) -> argparse.ArgumentParser:
+    """Make ``parser`` decide the toggles after parsing. Idempotent: a second call is a no-op."""
+    if getattr(parser, "_perf_toggles_state", None) is not None:
+        return parser
+    environ = os.environ if environ is None else environ
+    try:
+        env = read_env(environ)
+    except PerfTogglesError as error:
+        fail(error)
+    toggle_dests = [t.dest for t in TOGGLES]
+    stock = _stock_defaults(parser, toggle_dests + list(FP4_LAYER_DESTS))
+    for t in TOGGLES:
+        stock.setdefault(t.dest, t.stock_default)
+    added = register_flags(parser, env)
+    present = {a.dest for a in parser._actions}
+    watched = tuple(d for d in [*toggle_dests, *FP4_LAYER_DESTS] if d in present)
+    parser.set_defaults(**{dest: UNSET for dest in watched})
+    state = ProviderState(env=env, environ=dict(environ), stock=stock, watched=watched,
+                          added_flags=added, announce=announce)
+    original = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
+        ns, extras = original(args, namespace)
+        post_parse(ns, state)
+        return ns, extras
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    parser._perf_toggles_state = state  # type: ignore[attr-defined]
+    return parser
+
+
+def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
+    explicit: dict[str, Any] = {}
+    for dest in state.watched:
+        value = getattr(ns, dest, UNSET)
+        if value is UNSET:
+            setattr(ns, dest, state.stock.get(dest))
+        else:
+            explicit[dest] = value
+    try:
+        caps = resolve(state.env.assume)
+        plan = decide(vars(ns), explicit, state.env, caps, state.stock)
+    except PerfTogglesError as error:
+        fail(error)
+    original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
+    for dest, decision in plan.decisions.items():
+        setattr(ns, dest, decision.value)
+    for dest, path in plan.log_dirs.items():
+        setattr(ns, dest, path)
+    ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+    ns.perf_toggles_precision = plan.precision
+    state.last_plan = plan
+    if state.announce and state.env.rank == 0 and not state.announced:
+        state.announced = True
+        for line in provenance.lines(plan, original_dirs):
+            print(line, flush=True)
+        directory = provenance.record_dir(plan, vars(ns))
+        if directory:
+            payload = provenance.record(plan, caps, state.env.raw_for_record(state.environ), sys.argv)
+            try:
+                provenance.write_atomic(directory, payload)
+            except OSError as error:
+                print(f"{provenance.PREFIX} warning: could not write {provenance.RECORD_NAME} "
+                      f"into {directory}: {error}", file=sys.stderr, flush=True)
+    return plan
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's ``extra_args_provider`` hook: register the toggles on ``parser`` and return it."""
+    return install(parser)
+
+
+def chain_providers(*providers: Provider | None) -> Provider:
+    """One provider that runs each given provider in order (``None`` entries are skipped).
+
+    Use it to combine this plugin with Megatron's ModelOpt provider or a fork's own provider::
+
+        pretrain(..., extra_args_provider=chain_providers(add_modelopt_args, extra_args_provider))
+    """
+    chain: list[Provider] = []
+    for p in providers:
+        if p is not None and p not in chain:
+            chain.append(p)
+
+    def chained(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for provider in chain:
+            result = provider(parser)
+            parser = parser if result is None else result
+        return parser
+
+    chained.providers = tuple(chain)  # type: ignore[attr-defined]
+    return chained

@@ -1,0 +1,229 @@
+"""The single source of truth: every toggle and plugin setting, declared once.
+
+Flags, env parsing, ``--help`` text, the README reference tables, the ``flags`` command and the
+provenance schema are all derived from these records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import RegistryError
+
+Kind = Literal["bool", "choice"]
+Bucket = Literal["gpt", "extra"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where Megatron keeps a kind of setting: a new flag joins the group of its neighbours."""
+
+    key: str
+    titles: tuple[str, ...]  # argparse group titles across Megatron versions, preferred first
+    bucket: Bucket  # the launch-script argument bucket this group's flags belong to
+
+
+GROUPS: dict[str, Group] = {
+    g.key: g
+    for g in (
+        Group("transformer", ("transformer configuration",), "gpt"),
+        Group("mixed_precision", ("mixed precision",), "gpt"),
+        Group("distributed", ("distributed init", "distributed"), "extra"),
+        Group("training", ("training",), "extra"),
+    )
+}
+
+# Capabilities a toggle can need; capabilities.Capabilities answers each by name.
+CAPABILITIES = (
+    "apex_fused_wgrad",
+    "te_fused_qkv_rope",
+    "te_cross_entropy",
+    "megatron_fused_single_qkv_rope_field",
+)
+
+
+@dataclass(frozen=True)
+class Toggle:
+    dest: str  # Megatron's argparse dest, also the TransformerConfig / DDP config field
+    env: str
+    title: str
+    kind: Kind
+    default: bool | str  # the plugin default: the fast setting
+    group: str  # key into GROUPS
+    help: str  # one line: what it does and why it is fast
+    flag: str = ""  # the positive flag (bool) or the valued flag (choice)
+    off_flag: str = ""  # the negative flag of a bool toggle
+    choices: tuple[str, ...] = ()
+    stock_default: bool | str = False  # Megatron's default where its parser has no flag for it
+    needs: tuple[str, ...] = ()  # capability names from CAPABILITIES
+    anchors: tuple[str, ...] = ()  # Megatron flags whose group a new flag should join, in order
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple(f for f in (self.flag, self.off_flag) if f)
+
+    def flag_for(self, value: bool | str) -> list[str]:
+        """The command-line words that request ``value`` explicitly."""
+        if self.kind == "choice":
+            return [self.flag, str(value)]
+        return [self.flag if value else self.off_flag]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A plugin-wide environment variable that is not a Megatron toggle."""
+
+    env: str
+    kind: Literal["bool", "int", "list"]
+    default: str
+    help: str
+
+
+TOGGLES: tuple[Toggle, ...] = (
+    Toggle(
+        dest="gradient_accumulation_fusion",
+        env="GRADIENT_ACCUMULATION_FUSION",
+        title="gradient accumulation fusion",
+        kind="bool",
+        default=True,
+        stock_default=True,
+        group="training",
+        flag="--gradient-accumulation-fusion",
+        off_flag="--no-gradient-accumulation-fusion",
+        needs=("apex_fused_wgrad",),
+        anchors=("--no-gradient-accumulation-fusion",),
+        help="Weight-gradient GEMMs accumulate straight into the main_grad buffer (needs APEX's "
+        "fused_weight_gradient_mlp_cuda).",
+    ),
+    Toggle(
+        dest="grad_reduce_in_bf16",
+        env="GRAD_REDUCE_IN_BF16",
+        title="gradient reduce in bf16",
+        kind="bool",
+        default=True,
+        group="mixed_precision",
+        flag="--grad-reduce-in-bf16",
+        off_flag="--no-grad-reduce-in-bf16",
+        anchors=("--grad-reduce-in-bf16", "--bf16"),
+        help="Keep the gradient buffer and the data-parallel reduction in bf16 instead of fp32.",
+    ),
+    Toggle(
+        dest="ddp_average_in_collective",
+        env="DDP_AVERAGE_IN_COLLECTIVE",
+        title="DDP average in collective",
+        kind="bool",
+        default=True,
+        group="distributed",
+        flag="--ddp-average-in-collective",
+        off_flag="--no-ddp-average-in-collective",
+        anchors=("--ddp-average-in-collective", "--overlap-grad-reduce"),
+        help="Divide by the data-parallel size inside the reduction collective, not before it.",
+    ),
+    Toggle(
+        dest="cross_entropy_loss_fusion",
+        env="CROSS_ENTROPY_LOSS_FUSION",
+        title="cross-entropy loss fusion",
+        kind="bool",
+        default=True,
+        group="transformer",
+        flag="--cross-entropy-loss-fusion",
+        off_flag="--no-cross-entropy-loss-fusion",
+        anchors=("--cross-entropy-loss-fusion",),
+        help="Fused vocab-parallel cross entropy (implementation chosen by "
+        "--cross-entropy-fusion-impl).",
+    ),
+    Toggle(
+        dest="cross_entropy_fusion_impl",
+        env="CROSS_ENTROPY_FUSION_IMPL",
+        title="cross-entropy fusion implementation",
+        kind="choice",
+        default="te",
+        stock_default="native",
+        choices=("te", "native"),
+        group="transformer",
+        flag="--cross-entropy-fusion-impl",
+        needs=("te_cross_entropy",),
+        anchors=("--cross-entropy-fusion-impl", "--cross-entropy-loss-fusion"),
+        help="Which fused cross-entropy kernel to use: Transformer Engine's (te) or Megatron's "
+        "own (native).",
+    ),
+    Toggle(
+        dest="fused_single_qkv_rope",
+        env="FUSED_SINGLE_QKV_ROPE",
+        title="fused single-QKV RoPE",
+        kind="bool",
+        default=True,
+        group="transformer",
+        flag="--fused-single-qkv-rope",
+        off_flag="--no-fused-single-qkv-rope",
+        needs=("megatron_fused_single_qkv_rope_field", "te_fused_qkv_rope"),
+        anchors=("--fused-single-qkv-rope", "--qk-layernorm", "--no-rope-fusion"),
+        help="Apply RoPE to the packed QKV tensor in one TE kernel, with no split and concat.",
+    ),
+)
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("MEGATRON_PERF_TOGGLES", "bool", "1",
+            "0 switches every plugin default off: Megatron's own defaults stand, the flags stay "
+            "registered and the guards still run."),
+    Setting("MEGATRON_PERF_TOGGLES_TAG_LOG_DIR", "bool", "1",
+            "0 leaves --tensorboard-dir and --wandb-save-dir untagged."),
+    Setting("MEGATRON_PERF_TOGGLES_ASSUME", "list", "",
+            "Plan for another machine: comma list of apex, aiter, rocm, cuda, te=VERSION, none. "
+            "Replaces detection of those packages."),
+    Setting("FP4_SELECTIVE_BF16", "bool", "",
+            "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
+            "(default by recipe: nvfp4 1, mxfp4 0)."),
+    Setting("FP4_BF16_START", "int", "2",
+            "With FP4 selective bf16: how many layers at the start stay in bf16."),
+    Setting("FP4_BF16_END", "int", "8",
+            "With FP4 selective bf16: how many layers at the end stay in bf16."),
+)
+
+BOOL_TRUE = ("1", "true", "yes", "on")
+BOOL_FALSE = ("0", "false", "no", "off")
+BOOL_ACCEPTED = "1/0, true/false, yes/no, on/off (any case), or unset for the default"
+
+SOURCES = ("cli", "env", "default", "guard", "assumed")
+
+
+def _validate() -> None:
+    seen_dest: set[str] = set()
+    seen_env: set[str] = set()
+    seen_flags: set[str] = set()
+    for t in TOGGLES:
+        where = f"toggle {t.dest!r}"
+        if t.dest in seen_dest or t.env in seen_env:
+            raise RegistryError(f"{where}: duplicate dest or env var")
+        seen_dest.add(t.dest)
+        seen_env.add(t.env)
+        if t.group not in GROUPS:
+            raise RegistryError(f"{where}: unknown group {t.group!r}")
+        for need in t.needs:
+            if need not in CAPABILITIES:
+                raise RegistryError(f"{where}: unknown capability {need!r}")
+        if t.kind == "bool":
+            if not (isinstance(t.default, bool) and isinstance(t.stock_default, bool)):
+                raise RegistryError(f"{where}: a bool toggle needs bool defaults")
+            if not (t.flag and t.off_flag) or t.choices:
+                raise RegistryError(f"{where}: a bool toggle needs flag and off_flag, no choices")
+        else:
+            if t.default not in t.choices or t.stock_default not in t.choices or t.off_flag:
+                raise RegistryError(f"{where}: choice defaults must be among its choices")
+        for f in t.flags:
+            if not f.startswith("--") or f in seen_flags:
+                raise RegistryError(f"{where}: flag {f!r} is malformed or declared twice")
+            seen_flags.add(f)
+        if not t.help or "\n" in t.help:
+            raise RegistryError(f"{where}: help must be one line")
+    for s in SETTINGS:
+        if s.env in seen_env:
+            raise RegistryError(f"setting {s.env!r}: env var declared twice")
+        seen_env.add(s.env)
+
+
+_validate()
+
+BY_DEST: dict[str, Toggle] = {t.dest: t for t in TOGGLES}
+BY_ENV: dict[str, Toggle] = {t.env: t for t in TOGGLES}

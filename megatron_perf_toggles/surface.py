@@ -1,0 +1,162 @@
+"""Record the argparse surface of a real Megatron-LM tree as JSON facts.
+
+The contract tests replay these facts as a parser, so the plugin's registration is checked
+against every supported version on any machine. Only facts are recorded: option strings, dest,
+action kind, default, choices, nargs and the group they live in; never help text or code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+
+_ACTION_KINDS = {
+    argparse._StoreAction: "store",
+    argparse._StoreConstAction: "store_const",
+    argparse._StoreTrueAction: "store_true",
+    argparse._StoreFalseAction: "store_false",
+    argparse._AppendAction: "append",
+    argparse._AppendConstAction: "append_const",
+    argparse._CountAction: "count",
+    argparse._HelpAction: "help",
+    argparse._VersionAction: "version",
+    argparse._ExtendAction: "extend",
+    argparse.BooleanOptionalAction: "boolean_optional",
+}
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is argparse.SUPPRESS:
+        return "==SUPPRESS=="
+    return {"repr_of_type": type(value).__name__}
+
+
+def action_kind(action: argparse.Action) -> str:
+    for cls in type(action).__mro__:
+        if cls in _ACTION_KINDS:
+            return _ACTION_KINDS[cls]
+    return "custom"
+
+
+def describe_parser(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
+    """Every optional action with the title of the group that shows it in ``--help``."""
+    out: list[dict[str, Any]] = []
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if not action.option_strings:
+                continue
+            out.append(
+                {
+                    "group": group.title,
+                    "flags": list(action.option_strings),
+                    "dest": action.dest,
+                    "action": action_kind(action),
+                    "default": _jsonable(action.default),
+                    "choices": _jsonable(list(action.choices)) if action.choices else None,
+                    "nargs": _jsonable(action.nargs),
+                    "type": getattr(action.type, "__name__", None) if action.type else None,
+                    "const": _jsonable(action.const),
+                }
+            )
+    return out
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+def _capture(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    raise _Captured(parser)
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """The parser Megatron's own ``parse_args`` builds (Megatron must already be importable)."""
+    from megatron.training import arguments
+
+    try:
+        arguments.parse_args(extra_args_provider=_capture)
+    except _Captured as captured:
+        return captured.parser
+    raise RuntimeError("Megatron's parse_args never called extra_args_provider")
+
+
+def code_facts() -> dict[str, Any]:
+    """Boolean facts about Megatron's code that decide guards: which asserts and hooks exist."""
+    from megatron.core import package_info
+    from megatron.training import arguments, training
+
+    validate_src = inspect.getsource(arguments.validate_args)
+    facts: dict[str, Any] = {
+        "megatron_core_version": package_info.__version__,
+        "has_parse_and_validate_args": hasattr(arguments, "parse_and_validate_args"),
+        "pretrain_takes_extra_args_provider": "extra_args_provider"
+        in inspect.signature(training.pretrain).parameters,
+        "asserts_te_cross_entropy_fusion": "cross_entropy_fusion_impl == 'te'" in validate_src,
+        "asserts_ddp_average_with_gtp": "ddp_average_in_collective" in validate_src
+        and "gtp" in validate_src.lower(),
+    }
+    try:
+        import dataclasses
+
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+        facts["transformer_config_has_fused_single_qkv_rope"] = "fused_single_qkv_rope" in fields
+    except Exception as exc:  # noqa: BLE001 - recorded, not fatal: the fact is then unknown
+        facts["transformer_config_has_fused_single_qkv_rope"] = None
+        facts["transformer_config_error"] = f"{type(exc).__name__}: {exc}"
+    return facts
+
+
+def record(tree: str) -> dict[str, Any]:
+    from .megatron_env import megatron_importable
+
+    with megatron_importable(tree):
+        parser = megatron_parser()
+        facts = code_facts()
+    return {"schema": SCHEMA, "source": "upstream", **facts, "actions": describe_parser(parser)}
+
+
+def dumps_record(rec: dict[str, Any]) -> str:
+    """One action per line: small diffs when a Megatron release adds or changes a flag."""
+    head = {k: v for k, v in rec.items() if k != "actions"}
+    lines = [json.dumps(a, sort_keys=True) for a in rec.get("actions", [])]
+    body = ",\n  ".join(lines)
+    return json.dumps(head, indent=1, sort_keys=True)[:-2] + ',\n "actions": [\n  ' + body + "\n ]\n}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_perf_toggles.surface",
+        description="Write the argparse surface facts of one Megatron-LM tree as JSON.",
+    )
+    ap.add_argument("tree", help="a Megatron-LM checkout (holds megatron/training/arguments.py)")
+    ap.add_argument("--name", help="the version label stored in the record (default: the tree's folder name)")
+    ap.add_argument("--out", help="write here instead of standard output")
+    ns = ap.parse_args(argv)
+    if not (Path(ns.tree) / "megatron" / "training" / "arguments.py").is_file():
+        print(f"error: {ns.tree} is not a Megatron-LM checkout (no megatron/training/arguments.py)", file=sys.stderr)
+        return 2
+    rec = {"name": ns.name or Path(ns.tree).resolve().name, **record(ns.tree)}
+    text = dumps_record(rec)
+    if ns.out:
+        Path(ns.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = {}
+for line in Path("megatron_perf_toggles/__init__.py").read_text().splitlines():
+    if line.startswith("__version__"):
+        exec(line, version)
+
+setup(
+    name="megatron-perf-toggles",
+    version=version["__version__"],
+    description="Default-on performance toggles for Megatron-LM, with guards, precision-tagged "
+    "log directories and provenance",
+    long_description=Path("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["megatron_perf_toggles", "megatron_perf_toggles.*"]),
+    package_data={"megatron_perf_toggles": ["data/*.json"]},
+    python_requires=">=3.10",
+    install_requires=[],
+    extras_require={
+        "test": ["pytest>=7", "ruff>=0.4"],
+        # What parsing a real Megatron-LM tree needs on a CPU-only machine (real-Megatron tests).
+        "megatron-cpu": ["torch", "numpy", "packaging", "six", "regex", "pyyaml", "pydantic",
+                         "typing_extensions"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["megatron-perf-toggles=megatron_perf_toggles.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
