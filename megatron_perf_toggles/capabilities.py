@@ -251,3 +251,9 @@ def with_assumptions(caps: Capabilities, spec: str | None) -> Capabilities:
 
 def resolve(spec: str | None, deep: bool = False) -> Capabilities:
     return with_assumptions(detect(deep=deep), spec)
+
+
+def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:
+    """Megatron facts from a recorded surface (planning without a checkout)."""
+    known = {f for f in MegatronFacts.__dataclass_fields__}
+    return MegatronFacts(**{k: v for k, v in surface.get("facts", {}).items() if k in known})

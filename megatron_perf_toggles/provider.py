@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import provenance
-from .capabilities import resolve
+from .capabilities import Capabilities, resolve
 from .decide import FP4_LAYER_DESTS, Plan, decide
 from .env import EnvSettings, read_env
 from .errors import PerfTogglesError, fail
@@ -45,6 +45,7 @@ class ProviderState:
     added_flags: list[str] = field(default_factory=list)
     announce: bool = True
     last_plan: Plan | None = None
+    last_caps: Capabilities | None = None
     announced: bool = False
 
 
@@ -177,6 +178,7 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
     ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
     ns.perf_toggles_precision = plan.precision
     state.last_plan = plan
+    state.last_caps = caps
     if state.announce and state.env.rank == 0 and not state.announced:
         state.announced = True
         for line in provenance.lines(plan, original_dirs):

@@ -8,7 +8,6 @@ action kind, default, choices, nargs and the group they live in; never help text
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 from pathlib import Path
@@ -93,30 +92,15 @@ def megatron_parser() -> argparse.ArgumentParser:
 
 
 def code_facts() -> dict[str, Any]:
-    """Boolean facts about Megatron's code that decide guards: which asserts and hooks exist."""
-    from megatron.core import package_info
-    from megatron.training import arguments, training
+    """The Megatron facts that decide guards (which asserts and hooks exist), as detected."""
+    import dataclasses
 
-    validate_src = inspect.getsource(arguments.validate_args)
-    facts: dict[str, Any] = {
-        "megatron_core_version": package_info.__version__,
-        "has_parse_and_validate_args": hasattr(arguments, "parse_and_validate_args"),
-        "pretrain_takes_extra_args_provider": "extra_args_provider"
-        in inspect.signature(training.pretrain).parameters,
-        "asserts_te_cross_entropy_fusion": "cross_entropy_fusion_impl == 'te'" in validate_src,
-        "asserts_ddp_average_with_gtp": "ddp_average_in_collective" in validate_src
-        and "gtp" in validate_src.lower(),
-    }
-    try:
-        import dataclasses
+    import megatron.training.training  # noqa: F401 - so pretrain()'s signature is inspected
 
-        from megatron.core.transformer.transformer_config import TransformerConfig
+    from .capabilities import megatron_facts
 
-        fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-        facts["transformer_config_has_fused_single_qkv_rope"] = "fused_single_qkv_rope" in fields
-    except Exception as exc:  # noqa: BLE001 - recorded, not fatal: the fact is then unknown
-        facts["transformer_config_has_fused_single_qkv_rope"] = None
-        facts["transformer_config_error"] = f"{type(exc).__name__}: {exc}"
+    facts = dataclasses.asdict(megatron_facts())
+    facts.pop("path", None)
     return facts
 
 
@@ -126,7 +110,7 @@ def record(tree: str) -> dict[str, Any]:
     with megatron_importable(tree):
         parser = megatron_parser()
         facts = code_facts()
-    return {"schema": SCHEMA, "source": "upstream", **facts, "actions": describe_parser(parser)}
+    return {"schema": SCHEMA, "source": "NVIDIA/Megatron-LM", "facts": facts, "actions": describe_parser(parser)}
 
 
 def dumps_record(rec: dict[str, Any]) -> str:
