@@ -1,0 +1,264 @@
+"""The pure policy: precedence, every guard, FP4 layer selection, advice. No Megatron, no GPU."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import LLAMA_ARGS, full_caps
+
+from megatron_perf_toggles.capabilities import MegatronFacts, resolve
+from megatron_perf_toggles.decide import decide
+from megatron_perf_toggles.errors import CannotHonourError
+from megatron_perf_toggles.registry import TOGGLES
+
+
+def run(args=None, explicit=None, env_settings=None, caps=None, stock=None):
+    from megatron_perf_toggles.env import read_env
+
+    merged = {**LLAMA_ARGS, **(args or {})}
+    return decide(merged, explicit or {}, env_settings or read_env({}), caps or full_caps(), stock)
+
+
+def test_plugin_defaults_on_a_capable_machine():
+    plan = run()
+    for t in TOGGLES:
+        d = plan.decisions[t.dest]
+        assert (d.value, d.source) == (t.default, "default"), t.dest
+    assert plan.messages == []
+
+
+@pytest.mark.parametrize("t", TOGGLES, ids=lambda t: t.dest)
+def test_precedence_cli_over_env_over_default(t, env):
+    off = False if t.kind == "bool" else "native"
+    on = True if t.kind == "bool" else "te"
+    from_env = run(env_settings=env(**{t.env: off if t.kind == "choice" else 0})).decisions[t.dest]
+    assert (from_env.value, from_env.source) == (off, "env")
+    assert t.env in from_env.reason
+    from_cli = run(explicit={t.dest: on}, env_settings=env(**{t.env: off if t.kind == "choice" else 0}))
+    assert (from_cli.decisions[t.dest].value, from_cli.decisions[t.dest].source) == (on, "cli")
+    cli_off = run(explicit={t.dest: off}).decisions[t.dest]
+    assert (cli_off.value, cli_off.source) == (off, "cli")
+
+
+def test_plugin_switch_off_keeps_megatron_stock_defaults(env):
+    stock = {"gradient_accumulation_fusion": True, "grad_reduce_in_bf16": False, "cross_entropy_fusion_impl": "native"}
+    plan = run(env_settings=env(MEGATRON_PERF_TOGGLES=0), stock=stock)
+    assert plan.decisions["gradient_accumulation_fusion"].value is True
+    assert plan.decisions["grad_reduce_in_bf16"].value is False
+    assert plan.decisions["cross_entropy_fusion_impl"].value == "native"
+    assert plan.decisions["fused_single_qkv_rope"].value is False  # no flag upstream: the field's default
+    assert "MEGATRON_PERF_TOGGLES=0" in plan.decisions["grad_reduce_in_bf16"].reason
+
+
+def test_plugin_switch_off_still_runs_guards(env):
+    plan = run(env_settings=env(MEGATRON_PERF_TOGGLES=0), caps=full_caps(apex_fused_wgrad=False),
+               stock={"gradient_accumulation_fusion": True})
+    assert plan.decisions["gradient_accumulation_fusion"].source == "guard"
+    assert plan.decisions["gradient_accumulation_fusion"].value is False
+
+
+def test_plugin_switch_off_but_explicit_env_still_counts(env):
+    plan = run(env_settings=env(MEGATRON_PERF_TOGGLES=0, GRAD_REDUCE_IN_BF16=1))
+    assert plan.decisions["grad_reduce_in_bf16"].source == "env"
+
+
+# --- mxfp4 guard --------------------------------------------------------------------------------
+
+MXFP4 = {"fp4": "e2m1", "fp4_recipe": "mxfp4"}
+
+
+@pytest.mark.parametrize("how", ["env", "cli"])
+def test_mxfp4_forces_bf16_grad_buffer_even_over_explicit_zero(how, env):
+    kwargs = {"env_settings": env(GRAD_REDUCE_IN_BF16=0)} if how == "env" else {
+        "explicit": {"grad_reduce_in_bf16": False}}
+    plan = run(args=MXFP4, **kwargs)
+    d = plan.decisions["grad_reduce_in_bf16"]
+    assert (d.value, d.source) == (True, "guard")
+    assert "mxfp4" in d.reason and "a4w4" in d.reason and "bf16" in d.reason
+    assert any(m.level == "warning" and "grad_reduce_in_bf16" in m.text for m in plan.messages)
+
+
+def test_mxfp4_guard_needs_gradient_accumulation_fusion(env):
+    plan = run(args=MXFP4, env_settings=env(GRAD_REDUCE_IN_BF16=0, GRADIENT_ACCUMULATION_FUSION=0))
+    assert plan.decisions["grad_reduce_in_bf16"].value is False
+
+
+def test_nvfp4_does_not_force_bf16_grads(env):
+    plan = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4"}, env_settings=env(GRAD_REDUCE_IN_BF16=0))
+    assert plan.decisions["grad_reduce_in_bf16"].value is False
+
+
+# --- FP4 layer selection ------------------------------------------------------------------------
+
+
+def test_nvfp4_recipe_keeps_first_two_and_last_eight_in_bf16():
+    plan = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4"})
+    got = {k: plan.decisions[k].value for k in
+           ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")}
+    assert got == {"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 2, "num_layers_at_end_in_bf16": 8}
+
+
+def test_mxfp4_recipe_puts_every_layer_in_fp4():
+    plan = run(args=MXFP4)
+    assert plan.decisions["first_last_layers_bf16"].value is False
+    assert "num_layers_at_start_in_bf16" not in plan.decisions
+
+
+def test_fp4_env_overrides(env):
+    plan = run(args=MXFP4, env_settings=env(FP4_SELECTIVE_BF16=1, FP4_BF16_START=1, FP4_BF16_END=3))
+    assert plan.decisions["first_last_layers_bf16"].value is True
+    assert plan.decisions["num_layers_at_start_in_bf16"].value == 1
+    assert plan.decisions["num_layers_at_end_in_bf16"].source == "env"
+    off = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4"}, env_settings=env(FP4_SELECTIVE_BF16=0))
+    assert off.decisions["first_last_layers_bf16"].value is False
+
+
+def test_fp4_selection_leaves_explicit_choice_alone():
+    plan = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4"}, explicit={"first_last_layers_bf16": False})
+    assert "first_last_layers_bf16" not in plan.decisions
+
+
+def test_fp4_selection_only_with_fp4():
+    assert "first_last_layers_bf16" not in run().decisions
+
+
+def test_fp4_bf16_counts_clamped_to_a_pipeline_stage():
+    plan = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4", "num_layers": 4})
+    d = plan.decisions["num_layers_at_end_in_bf16"]
+    assert (d.value, d.source) == (4, "guard")
+
+
+# --- downgrades ---------------------------------------------------------------------------------
+
+ASSERTING = MegatronFacts(version="0.18.2", fused_single_qkv_rope_field=True, asserts_te_cross_entropy=True)
+
+
+def test_te_cross_entropy_becomes_native_where_megatron_asserts():
+    d = run(caps=full_caps(megatron=ASSERTING)).decisions["cross_entropy_fusion_impl"]
+    assert (d.value, d.source) == ("native", "guard") and "0.18.2" in d.reason
+
+
+def test_te_cross_entropy_kept_where_megatron_allows_it():
+    assert run().decisions["cross_entropy_fusion_impl"].value == "te"
+
+
+def test_explicit_te_cross_entropy_on_asserting_megatron_is_an_error():
+    with pytest.raises(CannotHonourError, match="--cross-entropy-fusion-impl te") as info:
+        run(explicit={"cross_entropy_fusion_impl": "te"}, caps=full_caps(megatron=ASSERTING))
+    assert "native" in (info.value.hint or "")
+
+
+def test_te_impl_irrelevant_when_fusion_off(env):
+    plan = run(env_settings=env(CROSS_ENTROPY_LOSS_FUSION=0), caps=full_caps(megatron=ASSERTING))
+    assert plan.decisions["cross_entropy_fusion_impl"].value == "te"
+
+
+def test_te_cross_entropy_without_te_kernel():
+    d = run(caps=full_caps(te_cross_entropy=False, te_version=None)).decisions["cross_entropy_fusion_impl"]
+    assert (d.value, d.source) == ("native", "guard")
+
+
+@pytest.mark.parametrize("fsdp", ["use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp"])
+def test_fsdp_turns_gradient_accumulation_fusion_off(fsdp):
+    d = run(args={fsdp: True}).decisions["gradient_accumulation_fusion"]
+    assert (d.value, d.source) == (False, "guard")
+    assert fsdp.replace("_", "-") in d.reason
+
+
+def test_fsdp_with_explicit_fusion_is_an_error():
+    with pytest.raises(CannotHonourError, match="--gradient-accumulation-fusion"):
+        run(args={"use_torch_fsdp2": True}, explicit={"gradient_accumulation_fusion": True})
+
+
+def test_missing_apex_turns_fusion_off_with_reason():
+    d = run(caps=full_caps(apex_fused_wgrad=False)).decisions["gradient_accumulation_fusion"]
+    assert (d.value, d.source) == (False, "guard") and "fused_weight_gradient_mlp_cuda" in d.reason
+
+
+def test_missing_apex_with_explicit_fusion_is_an_error():
+    with pytest.raises(CannotHonourError, match="APEX|fused_weight_gradient"):
+        run(caps=full_caps(apex_fused_wgrad=False), explicit={"gradient_accumulation_fusion": True})
+
+
+def test_env_requested_fusion_without_apex_is_downgraded_with_warning(env):
+    plan = run(caps=full_caps(apex_fused_wgrad=False), env_settings=env(GRADIENT_ACCUMULATION_FUSION=1))
+    assert plan.decisions["gradient_accumulation_fusion"].value is False
+    assert any("GRADIENT_ACCUMULATION_FUSION=1" in m.text for m in plan.messages)
+
+
+@pytest.mark.parametrize(
+    "args, caps_kw, words",
+    [
+        ({}, {"megatron": MegatronFacts(version="0.13.0", fused_single_qkv_rope_field=False)}, "no fused_single_qkv_rope field"),
+        ({}, {"te_fused_qkv_rope": False}, "fused QKV RoPE"),
+        ({"qk_layernorm": True}, {}, "--qk-layernorm"),
+        ({"sft": True}, {}, "packed (THD)"),
+        ({"rl_use_sequence_packing": True}, {}, "packed (THD)"),
+        ({"flash_decode": True}, {}, "--flash-decode"),
+        ({"attention_output_gate": True}, {}, "--attention-output-gate"),
+        ({"position_embedding_type": "learned_absolute"}, {}, "not RoPE"),
+    ],
+)
+def test_fused_qkv_rope_downgrades(args, caps_kw, words):
+    d = run(args=args, caps=full_caps(**caps_kw)).decisions["fused_single_qkv_rope"]
+    assert (d.value, d.source) == (False, "guard")
+    assert words in d.reason
+
+
+def test_fused_qkv_rope_with_legacy_rotary_flag():
+    plan = run(args={"position_embedding_type": "learned_absolute", "use_rotary_position_embeddings": True})
+    assert plan.decisions["fused_single_qkv_rope"].value is True
+
+
+def test_explicit_fused_qkv_rope_with_qk_layernorm_is_an_error():
+    with pytest.raises(CannotHonourError, match="--fused-single-qkv-rope"):
+        run(args={"qk_layernorm": True}, explicit={"fused_single_qkv_rope": True})
+
+
+def test_ddp_average_off_with_per_token_loss():
+    d = run(args={"calculate_per_token_loss": True}).decisions["ddp_average_in_collective"]
+    assert (d.value, d.source) == (False, "guard") and "--calculate-per-token-loss" in d.reason
+
+
+@pytest.mark.parametrize("dest", ["tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"])
+def test_ddp_average_off_with_gtp(dest):
+    d = run(args={dest: 2}).decisions["ddp_average_in_collective"]
+    assert (d.value, d.source) == (False, "guard") and "GTP" in d.reason
+
+
+def test_gtp_shards_of_one_keep_ddp_average():
+    assert run(args={"tensor_parallel_num_weight_shards": 1}).decisions["ddp_average_in_collective"].value is True
+
+
+def test_assumed_capability_marks_source_assumed():
+    caps = resolve("te=2.20")  # no apex in the plan
+    d = run(caps=caps).decisions["gradient_accumulation_fusion"]
+    assert (d.value, d.source) == (False, "assumed") and "MEGATRON_PERF_TOGGLES_ASSUME" in d.reason
+    assert run(caps=resolve("apex,te=2.20")).decisions["gradient_accumulation_fusion"].value is True
+
+
+# --- advice and warnings ------------------------------------------------------------------------
+
+
+def test_adam_eps_advice_changes_nothing():
+    plan = run(args={"lr": 8e-4, "adam_eps": 1e-8})
+    advice = [m for m in plan.messages if m.level == "advice"]
+    assert len(advice) == 1 and "--adam-eps" in advice[0].text and "1e-5" in advice[0].text
+    assert plan.values() == run(args={"lr": 8e-4, "adam_eps": 1e-5}).values()
+
+
+@pytest.mark.parametrize("args", [{"lr": 3e-4, "adam_eps": 1e-8}, {"lr": 8e-4, "adam_eps": 1e-5},
+                                  {"lr": 8e-4, "adam_eps": 1e-8, "optimizer": "sgd"}])
+def test_no_adam_eps_advice_otherwise(args):
+    assert not [m for m in run(args=args).messages if m.level == "advice"]
+
+
+def test_yaml_cfg_warns():
+    plan = run(args={"yaml_cfg": "cfg.yaml"})
+    assert any(m.level == "warning" and "--yaml-cfg" in m.text for m in plan.messages)
+
+
+def test_log_dirs_tagged_by_precision_and_untagged_when_off(env):
+    plan = run(args={"tensorboard_dir": "/runs/tb", "wandb_save_dir": "/runs/wb/", "save": "/ckpt"})
+    assert plan.log_dirs == {"tensorboard_dir": "/runs/tb/bf16", "wandb_save_dir": "/runs/wb/bf16"}
+    off = run(args={"tensorboard_dir": "/runs/tb"}, env_settings=env(MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0))
+    assert off.log_dirs == {}

@@ -1,0 +1,166 @@
+"""The argparse adapter on a recorded Megatron parser: explicit detection, write-back, provenance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from megatron_perf_toggles import chain_providers, extra_args_provider, provider, replay
+
+ASSUME_ALL = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20"}
+BASE = ["--bf16", "--position-embedding-type", "rope", "--num-layers", "4"]
+
+
+def parse(argv, environ=None, surface="main", announce=False):
+    parser = replay.build_parser(replay.load_surface(surface))
+    provider.install(parser, environ={**ASSUME_ALL, **(environ or {})}, announce=announce)
+    return parser.parse_args([*BASE, *argv]), parser
+
+
+def test_defaults_reach_args_with_source():
+    args, _ = parse([])
+    assert args.grad_reduce_in_bf16 is True and args.ddp_average_in_collective is True
+    assert args.perf_toggles["grad_reduce_in_bf16"]["source"] == "default"
+    assert args.perf_toggles_precision == "bf16"
+
+
+def test_explicit_flags_are_detected_both_directions():
+    args, _ = parse(["--no-grad-reduce-in-bf16", "--gradient-accumulation-fusion"])
+    assert args.grad_reduce_in_bf16 is False and args.perf_toggles["grad_reduce_in_bf16"]["source"] == "cli"
+    assert args.perf_toggles["gradient_accumulation_fusion"]["source"] == "cli"
+    args, _ = parse(["--grad-reduce-in-bf16"], environ={"GRAD_REDUCE_IN_BF16": "0"})
+    assert args.grad_reduce_in_bf16 is True and args.perf_toggles["grad_reduce_in_bf16"]["source"] == "cli"
+
+
+def test_explicit_value_equal_to_megatron_default_still_counts_as_cli():
+    args, _ = parse(["--cross-entropy-fusion-impl", "native"])
+    assert args.perf_toggles["cross_entropy_fusion_impl"] == {
+        "value": "native", "source": "cli", "reason": "set on the command line (--cross-entropy-fusion-impl native)"}
+
+
+def test_env_sets_defaults():
+    args, _ = parse([], environ={"DDP_AVERAGE_IN_COLLECTIVE": "off"})
+    assert args.ddp_average_in_collective is False
+    assert args.perf_toggles["ddp_average_in_collective"]["reason"] == "DDP_AVERAGE_IN_COLLECTIVE=0"
+
+
+def test_plugin_disabled_restores_megatron_defaults():
+    stock = replay.build_parser(replay.load_surface("main")).parse_args([])
+    args, _ = parse([], environ={"MEGATRON_PERF_TOGGLES": "0"})
+    for dest in ("grad_reduce_in_bf16", "ddp_average_in_collective", "cross_entropy_loss_fusion",
+                 "cross_entropy_fusion_impl", "gradient_accumulation_fusion"):
+        assert getattr(args, dest) == getattr(stock, dest), dest
+
+
+def test_no_sentinel_leaks_into_args():
+    args, _ = parse([], environ={"MEGATRON_PERF_TOGGLES": "0"})
+    assert not any(v is provider.UNSET for v in vars(args).values())
+
+
+def test_install_is_idempotent_and_chain_dedupes():
+    parser = replay.build_parser(replay.load_surface("main"))
+    chained = chain_providers(extra_args_provider, None, extra_args_provider)
+    assert chained.providers == (extra_args_provider,)
+    chained(parser)
+    n = len(parser._actions)
+    extra_args_provider(parser)
+    assert len(parser._actions) == n
+
+
+def test_chain_runs_other_providers_in_order():
+    seen = []
+
+    def other(p):
+        seen.append("other")
+        p.add_argument("--my-flag", action="store_true")
+        return p
+
+    parser = argparse.ArgumentParser()
+    chain_providers(other, extra_args_provider)(parser)
+    args = parser.parse_args(["--my-flag"])
+    assert seen == ["other"] and args.my_flag is True and "grad_reduce_in_bf16" in args.perf_toggles
+
+
+def test_help_lists_env_var_and_default(capsys):
+    parser = replay.build_parser(replay.load_surface("main"))
+    provider.install(parser, environ={"GRAD_REDUCE_IN_BF16": "0"}, announce=False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--no-grad-reduce-in-bf16" in out and "--fused-single-qkv-rope" in out
+    assert "off (from GRAD_REDUCE_IN_BF16)" in out
+    assert "FUSED_SINGLE_QKV_ROPE" in out
+
+
+def test_announce_prints_once_on_rank0_and_writes_record(tmp_path, capsys):
+    parser = replay.build_parser(replay.load_surface("main"))
+    provider.install(parser, environ={**ASSUME_ALL, "RANK": "0"}, announce=True)
+    args = parser.parse_args([*BASE, "--tensorboard-dir", str(tmp_path / "tb")])
+    out = capsys.readouterr().out.splitlines()
+    lines = [ln for ln in out if ln.startswith("[perf-toggles] grad_reduce_in_bf16:")]
+    assert lines == ["[perf-toggles] grad_reduce_in_bf16: on (default; plugin default; GRAD_REDUCE_IN_BF16=0 turns it off)"]
+    assert args.tensorboard_dir == str(tmp_path / "tb" / "bf16")
+    record = json.loads((tmp_path / "tb" / "bf16" / "perf_toggles.json").read_text())
+    assert record["decisions"] == args.perf_toggles
+    assert record["precision"] == "bf16" and record["version"]
+    assert record["capabilities"]["apex_fused_wgrad"] is True
+    assert [p.name for p in (tmp_path / "tb" / "bf16").iterdir()] == ["perf_toggles.json"]  # no temp left
+
+
+def test_other_ranks_stay_quiet(tmp_path, capsys):
+    parser = replay.build_parser(replay.load_surface("main"))
+    provider.install(parser, environ={**ASSUME_ALL, "RANK": "3"}, announce=True)
+    args = parser.parse_args([*BASE, "--tensorboard-dir", str(tmp_path / "tb")])
+    assert capsys.readouterr().out == ""
+    assert args.tensorboard_dir == str(tmp_path / "tb" / "bf16")  # every rank computes the same path
+    assert not (tmp_path / "tb").exists()
+
+
+def test_resume_does_not_double_tag(tmp_path):
+    args, _ = parse(["--tensorboard-dir", str(tmp_path / "tb" / "bf16"), "--save", str(tmp_path / "ck"),
+                     "--load", str(tmp_path / "ck")])
+    assert args.tensorboard_dir == str(tmp_path / "tb" / "bf16")
+    assert args.save == str(tmp_path / "ck") and args.load == str(tmp_path / "ck")
+
+
+def test_fp8_tag_reaches_dirs():
+    args, _ = parse(["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--tensorboard-dir", "/x/tb",
+                     "--wandb-save-dir", "/x/wb"])
+    assert (args.tensorboard_dir, args.wandb_save_dir) == ("/x/tb/fp8_tensorwise", "/x/wb/fp8_tensorwise")
+
+
+def test_cannot_honour_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse(["--use-torch-fsdp2", "--gradient-accumulation-fusion"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[perf-toggles] error: --gradient-accumulation-fusion")
+
+
+def test_unknown_assume_entry_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse([], environ={"MEGATRON_PERF_TOGGLES_ASSUME": "apex,tpu"})
+    assert info.value.code == 2
+    assert "unknown entry 'tpu'" in capsys.readouterr().err
+
+
+def test_parse_known_args_path_also_decides():
+    parser = replay.build_parser(replay.load_surface("main"))
+    provider.install(parser, environ=ASSUME_ALL, announce=False)
+    args, extra = parser.parse_known_args([*BASE, "--not-a-megatron-flag"])
+    assert extra == ["--not-a-megatron-flag"] and "fused_single_qkv_rope" in args.perf_toggles
+
+
+def test_record_write_is_atomic(tmp_path, monkeypatch):
+    from megatron_perf_toggles import provenance
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        provenance.write_atomic(str(tmp_path), {"a": 1})
+    assert list(tmp_path.iterdir()) == []
