@@ -1,0 +1,94 @@
+"""Run parse_args + validate_args + TransformerConfig for many cases inside ONE process per tree.
+
+Usage (by tests/test_megatron_real.py): ``python megatron_driver.py TREE < cases.json > results.json``.
+Megatron trees share module names, so each version needs its own interpreter; within one
+version the cases run back to back, each with its own environment and argv.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import traceback
+
+COMMON = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+    "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+    "--lr", "1e-4", "--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+    "--mock-data", "--position-embedding-type", "rope", "--no-rope-fusion", "--eval-interval", "1",
+    "--eval-iters", "0",
+]
+PLUGIN_VARS_PREFIXES = ("MEGATRON_PERF_TOGGLES", "FP4_")
+
+
+def _clean_environ(extra: dict[str, str]) -> None:
+    from megatron_perf_toggles.registry import TOGGLES
+
+    for name in list(os.environ):
+        if name.startswith(PLUGIN_VARS_PREFIXES) or name in {t.env for t in TOGGLES}:
+            del os.environ[name]
+    os.environ.update(extra)
+
+
+def run_case(case: dict, api: dict) -> dict:
+    from megatron_perf_toggles import extra_args_provider
+    from megatron_perf_toggles.registry import TOGGLES
+
+    _clean_environ(case.get("env", {}))
+    sys.argv = ["pretrain_gpt.py", *COMMON, *case.get("argv", [])]
+    out, err = io.StringIO(), io.StringIO()
+    result: dict = {"id": case["id"]}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            args = api["parse_args"](extra_args_provider=extra_args_provider)
+            result["parsed"] = True
+            if case.get("validate", True):
+                api["validate_args"](args, {})
+                result["validated"] = True
+            result["values"] = {t.dest: getattr(args, t.dest, None) for t in TOGGLES}
+            for dest in ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
+                         "tensorboard_dir", "wandb_save_dir", "save", "load"):
+                result["values"][dest] = getattr(args, dest, None)
+            result["perf_toggles"] = args.perf_toggles
+            result["precision"] = args.perf_toggles_precision
+            if case.get("validate", True) and case.get("config", True):
+                cfg = api["core_transformer_config_from_args"](args)
+                result["config_fused_single_qkv_rope"] = getattr(cfg, "fused_single_qkv_rope", None)
+                result["config_has_field"] = hasattr(cfg, "fused_single_qkv_rope")
+                result["config_cross_entropy_fusion_impl"] = getattr(cfg, "cross_entropy_fusion_impl", None)
+    except SystemExit as exc:
+        result["exit"] = exc.code
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback_tail"] = traceback.format_exc().splitlines()[-3:]
+    result["stdout"] = "\n".join(ln for ln in out.getvalue().splitlines() if ln.startswith("[perf-toggles]"))
+    result["stderr"] = err.getvalue()[-4000:]
+    return result
+
+
+def main() -> int:
+    tree = sys.argv[1]
+    cases = json.load(sys.stdin)
+    saved_argv = list(sys.argv)
+    from megatron_perf_toggles.megatron_env import megatron_importable
+
+    with megatron_importable(tree):
+        from megatron.core import package_info
+        from megatron.training import arguments
+
+    api = {
+        "parse_args": arguments.parse_args,
+        "validate_args": arguments.validate_args,
+        "core_transformer_config_from_args": arguments.core_transformer_config_from_args,
+    }
+    results = [run_case(case, api) for case in cases]
+    sys.argv = saved_argv
+    json.dump({"version": package_info.__version__, "tree": tree, "results": results}, sys.stdout, default=repr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

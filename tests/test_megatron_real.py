@@ -1,0 +1,253 @@
+"""Real Megatron-LM: parse_args + validate_args + TransformerConfig on CPU, one subprocess per tree.
+
+Trees come from MEGATRON_LM_TREES (':'-separated checkouts). Expected values come from the
+version facts of the product brief (e.g. the te cross-entropy assertion from core 0.18.2, the
+fused_single_qkv_rope field from 0.15), never from the plugin's own output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+from conftest import REPO, megatron_trees
+
+from megatron_perf_toggles.registry import TOGGLES
+
+TREES = megatron_trees()
+pytestmark = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron suite skipped")
+
+CAPABLE = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20"}
+BF16 = ["--bf16"]
+
+
+def _cases(tmp: str) -> list[dict]:
+    cases = [
+        {"id": "bf16", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/tb", "--wandb-save-dir", f"{tmp}/wb"],
+         "env": CAPABLE},
+        {"id": "fp8_delayed", "argv": [*BF16, "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                                       "--tensorboard-dir", f"{tmp}/tb8"], "env": CAPABLE},
+        {"id": "fp8_tensorwise", "argv": [*BF16, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+                                          "--tensorboard-dir", f"{tmp}/tb8tw"], "env": CAPABLE},
+        {"id": "detected", "argv": BF16, "env": {}},
+        {"id": "plugin_off", "argv": BF16, "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES": "0"}},
+        {"id": "bad_assume", "argv": BF16, "env": {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,gpu9000"}},
+        {"id": "fsdp2", "argv": [*BF16, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
+                                 "--ckpt-format", "torch_dist"], "env": CAPABLE},
+        {"id": "fsdp2_plugin_off", "argv": [*BF16, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
+                                            "--ckpt-format", "torch_dist"],
+         "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES": "0"}},
+        {"id": "fsdp2_explicit_fusion", "argv": [*BF16, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
+                                                 "--ckpt-format", "torch_dist", "--gradient-accumulation-fusion"],
+         "env": CAPABLE},
+        {"id": "per_token_loss", "argv": [*BF16, "--calculate-per-token-loss"], "env": CAPABLE},
+        {"id": "qk_layernorm", "argv": [*BF16, "--qk-layernorm"], "env": CAPABLE},
+        {"id": "cli_te_impl", "argv": [*BF16, "--cross-entropy-fusion-impl", "te"], "env": CAPABLE},
+        {"id": "adam_advice", "argv": [*BF16, "--lr", "8e-4", "--adam-eps", "1e-8"], "env": CAPABLE},
+        {"id": "untagged", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/tbu"],
+         "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES_TAG_LOG_DIR": "0"}},
+        {"id": "resume", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/tbr/bf16", "--save", f"{tmp}/ck",
+                                  "--load", f"{tmp}/ck", "--save-interval", "1"], "env": CAPABLE},
+        {"id": "nvfp4", "argv": [*BF16, "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"], "env": CAPABLE,
+         # validate_args wants TE >= 2.7 for FP4, which a CPU test machine lacks: parse only.
+         "validate": False},
+    ]
+    for t in TOGGLES:
+        off, on = ("native", "te") if t.kind == "choice" else ("0", "1")
+        cases.append({"id": f"env0:{t.dest}", "argv": BF16, "env": {**CAPABLE, t.env: off}})
+        cases.append({"id": f"env1:{t.dest}", "argv": BF16, "env": {**CAPABLE, t.env: on}})
+        cases.append({"id": f"envbad:{t.dest}", "argv": BF16, "env": {**CAPABLE, t.env: "perhaps"}})
+        cli_on = t.flag_for(True if t.kind == "bool" else "te")
+        cli_off = t.flag_for(False if t.kind == "bool" else "native")
+        cases.append({"id": f"cli_on_over_env0:{t.dest}", "argv": [*BF16, *cli_on], "env": {**CAPABLE, t.env: off}})
+        cases.append({"id": f"cli_off_over_env1:{t.dest}", "argv": [*BF16, *cli_off], "env": {**CAPABLE, t.env: on}})
+    return cases
+
+
+def _version_of(tree: Path) -> tuple[int, ...]:
+    text = (tree / "megatron" / "core" / "package_info.py").read_text()
+    parts = [int(re.search(rf"^{k} = (\d+)", text, re.M).group(1)) for k in ("MAJOR", "MINOR", "PATCH")]
+    return tuple(parts)
+
+
+@lru_cache(maxsize=None)
+def _run_all(tmp: str) -> dict[str, dict]:
+    def one(tree: Path) -> tuple[str, dict]:
+        cases = _cases(f"{tmp}/{tree.name}")
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "megatron_driver.py"), str(tree)],
+            input=json.dumps(cases), capture_output=True, text=True, timeout=900,
+            env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+        )
+        if proc.returncode != 0:
+            return str(tree), {"crash": proc.stderr[-3000:]}
+        data = json.loads(proc.stdout)
+        data["by_id"] = {r["id"]: r for r in data["results"]}
+        return str(tree), data
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, TREES))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _run_all(str(tmp_path_factory.mktemp("megatron")))
+
+
+@pytest.fixture(params=TREES, ids=lambda p: p.name)
+def tree(request, results):
+    data = results[str(request.param)]
+    assert "crash" not in data, data.get("crash")
+    return request.param, _version_of(request.param), data["by_id"]
+
+
+def ok(result: dict) -> dict:
+    assert result.get("validated"), {k: result.get(k) for k in ("exit", "error", "stderr", "traceback_tail")}
+    return result
+
+
+def test_bf16_defaults_reach_megatron(tree):
+    path, version, by_id = tree
+    r = ok(by_id["bf16"])
+    v = r["values"]
+    assert v["gradient_accumulation_fusion"] is True and v["grad_reduce_in_bf16"] is True
+    assert v["ddp_average_in_collective"] is True and v["cross_entropy_loss_fusion"] is True
+    te_asserted = version >= (0, 18, 2)
+    assert v["cross_entropy_fusion_impl"] == ("native" if te_asserted else "te")
+    assert r["perf_toggles"]["cross_entropy_fusion_impl"]["source"] == ("guard" if te_asserted else "default")
+    assert r["precision"] == "bf16"
+    assert v["tensorboard_dir"].endswith("/tb/bf16") and v["wandb_save_dir"].endswith("/wb/bf16")
+    record = json.loads((Path(v["tensorboard_dir"]) / "perf_toggles.json").read_text())
+    assert record["decisions"] == r["perf_toggles"]
+    assert "[perf-toggles] grad_reduce_in_bf16: on (default;" in r["stdout"]
+
+
+def test_fused_single_qkv_rope_reaches_transformer_config(tree):
+    path, version, by_id = tree
+    r = ok(by_id["bf16"])
+    if version >= (0, 15):
+        assert r["config_has_field"] and r["config_fused_single_qkv_rope"] is True
+    else:
+        assert not r["config_has_field"]
+        assert r["perf_toggles"]["fused_single_qkv_rope"]["value"] is False
+        assert "no fused_single_qkv_rope field" in r["perf_toggles"]["fused_single_qkv_rope"]["reason"]
+
+
+@pytest.mark.parametrize("case, tag", [("fp8_delayed", "fp8"), ("fp8_tensorwise", "fp8_tensorwise")])
+def test_fp8_tags(tree, case, tag):
+    r = ok(tree[2][case])
+    assert r["precision"] == tag and r["values"]["tensorboard_dir"].endswith(f"/{tag}")
+
+
+def test_detection_on_this_cpu_machine_downgrades_instead_of_crashing(tree):
+    r = ok(tree[2]["detected"])
+    pt = r["perf_toggles"]
+    # No APEX and no Transformer Engine on a CPU test machine: the defaults that need them go off.
+    assert (pt["gradient_accumulation_fusion"]["value"], pt["gradient_accumulation_fusion"]["source"]) == (False, "guard")
+    assert pt["cross_entropy_fusion_impl"]["value"] == "native"
+    assert pt["fused_single_qkv_rope"]["value"] is False
+
+
+def test_plugin_off_leaves_megatron_defaults(tree):
+    v = ok(tree[2]["plugin_off"])["values"]
+    assert v["grad_reduce_in_bf16"] is False and v["ddp_average_in_collective"] is False
+    assert v["cross_entropy_loss_fusion"] is False and v["cross_entropy_fusion_impl"] == "native"
+    assert v["gradient_accumulation_fusion"] is True  # Megatron's own default
+
+
+def test_bad_assume_is_one_clear_line(tree):
+    r = tree[2]["bad_assume"]
+    assert r.get("exit") == 2 and "unknown entry 'gpu9000'" in r["stderr"] and "Traceback" not in r["stderr"]
+
+
+def test_fsdp2_guard_lets_validate_pass(tree):
+    for case in ("fsdp2", "fsdp2_plugin_off"):
+        r = ok(tree[2][case])
+        assert r["values"]["gradient_accumulation_fusion"] is False, case
+        assert r["perf_toggles"]["gradient_accumulation_fusion"]["source"] == "guard"
+
+
+def test_fsdp2_with_explicit_fusion_is_refused_before_validate(tree):
+    r = tree[2]["fsdp2_explicit_fusion"]
+    assert r.get("exit") == 2 and "--gradient-accumulation-fusion was requested" in r["stderr"]
+
+
+def test_per_token_loss_turns_ddp_average_off(tree):
+    r = ok(tree[2]["per_token_loss"])
+    assert r["values"]["ddp_average_in_collective"] is False
+
+
+def test_qk_layernorm_turns_fused_rope_off(tree):
+    r = ok(tree[2]["qk_layernorm"])
+    assert r["values"]["fused_single_qkv_rope"] is False
+    if tree[1] >= (0, 15):
+        assert r["config_fused_single_qkv_rope"] is False
+
+
+def test_explicit_te_impl(tree):
+    path, version, by_id = tree
+    r = by_id["cli_te_impl"]
+    if version >= (0, 18, 2):
+        assert r.get("exit") == 2 and "--cross-entropy-fusion-impl te was requested" in r["stderr"]
+    else:
+        assert ok(r)["values"]["cross_entropy_fusion_impl"] == "te"
+
+
+def test_adam_eps_advice_is_printed(tree):
+    r = ok(tree[2]["adam_advice"])
+    assert "[perf-toggles] advice: --adam-eps 1e-08 with --lr 0.0008" in r["stdout"]
+
+
+def test_tagging_can_be_turned_off_and_resume_is_not_double_tagged(tree):
+    assert ok(tree[2]["untagged"])["values"]["tensorboard_dir"].endswith("/tbu")
+    v = ok(tree[2]["resume"])["values"]
+    assert v["tensorboard_dir"].endswith("/tbr/bf16") and v["save"].endswith("/ck") and v["load"].endswith("/ck")
+
+
+def test_nvfp4_layer_selection(tree):
+    path, version, by_id = tree
+    if version < (0, 15):
+        pytest.skip("FP4 flags arrived in core 0.15")
+    r = by_id["nvfp4"]
+    assert r.get("parsed") and "error" not in r and "exit" not in r, r
+    v = r["values"]
+    assert v["first_last_layers_bf16"] is True and v["num_layers_at_start_in_bf16"] == 2
+    assert v["num_layers_at_end_in_bf16"] == 4  # the recipe's 8, clamped to this 4-layer model
+    assert r["precision"] == "nvfp4"
+
+
+@pytest.mark.parametrize("t", TOGGLES, ids=lambda t: t.dest)
+def test_env_vars_at_0_1_and_bad(tree, t):
+    by_id = tree[2]
+    off, on = ("native", "te") if t.kind == "choice" else (False, True)
+    r0 = ok(by_id[f"env0:{t.dest}"])
+    assert r0["values"][t.dest] == off and r0["perf_toggles"][t.dest]["source"] == "env"
+    r1 = ok(by_id[f"env1:{t.dest}"])
+    assert r1["perf_toggles"][t.dest]["source"] in ("env", "guard")
+    if r1["perf_toggles"][t.dest]["source"] == "env":
+        assert r1["values"][t.dest] == on
+    bad = by_id[f"envbad:{t.dest}"]
+    assert bad.get("exit") == 2 and f"{t.env}='perhaps'" in bad["stderr"]
+    assert len(bad["stderr"].strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("t", TOGGLES, ids=lambda t: t.dest)
+def test_cli_overrides_env_both_directions(tree, t):
+    path, version, by_id = tree
+    off, on = ("native", "te") if t.kind == "choice" else (False, True)
+    r_off = ok(by_id[f"cli_off_over_env1:{t.dest}"])
+    assert r_off["values"][t.dest] == off and r_off["perf_toggles"][t.dest]["source"] == "cli"
+    r_on = by_id[f"cli_on_over_env0:{t.dest}"]
+    unhonourable = (t.dest == "cross_entropy_fusion_impl" and version >= (0, 18, 2)) or (
+        t.dest == "fused_single_qkv_rope" and version < (0, 15))
+    if unhonourable:  # refused with one clear line, not crashed later
+        assert r_on.get("exit") == 2 and f"{t.flag} " in r_on["stderr"] and "Traceback" not in r_on["stderr"]
+        return
+    r_on = ok(r_on)
+    assert r_on["perf_toggles"][t.dest]["source"] == "cli" and r_on["values"][t.dest] == on
