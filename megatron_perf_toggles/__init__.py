@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "chain_providers", "extra_args_provider", "PerfTogglesError"]
+__all__ = ["PerfTogglesError", "__version__", "chain_providers", "extra_args_provider"]
 
 from .errors import PerfTogglesError
 from .provider import chain_providers, extra_args_provider

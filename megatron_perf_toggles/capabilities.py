@@ -9,9 +9,7 @@ itself is already there.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
-import inspect
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -77,6 +75,8 @@ def _installed(module: str) -> bool:
 
 
 def _dist_version(*names: str) -> str | None:
+    import importlib.metadata  # lazy: ~50 ms, and only needed when a package is actually there
+
     for name in names:
         try:
             return importlib.metadata.version(name)
@@ -95,6 +95,13 @@ def _version_tuple(text: str) -> tuple[int, ...]:
         if not piece.isdigit():
             break
     return tuple(parts)
+
+
+def _te_version() -> str | None:
+    module = sys.modules.get("transformer_engine")
+    version = getattr(module, "__version__", None) if module is not None else None
+    return version or _dist_version("transformer_engine", "transformer-engine", "transformer_engine_torch") or (
+        "unknown" if module is not None else None)
 
 
 def _try_import(path: str, attr: str) -> bool:
@@ -118,6 +125,8 @@ def megatron_facts() -> MegatronFacts:
         "path": str(getattr(arguments, "__file__", "") or "").rsplit("/megatron/training/", 1)[0] or None,
         "has_parse_and_validate_args": hasattr(arguments, "parse_and_validate_args"),
     }
+    import inspect
+
     try:
         source = inspect.getsource(arguments.validate_args)
         facts["asserts_te_cross_entropy"] = "cross_entropy_fusion_impl == 'te'" in source
@@ -146,11 +155,11 @@ def _detect_torch(deep: bool) -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is None and deep and _installed("torch"):
         try:
-            import torch  # noqa: F811 - deliberate lazy import for `doctor`
+            import torch
         except Exception:  # noqa: BLE001
             torch = None
     if torch is None:
-        return {"torch_version": _dist_version("torch")}
+        return {"torch_version": _dist_version("torch") if deep else None}
     version = getattr(torch, "version", None)
     device = "rocm" if getattr(version, "hip", None) else ("cuda" if getattr(version, "cuda", None) else "cpu")
     out: dict[str, Any] = {"torch_version": getattr(torch, "__version__", None), "device": device}
@@ -168,10 +177,10 @@ def _detect_torch(deep: bool) -> dict[str, Any]:
 def detect(deep: bool = False) -> Capabilities:
     """Probe this machine. ``deep`` also imports torch/TE kernels when they are installed."""
     notes: dict[str, str] = {}
-    te_version = _dist_version("transformer_engine", "transformer-engine", "transformer_engine_torch")
     te_imported = "transformer_engine" in sys.modules
+    te_version = _te_version() if te_imported or _installed("transformer_engine") else None
     te_rope = te_ce = False
-    if te_version is None and not _installed("transformer_engine"):
+    if te_version is None:
         notes["te"] = "Transformer Engine is not installed"
     elif deep or te_imported:
         te_rope = _try_import("transformer_engine.pytorch.attention.rope", "apply_fused_qkv_rotary_pos_emb")
@@ -187,9 +196,11 @@ def detect(deep: bool = False) -> Capabilities:
     apex = _installed("fused_weight_gradient_mlp_cuda")
     if not apex:
         notes["apex_fused_wgrad"] = "APEX's fused_weight_gradient_mlp_cuda is not importable"
-    aiter_version = _dist_version("amd-aiter", "amd_aiter")
-    if aiter_version is None and _installed("aiter") and _dist_version("aiter") is not None:
-        notes["aiter"] = "the installed 'aiter' is the PyPI async library, not AMD's amd-aiter"
+    aiter_version = None
+    if _installed("aiter"):  # AMD's amd-aiter and PyPI's unrelated async 'aiter' share the module name
+        aiter_version = _dist_version("amd-aiter", "amd_aiter")
+        if aiter_version is None and _dist_version("aiter") is not None:
+            notes["aiter"] = "the installed 'aiter' is the PyPI async library, not AMD's amd-aiter"
     return Capabilities(
         megatron=megatron_facts(),
         te_version=te_version,

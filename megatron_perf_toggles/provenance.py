@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any
 
 from . import __version__
@@ -56,6 +55,8 @@ def record_dir(plan: Plan, args: dict[str, Any]) -> str | None:
 
 def write_atomic(directory: str, payload: dict[str, Any], name: str = RECORD_NAME) -> str:
     """Temp file in the same directory + rename: readers never see a half-written record."""
+    import tempfile
+
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
     try:

@@ -44,6 +44,7 @@ class ProviderState:
     watched: tuple[str, ...]
     added_flags: list[str] = field(default_factory=list)
     announce: bool = True
+    capabilities: Capabilities | None = None
     last_plan: Plan | None = None
     last_caps: Capabilities | None = None
     announced: bool = False
@@ -126,8 +127,13 @@ def install(
     parser: argparse.ArgumentParser,
     environ: Mapping[str, str] | None = None,
     announce: bool = True,
+    capabilities: Capabilities | None = None,
 ) -> argparse.ArgumentParser:
-    """Make ``parser`` decide the toggles after parsing. Idempotent: a second call is a no-op."""
+    """Make ``parser`` decide the toggles after parsing. Idempotent: a second call is a no-op.
+
+    ``capabilities`` fixes what the machine can do (planning); by default it is detected when
+    the arguments are parsed, honouring MEGATRON_PERF_TOGGLES_ASSUME.
+    """
     if getattr(parser, "_perf_toggles_state", None) is not None:
         return parser
     environ = os.environ if environ is None else environ
@@ -144,7 +150,7 @@ def install(
     watched = tuple(d for d in [*toggle_dests, *FP4_LAYER_DESTS] if d in present)
     parser.set_defaults(**{dest: UNSET for dest in watched})
     state = ProviderState(env=env, environ=dict(environ), stock=stock, watched=watched,
-                          added_flags=added, announce=announce)
+                          added_flags=added, announce=announce, capabilities=capabilities)
     original = parser.parse_known_args
 
     def parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
@@ -166,7 +172,7 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
         else:
             explicit[dest] = value
     try:
-        caps = resolve(state.env.assume)
+        caps = state.capabilities or resolve(state.env.assume)
         plan = decide(vars(ns), explicit, state.env, caps, state.stock)
     except PerfTogglesError as error:
         fail(error)

@@ -6,7 +6,7 @@ provenance schema are all derived from these records.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from .errors import RegistryError
@@ -58,6 +58,11 @@ class Toggle:
     stock_default: bool | str = False  # Megatron's default where its parser has no flag for it
     needs: tuple[str, ...] = ()  # capability names from CAPABILITIES
     anchors: tuple[str, ...] = ()  # Megatron flags whose group a new flag should join, in order
+    bucket: Bucket | None = None  # launch-script bucket, where the originating scripts differ from the group's
+
+    @property
+    def script_bucket(self) -> Bucket:
+        return self.bucket or GROUPS[self.group].bucket
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -93,6 +98,7 @@ TOGGLES: tuple[Toggle, ...] = (
         off_flag="--no-gradient-accumulation-fusion",
         needs=("apex_fused_wgrad",),
         anchors=("--no-gradient-accumulation-fusion",),
+        bucket="gpt",  # the originating train_llama3.sh put it with the model (GPT_ARGS) flags
         help="Weight-gradient GEMMs accumulate straight into the main_grad buffer (needs APEX's "
         "fused_weight_gradient_mlp_cuda).",
     ),

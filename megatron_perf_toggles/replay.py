@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -41,7 +41,7 @@ def available() -> list[str]:
     return sorted(names)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(name: str) -> dict[str, Any]:
     directory = _surfaces_dir()
     plain = directory / f"{name}.json"

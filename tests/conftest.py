@@ -44,3 +44,29 @@ LLAMA_ARGS = {
 @pytest.fixture
 def env():
     return lambda **kw: read_env({k: str(v) for k, v in kw.items()})
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say plainly which real-Megatron suites ran, on which trees, and which were skipped."""
+    trees = megatron_trees()
+    suites = sorted({
+        rep.nodeid.split("::")[0]
+        for key in ("passed", "failed", "skipped", "error")
+        for rep in terminalreporter.stats.get(key, [])
+        if getattr(rep, "nodeid", "") and any(tag in rep.nodeid for tag in ("megatron_real", "launcher", "patches"))
+    })
+    terminalreporter.section("real-Megatron suites")
+    if not trees:
+        terminalreporter.write_line(
+            "SKIPPED: MEGATRON_LM_TREES is not set, so " + (", ".join(suites) or "the real-Megatron suites")
+            + " did not run against real trees (contract tests against recorded surfaces did run)."
+        )
+        return
+    ran = [t.name for t in trees]
+    terminalreporter.write_line(f"RAN against {len(ran)} trees: {', '.join(ran)}")
+    for suite in suites:
+        skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.nodeid.startswith(suite)]
+        terminalreporter.write_line(f"  {suite}: {len(skipped)} skipped case(s)" if skipped else f"  {suite}: all cases ran")
+        for rep in skipped:
+            reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+            terminalreporter.write_line(f"    skipped {rep.nodeid.split('::', 1)[1]}: {reason}")

@@ -20,7 +20,7 @@ BASE = ["--bf16", "--position-embedding-type", "rope", "--num-layers", "32"]
 
 
 def test_every_supported_version_is_recorded():
-    assert set(UPSTREAM_REQUIRED + ["rocm_fork"]) <= set(SURFACES)
+    assert set([*UPSTREAM_REQUIRED, "rocm_fork"]) <= set(SURFACES)
 
 
 def _by_flag(surface):
@@ -135,6 +135,6 @@ def test_fp4_recorded_from_core_0_15():
 
 @pytest.mark.parametrize("name", WITH_FP4)
 def test_upstream_rejects_mxfp4_recipe(name):
-    surface, parser = _installed(name)
+    _surface, parser = _installed(name)
     with pytest.raises(SystemExit):
         parser.parse_args([*BASE, "--fp4-format", "e2m1", "--fp4-recipe", "mxfp4"])

@@ -175,7 +175,7 @@ def test_missing_apex_turns_fusion_off_with_reason():
 
 
 def test_missing_apex_with_explicit_fusion_is_an_error():
-    with pytest.raises(CannotHonourError, match="APEX|fused_weight_gradient"):
+    with pytest.raises(CannotHonourError, match=r"APEX|fused_weight_gradient"):
         run(caps=full_caps(apex_fused_wgrad=False), explicit={"gradient_accumulation_fusion": True})
 
 

@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -76,7 +76,7 @@ def _version_of(tree: Path) -> tuple[int, ...]:
     return tuple(parts)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _run_all(tmp: str) -> dict[str, dict]:
     def one(tree: Path) -> tuple[str, dict]:
         cases = _cases(f"{tmp}/{tree.name}")
@@ -113,7 +113,7 @@ def ok(result: dict) -> dict:
 
 
 def test_bf16_defaults_reach_megatron(tree):
-    path, version, by_id = tree
+    _path, version, by_id = tree
     r = ok(by_id["bf16"])
     v = r["values"]
     assert v["gradient_accumulation_fusion"] is True and v["grad_reduce_in_bf16"] is True
@@ -129,7 +129,7 @@ def test_bf16_defaults_reach_megatron(tree):
 
 
 def test_fused_single_qkv_rope_reaches_transformer_config(tree):
-    path, version, by_id = tree
+    _path, version, by_id = tree
     r = ok(by_id["bf16"])
     if version >= (0, 15):
         assert r["config_has_field"] and r["config_fused_single_qkv_rope"] is True
@@ -191,7 +191,7 @@ def test_qk_layernorm_turns_fused_rope_off(tree):
 
 
 def test_explicit_te_impl(tree):
-    path, version, by_id = tree
+    _path, version, by_id = tree
     r = by_id["cli_te_impl"]
     if version >= (0, 18, 2):
         assert r.get("exit") == 2 and "--cross-entropy-fusion-impl te was requested" in r["stderr"]
@@ -211,7 +211,7 @@ def test_tagging_can_be_turned_off_and_resume_is_not_double_tagged(tree):
 
 
 def test_nvfp4_layer_selection(tree):
-    path, version, by_id = tree
+    _path, version, by_id = tree
     if version < (0, 15):
         pytest.skip("FP4 flags arrived in core 0.15")
     r = by_id["nvfp4"]
@@ -239,7 +239,7 @@ def test_env_vars_at_0_1_and_bad(tree, t):
 
 @pytest.mark.parametrize("t", TOGGLES, ids=lambda t: t.dest)
 def test_cli_overrides_env_both_directions(tree, t):
-    path, version, by_id = tree
+    _path, version, by_id = tree
     off, on = ("native", "te") if t.kind == "choice" else (False, True)
     r_off = ok(by_id[f"cli_off_over_env1:{t.dest}"])
     assert r_off["values"][t.dest] == off and r_off["perf_toggles"][t.dest]["source"] == "cli"

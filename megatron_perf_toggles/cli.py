@@ -1,0 +1,300 @@
+"""``megatron-perf-toggles``: explain, flags, doctor, patch, surface.
+
+Every command is ``main(argv) -> int``; errors are one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from . import __version__, provenance, replay
+from .capabilities import (
+    Capabilities,
+    detect,
+    megatron_facts,
+    megatron_facts_from_surface,
+    resolve,
+    with_assumptions,
+)
+from .decide import Plan, decide
+from .embedded import LLAMA3_8B_BF16
+from .env import read_env
+from .errors import PerfTogglesError, fail
+from .provenance import format_value
+from .registry import SETTINGS, TOGGLES
+
+DEFAULT_SURFACE = "main"
+
+
+# --- explain ----------------------------------------------------------------------------------
+
+
+def _real_parser(tree: str | None) -> tuple[argparse.ArgumentParser, Capabilities, str]:
+    from .megatron_env import megatron_importable
+    from .surface import megatron_parser
+
+    try:
+        with megatron_importable(tree):
+            parser = megatron_parser()
+    except ImportError as error:
+        where = tree or "PYTHONPATH"
+        raise PerfTogglesError(
+            f"cannot import Megatron-LM from {where}: {error}",
+            "pass --megatron /path/to/Megatron-LM (the checkout holding megatron/training)",
+        ) from None
+    facts = megatron_facts()
+    return parser, replace(detect(), megatron=facts), f"Megatron-LM {facts.version} at {facts.path}"
+
+
+def plan_command_line(
+    megatron_args: Sequence[str], tree: str | None = None, surface: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
+    """Parse ``megatron_args`` with the plugin installed, without announcing or writing anything."""
+    from .provider import install
+
+    environ = dict(os.environ if environ is None else environ)
+    if tree:
+        parser, caps, label = _real_parser(tree)
+    else:
+        name = surface or DEFAULT_SURFACE
+        try:
+            recorded = replay.load_surface(name)
+        except KeyError as error:
+            raise PerfTogglesError(str(error.args[0])) from None
+        parser = replay.build_parser(recorded)
+        caps = replace(detect(), megatron=megatron_facts_from_surface(recorded))
+        label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
+    env = read_env(environ)
+    caps = with_assumptions(caps, env.assume)
+    install(parser, environ=environ, announce=False, capabilities=caps)
+    ns = parser.parse_args(list(megatron_args))
+    plan = parser._perf_toggles_state.last_plan  # type: ignore[attr-defined]
+    return plan, caps, label, vars(ns)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _caps_summary(caps: Capabilities) -> str:
+    bits = [
+        f"TE {caps.te_version}" if caps.te_version else "no TE",
+        "APEX fused wgrad" if caps.apex_fused_wgrad else "no APEX fused wgrad",
+        f"aiter {caps.aiter_version}" if caps.aiter_version else "no aiter",
+        caps.device or "no torch",
+    ]
+    planned = " (planned via MEGATRON_PERF_TOGGLES_ASSUME)" if caps.assumed else ""
+    return ", ".join(bits) + planned
+
+
+def cmd_explain(ns: argparse.Namespace) -> int:
+    megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
+    plan, caps, label, args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version)
+    if ns.json:
+        payload = provenance.record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
+        payload["megatron"] = label
+        print(json.dumps(payload, indent=1, sort_keys=True, default=str))
+        return 0
+    print(f"Megatron: {label}")
+    print(f"Machine:  {_caps_summary(caps)}")
+    if not ns.megatron_args:
+        print("Command:  built-in Llama-3-8B bf16 command line (pass your own after --)")
+    print()
+    rows = [[dest, format_value(d.value), d.source, d.reason] for dest, d in plan.decisions.items()]
+    print(_table(rows, ["toggle", "value", "source", "reason"]))
+    print()
+    print(f"precision tag: {plan.precision}")
+    for dest in ("tensorboard_dir", "wandb_save_dir"):
+        if args.get(dest):
+            print(f"{dest}: {args[dest]}")
+    if not plan.log_dirs and any(args.get(d) for d in ("tensorboard_dir", "wandb_save_dir")):
+        print("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)")
+    for m in plan.messages:
+        print(f"{m.level}: {m.text}")
+    return 0
+
+
+# --- flags ------------------------------------------------------------------------------------
+
+
+def cmd_flags(ns: argparse.Namespace) -> int:
+    env = read_env(os.environ)
+    words: list[str] = []
+    for t in TOGGLES:
+        if ns.group != "all" and t.script_bucket != ns.group:
+            continue
+        if t.dest in env.toggles:
+            value = env.toggles[t.dest]
+        elif env.plugin_enabled:
+            value = t.default
+        else:
+            continue  # MEGATRON_PERF_TOGGLES=0: Megatron's defaults, so no flag
+        words.extend(t.flag_for(value))
+    print(" ".join(words))
+    return 0
+
+
+# --- doctor -----------------------------------------------------------------------------------
+
+
+def _doctor_megatron(tree: str | None) -> tuple[dict[str, Any], str | None]:
+    import importlib.util
+
+    if tree is None and importlib.util.find_spec("megatron") is None:
+        return {}, "not importable (put the Megatron-LM checkout on PYTHONPATH, or pass --megatron PATH)"
+    try:
+        _, caps, _ = _real_parser(tree)
+    except PerfTogglesError as error:
+        return {}, str(error)
+    facts = caps.megatron
+    return facts.__dict__, None
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    caps = detect(deep=True)
+    megatron, why_not = _doctor_megatron(ns.megatron)
+    if megatron:
+        from .capabilities import MegatronFacts
+
+        caps = replace(caps, megatron=MegatronFacts(**megatron))
+    env = read_env(os.environ)
+    planned = resolve(env.assume) if env.assume else None
+    effective = replace(planned, megatron=caps.megatron) if planned else caps
+    plan = decide(_llama_view(), {}, env, effective)
+    report = {
+        "megatron": megatron or {"error": why_not},
+        "torch": {"version": caps.torch_version, "device": caps.device},
+        "gpu_arch": caps.gpu_arch,
+        "transformer_engine": {"version": caps.te_version, "fused_qkv_rope_kernel": caps.te_fused_qkv_rope,
+                               "cross_entropy_kernel": caps.te_cross_entropy},
+        "apex_fused_wgrad": caps.apex_fused_wgrad,
+        "aiter": caps.aiter_version,
+        "notes": caps.notes,
+        "toggles_here": {dest: d.to_record() for dest, d in plan.decisions.items()},
+        "assumed": list(effective.assumed),
+    }
+    if ns.json:
+        print(json.dumps(report, indent=1, sort_keys=True, default=str))
+        return 0
+    yes = {True: "yes", False: "no", None: "unknown"}
+    print(f"megatron-perf-toggles {__version__}, Python {sys.version.split()[0]}")
+    if megatron:
+        print(f"Megatron-LM:        {megatron.get('version')} at {megatron.get('path')}")
+        print(f"  fused_single_qkv_rope field: {yes[megatron.get('fused_single_qkv_rope_field')]}; "
+              f"asserts te cross entropy: {yes[megatron.get('asserts_te_cross_entropy')]}")
+    else:
+        print(f"Megatron-LM:        {why_not}")
+    backend = {"rocm": "ROCm/HIP", "cuda": "CUDA", "cpu": "CPU only"}.get(caps.device or "", "")
+    print(f"torch:              {caps.torch_version or 'not installed'} {backend}".rstrip())
+    print(f"GPU architecture:   {caps.gpu_arch or 'none visible'}")
+    print(f"Transformer Engine: {caps.te_version or 'not installed'}"
+          + (f" (fused QKV RoPE kernel: {yes[caps.te_fused_qkv_rope]}, "
+             f"cross-entropy kernel: {yes[caps.te_cross_entropy]})" if caps.te_version else ""))
+    print(f"APEX fused wgrad:   {yes[caps.apex_fused_wgrad]}")
+    print(f"aiter (AMD):        {caps.aiter_version or 'not installed'}")
+    for note in caps.notes.values():
+        print(f"  note: {note}")
+    print()
+    label = "Toggles on this machine" + (" (planned via MEGATRON_PERF_TOGGLES_ASSUME)" if env.assume else "")
+    print(f"{label}, for a Llama-style bf16 run:")
+    rows = [[dest, format_value(d.value), d.reason] for dest, d in plan.decisions.items()]
+    print(_table(rows, ["toggle", "value", "why"]))
+    return 0
+
+
+def _llama_view() -> dict[str, Any]:
+    return {"bf16": True, "position_embedding_type": "rope", "num_layers": 32, "optimizer": "adam"}
+
+
+# --- entry ------------------------------------------------------------------------------------
+
+
+def _env_epilog() -> str:
+    lines = ["environment variables:"]
+    for t in TOGGLES:
+        lines.append(f"  {t.env:<34} {t.help}")
+    for s in SETTINGS:
+        lines.append(f"  {s.env:<34} {s.help}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-perf-toggles",
+        description="Default-on Megatron-LM performance toggles: see what they decide, where they can "
+        "run, and wire them into a checkout.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_env_epilog(),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    ex = sub.add_parser("explain", help="show what the toggles and guards decide for a command line",
+                        description="Decide the toggles for a Megatron command line (default: a built-in "
+                        "Llama-3-8B bf16 one) and print value, source and reason for each, the precision "
+                        "tag and the log directories. Nothing runs.")
+    where = ex.add_mutually_exclusive_group()
+    where.add_argument("--megatron", metavar="PATH", help="a Megatron-LM checkout: use its real parser")
+    where.add_argument("--megatron-version", metavar="NAME", choices=replay.available(),
+                       help="plan against a recorded Megatron surface instead (default: main)")
+    ex.add_argument("--json", action="store_true", help="print the provenance record as JSON")
+    ex.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
+    ex.set_defaults(func=cmd_explain)
+
+    fl = sub.add_parser("flags", help="print the Megatron flags the environment implies",
+                        description="Print the toggle flags that the current environment implies, for shell "
+                        "scripts that keep GPT_ARGS / EXTRA_ARGS buckets. The negative forms need the plugin "
+                        "(or a patched checkout). Guards run at launch, not here.")
+    fl.add_argument("--group", choices=("gpt", "extra", "all"), default="all",
+                    help="gpt: transformer and mixed-precision flags; extra: distributed and training flags")
+    fl.set_defaults(func=cmd_flags)
+
+    doc = sub.add_parser("doctor", help="report what this machine has and which toggles can be on here",
+                         description="Report Megatron, torch (ROCm/CUDA), GPU architecture, Transformer Engine "
+                         "and its kernels, APEX and aiter, then which toggles can be on here and why not.")
+    doc.add_argument("--megatron", metavar="PATH", help="a Megatron-LM checkout (default: whatever is importable)")
+    doc.add_argument("--json", action="store_true", help="print the report as JSON")
+    doc.set_defaults(func=cmd_doctor)
+
+    pa = sub.add_parser("patch", help="apply the matching patch from patches/ to a Megatron-LM checkout",
+                        add_help=False)
+    pa.set_defaults(func=None)
+
+    su = sub.add_parser("surface", help="record a Megatron tree's argparse surface as JSON facts", add_help=False)
+    su.set_defaults(func=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "patch":
+        from .patching import main as patch_main
+
+        return patch_main(argv[1:])
+    if argv and argv[0] == "surface":
+        from .surface import main as surface_main
+
+        return surface_main(argv[1:])
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if getattr(ns, "megatron_args", None) and ns.megatron_args[0] == "--":
+        ns.megatron_args = ns.megatron_args[1:]
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return ns.func(ns)
+    except PerfTogglesError as error:
+        fail(error)
+    return 2

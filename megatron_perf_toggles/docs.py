@@ -1,0 +1,78 @@
+"""README tables generated from the registry and the recorded surfaces (a test keeps them equal).
+
+``python -m megatron_perf_toggles.docs`` prints them.
+"""
+
+from __future__ import annotations
+
+from . import replay
+from .registry import SETTINGS, TOGGLES
+
+BEGIN = "<!-- generated:{name} begin -->"
+END = "<!-- generated:{name} end -->"
+
+
+def _default_words(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"`{value}`"
+
+
+def toggles_table() -> str:
+    rows = ["| env var | Megatron dest | default | flags | group | script bucket | what it does |",
+            "|---|---|---|---|---|---|---|"]
+    for t in TOGGLES:
+        flags = " / ".join(f"`{f}`" for f in t.flags)
+        if t.kind == "choice":
+            flags = f"`{t.flag} {{{','.join(t.choices)}}}`"
+        rows.append(f"| `{t.env}` | `{t.dest}` | {_default_words(t.default)} | {flags} | {t.group} | "
+                    f"{t.script_bucket} | {t.help} |")
+    return "\n".join(rows)
+
+
+def settings_table() -> str:
+    rows = ["| env var | default | meaning |", "|---|---|---|"]
+    for s in SETTINGS:
+        rows.append(f"| `{s.env}` | {('`' + s.default + '`') if s.default else 'unset'} | {s.help} |")
+    return "\n".join(rows)
+
+
+def _cell(surface: dict, t) -> str:
+    flags = {f for a in surface["actions"] for f in a["flags"]}
+    facts = replay.surface_facts(surface)
+    native = [f for f in t.flags if f in flags]
+    if t.dest == "fused_single_qkv_rope" and facts.get("fused_single_qkv_rope_field") is False:
+        return "guard: off (no field)"
+    if t.dest == "cross_entropy_fusion_impl" and facts.get("asserts_te_cross_entropy"):
+        return "guard: te→native"
+    if len(native) == len(t.flags):
+        return "native"
+    if not native:
+        return "+on/off flags"
+    return "+on flag" if t.flag not in flags else "+off flag"
+
+
+def compatibility_table() -> str:
+    """Per recorded Megatron: what the plugin adds or guards for each toggle, and its parse hook."""
+    header = "| Megatron | " + " | ".join(f"`{t.dest}`" for t in TOGGLES) + " | parses via |"
+    rows = [header, "|---|" + "---|" * (len(TOGGLES) + 1)]
+    for name in replay.available():
+        surface = replay.load_surface(name)
+        facts = replay.surface_facts(surface)
+        hook = "`parse_and_validate_args`" if facts.get("has_parse_and_validate_args") else "`pretrain(extra_args_provider=)`"
+        cells = " | ".join(_cell(surface, t) for t in TOGGLES)
+        rows.append(f"| {name.replace('core_v', '')} | {cells} | {hook} |")
+    return "\n".join(rows)
+
+
+TABLES = {"toggles": toggles_table, "settings": settings_table, "compatibility": compatibility_table}
+
+
+def render_block(name: str) -> str:
+    return f"{BEGIN.format(name=name)}\n{TABLES[name]()}\n{END.format(name=name)}"
+
+
+if __name__ == "__main__":
+    for table in TABLES:
+        print(render_block(table))
+        print()
