@@ -44,6 +44,7 @@ class Capabilities:
     te_fused_qkv_rope: bool = False
     te_cross_entropy: bool = False
     apex_fused_wgrad: bool = False
+    wgrad_fallback: bool = False  # our torch stand-in for APEX's fused wgrad can run here
     aiter_version: str | None = None
     torch_version: str | None = None
     device: str | None = None  # "cuda", "rocm" or "cpu"; None when torch is absent
@@ -102,6 +103,12 @@ def _te_version() -> str | None:
     version = getattr(module, "__version__", None) if module is not None else None
     return version or _dist_version("transformer_engine", "transformer-engine", "transformer_engine_torch") or (
         "unknown" if module is not None else None)
+
+
+def _fallback_installed() -> bool:
+    from .wgrad_fallback import MODULE_NAME, is_fallback
+
+    return is_fallback(sys.modules.get(MODULE_NAME))
 
 
 def _try_import(path: str, attr: str) -> bool:
@@ -193,9 +200,18 @@ def detect(deep: bool = False) -> Capabilities:
         notes["te_fused_qkv_rope"] = f"TE {te_version} has no fused QKV RoPE kernel"
     if te_version is not None and not te_ce:
         notes["te_cross_entropy"] = f"TE {te_version} has no parallel cross-entropy kernel"
-    apex = _installed("fused_weight_gradient_mlp_cuda")
+    apex = _installed("fused_weight_gradient_mlp_cuda") and not _fallback_installed()
+    fallback = False
     if not apex:
         notes["apex_fused_wgrad"] = "APEX's fused_weight_gradient_mlp_cuda is not importable"
+        if deep or "torch" in sys.modules:
+            from .wgrad_fallback import usable
+
+            fallback, why = usable()
+        else:
+            why = "torch is not imported"
+        if not fallback:
+            notes["wgrad_fallback"] = why
     aiter_version = None
     if _installed("aiter"):  # AMD's amd-aiter and PyPI's unrelated async 'aiter' share the module name
         aiter_version = _dist_version("amd-aiter", "amd_aiter")
@@ -207,6 +223,7 @@ def detect(deep: bool = False) -> Capabilities:
         te_fused_qkv_rope=te_rope,
         te_cross_entropy=te_ce,
         apex_fused_wgrad=apex,
+        wgrad_fallback=fallback,
         aiter_version=aiter_version,
         notes=notes,
         **_detect_torch(deep),
@@ -217,6 +234,7 @@ def parse_assume(spec: str) -> dict[str, Any]:
     """``apex,te=2.8,rocm`` -> capability overrides. Unknown names are an AssumeError."""
     out: dict[str, Any] = {
         "apex_fused_wgrad": False,
+        "wgrad_fallback": False,
         "te_version": None,
         "te_fused_qkv_rope": False,
         "te_cross_entropy": False,
@@ -234,6 +252,7 @@ def parse_assume(spec: str) -> dict[str, Any]:
             out["aiter_version"] = "assumed"
         elif name in ("rocm", "cuda") and not value:
             out["device"] = name
+            out["wgrad_fallback"] = True  # a GPU with a current torch: the stand-in can run
         elif name == "none" and not value:
             continue
         elif name == "te":

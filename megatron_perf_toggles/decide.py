@@ -22,6 +22,7 @@ FP4_RECIPE_SELECTION = {"nvfp4": (True, 2, 8), "mxfp4": (False, 2, 8)}  # (selec
 PACKED_SEQUENCE_DESTS = ("sft", "rl_use_sequence_packing")
 GTP_DESTS = ("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards")
 ADAM_EPS_ADVICE = (5e-4, 1e-6)  # (lr at or above, eps below)
+WGRAD_FALLBACK_WORDS = "torch.addmm with fp32 accumulation"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Plan:
     precision: str
     log_dirs: dict[str, str]  # dest -> tagged path (only those that are set and tagged)
     messages: list[Message] = field(default_factory=list)
+    wgrad_path: str = "off"  # apex | fallback | off: who computes fused weight gradients
 
     def values(self) -> dict[str, Any]:
         return {dest: d.value for dest, d in self.decisions.items()}
@@ -68,6 +70,7 @@ class Context:
     args: Mapping[str, Any]
     values: Mapping[str, Any]  # the decisions so far
     caps: Capabilities
+    env: EnvSettings
 
 
 Guard = Callable[[Context], Iterator[Change]]
@@ -148,15 +151,25 @@ def gradient_accumulation_fusion_fsdp(ctx: Context) -> Iterator[Change]:
 
 
 def gradient_accumulation_fusion_apex(ctx: Context) -> Iterator[Change]:
-    if _on(ctx.values, "gradient_accumulation_fusion") and not ctx.caps.apex_fused_wgrad:
-        yield Change(
-            "gradient_accumulation_fusion",
-            False,
-            ctx.caps.notes.get("apex_fused_wgrad")
-            or "APEX's fused_weight_gradient_mlp_cuda is not available",
-            hint="install APEX (with --cuda_ext) or pass --no-gradient-accumulation-fusion",
-            capability="apex_fused_wgrad",
-        )
+    if not _on(ctx.values, "gradient_accumulation_fusion") or ctx.caps.apex_fused_wgrad:
+        return
+    missing = ctx.caps.notes.get("apex_fused_wgrad") or "APEX's fused_weight_gradient_mlp_cuda is not available"
+    if ctx.caps.wgrad_fallback and ctx.env.wgrad_fallback:
+        yield Change("gradient_accumulation_fusion", True,
+                     f"{missing}: the torch fallback ({WGRAD_FALLBACK_WORDS}) stands in",
+                     capability="wgrad_fallback")
+        return
+    if not ctx.env.wgrad_fallback:
+        why_not = "MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK=0"
+    else:
+        why_not = ctx.caps.notes.get("wgrad_fallback") or "the torch fallback cannot run here"
+    yield Change(
+        "gradient_accumulation_fusion",
+        False,
+        f"{missing}, and no fallback ({why_not})",
+        hint="install APEX (with --cuda_ext) or pass --no-gradient-accumulation-fusion",
+        capability="apex_fused_wgrad",
+    )
 
 
 def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
@@ -346,10 +359,12 @@ def decide(
     decisions.update(_fp4_selection(args, explicit, env))
     messages: list[Message] = []
     for guard in GUARDS:
-        ctx = Context(args=args, values={k: d.value for k, d in decisions.items()}, caps=caps)
+        ctx = Context(args=args, values={k: d.value for k, d in decisions.items()}, caps=caps, env=env)
         for change in guard(ctx):
             current = decisions[change.dest]
             if current.value == change.value:
+                # A guard that keeps the value still says how (e.g. which wgrad path runs).
+                decisions[change.dest] = Decision(current.value, current.source, f"{current.reason}; {change.reason}")
                 continue
             if current.source == "cli" and not change.over_cli:
                 raise CannotHonourError(
@@ -366,4 +381,6 @@ def decide(
     messages.extend(_advice(args))
     tag = precision_tag(args)
     log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}
-    return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages)
+    fused = decisions["gradient_accumulation_fusion"].value
+    wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else "fallback")
+    return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages, wgrad_path=wgrad_path)

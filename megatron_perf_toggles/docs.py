@@ -72,7 +72,32 @@ def render_block(name: str) -> str:
     return f"{BEGIN.format(name=name)}\n{TABLES[name]()}\n{END.format(name=name)}"
 
 
-if __name__ == "__main__":
+def update(text: str) -> str:
+    """``text`` with every generated block replaced by its current rendering."""
+    import re
+
+    for name in TABLES:
+        pattern = re.escape(BEGIN.format(name=name)) + r".*?" + re.escape(END.format(name=name))
+        text = re.sub(pattern, lambda _m, n=name: render_block(n), text, flags=re.S)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="Print the generated README tables, or rewrite them in place.")
+    ap.add_argument("--write", metavar="FILE", help="rewrite the generated blocks inside FILE (e.g. README.md)")
+    ns = ap.parse_args(argv)
+    if ns.write:
+        path = Path(ns.write)
+        path.write_text(update(path.read_text()))
+        return 0
     for table in TABLES:
         print(render_block(table))
         print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -60,6 +60,7 @@ class EnvSettings:
     fp4_bf16_start: int | None = None
     fp4_bf16_end: int | None = None
     rank: int = 0
+    wgrad_fallback: bool = True
 
     def raw_for_record(self, environ: Mapping[str, str]) -> dict[str, str]:
         """The plugin's variables as they were set, for the provenance record."""
@@ -91,4 +92,6 @@ def read_env(environ: Mapping[str, str]) -> EnvSettings:
         fp4_bf16_start=parse_count("FP4_BF16_START", environ.get("FP4_BF16_START")),
         fp4_bf16_end=parse_count("FP4_BF16_END", environ.get("FP4_BF16_END")),
         rank=rank,
+        wgrad_fallback=parse_bool(
+            "MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK", environ.get("MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK")) is not False,
     )

@@ -37,6 +37,7 @@ def record(plan: Plan, caps: Capabilities, environ: dict[str, str], command: lis
         "precision": plan.precision,
         "decisions": {dest: d.to_record() for dest, d in plan.decisions.items()},
         "log_dirs": plan.log_dirs,
+        "wgrad_path": plan.wgrad_path,
         "messages": [{"level": m.level, "text": m.text} for m in plan.messages],
         "capabilities": caps.to_record(),
         "environment": environ,

@@ -179,6 +179,10 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
     original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
     for dest, decision in plan.decisions.items():
         setattr(ns, dest, decision.value)
+    if plan.wgrad_path == "fallback" and state.capabilities is None:
+        from .wgrad_fallback import install as install_wgrad_fallback
+
+        install_wgrad_fallback()  # a real run on this machine, not a plan for another one
     for dest, path in plan.log_dirs.items():
         setattr(ns, dest, path)
     ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}

@@ -178,6 +178,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEGATRON_PERF_TOGGLES_ASSUME", "list", "",
             "Plan for another machine: comma list of apex, aiter, rocm, cuda, te=VERSION, none. "
             "Replaces detection of those packages."),
+    Setting("MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK", "bool", "1",
+            "Without APEX, keep gradient accumulation fusion on through a torch GEMM stand-in for APEX's "
+            "fused wgrad kernels (CUDA/ROCm, torch with addmm out_dtype); 0 turns fusion off instead."),
     Setting("FP4_SELECTIVE_BF16", "bool", "",
             "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
             "(default by recipe: nvfp4 1, mxfp4 0)."),

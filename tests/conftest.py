@@ -46,6 +46,9 @@ def env():
     return lambda **kw: read_env({k: str(v) for k, v in kw.items()})
 
 
+REAL_SUITES = ("tests/test_megatron_real.py", "tests/test_launcher.py", "tests/test_patches.py")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Say plainly which real-Megatron suites ran, on which trees, and which were skipped."""
     trees = megatron_trees()
@@ -53,7 +56,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         rep.nodeid.split("::")[0]
         for key in ("passed", "failed", "skipped", "error")
         for rep in terminalreporter.stats.get(key, [])
-        if getattr(rep, "nodeid", "") and any(tag in rep.nodeid for tag in ("megatron_real", "launcher", "patches"))
+        if getattr(rep, "nodeid", "") and rep.nodeid.split("::")[0] in REAL_SUITES
     })
     terminalreporter.section("real-Megatron suites")
     if not trees:

@@ -69,6 +69,35 @@ def run_case(case: dict, api: dict) -> dict:
     return result
 
 
+def wgrad_sites() -> dict:
+    """Where this Megatron looks for APEX's fused wgrad module, before and after our fallback."""
+    import inspect
+
+    from megatron.core import utils as core_utils
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_perf_toggles import wgrad_fallback
+
+    src = inspect.getsource(layers)
+    before = {
+        "has_flag": hasattr(layers, "_grad_accum_fusion_available"),
+        "flag": getattr(layers, "_grad_accum_fusion_available", None),
+        "calls_fp32": "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(" in src,
+        "calls_fp16": "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(" in src,
+        "utils_imports_lazily": "import fused_weight_gradient_mlp_cuda" in inspect.getsource(core_utils),
+    }
+    patched = wgrad_fallback.install()
+    after = {
+        "patched": patched,
+        "flag": layers._grad_accum_fusion_available,
+        "module_is_fallback": wgrad_fallback.is_fallback(getattr(layers, "fused_weight_gradient_mlp_cuda", None)),
+    }
+    import fused_weight_gradient_mlp_cuda  # what core.utils' lazy import will get
+
+    after["lazy_import_is_fallback"] = wgrad_fallback.is_fallback(fused_weight_gradient_mlp_cuda)
+    return {"before": before, "after": after}
+
+
 def main() -> int:
     tree = sys.argv[1]
     cases = json.load(sys.stdin)
@@ -84,7 +113,10 @@ def main() -> int:
         "validate_args": arguments.validate_args,
         "core_transformer_config_from_args": arguments.core_transformer_config_from_args,
     }
-    results = [run_case(case, api) for case in cases]
+    results = [run_case(case, api) for case in cases if case.get("kind") != "wgrad_sites"]
+    if any(case.get("kind") == "wgrad_sites" for case in cases):
+        with megatron_importable(None):
+            results.append({"id": "wgrad_sites", **wgrad_sites()})
     sys.argv = saved_argv
     json.dump({"version": package_info.__version__, "tree": tree, "results": results}, sys.stdout, default=repr)
     return 0

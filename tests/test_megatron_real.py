@@ -58,6 +58,7 @@ def _cases(tmp: str) -> list[dict]:
          # validate_args wants TE >= 2.7 for FP4, which a CPU test machine lacks: parse only.
          "validate": False},
     ]
+    cases.append({"id": "wgrad_sites", "kind": "wgrad_sites"})
     for t in TOGGLES:
         off, on = ("native", "te") if t.kind == "choice" else ("0", "1")
         cases.append({"id": f"env0:{t.dest}", "argv": BF16, "env": {**CAPABLE, t.env: off}})
@@ -251,3 +252,12 @@ def test_cli_overrides_env_both_directions(tree, t):
         return
     r_on = ok(r_on)
     assert r_on["perf_toggles"][t.dest]["source"] == "cli" and r_on["values"][t.dest] == on
+
+
+def test_wgrad_fallback_lands_where_megatron_looks(tree):
+    r = tree[2]["wgrad_sites"]
+    before, after = r["before"], r["after"]
+    # Megatron still calls APEX's two entry points by these names, and guards them with this flag.
+    assert before["has_flag"] and before["flag"] is False  # no APEX on a CPU test machine
+    assert before["calls_fp32"] and before["calls_fp16"] and before["utils_imports_lazily"]
+    assert after["flag"] is True and after["module_is_fallback"] and after["lazy_import_is_fallback"]
