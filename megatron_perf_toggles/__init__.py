@@ -8,7 +8,15 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["PerfTogglesError", "__version__", "chain_providers", "extra_args_provider"]
+__all__ = [
+    "PerfTogglesError",
+    "RankMismatchError",
+    "__version__",
+    "chain_providers",
+    "check_ranks",
+    "extra_args_provider",
+]
 
 from .errors import PerfTogglesError
 from .provider import chain_providers, extra_args_provider
+from .rank_check import RankMismatchError, check_ranks

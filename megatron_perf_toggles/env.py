@@ -61,6 +61,7 @@ class EnvSettings:
     fp4_bf16_end: int | None = None
     rank: int = 0
     wgrad_fallback: bool = True
+    rank_check: bool = True
 
     def raw_for_record(self, environ: Mapping[str, str]) -> dict[str, str]:
         """The plugin's variables as they were set, for the provenance record."""
@@ -92,6 +93,8 @@ def read_env(environ: Mapping[str, str]) -> EnvSettings:
         fp4_bf16_start=parse_count("FP4_BF16_START", environ.get("FP4_BF16_START")),
         fp4_bf16_end=parse_count("FP4_BF16_END", environ.get("FP4_BF16_END")),
         rank=rank,
+        rank_check=parse_bool(
+            "MEGATRON_PERF_TOGGLES_RANK_CHECK", environ.get("MEGATRON_PERF_TOGGLES_RANK_CHECK")) is not False,
         wgrad_fallback=parse_bool(
             "MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK", environ.get("MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK")) is not False,
     )

@@ -189,13 +189,22 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
     ns.perf_toggles_precision = plan.precision
     state.last_plan = plan
     state.last_caps = caps
+    if state.capabilities is None:  # a real run on this machine, not a plan for another one
+        from . import rank_check, resume
+
+        rank_check.arm(rank_check.fingerprint(ns.perf_toggles, caps.to_record(), plan.wgrad_path),
+                       enabled=state.env.rank_check)
+        for message in resume.compare_with_checkpoint(getattr(ns, "load", None), ns.perf_toggles):
+            plan.messages.append(message)
     if state.announce and state.env.rank == 0 and not state.announced:
         state.announced = True
         for line in provenance.lines(plan, original_dirs):
             print(line, flush=True)
-        directory = provenance.record_dir(plan, vars(ns))
-        if directory:
-            payload = provenance.record(plan, caps, state.env.raw_for_record(state.environ), sys.argv)
+        payload = provenance.record(plan, caps, state.env.raw_for_record(state.environ), sys.argv)
+        # The log directory's record, and one beside the checkpoints so a resume can compare.
+        for directory in (provenance.record_dir(plan, vars(ns)), getattr(ns, "save", None)):
+            if not directory:
+                continue
             try:
                 provenance.write_atomic(directory, payload)
             except OSError as error:

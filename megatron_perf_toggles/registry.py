@@ -181,6 +181,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK", "bool", "1",
             "Without APEX, keep gradient accumulation fusion on through a torch GEMM stand-in for APEX's "
             "fused wgrad kernels (CUDA/ROCm, torch with addmm out_dtype); 0 turns fusion off instead."),
+    Setting("MEGATRON_PERF_TOGGLES_RANK_CHECK", "bool", "1",
+            "0 skips the start-up check that every rank decided the same toggles and capabilities."),
     Setting("FP4_SELECTIVE_BF16", "bool", "",
             "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
             "(default by recipe: nvfp4 1, mxfp4 0)."),

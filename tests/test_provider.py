@@ -164,3 +164,23 @@ def test_record_write_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         provenance.write_atomic(str(tmp_path), {"a": 1})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_with_different_toggles_warns_naming_them(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+
+    def run(environ):
+        parser = replay.build_parser(replay.load_surface("main"))
+        provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+        return parser.parse_args([*BASE, "--save", ck, "--load", ck])
+
+    run({})
+    assert json.loads((tmp_path / "ck" / "perf_toggles.json").read_text())["decisions"]["grad_reduce_in_bf16"]["value"]
+    capsys.readouterr()
+    args = run({"GRAD_REDUCE_IN_BF16": "0"})
+    out = capsys.readouterr().out
+    assert "warning: resuming from" in out and "grad_reduce_in_bf16 on -> off" in out
+    assert args.grad_reduce_in_bf16 is False  # a warning, not a refusal
+    capsys.readouterr()
+    run({"GRAD_REDUCE_IN_BF16": "0"})
+    assert "resuming from" not in capsys.readouterr().out  # same toggles as the checkpointed run
