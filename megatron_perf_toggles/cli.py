@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     pa.set_defaults(func=None)
 
+    ab = sub.add_parser("ablate", help="controlled toggle experiments that cannot be confounded", add_help=False)
+    ab.set_defaults(func=None)
+
     su = sub.add_parser("surface", help="record a Megatron tree's argparse surface as JSON facts", add_help=False)
     su.set_defaults(func=None)
     return parser
@@ -282,6 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .patching import main as patch_main
 
         return patch_main(argv[1:])
+    if argv and argv[0] == "ablate":
+        from .ablate import main as ablate_main
+
+        return ablate_main(argv[1:])
     if argv and argv[0] == "surface":
         from .surface import main as surface_main
 

@@ -1,0 +1,120 @@
+"""Arms of a controlled toggle experiment: which toggles and settings each arm sets.
+
+Every arm sets every design variable explicitly (toggles through their environment variables,
+other settings through their Megatron flags), so nothing an arm inherits from the caller's
+environment can differ between arms.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from .errors import PerfTogglesError
+from .registry import BY_DEST, TOGGLES
+
+DESIGNS = ("one-at-a-time", "leave-one-out", "factorial")
+DEFAULT_TOGGLES = tuple(t.dest for t in TOGGLES if t.kind == "bool")
+
+
+class DesignError(PerfTogglesError):
+    """The experiment is ill-specified (unknown design, toggle or setting, or no arms)."""
+
+
+@dataclass(frozen=True)
+class Vary:
+    name: str  # a toggle dest or a Megatron argument dest
+    values: tuple[str, ...]
+
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@dataclass
+class Arm:
+    name: str
+    toggles: dict[str, bool]  # dest -> intended value
+    settings: dict[str, str] = field(default_factory=dict)  # Megatron dest -> value (from --vary)
+    baseline: bool = False
+
+    def env(self) -> dict[str, str]:
+        return {BY_DEST[d].env: "1" if v else "0" for d, v in self.toggles.items()}
+
+    def extra_args(self) -> list[str]:
+        out: list[str] = []
+        for name, value in self.settings.items():
+            out += ["--" + name.replace("_", "-"), value]
+        return out
+
+    def intended(self) -> dict[str, object]:
+        return {**self.toggles, **self.settings}
+
+
+def parse_toggles(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return DEFAULT_TOGGLES
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise DesignError("--toggles is empty", f"choose from: {', '.join(DEFAULT_TOGGLES)}")
+    for n in names:
+        if n not in DEFAULT_TOGGLES:
+            raise DesignError(f"--toggles: unknown toggle {n!r}", f"choose from: {', '.join(DEFAULT_TOGGLES)}")
+    if len(set(names)) != len(names):
+        raise DesignError("--toggles names a toggle twice")
+    return names
+
+
+def parse_vary(items: list[str] | None, known_args: set[str] | None = None) -> list[Vary]:
+    """``NAME=V1,V2``. NAME is a toggle dest or, if ``known_args`` is given, one of those dests."""
+    out: list[Vary] = []
+    for item in items or []:
+        name, sep, values = item.partition("=")
+        name = name.strip().replace("-", "_").lstrip("_")
+        vals = tuple(v.strip() for v in values.split(",") if v.strip())
+        if not sep or not name or len(vals) < 2:
+            raise DesignError(f"--vary {item!r}: expected NAME=V1,V2[,...] with at least two values")
+        if name in BY_DEST and BY_DEST[name].kind == "bool":
+            raise DesignError(f"--vary {name}: on/off toggles take part through --toggles, not --vary")
+        if name not in BY_DEST and known_args is not None and name not in known_args:
+            raise DesignError(f"--vary {item!r}: unknown name {name!r}: neither a toggle nor a Megatron argument",
+                              f"toggles: {', '.join(DEFAULT_TOGGLES)}")
+        if len(set(vals)) != len(vals):
+            raise DesignError(f"--vary {item!r}: a value is listed twice")
+        out.append(Vary(name, vals))
+    return out
+
+
+def _label(toggles: dict[str, bool], settings: dict[str, str]) -> str:
+    on = [d for d, v in toggles.items() if v]
+    parts = ["+".join(on) if on else "all-off"]
+    parts += [f"{k}={v}" for k, v in settings.items()]
+    return ",".join(parts)
+
+
+def expand(design: str, toggles: tuple[str, ...], vary: list[Vary]) -> list[Arm]:
+    if design not in DESIGNS:
+        raise DesignError(f"unknown design {design!r}", f"choose from: {', '.join(DESIGNS)}")
+    settings_grid = [dict(zip([v.name for v in vary], combo, strict=True))
+                     for combo in itertools.product(*[v.values for v in vary])] or [{}]
+    if design != "factorial" and len(settings_grid) > 1:
+        raise DesignError(f"--vary needs --design factorial (a {design} design varies one toggle at a time)")
+    arms: list[Arm] = []
+    if design == "one-at-a-time":
+        base = dict.fromkeys(toggles, False)
+        arms.append(Arm("all-off", base, baseline=True))
+        arms += [Arm(f"only:{d}", {**base, d: True}) for d in toggles]
+    elif design == "leave-one-out":
+        base = dict.fromkeys(toggles, True)
+        arms.append(Arm("all-on", base, baseline=True))
+        arms += [Arm(f"without:{d}", {**base, d: False}) for d in toggles]
+    else:
+        for settings in settings_grid:
+            for combo in itertools.product((False, True), repeat=len(toggles)):
+                values = dict(zip(toggles, combo, strict=True))
+                arms.append(Arm(_label(values, settings), values, dict(settings)))
+        arms[0].baseline = True
+    if len(arms) < 2:
+        raise DesignError(f"design {design!r} with these toggles gives {len(arms)} arm(s); nothing to compare")
+    return arms
