@@ -1,11 +1,25 @@
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 version = {}
 for line in Path("megatron_perf_toggles/__init__.py").read_text().splitlines():
     if line.startswith("__version__"):
         exec(line, version)
+
+
+class BuildWithPatches(build_py):
+    """Ship the top-level patches/ inside the package (megatron_perf_toggles/data/patches)."""
+
+    def run(self):
+        super().run()
+        target = Path(self.build_lib) / "megatron_perf_toggles" / "data" / "patches"
+        for src in sorted(Path("patches").glob("*/*.patch")):
+            dest = target / src.parent.name / src.name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(src.read_bytes())
+
 
 setup(
     name="megatron-perf-toggles",
@@ -16,7 +30,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["megatron_perf_toggles", "megatron_perf_toggles.*"]),
-    package_data={"megatron_perf_toggles": ["data/*.json"]},
+    package_data={"megatron_perf_toggles": ["data/surfaces/*.json"]},
+    cmdclass={"build_py": BuildWithPatches},
     python_requires=">=3.10",
     install_requires=[],
     extras_require={

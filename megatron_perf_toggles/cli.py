@@ -304,4 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ns.func(ns)
     except PerfTogglesError as error:
         fail(error)
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
     return 2

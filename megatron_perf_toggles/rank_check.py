@@ -38,17 +38,20 @@ def arm(fp: dict[str, Any], enabled: bool = True) -> None:
     """Remember this rank's fingerprint and check it as soon as the process group exists."""
     _armed.clear()
     _armed.update(fp)
-    if not enabled:
-        return
     dist = _dist()
     if dist is None:
+        return
+    current = dist.init_process_group
+    if not enabled:
+        # An earlier parse in this process (or a forked parent) may have armed the check.
+        dist.init_process_group = getattr(current, "__wrapped__", current)
         return
     if dist.is_available() and dist.is_initialized():
         check_ranks()
         return
-    original = dist.init_process_group
-    if getattr(original, "_perf_toggles_wrapped", False):
+    if getattr(current, "_perf_toggles_wrapped", False):
         return
+    original = current
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:

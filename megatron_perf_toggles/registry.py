@@ -183,6 +183,9 @@ SETTINGS: tuple[Setting, ...] = (
             "fused wgrad kernels (CUDA/ROCm, torch with addmm out_dtype); 0 turns fusion off instead."),
     Setting("MEGATRON_PERF_TOGGLES_RANK_CHECK", "bool", "1",
             "0 skips the start-up check that every rank decided the same toggles and capabilities."),
+    Setting("MEGATRON_PERF_TOGGLES_DRY_RUN", "bool", "0",
+            "1 makes the launcher (and patched pretrain_gpt.py) stop after Megatron's parse and validate "
+            "and print the decisions as JSON."),
     Setting("FP4_SELECTIVE_BF16", "bool", "",
             "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
             "(default by recipe: nvfp4 1, mxfp4 0)."),

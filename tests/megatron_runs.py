@@ -1,0 +1,292 @@
+"""Real-Megatron runs shared by test_launcher.py and test_patches.py, and their subprocess driver.
+
+Importing a Megatron tree costs ~10 s, so each version gets ONE subprocess (this file run as a
+script) that runs every case in-process: first on the tree itself, then, after dropping the
+tree's modules (a re-import costs ~2 s), on a patched copy of it. The versions run in parallel,
+as many at once as there are CPUs. Trees come from MEGATRON_LM_TREES (':'-separated) only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TREES_ENV = "MEGATRON_LM_TREES"
+SKIP_REASON = (f"{TREES_ENV} is unset: real-Megatron tests SKIPPED (set it to ':'-separated Megatron-LM "
+               "checkouts, one per version; see shared/megatron/README.md)")
+
+# Enough for parse_args + validate_args of pretrain_gpt.py on a CPU box, every version.
+BASE_ARGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+    "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "1",
+    "--lr", "1e-4", "--train-iters", "1", "--bf16", "--vocab-size", "1000", "--mock-data",
+    "--position-embedding-type", "rope", "--no-rope-fusion",
+]
+TOKENIZER = ["--tokenizer-type", "NullTokenizer"]
+
+PROVIDER_MODULE = "ptt_provider"
+PROVIDER_SOURCE = '''\
+"""Test providers: a user's own, a ModelOpt stand-in, and a ROCm-fork style combined provider."""
+
+
+def add_my_flag(parser):
+    parser.add_argument("--my-flag", type=int, default=None)
+    return parser
+
+
+def add_other(parser):
+    parser.add_argument_group("ptt other").add_argument("--other-flag", action="store_true")
+    return parser
+
+
+def modelopt_standin(parser):
+    group = parser.add_argument_group(title="modelopt stand-in")
+    group.add_argument("--standin-flag", action="store_true")
+    group.add_argument("--standin-default", default=None)  # filled from the script's args_defaults
+    return parser
+
+
+def rocm_patch_args(parser):
+    parser.add_argument_group(title="rocm stand-in").add_argument("--rocm-standin-flag", action="store_true")
+    return parser
+
+
+def combined_args_provider(parser):
+    import megatron_perf_toggles
+
+    parser = modelopt_standin(parser)
+    parser = rocm_patch_args(parser)
+    return megatron_perf_toggles.extra_args_provider(parser)  # the plugin named again, inside
+'''
+
+# Calls Megatron the way this version's pretrain_gpt.py does (PTT_STYLE=upstream), or the way the
+# ROCm fork does (PTT_STYLE=rocm: a combined provider, to parse_and_validate_args where it exists
+# and to pretrain()).
+MIMIC_SOURCE = '''\
+import os
+
+import ptt_provider
+from megatron.training import arguments, pretrain
+
+DEFAULTS = {"tokenizer_type": "NullTokenizer", "standin_default": "from-args-defaults"}
+own = ptt_provider.modelopt_standin if os.environ["PTT_STYLE"] == "upstream" else ptt_provider.combined_args_provider
+if hasattr(arguments, "parse_and_validate_args"):
+    from megatron.training.arguments import parse_and_validate_args
+
+    parse_and_validate_args(extra_args_provider=own, args_defaults=DEFAULTS)
+    raise SystemExit("unreachable: a dry run exits inside parse_and_validate_args")
+pretrain(None, None, None, None, args_defaults=DEFAULTS, extra_args_provider=own)
+raise SystemExit("unreachable: a dry run exits inside initialize_megatron")
+'''
+
+
+def trees() -> list[str]:
+    return [t for t in os.environ.get(TREES_ENV, "").split(":") if t.strip()]
+
+
+def tree_id(tree: str | None) -> str:
+    return Path(tree).name if tree else "no-trees"
+
+
+def has_fused_field(tree: str) -> bool:
+    """TransformerConfig.fused_single_qkv_rope exists from core 0.15 on."""
+    path = Path(tree) / "megatron" / "core" / "transformer" / "transformer_config.py"
+    return "fused_single_qkv_rope:" in path.read_text(encoding="utf-8")
+
+
+def payload(result: dict[str, Any]) -> dict[str, Any]:
+    """The dry run's JSON: stdout must hold it and nothing else."""
+    assert result["error"] is None, result["error"]
+    assert result["code"] == 0, result["stderr"][-3000:]
+    return json.loads(result["stdout"])
+
+
+def stock_cases(tree: str, work: Path) -> list[dict[str, Any]]:
+    script = str(Path(tree) / "pretrain_gpt.py")
+    mimic = str(work / "mimic_script.py")
+    base = [*BASE_ARGS, *TOKENIZER]
+    return [
+        {"name": "plain", "mode": "launcher", "argv": ["--dry-run", script, *base]},
+        {"name": "provider", "mode": "launcher",
+         "env": {"MEGATRON_PERF_TOGGLES_DRY_RUN": "1", "GRAD_REDUCE_IN_BF16": "0"},
+         "argv": ["--extra-args-provider", f"{PROVIDER_MODULE}:add_my_flag", script, *base, "--my-flag", "7",
+                  f"--extra-args-provider={PROVIDER_MODULE}:add_other", "--other-flag"]},
+        {"name": "unknown-flag", "mode": "launcher", "argv": ["--dry-run", script, *base, "--my-flag", "7"]},
+        {"name": "cannot-honour", "mode": "launcher",
+         "argv": ["--dry-run", script, *base, "--cross-entropy-fusion-impl", "te"]},
+        {"name": "mimic-upstream", "mode": "launcher", "env": {"PTT_STYLE": "upstream"},
+         "argv": ["--dry-run", "--extra-args-provider", "megatron_perf_toggles:extra_args_provider", mimic,
+                  *BASE_ARGS, "--standin-flag"]},
+        {"name": "mimic-rocm", "mode": "launcher", "env": {"PTT_STYLE": "rocm"},
+         "argv": ["--dry-run", mimic, *BASE_ARGS, "--standin-flag", "--rocm-standin-flag"]},
+    ]
+
+
+def patched_cases(copy: str, fused: bool) -> list[dict[str, Any]]:
+    script = str(Path(copy) / "pretrain_gpt.py")
+    base = [*BASE_ARGS, *TOKENIZER]
+    fused_flag = ["--fused-single-qkv-rope"] if fused else []
+    dry = {"MEGATRON_PERF_TOGGLES_DRY_RUN": "1"}
+    return [
+        {"name": "patched-plugin", "mode": "script", "env": {**dry, "MEGATRON_PERF_TOGGLES_ASSUME": "te=2.8"},
+         "argv": [script, *base, "--extra-args-provider", "megatron_perf_toggles",
+                  f"--extra-args-provider={PROVIDER_MODULE}:add_my_flag", "--my-flag", "3", *fused_flag]},
+        {"name": "patched-own-only", "mode": "script", "env": dry,
+         "argv": [script, *base, "--extra-args-provider", f"{PROVIDER_MODULE}:add_my_flag", *fused_flag]},
+        {"name": "patched-package-missing", "mode": "script", "env": dry,
+         "block": ["megatron_perf_toggles.hooks"],
+         "argv": [script, *base, "--extra-args-provider", "megatron_perf_toggles"]},
+    ]
+
+
+_lock = threading.Lock()
+_cache: dict[str, dict[str, dict[str, Any]]] = {}
+
+
+def _prepare(work: Path) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    (work / f"{PROVIDER_MODULE}.py").write_text(PROVIDER_SOURCE)
+    (work / "mimic_script.py").write_text(MIMIC_SOURCE)
+
+
+def patch_copy(tree: str, dest: Path) -> Path:
+    """A copy of ``tree`` with its patch set applied through the real CLI code."""
+    from megatron_perf_toggles import patching
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(tree, dest, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+    code = patching.main(["--megatron", str(dest)])
+    assert code == 0, f"patching a copy of {tree} failed"
+    return dest
+
+
+def _run_version(tree: str, work: Path) -> dict[str, dict[str, Any]]:
+    copy = patch_copy(tree, work / "patched" / tree_id(tree))
+    plan = {"phases": [
+        {"tree": str(Path(tree).resolve()), "cases": stock_cases(tree, work)},
+        {"tree": str(copy.resolve()), "cases": patched_cases(str(copy), has_fused_field(tree))},
+    ]}
+    plan_file = work / f"plan-{tree_id(tree)}.json"
+    results_file = work / f"results-{tree_id(tree)}.json"
+    plan_file.write_text(json.dumps(plan))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "PTT_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(work)])
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    done = subprocess.run([sys.executable, __file__, str(plan_file), str(results_file)], env=env, cwd=work,
+                          capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0 or not results_file.exists():
+        raise AssertionError(f"driver for {tree} failed ({done.returncode}):\n{done.stderr[-5000:]}")
+    return {r["name"]: r for r in json.loads(results_file.read_text())}
+
+
+def results(tree: str) -> dict[str, dict[str, Any]]:
+    """Every case's result for ``tree``; the first call runs all trees, in parallel."""
+    with _lock:
+        if not _cache:
+            work = Path(tempfile.mkdtemp(prefix="ptt-megatron-"))
+            _prepare(work)
+            names = trees()
+            workers = max(1, min(len(names), os.cpu_count() or 1))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = {t: pool.submit(_run_version, t, work) for t in names}
+                errors = {}
+                for t, future in futures.items():
+                    try:
+                        _cache[t] = future.result()
+                    except Exception as error:  # noqa: BLE001 - reported per tree below
+                        errors[t] = error
+                for t, error in errors.items():
+                    _cache[t] = {"__error__": {"error": str(error)}}
+            shutil.rmtree(work, ignore_errors=True)
+    found = _cache[tree]
+    assert "__error__" not in found, found.get("__error__", {}).get("error")
+    return found
+
+
+# --- the driver: runs in the subprocess -----------------------------------------------------------
+
+
+_MISSING = object()
+
+
+def _drop_tree_modules(root: str) -> None:
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
+        if name == "megatron" or name.startswith("megatron.") or path.startswith(root + os.sep):
+            del sys.modules[name]
+
+
+def _run_case(case: dict[str, Any]) -> dict[str, Any]:
+    from megatron_perf_toggles import hooks, run
+    from megatron_perf_toggles.megatron_env import megatron_importable
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = (sys.stdout, sys.stderr, list(sys.argv), list(sys.path), dict(os.environ))
+    blocked = {name: sys.modules.get(name, _MISSING) for name in case.get("block", [])}
+    os.environ.update(case.get("env", {}))
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]  # makes `import name` fail
+    code: Any = None
+    error = None
+    started = time.perf_counter()
+    sys.stdout, sys.stderr = out, err
+    try:
+        if case["mode"] == "launcher":
+            code = run.main(case["argv"])
+        else:  # as `python SCRIPT ARGS`
+            sys.argv = list(case["argv"])
+            sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+            with megatron_importable():
+                runpy.run_path(sys.argv[0], run_name="__main__")
+            code = 0
+    except SystemExit as done:
+        if isinstance(done.code, str):
+            err.write(done.code + "\n")
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported to the test
+        error = traceback.format_exc()
+    finally:
+        sys.stdout, sys.stderr = saved[0], saved[1]
+        sys.argv, sys.path[:] = saved[2], saved[3]
+        os.environ.clear()
+        os.environ.update(saved[4])
+        for name, module in blocked.items():
+            if module is _MISSING:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module  # type: ignore[assignment]
+        hooks.uninstall()
+    return {"name": case["name"], "code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,
+            "seconds": round(time.perf_counter() - started, 2)}
+
+
+def drive(plan_file: str, results_file: str) -> None:
+    plan = json.loads(Path(plan_file).read_text())
+    found: list[dict[str, Any]] = []
+    previous = None
+    for phase in plan["phases"]:
+        if previous is not None:
+            _drop_tree_modules(previous)
+            sys.path.remove(previous)
+        sys.path.insert(0, phase["tree"])
+        previous = phase["tree"]
+        found.extend(_run_case(case) for case in phase["cases"])
+    Path(results_file).write_text(json.dumps(found))
+
+
+if __name__ == "__main__":
+    drive(sys.argv[1], sys.argv[2])

@@ -1,0 +1,423 @@
+"""The launcher (``python -m megatron_perf_toggles.run``) and the hooks under it.
+
+Three layers: pure helpers (no Megatron); a small fake Megatron written to tmp, in both parse-path
+shapes (<= 0.17: pretrain -> initialize_megatron -> parse_args; 0.18+: the script calls
+parse_and_validate_args), which runs on any machine in well under a second per case; and real
+Megatron-LM trees from MEGATRON_LM_TREES (tests/megatron_runs.py: one subprocess per version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import megatron_runs as runs
+import pytest
+
+from megatron_perf_toggles import chain_providers, extra_args_provider, hooks
+from megatron_perf_toggles.errors import PerfTogglesError
+from megatron_perf_toggles.patching import inspect_tree
+from megatron_perf_toggles.registry import TOGGLES
+
+REPO = runs.REPO
+PLUGIN = "megatron_perf_toggles.provider:extra_args_provider"
+TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
+    pytest.param(None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))
+]
+
+
+def launch(*argv: str, cwd: Path, pythonpath: list[Path] | None = None, env: dict[str, str] | None = None,
+           ) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    full["PYTHONPATH"] = os.pathsep.join(str(p) for p in [REPO, *(pythonpath or [])])
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "megatron_perf_toggles.run", *argv], cwd=cwd, env=full,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("[perf-toggles] error: ")
+    for needle in needles:
+        assert needle in lines[0]
+    return lines[0]
+
+
+# --- pure helpers ---------------------------------------------------------------------------------
+
+
+def test_pull_provider_specs_keeps_the_other_words_in_order() -> None:
+    specs, rest = hooks.pull_provider_specs(
+        ["--num-layers", "2", "--extra-args-provider", "a:b", "--lr=1e-4", "--extra-args-provider=c:d", "-h"])
+    assert specs == ["a:b", "c:d"]
+    assert rest == ["--num-layers", "2", "--lr=1e-4", "-h"]
+
+
+def test_pull_provider_specs_missing_value_is_one_error() -> None:
+    with pytest.raises(PerfTogglesError, match="extra-args-provider"):
+        hooks.pull_provider_specs(["--extra-args-provider"])
+
+
+def test_resolve_provider_module_alone_means_extra_args_provider() -> None:
+    assert hooks.resolve_provider("megatron_perf_toggles") is extra_args_provider
+    assert hooks.resolve_provider("megatron_perf_toggles.provider:extra_args_provider") is extra_args_provider
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    ("no_such_module_ptt:f", "cannot import module 'no_such_module_ptt'"),
+    ("megatron_perf_toggles:no_such_function", "has no function 'no_such_function'"),
+    ("megatron_perf_toggles:__version__", "not a function"),
+    (":f", "expected MODULE:FUNCTION"),
+])
+def test_resolve_provider_errors_name_the_culprit(spec: str, needle: str) -> None:
+    with pytest.raises(hooks.ProviderSpecError, match="extra-args-provider") as caught:
+        hooks.resolve_provider(spec)
+    assert needle in str(caught.value)
+    assert caught.value.spec == spec
+
+
+def test_flatten_skips_none_expands_chains_and_dedupes() -> None:
+    def own(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return parser
+
+    chained = chain_providers(own, extra_args_provider)
+    assert hooks.flatten([None, chained, own, extra_args_provider]) == [own, extra_args_provider]
+
+
+def test_dry_run_env_is_validated() -> None:
+    assert hooks.dry_run_requested({"MEGATRON_PERF_TOGGLES_DRY_RUN": "yes"}) is True
+    assert hooks.dry_run_requested({}) is False
+    with pytest.raises(PerfTogglesError, match="MEGATRON_PERF_TOGGLES_DRY_RUN"):
+        hooks.dry_run_requested({"MEGATRON_PERF_TOGGLES_DRY_RUN": "maybe"})
+
+
+# --- command-line errors: one line, exit 2, nothing started ----------------------------------------
+
+
+@pytest.fixture
+def script_dir(tmp_path: Path) -> Path:
+    """A script that leaves a marker if it ever runs, and a provider module beside it."""
+    (tmp_path / "train.py").write_text("from pathlib import Path\nPath(__file__).with_name('ran').touch()\n")
+    (tmp_path / "tmp_provider.py").write_text("def add(parser):\n    return parser\n")
+    (tmp_path / "broken_provider.py").write_text("raise RuntimeError('boom at import')\n")
+    return tmp_path
+
+
+def test_help_explains(tmp_path: Path) -> None:
+    done = launch("--help", cwd=tmp_path)
+    assert done.returncode == 0
+    for needle in ("--extra-args-provider", "--dry-run", "MEGATRON_PERF_TOGGLES_DRY_RUN", "PYTHONPATH", "SCRIPT"):
+        assert needle in done.stdout
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--extra-args-provider", "no_such_module_ptt:f", "train.py"], ("no_such_module_ptt",)),
+    (["--extra-args-provider", "tmp_provider:nope", "train.py"], ("tmp_provider", "nope")),
+    (["train.py", "--extra-args-provider=tmp_provider:nope"], ("tmp_provider", "nope")),
+    (["--extra-args-provider", "broken_provider:add", "train.py"], ("broken_provider", "boom at import")),
+    (["--dry-run", "missing_script.py"], ("script not found", "missing_script.py")),
+    ([], ("SCRIPT",)),
+    (["train.py", "--extra-args-provider"], ("--extra-args-provider",)),
+])
+def test_bad_input_is_one_line_and_starts_nothing(script_dir: Path, argv: list[str], needles: tuple[str, ...]) -> None:
+    done = launch(*argv, cwd=script_dir, pythonpath=[script_dir])
+    assert_one_line_error(done, *needles)
+    assert not (script_dir / "ran").exists()
+
+
+def test_bad_dry_run_env_is_one_line(script_dir: Path) -> None:
+    done = launch("train.py", cwd=script_dir, env={"MEGATRON_PERF_TOGGLES_DRY_RUN": "perhaps"})
+    assert_one_line_error(done, "MEGATRON_PERF_TOGGLES_DRY_RUN")
+    assert not (script_dir / "ran").exists()
+
+
+def test_megatron_not_importable_says_pythonpath(script_dir: Path) -> None:
+    probe = subprocess.run([sys.executable, "-c", "import megatron.training"], cwd=script_dir,
+                           capture_output=True, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if probe.returncode == 0:
+        pytest.skip("megatron.training is importable in this environment: cannot test its absence")
+    done = launch("--dry-run", "train.py", cwd=script_dir)
+    assert_one_line_error(done, "Megatron-LM", "PYTHONPATH=/path/to/Megatron-LM")
+    assert not (script_dir / "ran").exists()
+
+
+# --- a fake Megatron in both parse-path shapes (runs anywhere, fast) -------------------------------
+
+FAKE_ARGUMENTS = '''\
+import argparse
+
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    training = parser.add_argument_group(title="training")
+    training.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                          dest="gradient_accumulation_fusion")
+    training.add_argument("--cross-entropy-loss-fusion", action="store_true")
+    training.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
+    training.add_argument("--tokenizer-type", default=None)
+    training.add_argument("--tensorboard-dir", default=None)
+    training.add_argument("--yaml-cfg", default=None)
+    training.add_argument("--use-checkpoint-args", action="store_true")
+    mixed = parser.add_argument_group(title="mixed precision")
+    mixed.add_argument("--bf16", action="store_true")
+    mixed.add_argument("--grad-reduce-in-bf16", action="store_true")
+    parser.add_argument_group(title="distributed").add_argument("--ddp-average-in-collective", action="store_true")
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    if ignore_unknown_args:
+        return parser.parse_known_args()[0]
+    return parser.parse_args()
+
+
+def validate_args(args, defaults={}):
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    print("fake validate_args chatter")
+    return args
+'''
+
+FAKE_NEW_EXTRA = '''
+
+def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
+    args = parse_args(extra_args_provider, ignore_unknown_args)
+    validate_args(args, args_defaults)
+    global ARGS
+    ARGS = args
+    return args
+'''
+
+FAKE_OLD_INITIALIZE = '''\
+import os
+
+from megatron.training.arguments import parse_args, validate_args
+
+ARGS = None
+
+
+def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False,
+                        allow_no_cuda=False, parsed_args=None):
+    if not allow_no_cuda and not os.environ.get("FAKE_CUDA"):
+        raise AssertionError("Megatron requires CUDA.")
+    global ARGS
+    ARGS = parse_args(extra_args_provider, ignore_unknown_args)
+    validate_args(ARGS, args_defaults)
+'''
+
+FAKE_OLD_TRAINING = '''\
+import json
+
+from megatron.training import arguments
+from megatron.training.initialize import initialize_megatron
+
+
+def pretrain(a, b, c, d, extra_args_provider=None, args_defaults={}):
+    arguments.parse_args(ignore_unknown_args=True)  # a peek, like in-process restart's
+    initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+    from megatron.training import initialize
+    print("TRAINING", json.dumps(initialize.ARGS.perf_toggles, sort_keys=True))
+'''
+
+FAKE_NEW_INITIALIZE = '''\
+def initialize_megatron(allow_no_cuda=False, skip_mpu_initialization=False):
+    raise AssertionError("Megatron requires CUDA.")
+'''
+
+FAKE_NEW_TRAINING = '''\
+import json
+
+
+def pretrain(args, b=None):
+    print("TRAINING", json.dumps(args.perf_toggles, sort_keys=True))
+'''
+
+OWN_PROVIDER = '''\
+def own(parser):
+    parser.add_argument_group(title="own").add_argument("--own-flag", action="store_true")
+    parser.add_argument("--own-default", default=None)
+    return parser
+'''
+
+FAKE_OLD_SCRIPT = OWN_PROVIDER + '''
+from megatron.training.training import pretrain
+
+pretrain(None, None, None, None, args_defaults={"own_default": "from-defaults"}, extra_args_provider=own)
+'''
+
+FAKE_NEW_SCRIPT = OWN_PROVIDER + '''
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.training import pretrain
+
+args = parse_and_validate_args(extra_args_provider=own, args_defaults={"own_default": "from-defaults"})
+pretrain(args)
+'''
+
+
+def write_fake(root: Path, shape: str) -> Path:
+    files = {
+        "megatron/__init__.py": "",
+        "megatron/core/__init__.py": "",
+        "megatron/core/package_info.py": "__version__ = '0.99.0'\n",
+        "megatron/training/__init__.py": "",
+        "megatron/training/arguments.py": FAKE_ARGUMENTS + (FAKE_NEW_EXTRA if shape == "new" else ""),
+        "megatron/training/initialize.py": FAKE_OLD_INITIALIZE if shape == "old" else FAKE_NEW_INITIALIZE,
+        "megatron/training/training.py": FAKE_OLD_TRAINING if shape == "old" else FAKE_NEW_TRAINING,
+        "train.py": FAKE_OLD_SCRIPT if shape == "old" else FAKE_NEW_SCRIPT,
+        "user_provider.py": "def mine(parser):\n    parser.add_argument('--mine', type=int)\n    return parser\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.fixture(params=["old", "new"])
+def fake(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    return write_fake(tmp_path / request.param, request.param)
+
+
+def test_fake_dry_run_prints_json_alone_and_keeps_the_scripts_provider(fake: Path) -> None:
+    done = launch("--dry-run", "--extra-args-provider", "user_provider:mine", "train.py", "--bf16", "--own-flag",
+                  "--mine", "5", "--extra-args-provider=megatron_perf_toggles", "--tensorboard-dir", "tb",
+                  cwd=fake, pythonpath=[fake])
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)  # stdout is the JSON and nothing else
+    assert "fake validate_args chatter" in done.stderr
+    assert "[perf-toggles] grad_reduce_in_bf16: on" in done.stderr  # the table, for people
+    assert payload["log_dirs"] == {"tensorboard_dir": "tb/bf16"}
+    assert not (fake / "tb").exists()  # a dry run writes nothing
+    names = [p["name"] for p in payload["providers"]]
+    assert names == ["__main__:own", "user_provider:mine", PLUGIN]  # script's own first, plugin once, last
+    assert payload["providers"][0]["added"] == {"own_flag": True, "own_default": "from-defaults"}
+    assert payload["providers"][1]["added"] == {"mine": 5}
+    assert payload["args_defaults"] == {"own_default": "from-defaults"}
+    assert payload["megatron"]["parse_path"] == ("initialize_megatron" if fake.name == "old"
+                                                 else "parse_and_validate_args")
+    assert payload["megatron"]["version"] == "0.99.0"
+    assert payload["precision"] == "bf16"
+    assert set(payload["decisions"]) >= {t.dest for t in TOGGLES}
+    assert payload["dry_run"] is True
+
+
+def test_fake_real_run_decides_once_and_reaches_training(fake: Path) -> None:
+    done = launch("train.py", "--bf16", "--tensorboard-dir", "tb", cwd=fake, pythonpath=[fake],
+                  env={"FAKE_CUDA": "1", "GRAD_REDUCE_IN_BF16": "0"})
+    assert done.returncode == 0, done.stderr
+    assert (fake / "tb" / "bf16" / "perf_toggles.json").is_file()
+    training = [line for line in done.stdout.splitlines() if line.startswith("TRAINING ")]
+    assert len(training) == 1
+    decided = json.loads(training[0][len("TRAINING "):])
+    assert decided["grad_reduce_in_bf16"] == {"value": False, "source": "env", "reason": "GRAD_REDUCE_IN_BF16=0"}
+    table = [line for line in done.stdout.splitlines() if line.startswith("[perf-toggles] grad_reduce_in_bf16:")]
+    assert len(table) == 1  # announced once, not again for the peek or a second parse
+
+
+def test_fake_dry_run_via_env_and_quiet_on_other_ranks(fake: Path) -> None:
+    done = launch("train.py", cwd=fake, pythonpath=[fake], env={"MEGATRON_PERF_TOGGLES_DRY_RUN": "1", "RANK": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+
+
+def test_fake_old_shape_never_reaches_the_cuda_assert_in_a_dry_run(tmp_path: Path) -> None:
+    fake = write_fake(tmp_path, "old")
+    done = launch("--dry-run", "train.py", cwd=fake, pythonpath=[fake])
+    assert done.returncode == 0, done.stderr
+    assert "requires CUDA" not in done.stderr
+
+
+def test_install_rebinds_stale_references_and_uninstall_restores(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = write_fake(tmp_path, "old")
+    monkeypatch.syspath_prepend(str(fake))
+    for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        installed = hooks.install([extra_args_provider])
+        from megatron.training import arguments, initialize, training
+
+        original = installed.originals["parse_args"]
+        assert arguments.parse_args is initialize.parse_args is installed.wrappers["parse_args"]
+        assert training.initialize_megatron is initialize.initialize_megatron is installed.wrappers[
+            "initialize_megatron"]
+        assert hooks.install([]) is installed  # a second install updates, never wraps twice
+        assert getattr(arguments.parse_args, hooks.ORIGINAL_ATTR) is original
+    finally:
+        hooks.uninstall()
+        for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
+            del sys.modules[name]
+    assert initialize.parse_args is original
+    assert hooks.active() is None
+
+
+# --- real Megatron-LM trees -----------------------------------------------------------------------
+
+
+def _names(payload: dict) -> list[str]:
+    return [p["name"] for p in payload["providers"]]
+
+
+def _expected_path(tree: str) -> str:
+    return "parse_and_validate_args" if inspect_tree(tree).script_parses_itself else "initialize_megatron"
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_real_pretrain_gpt_dry_run(tree: str) -> None:
+    payload = runs.payload(runs.results(tree)["plain"])
+    assert payload["megatron"]["version"] == inspect_tree(tree).version
+    assert payload["megatron"]["path"] == str(Path(tree).resolve())
+    assert payload["megatron"]["parse_path"] == _expected_path(tree)
+    assert payload["precision"] == "bf16"
+    assert set(payload["decisions"]) >= {t.dest for t in TOGGLES}
+    assert _names(payload).count(PLUGIN) == 1 and _names(payload)[-1] == PLUGIN
+    assert set(payload["after_validate"]) >= {t.dest for t in TOGGLES if t.dest != "fused_single_qkv_rope"}
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_real_pretrain_gpt_dry_run_with_extra_providers(tree: str) -> None:
+    payload = runs.payload(runs.results(tree)["provider"])  # dry run from the environment variable
+    names = _names(payload)
+    assert names[-3:] == ["ptt_provider:add_my_flag", "ptt_provider:add_other", PLUGIN]
+    by_name = {p["name"]: p["added"] for p in payload["providers"]}
+    assert by_name["ptt_provider:add_my_flag"] == {"my_flag": 7}
+    assert by_name["ptt_provider:add_other"] == {"other_flag": True}
+    assert payload["decisions"]["grad_reduce_in_bf16"]["source"] == "env"
+    assert payload["after_validate"]["grad_reduce_in_bf16"] is False
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_real_unknown_flag_without_its_provider_is_rejected(tree: str) -> None:
+    result = runs.results(tree)["unknown-flag"]
+    assert result["code"] == 2 and "--my-flag" in result["stderr"]
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_real_refused_request_is_one_line(tree: str) -> None:
+    result = runs.results(tree)["cannot-honour"]
+    assert result["code"] == 2 and result["error"] is None
+    assert "Traceback" not in result["stderr"]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("[perf-toggles] error:")]
+    assert len(errors) == 1 and "--cross-entropy-fusion-impl te" in errors[0]
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+@pytest.mark.parametrize("style", ["upstream", "rocm"])
+def test_real_chaining_with_the_scripts_own_provider(tree: str, style: str) -> None:
+    payload = runs.payload(runs.results(tree)[f"mimic-{style}"])
+    assert payload["megatron"]["parse_path"] == _expected_path(tree)
+    first = payload["providers"][0]
+    if style == "upstream":
+        assert first["name"] == "ptt_provider:modelopt_standin"
+        assert first["added"] == {"standin_flag": True, "standin_default": "from-args-defaults"}
+    else:  # the fork's combined provider names the plugin itself: still one set of flags, one decision
+        assert first["name"] == "ptt_provider:combined_args_provider"
+        assert first["added"]["rocm_standin_flag"] is True and first["added"]["standin_flag"] is True
+    assert _names(payload).count(PLUGIN) == 1
+    assert payload["args_defaults"] == {"tokenizer_type": "NullTokenizer", "standin_default": "from-args-defaults"}
+    assert set(payload["decisions"]) >= {t.dest for t in TOGGLES}
