@@ -63,26 +63,29 @@ def correctness(torch, fb) -> dict:
     out["rel_error_noncontiguous"] = rel(g, ref)
     out["noncontiguous_ok"] = out["rel_error_noncontiguous"] < 1e-5
 
-    # bf16 main_grad: within bf16 rounding of the exact result.
+    # bf16 main_grad: the result is the exact sum rounded once to bf16, so the error per element is
+    # at most half a bf16 spacing of the result plus fp32 accumulation error, which scales with the
+    # magnitude of the summed terms (not of the result, which can cancel to near zero).
     x = torch.randn(8192, 2048, device=dev, generator=gen).to(torch.bfloat16)
     dy = torch.randn(8192, 1024, device=dev, generator=gen).to(torch.bfloat16)
     gb = torch.randn(1024, 2048, device=dev, generator=gen).to(torch.bfloat16)
     ref = gb.double() + dy.double().t() @ x.double()
+    scale = gb.double().abs() + dy.double().abs().t() @ x.double().abs()
     fb.wgrad_gemm_accum_fp16(x, dy, gb)
-    ulp = ref.abs() * 2.0 ** -7 + 1e-30  # bf16 spacing: 8 significant bits
-    out["bf16_max_error_in_ulps"] = ((gb.double() - ref).abs() / ulp).max().item()
-    out["bf16_ok"] = out["bf16_max_error_in_ulps"] <= 1.0 + 1e-6
+    err = (gb.double() - ref).abs()
+    bound = ref.abs() * 2.0 ** -8 + scale * 2.0 ** -20
+    out["bf16_max_error_over_bound"] = (err / bound).max().item()
+    out["bf16_max_error_in_half_ulps"] = (err / (ref.abs() * 2.0 ** -8).clamp_min(1e-30)).median().item()
+    out["bf16_ok"] = out["bf16_max_error_over_bound"] <= 1.0
 
-    # Every element written: each element must move by its own product, none left as it was.
-    x = torch.randn(4096, 1536, device=dev, generator=gen).to(torch.bfloat16)
-    dy = torch.randn(4096, 768, device=dev, generator=gen).to(torch.bfloat16)
-    g0 = torch.randn(768, 1536, device=dev, generator=gen)
-    g = g0.clone()
-    fb.wgrad_gemm_accum_fp32(x, dy, g)
-    delta = dy.double().t() @ x.double()
-    err = (g.double() - (g0.double() + delta)).abs() / (delta.abs() + 1e-3)
+    # Every element written: with all-ones inputs each element must grow by exactly K.
+    k = 4096
+    ones_x = torch.ones(k, 1536, device=dev, dtype=torch.bfloat16)
+    ones_dy = torch.ones(k, 768, device=dev, dtype=torch.bfloat16)
+    g = torch.full((768, 1536), 0.5, device=dev)
+    fb.wgrad_gemm_accum_fp32(ones_x, ones_dy, g)
     out["elements_checked"] = g.numel()
-    out["every_element_written"] = bool((err < 1e-3).all().item())
+    out["every_element_written"] = bool((g == k + 0.5).all().item())
     return out
 
 

@@ -34,7 +34,11 @@ NOT_COMPARED = {"perf_toggles", "perf_toggles_precision", "rank", "local_rank", 
 DRY_RUN_TIMEOUT_S = 600
 # Arguments Megatron's validate_args derives from a toggle, so they differ exactly when it does.
 # Listed explicitly (read off real dry runs): a heuristic could excuse a real confound.
-DERIVED: dict[str, tuple[str, ...]] = {}
+DERIVED: dict[str, tuple[str, ...]] = {
+    "grad_reduce_in_bf16": ("accumulate_allreduce_grads_in_fp32",),
+    # The impl only matters with the fusion on; the plugin's guard resolves it then.
+    "cross_entropy_loss_fusion": ("cross_entropy_fusion_impl",),
+}
 
 
 class ConfoundError(PerfTogglesError):
@@ -61,6 +65,16 @@ def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: di
         return json.loads(proc.stdout)
     except ValueError:
         raise ConfoundError(f"arm {arm.name}: the dry run printed no JSON record") from None
+
+
+def resolve_all(resolver: Callable[..., dict[str, Any]], script: str, megatron_args: Sequence[str],
+                arms: Sequence[Arm], environ: dict[str, str]) -> list[dict[str, Any]]:
+    """Dry-run the arms a few at a time (each is one Megatron import, CPU-bound)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = max(1, min(len(arms), (os.cpu_count() or 2), 4))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda arm: resolver(script, megatron_args, arm, environ), arms))
 
 
 def _diff(base: dict[str, Any], other: dict[str, Any], ignore: set[str]) -> dict[str, tuple[Any, Any]]:
@@ -353,7 +367,7 @@ def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, An
         environ = dict(os.environ)
         print(f"[ablate] {len(arms)} arms ({ns.design}); resolving each through Megatron's parser and "
               "validate_args...", file=sys.stderr, flush=True)
-        records = [resolver(ns.script, args, arm, environ) for arm in arms]
+        records = resolve_all(resolver, ns.script, args, arms, environ)
         check_confounds(arms, records)
         commands = [arm_command(ns.launch, ns.script, args, arm) for arm in arms]
         plan = {"design": ns.design, "arms": [

@@ -35,11 +35,33 @@ def _accumulate(input: Any, grad_output: Any, main_grad: Any) -> None:
             return
         main_grad.addmm_(dy.t().float(), x.float())
         return
-    if main_grad.is_cuda or x.dtype == main_grad.dtype:
-        # bf16/fp16 buffer: fp32 compute, result rounded into the buffer (APEX's fp16 variant).
-        main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
+    if main_grad.is_cuda:
+        # bf16/fp16 buffer: fp32 compute, one rounding into the buffer (APEX's fp16 variant). torch
+        # otherwise lets cuBLAS reduce split-K partial sums in bf16/fp16, which APEX does not.
+        with _full_precision_reduction(torch):
+            main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
+        return
+    if x.dtype == main_grad.dtype:
+        main_grad.addmm_(dy.t(), x)
         return
     main_grad.add_((dy.t().float() @ x.float()).to(main_grad.dtype))
+
+
+class _full_precision_reduction:
+    """Turn off torch's reduced-precision (bf16/fp16) split-K reductions for one GEMM."""
+
+    def __init__(self, torch: Any) -> None:
+        self.matmul = torch.backends.cuda.matmul
+
+    def __enter__(self) -> None:
+        self.saved = (self.matmul.allow_bf16_reduced_precision_reduction,
+                      self.matmul.allow_fp16_reduced_precision_reduction)
+        self.matmul.allow_bf16_reduced_precision_reduction = False
+        self.matmul.allow_fp16_reduced_precision_reduction = False
+
+    def __exit__(self, *exc: object) -> None:
+        (self.matmul.allow_bf16_reduced_precision_reduction,
+         self.matmul.allow_fp16_reduced_precision_reduction) = self.saved
 
 
 def wgrad_gemm_accum_fp32(input: Any, grad_output: Any, main_grad: Any) -> None:

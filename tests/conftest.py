@@ -46,7 +46,8 @@ def env():
     return lambda **kw: read_env({k: str(v) for k, v in kw.items()})
 
 
-REAL_SUITES = ("tests/test_megatron_real.py", "tests/test_launcher.py", "tests/test_patches.py")
+REAL_SUITES = ("tests/test_megatron_real.py", "tests/test_launcher.py", "tests/test_patches.py",
+               "tests/test_ablate_real.py", "tests/test_cli.py")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -1,0 +1,55 @@
+"""Megatron's own log lines -> numbers. Real logs from H200 runs of Megatron main are fixtures."""
+
+from __future__ import annotations
+
+from conftest import REPO
+
+from megatron_perf_toggles.megatron_log import parse_file, parse_lines
+
+FIXTURES = REPO / "tests" / "fixtures" / "megatron_logs"
+
+
+def test_real_main_log():
+    path = FIXTURES / "main_te_llama8b4l_default.log"
+    log = parse_file(str(path))
+    text = path.read_text()
+    assert len(log.iterations) == text.count("elapsed time per iteration (ms):") == 20
+    it10 = next(it for it in log.iterations if it.iteration == 10)
+    # Read off the fixture's iteration-10 line: 1099.0 ms, 524.1 TFLOP/s, lm loss 1.024092E-01.
+    assert it10.get("ms_per_iter") == 1099.0 and it10.get("tflops_per_gpu") == 524.1
+    assert it10.get("lm_loss") == 0.1024092 and it10.get("global_batch_size") == 16
+    assert it10.get("skipped") == 0 and it10.get("nan") == 0 and it10.total == 20
+    # The last memory report (after iteration 2, with optimizer state) wins.
+    assert log.memory_mb["max_allocated"] == 45397.30
+    summary = log.summary(skip_first=9)
+    assert summary["ms_per_iter"]["n"] == 11 and 1090 < summary["ms_per_iter"]["median"] < 1110
+    assert log.errors == []
+
+
+def test_real_main_fp8_log_has_the_same_shape():
+    log = parse_file(str(FIXTURES / "main_te_llama8b4l_fp8_alloff.log"))
+    assert len(log.iterations) == 20 and all("tflops_per_gpu" in it.values for it in log.iterations)
+
+
+# Older releases (core 0.13/0.14) print the timestamp without microseconds and memory numbers
+# unrounded; these lines follow that format (core_v0.13.0 training.py / utils.py).
+OLD_FORMAT = [
+    " [2025-06-01 10:00:00] iteration        3/      10 | consumed samples:           12 | elapsed time per "
+    "iteration (ms): 812.5 | throughput per GPU (TFLOP/s/GPU): 301.2 | learning rate: 1.000000E-04 | global batch "
+    "size:     4 | lm loss: 9.876543E+00 | loss scale: 1.0 | grad norm: 12.345 | number of skipped iterations:   0 | "
+    "number of nan iterations:   0 |",
+    "[Rank 0] (after 3 iterations) memory (MB) | allocated: 1234.56787109375 | max allocated: 2345.678955078125 | "
+    "reserved: 3000.0 | max reserved: 3000.0",
+]
+
+
+def test_older_format():
+    log = parse_lines(OLD_FORMAT)
+    assert log.iterations[0].iteration == 3 and log.iterations[0].get("ms_per_iter") == 812.5
+    assert log.iterations[0].get("lm_loss") == 9.876543
+    assert log.memory_mb["max_allocated"] == 2345.678955078125
+
+
+def test_crash_lines_are_kept():
+    log = parse_lines(["Traceback (most recent call last):", "RuntimeError: CUDA out of memory"])
+    assert log.errors == ["Traceback (most recent call last):", "RuntimeError: CUDA out of memory"]
