@@ -30,6 +30,11 @@ from .provenance import format_value
 from .registry import SETTINGS, TOGGLES
 
 DEFAULT_SURFACE = "main"
+WGRAD_WORDS = {
+    "apex": "APEX fused_weight_gradient_mlp_cuda",
+    "fallback": "torch fallback (addmm, fp32 accumulation) in place of APEX",
+    "off": "off (gradient accumulation fusion is off)",
+}
 
 
 # --- explain ----------------------------------------------------------------------------------
@@ -115,6 +120,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     print(_table(rows, ["toggle", "value", "source", "reason"]))
     print()
     print(f"precision tag: {plan.precision}")
+    print(f"fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}")
     for dest in ("tensorboard_dir", "wandb_save_dir"):
         if args.get(dest):
             print(f"{dest}: {args[dest]}")
@@ -183,6 +189,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
         "notes": caps.notes,
         "toggles_here": {dest: d.to_record() for dest, d in plan.decisions.items()},
         "assumed": list(effective.assumed),
+        "wgrad_path": plan.wgrad_path,
     }
     if ns.json:
         print(json.dumps(report, indent=1, sort_keys=True, default=str))
@@ -203,6 +210,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
              f"cross-entropy kernel: {yes[caps.te_cross_entropy]})" if caps.te_version else ""))
     print(f"APEX fused wgrad:   {yes[caps.apex_fused_wgrad]}")
     print(f"aiter (AMD):        {caps.aiter_version or 'not installed'}")
+    print(f"fused wgrad path:   {WGRAD_WORDS[plan.wgrad_path]}")
     for note in caps.notes.values():
         print(f"  note: {note}")
     print()
