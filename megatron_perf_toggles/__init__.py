@@ -17,6 +17,16 @@ __all__ = [
     "extra_args_provider",
 ]
 
+from typing import Any
+
 from .errors import PerfTogglesError
 from .provider import chain_providers, extra_args_provider
-from .rank_check import RankMismatchError, check_ranks
+
+
+def __getattr__(name: str) -> Any:
+    # The rank check is for after process-group start; keep it off the import path until asked.
+    if name in ("RankMismatchError", "check_ranks"):
+        from . import rank_check
+
+        return getattr(rank_check, name)
+    raise AttributeError(f"module 'megatron_perf_toggles' has no attribute {name!r}")

@@ -8,7 +8,7 @@ layer selection, then the guards in order, then advice.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .capabilities import Capabilities
@@ -35,42 +35,59 @@ class Decision:
         return {"value": self.value, "source": self.source, "reason": self.reason}
 
 
-@dataclass(frozen=True)
 class Message:
-    level: str  # warning | advice
-    text: str
+    """A warning or advice line for the start-up table (plain class: cheap to define at import)."""
+
+    __slots__ = ("level", "text")
+
+    def __init__(self, level: str, text: str) -> None:
+        self.level = level  # warning | advice
+        self.text = text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Message) and (self.level, self.text) == (other.level, other.text)
+
+    def __repr__(self) -> str:
+        return f"Message({self.level!r}, {self.text!r})"
 
 
-@dataclass
 class Plan:
-    decisions: dict[str, Decision]
-    precision: str
-    log_dirs: dict[str, str]  # dest -> tagged path (only those that are set and tagged)
-    messages: list[Message] = field(default_factory=list)
-    wgrad_path: str = "off"  # apex | fallback | off: who computes fused weight gradients
+    """Everything decided for one command line."""
+
+    __slots__ = ("decisions", "log_dirs", "messages", "precision", "wgrad_path")
+
+    def __init__(self, decisions: dict[str, Decision], precision: str, log_dirs: dict[str, str],
+                 messages: list[Message] | None = None, wgrad_path: str = "off") -> None:
+        self.decisions = decisions
+        self.precision = precision
+        self.log_dirs = log_dirs  # dest -> tagged path (only those that are set and tagged)
+        self.messages = messages if messages is not None else []
+        self.wgrad_path = wgrad_path  # apex | fallback | off: who computes fused weight gradients
 
     def values(self) -> dict[str, Any]:
         return {dest: d.value for dest, d in self.decisions.items()}
 
 
-@dataclass(frozen=True)
 class Change:
     """What a guard wants: ``dest`` becomes ``value`` because ``reason``."""
 
-    dest: str
-    value: Any
-    reason: str
-    hint: str = ""
-    capability: str = ""  # the capability the change rests on, if any
-    over_cli: bool = False  # applies even over an explicit command-line value (with a warning)
+    __slots__ = ("capability", "dest", "hint", "over_cli", "reason", "value")
+
+    def __init__(self, dest: str, value: Any, reason: str, hint: str = "", capability: str = "",
+                 over_cli: bool = False) -> None:
+        self.dest, self.value, self.reason, self.hint = dest, value, reason, hint
+        self.capability = capability  # the capability the change rests on, if any
+        self.over_cli = over_cli  # applies even over an explicit command-line value (with a warning)
 
 
-@dataclass(frozen=True)
 class Context:
-    args: Mapping[str, Any]
-    values: Mapping[str, Any]  # the decisions so far
-    caps: Capabilities
-    env: EnvSettings
+    """What a guard may look at: parsed args, the decisions so far, capabilities, environment."""
+
+    __slots__ = ("args", "caps", "env", "values")
+
+    def __init__(self, args: Mapping[str, Any], values: Mapping[str, Any], caps: Capabilities,
+                 env: EnvSettings) -> None:
+        self.args, self.values, self.caps, self.env = args, values, caps, env
 
 
 Guard = Callable[[Context], Iterator[Change]]

@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import provenance
@@ -36,18 +35,22 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
-@dataclass
 class ProviderState:
-    env: EnvSettings
-    environ: Mapping[str, str]
-    stock: dict[str, Any]
-    watched: tuple[str, ...]
-    added_flags: list[str] = field(default_factory=list)
-    announce: bool = True
-    capabilities: Capabilities | None = None
-    last_plan: Plan | None = None
-    last_caps: Capabilities | None = None
-    announced: bool = False
+    """What the provider learned at registration, and what the post-parse step decided."""
+
+    def __init__(self, env: EnvSettings, environ: Mapping[str, str], stock: dict[str, Any],
+                 watched: tuple[str, ...], added_flags: list[str], announce: bool = True,
+                 capabilities: Capabilities | None = None) -> None:
+        self.env = env
+        self.environ = environ
+        self.stock = stock
+        self.watched = watched
+        self.added_flags = added_flags
+        self.announce = announce
+        self.capabilities = capabilities
+        self.last_plan: Plan | None = None
+        self.last_caps: Capabilities | None = None
+        self.announced = False
 
 
 def _group_of(parser: argparse.ArgumentParser, flag: str) -> argparse._ArgumentGroup | None:

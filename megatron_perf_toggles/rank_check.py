@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import socket
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -119,6 +118,8 @@ def check_ranks(group: Any = None) -> None:
     dist = _dist()
     if dist is None or not dist.is_initialized():
         raise RuntimeError("check_ranks() needs torch.distributed to be initialised first")
+    import socket
+
     import torch
 
     payload = json.dumps(

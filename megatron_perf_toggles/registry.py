@@ -15,13 +15,15 @@ Kind = Literal["bool", "choice"]
 Bucket = Literal["gpt", "extra"]
 
 
-@dataclass(frozen=True)
 class Group:
     """Where Megatron keeps a kind of setting: a new flag joins the group of its neighbours."""
 
-    key: str
-    titles: tuple[str, ...]  # argparse group titles across Megatron versions, preferred first
-    bucket: Bucket  # the launch-script argument bucket this group's flags belong to
+    __slots__ = ("bucket", "key", "titles")
+
+    def __init__(self, key: str, titles: tuple[str, ...], bucket: Bucket) -> None:
+        self.key = key
+        self.titles = titles  # argparse group titles across Megatron versions, preferred first
+        self.bucket = bucket  # the launch-script argument bucket this group's flags belong to
 
 
 GROUPS: dict[str, Group] = {
@@ -75,14 +77,13 @@ class Toggle:
         return [self.flag if value else self.off_flag]
 
 
-@dataclass(frozen=True)
 class Setting:
     """A plugin-wide environment variable that is not a Megatron toggle."""
 
-    env: str
-    kind: Literal["bool", "int", "list"]
-    default: str
-    help: str
+    __slots__ = ("default", "env", "help", "kind")
+
+    def __init__(self, env: str, kind: Literal["bool", "int", "list"], default: str, help: str) -> None:
+        self.env, self.kind, self.default, self.help = env, kind, default, help
 
 
 TOGGLES: tuple[Toggle, ...] = (
