@@ -1,0 +1,61 @@
+"""examples/llama/train_llama3.sh: real use through the launcher (printed commands; dry runs on real trees)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, megatron_trees
+
+SCRIPT = REPO / "examples" / "llama" / "train_llama3.sh"
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not available")
+
+
+def run(env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=timeout,
+                          env={**base, "PYTHON": sys.executable, **env})
+
+
+@pytest.mark.parametrize("precision, words", [
+    ("bf16", []),
+    ("fp8", ["--fp8-format hybrid", "--fp8-recipe delayed"]),
+    ("fp8_tensorwise", ["--fp8-recipe tensorwise"]),
+    ("mxfp8", ["--fp8-recipe mxfp8"]),
+    ("nvfp4", ["--fp4-format e2m1", "--fp4-recipe nvfp4"]),
+    ("mxfp4", ["--fp4-recipe mxfp4"]),
+])
+@pytest.mark.parametrize("size, layers", [("8", "32"), ("70", "80")])
+def test_printed_command_goes_through_the_launcher(precision, words, size, layers):
+    proc = run({"MEGATRON_LM": "/opt/Megatron-LM", "PRINT_ONLY": "1", "PRECISION": precision, "MODEL_SIZE": size})
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout
+    assert cmd.startswith("torchrun --nproc-per-node 8") and "-m megatron_perf_toggles.run /opt/Megatron-LM/pretrain_gpt.py" in cmd
+    assert f"--num-layers {layers}" in cmd
+    for w in words:
+        assert w in cmd
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"MODEL_SIZE": "13"}, "MODEL_SIZE must be 8 or 70"),
+    ({"PRECISION": "int4"}, "PRECISION must be bf16"),
+])
+def test_bad_choices_are_one_line_exit_2(env, words):
+    proc = run({"MEGATRON_LM": "/opt/Megatron-LM", "PRINT_ONLY": "1", **env})
+    assert proc.returncode == 2 and words in proc.stderr
+
+
+@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: example dry runs skipped")
+@pytest.mark.parametrize("size, precision, tag", [("8", "fp8", "fp8"), ("70", "bf16", "bf16")])
+def test_dry_run_on_the_newest_tree(size, precision, tag):
+    tree = megatron_trees()[-1]
+    proc = run({"MEGATRON_LM": str(tree), "PYTHONPATH": str(REPO), "DRY_RUN": "1", "MODEL_SIZE": size,
+                "PRECISION": precision, "NUM_LAYERS": "2", "MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20.2,cuda"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(proc.stdout)
+    assert record["precision"] == tag and record["log_dirs"]["tensorboard_dir"].endswith(f"/tensorboard/{tag}")
+    assert record["decisions"]["grad_reduce_in_bf16"]["value"] is True
