@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,8 +57,13 @@ def dry_run_command(script: str, megatron_args: Sequence[str], arm: Arm) -> list
 def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: dict[str, str]) -> dict[str, Any]:
     """The arm's dry-run record (decisions + effective Megatron arguments after validate_args)."""
     cmd = dry_run_command(script, megatron_args, arm)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**environ, **arm.env()},
-                          timeout=DRY_RUN_TIMEOUT_S)
+    # One process, as rank 0: a dry run under a job's RANK=3 would print no record.
+    env = {k: v for k, v in environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, "RANK": "0", **arm.env()},
+                              timeout=DRY_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ConfoundError(f"arm {arm.name}: the dry run took over {DRY_RUN_TIMEOUT_S}s and was stopped") from None
     if proc.returncode != 0:
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
         raise ConfoundError(f"arm {arm.name}: the dry run failed (exit {proc.returncode}): {tail}")
@@ -127,9 +133,27 @@ def _derived_keys(arms: Sequence[Arm], records: Sequence[dict[str, Any]], intend
 # --- running ----------------------------------------------------------------------------------
 
 
-def arm_command(launch: str | None, script: str, megatron_args: Sequence[str], arm: Arm) -> list[str]:
+def arm_command(launch: str | None, script: str, megatron_args: Sequence[str], arm: Arm,
+                paths: Sequence[str] = ()) -> list[str]:
     prefix = shlex.split(launch) if launch else [sys.executable]
-    return [*prefix, "-m", "megatron_perf_toggles.run", script, *megatron_args, *arm.extra_args()]
+    return [*prefix, "-m", "megatron_perf_toggles.run", script, *megatron_args, *arm.extra_args(), *paths]
+
+
+def arm_paths(effective: dict[str, Any], directory: Path) -> list[str]:
+    """Each arm its own log directory and checkpoints, so no arm resumes from or overwrites another.
+    A ``--load`` other than ``--save`` (a pretrained start) is shared: arms only read it."""
+    out = ["--tensorboard-dir", str(directory / "tensorboard")]
+    if effective.get("wandb_save_dir"):
+        out += ["--wandb-save-dir", str(directory / "wandb")]
+    if effective.get("save"):
+        out += ["--save", str(directory / "checkpoints")]
+        if effective.get("load") == effective.get("save"):
+            out += ["--load", str(directory / "checkpoints")]
+    return out
+
+
+def arm_dir(out: Path, arm: Arm) -> Path:
+    return out / "arms" / _slug(arm.name)
 
 
 def _slug(name: str) -> str:
@@ -171,16 +195,19 @@ def run_arms(arms: Sequence[Arm], commands: Sequence[list[str]], out: Path, envi
     progress = progress or Progress(len(arms))
     statuses: list[dict[str, Any]] = []
     for i, (arm, cmd) in enumerate(zip(arms, commands, strict=True), start=1):
-        arm_dir = out / "arms" / _slug(arm.name)
-        arm_dir.mkdir(parents=True, exist_ok=True)
-        status_file = arm_dir / "status.json"
+        here = arm_dir(out, arm)
+        here.mkdir(parents=True, exist_ok=True)
+        status_file = here / "status.json"
         if status_file.exists():
-            previous = json.loads(status_file.read_text())
+            try:
+                previous = json.loads(status_file.read_text())
+            except ValueError:
+                previous = {}  # torn by a kill: run the arm again
             if previous.get("status") == "done" and previous.get("command") == cmd:
                 progress.stream.write(f"[arm {i}/{len(arms)}] {arm.name}: done earlier, skipped\n")
                 statuses.append(previous)
                 continue
-        log_path = arm_dir / "log.txt"
+        log_path = here / "log.txt"
         start = time.monotonic()
         last_ms: float | None = None
         with open(log_path, "w") as log:
@@ -369,7 +396,12 @@ def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, An
               "validate_args...", file=sys.stderr, flush=True)
         records = resolve_all(resolver, ns.script, args, arms, environ)
         check_confounds(arms, records)
-        commands = [arm_command(ns.launch, ns.script, args, arm) for arm in arms]
+        commands = [arm_command(ns.launch, ns.script, args, arm,
+                                arm_paths(rec.get("effective_args", {}), arm_dir(out, arm)))
+                    for arm, rec in zip(arms, records, strict=True)]
+        launcher = commands[0][0]
+        if shutil.which(launcher) is None and not Path(launcher).is_file():
+            raise DesignError(f"--launch: {launcher!r} is not an executable on PATH")
         plan = {"design": ns.design, "arms": [
             {"name": a.name, "baseline": a.baseline, "env": a.env(), "command": c}
             for a, c in zip(arms, commands, strict=True)]}

@@ -100,11 +100,26 @@ def _on(values: Mapping[str, Any], dest: str) -> bool:
 # --- guards, applied in this order ------------------------------------------------------------
 
 
+FSDP_FLAGS = (("use_torch_fsdp2", "--use-torch-fsdp2"), ("use_megatron_fsdp", "--use-megatron-fsdp"),
+              ("use_custom_fsdp", "--use-custom-fsdp"))
+
+
+def _fsdp_flag(args: Mapping[str, Any]) -> str | None:
+    return next((flag for dest, flag in FSDP_FLAGS if args.get(dest)), None)
+
+
+def _wgrad_kernel_available(ctx: Context) -> bool:
+    return ctx.caps.apex_fused_wgrad or (ctx.caps.wgrad_fallback and ctx.env.wgrad_fallback)
+
+
 def mxfp4_bf16_wgrad(ctx: Context) -> Iterator[Change]:
+    # Runs first, so it looks ahead: only a fusion that will really stay on needs the bf16 buffer.
+    fusion_stays_on = (_on(ctx.values, "gradient_accumulation_fusion") and not _fsdp_flag(ctx.args)
+                       and _wgrad_kernel_available(ctx))
     if (
         ctx.args.get("fp4")
         and ctx.args.get("fp4_recipe") == "mxfp4"
-        and _on(ctx.values, "gradient_accumulation_fusion")
+        and fusion_stays_on
         and not _on(ctx.values, "grad_reduce_in_bf16")
     ):
         yield Change(
@@ -150,28 +165,21 @@ def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
 
 
 def gradient_accumulation_fusion_fsdp(ctx: Context) -> Iterator[Change]:
-    if not _on(ctx.values, "gradient_accumulation_fusion"):
-        return
-    for dest, name in (
-        ("use_torch_fsdp2", "--use-torch-fsdp2"),
-        ("use_megatron_fsdp", "--use-megatron-fsdp"),
-        ("use_custom_fsdp", "--use-custom-fsdp"),
-    ):
-        if ctx.args.get(dest):
-            yield Change(
-                "gradient_accumulation_fusion",
-                False,
-                f"{name}: FSDP does not support gradient accumulation fusion",
-                hint="drop --gradient-accumulation-fusion or the FSDP flag",
-            )
-            return
+    flag = _fsdp_flag(ctx.args)
+    if _on(ctx.values, "gradient_accumulation_fusion") and flag:
+        yield Change(
+            "gradient_accumulation_fusion",
+            False,
+            f"{flag}: FSDP does not support gradient accumulation fusion",
+            hint="drop --gradient-accumulation-fusion or the FSDP flag",
+        )
 
 
 def gradient_accumulation_fusion_apex(ctx: Context) -> Iterator[Change]:
     if not _on(ctx.values, "gradient_accumulation_fusion") or ctx.caps.apex_fused_wgrad:
         return
     missing = ctx.caps.notes.get("apex_fused_wgrad") or "APEX's fused_weight_gradient_mlp_cuda is not available"
-    if ctx.caps.wgrad_fallback and ctx.env.wgrad_fallback:
+    if _wgrad_kernel_available(ctx):
         yield Change("gradient_accumulation_fusion", True,
                      f"{missing}: the torch fallback ({WGRAD_FALLBACK_WORDS}) stands in",
                      capability="wgrad_fallback")
@@ -286,19 +294,27 @@ def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mappi
 
 
 def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: EnvSettings) -> dict[str, Decision]:
-    if not args.get("fp4") or "first_last_layers_bf16" in explicit:
+    """FP4 layer selection: CLI > FP4_* environment > the recipe's default. Layer counts given on
+    either side imply selective bf16, unless it was switched off explicitly."""
+    if not args.get("fp4"):
         return {}
     recipe = str(args.get("fp4_recipe") or "nvfp4")
     selective, start, end = FP4_RECIPE_SELECTION.get(recipe, (False, 2, 8))
     why = f"{recipe} recipe default"
     out: dict[str, Decision] = {}
-    counts_from_env = env.fp4_bf16_start is not None or env.fp4_bf16_end is not None
-    if env.fp4_selective_bf16 is not None:
+    cli_counts = [d for d in FP4_LAYER_DESTS[1:] if d in explicit]
+    env_counts = env.fp4_bf16_start is not None or env.fp4_bf16_end is not None
+    if "first_last_layers_bf16" in explicit:
+        value = explicit["first_last_layers_bf16"]
+        out["first_last_layers_bf16"] = Decision(value, "cli", "set on the command line (--first-last-layers-bf16)")
+    elif env.fp4_selective_bf16 is not None:
         out["first_last_layers_bf16"] = Decision(
-            env.fp4_selective_bf16, "env", f"FP4_SELECTIVE_BF16={int(env.fp4_selective_bf16)}"
-        )
-    elif counts_from_env:
-        out["first_last_layers_bf16"] = Decision(True, "env", "FP4_BF16_START/FP4_BF16_END set")
+            env.fp4_selective_bf16, "env", f"FP4_SELECTIVE_BF16={int(env.fp4_selective_bf16)}")
+    elif cli_counts:
+        flags = ", ".join("--" + d.replace("_", "-") for d in cli_counts)
+        out["first_last_layers_bf16"] = Decision(True, "cli", f"implied by {flags}")
+    elif env_counts:
+        out["first_last_layers_bf16"] = Decision(True, "env", "implied by FP4_BF16_START/FP4_BF16_END")
     else:
         label = "first/last layers in bf16" if selective else "every layer in FP4"
         out["first_last_layers_bf16"] = Decision(selective, "default", f"{why}: {label}")

@@ -86,14 +86,18 @@ def _really_installed(name: str) -> bool:
 
 
 @contextmanager
-def megatron_importable(tree: str | os.PathLike[str] | None = None) -> Iterator[None]:
-    """Within this block, ``import megatron.training.arguments`` works from ``tree`` on a CPU box."""
+def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: bool = True) -> Iterator[None]:
+    """Within this block, ``import megatron.training.arguments`` works from ``tree`` on a CPU box.
+
+    ``stand_ins=False`` keeps only the harmless ``typing.override`` shim: a real training run must
+    see a missing triton as missing, not get a stand-in whose kernels would fail later.
+    """
     if tree is not None:
         sys.path.insert(0, str(Path(tree).resolve()))
     if not hasattr(typing, "override"):
         typing.override = lambda fn: fn  # type: ignore[attr-defined]
     real_import = builtins.__import__
-    if any(not _really_installed(name) for name in STAND_IN_PACKAGES):
+    if stand_ins and any(not _really_installed(name) for name in STAND_IN_PACKAGES):
         builtins.__import__ = _stand_in_import(real_import)
     try:
         yield

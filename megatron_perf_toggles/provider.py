@@ -17,7 +17,7 @@ from typing import Any
 
 from . import provenance
 from .capabilities import Capabilities, resolve
-from .decide import FP4_LAYER_DESTS, Plan, decide
+from .decide import FP4_LAYER_DESTS, Message, Plan, decide
 from .env import EnvSettings, read_env
 from .errors import PerfTogglesError, fail
 from .provenance import format_value
@@ -182,6 +182,9 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
     original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
     for dest, decision in plan.decisions.items():
         setattr(ns, dest, decision.value)
+    if caps.assumed and state.capabilities is None:
+        plan.messages.append(Message("warning", "MEGATRON_PERF_TOGGLES_ASSUME is set: these decisions rest on "
+                                     "planned capabilities, not on this machine's"))
     if plan.wgrad_path == "fallback" and state.capabilities is None:
         from .wgrad_fallback import install as install_wgrad_fallback
 
@@ -204,15 +207,17 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
         for line in provenance.lines(plan, original_dirs):
             print(line, flush=True)
         payload = provenance.record(plan, caps, state.env.raw_for_record(state.environ), sys.argv)
-        # The log directory's record, and one beside the checkpoints so a resume can compare.
-        for directory in (provenance.record_dir(plan, vars(ns)), getattr(ns, "save", None)):
-            if not directory:
-                continue
-            try:
+        directory = provenance.record_dir(plan, vars(ns))
+        try:
+            if directory:
                 provenance.write_atomic(directory, payload)
-            except OSError as error:
-                print(f"{provenance.PREFIX} warning: could not write {provenance.RECORD_NAME} "
-                      f"into {directory}: {error}", file=sys.stderr, flush=True)
+            if state.capabilities is None:
+                from . import resume
+
+                resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision)
+        except OSError as error:
+            print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",
+                  file=sys.stderr, flush=True)
     return plan
 
 

@@ -43,7 +43,8 @@ def arm(fp: dict[str, Any], enabled: bool = True) -> None:
     current = dist.init_process_group
     if not enabled:
         # An earlier parse in this process (or a forked parent) may have armed the check.
-        dist.init_process_group = getattr(current, "__wrapped__", current)
+        if getattr(current, "_perf_toggles_wrapped", False):
+            dist.init_process_group = current.__wrapped__
         return
     if dist.is_available() and dist.is_initialized():
         check_ranks()

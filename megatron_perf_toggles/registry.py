@@ -185,8 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEGATRON_PERF_TOGGLES_RANK_CHECK", "bool", "1",
             "0 skips the start-up check that every rank decided the same toggles and capabilities."),
     Setting("MEGATRON_PERF_TOGGLES_DRY_RUN", "bool", "0",
-            "1 makes the launcher (and patched pretrain_gpt.py) stop after Megatron's parse and validate "
-            "and print the decisions as JSON."),
+            "1 makes the launcher stop after Megatron's parse and validate and print the decisions as JSON "
+            "(a patched pretrain_gpt.py does so when given --extra-args-provider)."),
     Setting("FP4_SELECTIVE_BF16", "bool", "",
             "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
             "(default by recipe: nvfp4 1, mxfp4 0)."),

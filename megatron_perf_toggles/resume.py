@@ -1,7 +1,10 @@
-"""Resume safety: warn when a resumed run's toggles differ from the checkpointed run's.
+"""Resume safety: warn when a resumed run's toggles differ from those of the run that wrote the checkpoint.
 
-The toggles change numerics, not the checkpoint layout, so a difference is worth a warning that
-names it, never a refusal.
+Each launch appends one line to ``perf_toggles_history.jsonl`` in ``--save``: the checkpoint
+iteration it started from and its decisions. The checkpoint a resume loads (iteration L, from
+Megatron's ``latest_checkpointed_iteration.txt``) was written by the last launch that started
+before L, so a launch that crashed before saving never masks the real one. The toggles change
+numerics, not the checkpoint layout, so a difference is a warning that names it, never a refusal.
 """
 
 from __future__ import annotations
@@ -12,24 +15,59 @@ from collections.abc import Mapping
 from typing import Any
 
 from .decide import Message
-from .provenance import RECORD_NAME, format_value
+from .provenance import format_value
+
+HISTORY_NAME = "perf_toggles_history.jsonl"
+TRACKER_NAME = "latest_checkpointed_iteration.txt"  # written by Megatron next to its checkpoints
+
+
+def latest_iteration(directory: str | None) -> int | None:
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, TRACKER_NAME)) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "release" checkpoints carry no iteration
+
+
+def _history(directory: str) -> list[dict[str, Any]]:
+    entries = []
+    try:
+        with open(os.path.join(directory, HISTORY_NAME)) as fh:
+            for line in fh:
+                try:
+                    entries.append(json.loads(line))
+                except ValueError:
+                    continue  # a torn line from a killed launch
+    except OSError:
+        return []
+    return entries
 
 
 def compare_with_checkpoint(load_dir: str | None, decisions: Mapping[str, Mapping[str, Any]]) -> list[Message]:
-    if not load_dir:
+    loaded = latest_iteration(load_dir)
+    if not load_dir or not loaded:
         return []
-    path = os.path.join(load_dir, RECORD_NAME)
-    try:
-        with open(path) as fh:
-            previous = json.load(fh).get("decisions", {})
-    except (OSError, ValueError):
+    writers = [e for e in _history(load_dir) if int(e.get("start_iteration") or 0) < loaded]
+    if not writers:
         return []
-    diffs = []
-    for dest, now in decisions.items():
-        before = previous.get(dest)
-        if before is not None and before.get("value") != now.get("value"):
-            diffs.append(f"{dest} {format_value(before.get('value'))} -> {format_value(now.get('value'))}")
+    before_values = writers[-1].get("decisions", {})
+    diffs = [f"{dest} {format_value(before_values[dest])} -> {format_value(now.get('value'))}"
+             for dest, now in decisions.items() if dest in before_values and before_values[dest] != now.get("value")]
     if not diffs:
         return []
-    return [Message("warning", f"resuming from {load_dir} with different toggles than the checkpointed run: "
-                    + ", ".join(diffs) + " (numerics change; checkpoint layout does not)")]
+    return [Message("warning", f"resuming from {load_dir} (iteration {loaded}) with different toggles than the run "
+                    "that saved it: " + ", ".join(diffs) + " (numerics change; the checkpoint layout does not)")]
+
+
+def record_launch(save_dir: str | None, decisions: Mapping[str, Mapping[str, Any]], precision: str) -> None:
+    """Append this launch (rank 0 only) to the history beside the checkpoints."""
+    if not save_dir:
+        return
+    os.makedirs(save_dir, exist_ok=True)
+    entry = {"start_iteration": latest_iteration(save_dir) or 0, "precision": precision,
+             "decisions": {dest: d.get("value") for dest, d in decisions.items()}}
+    with open(os.path.join(save_dir, HISTORY_NAME), "a") as fh:
+        fh.write(json.dumps(entry, sort_keys=True) + "\n")

@@ -97,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # put there stays importable after it, for provider modules.
         sys.path.insert(0, str(script.resolve().parent))
         sys.argv = [str(script), *script_args]
-        with megatron_importable():
+        # Stand-ins for GPU-only imports (triton) only for a dry run, which stops before any kernel.
+        with megatron_importable(stand_ins=dry_run):
             providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
             hooks.install([*providers, extra_args_provider], dry_run=dry_run)
             # In a dry run stdout carries the JSON alone: the script's own output goes to stderr.

@@ -113,6 +113,11 @@ def install() -> list[str]:
     existing = sys.modules.get(MODULE_NAME)
     if existing is not None and not is_fallback(existing):
         return []
+    if existing is None:
+        import importlib.util
+
+        if importlib.util.find_spec(MODULE_NAME) is not None:  # a real APEX, not imported yet
+            return []
     module = existing or make_module()
     sys.modules[MODULE_NAME] = module
     patched = [f"sys.modules[{MODULE_NAME!r}]"]

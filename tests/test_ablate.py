@@ -183,3 +183,62 @@ def test_gpu_count_from_launch():
     assert ablate._gpus(None) == 1
     assert ablate._gpus("torchrun --nproc-per-node 8") == 8
     assert ablate._gpus("torchrun --nnodes=2 --nproc_per_node=4") == 8
+
+
+def test_each_arm_gets_its_own_logs_and_checkpoints(tmp_path):
+    arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
+    effective = {"save": "/ck", "load": "/ck", "wandb_save_dir": "/wb"}
+    paths = [ablate.arm_paths(effective, ablate.arm_dir(tmp_path, a)) for a in arms]
+    assert paths[0] != paths[1]
+    for a, p in zip(arms, paths, strict=True):
+        here = str(ablate.arm_dir(tmp_path, a))
+        assert p[p.index("--save") + 1].startswith(here) and p[p.index("--load") + 1] == p[p.index("--save") + 1]
+        assert p[p.index("--tensorboard-dir") + 1].startswith(here) and "--wandb-save-dir" in p
+    shared = ablate.arm_paths({"save": "/ck", "load": "/pretrained"}, ablate.arm_dir(tmp_path, arms[0]))
+    assert "--load" not in shared  # a pretrained start is only read: shared by every arm
+
+
+def test_dry_runs_run_as_rank_zero(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, capture_output, text, env, timeout):
+        seen.update(env)
+        return type("P", (), {"returncode": 0, "stdout": "{}", "stderr": ""})()
+
+    monkeypatch.setattr(ablate.subprocess, "run", fake_run)
+    arm = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])[1]
+    ablate.resolve_arm("pretrain_gpt.py", [], arm, {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "PATH": "/bin"})
+    assert seen["RANK"] == "0" and "LOCAL_RANK" not in seen and "WORLD_SIZE" not in seen
+    assert seen["GRAD_REDUCE_IN_BF16"] == "1"
+
+
+def test_dry_run_timeout_is_a_clear_error(monkeypatch):
+    def slow(*a, **k):
+        raise ablate.subprocess.TimeoutExpired("x", 1)
+
+    monkeypatch.setattr(ablate.subprocess, "run", slow)
+    arm = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])[0]
+    with pytest.raises(ablate.ConfoundError, match="took over"):
+        ablate.resolve_arm("pretrain_gpt.py", [], arm, {})
+
+
+def test_missing_launcher_is_refused_before_running(tmp_path, capsys):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+
+    def resolver(script, args, arm, environ):
+        return {"decisions": {d: {"value": v} for d, v in arm.toggles.items()},
+                "effective_args": {"seed": 1, **arm.toggles}}
+
+    with pytest.raises(SystemExit) as info:
+        ablate.main(["--design", "one-at-a-time", "--toggles", "grad_reduce_in_bf16", "--out", str(tmp_path / "o"),
+                     "--launch", "no-such-torchrun --nproc-per-node 8", str(script)], resolver=resolver)
+    assert info.value.code == 2 and "'no-such-torchrun' is not an executable" in capsys.readouterr().err
+
+
+def test_torn_status_file_reruns_the_arm(tmp_path):
+    arms, cmds = _arms_and_commands(tmp_path)
+    ablate.arm_dir(tmp_path, arms[0]).mkdir(parents=True)
+    (ablate.arm_dir(tmp_path, arms[0]) / "status.json").write_text('{"status": "do')
+    statuses = ablate.run_arms(arms, cmds, tmp_path, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, io.StringIO()))
+    assert [s["status"] for s in statuses] == ["done", "done"]

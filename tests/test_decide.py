@@ -77,6 +77,16 @@ def test_mxfp4_forces_bf16_grad_buffer_even_over_explicit_zero(how, env):
     assert any(m.level == "warning" and "grad_reduce_in_bf16" in m.text for m in plan.messages)
 
 
+@pytest.mark.parametrize("args, caps_kw", [
+    ({"use_torch_fsdp2": True}, {}),  # fusion will be turned off by the FSDP guard
+    ({}, {"apex_fused_wgrad": False, "wgrad_fallback": False}),  # ... or for want of a wgrad kernel
+])
+def test_mxfp4_guard_leaves_explicit_zero_when_fusion_cannot_stay_on(args, caps_kw):
+    plan = run(args={**MXFP4, **args}, explicit={"grad_reduce_in_bf16": False}, caps=full_caps(**caps_kw))
+    assert plan.decisions["gradient_accumulation_fusion"].value is False
+    assert (plan.decisions["grad_reduce_in_bf16"].value, plan.decisions["grad_reduce_in_bf16"].source) == (False, "cli")
+
+
 def test_mxfp4_guard_needs_gradient_accumulation_fusion(env):
     plan = run(args=MXFP4, env_settings=env(GRAD_REDUCE_IN_BF16=0, GRADIENT_ACCUMULATION_FUSION=0))
     assert plan.decisions["grad_reduce_in_bf16"].value is False
@@ -112,9 +122,25 @@ def test_fp4_env_overrides(env):
     assert off.decisions["first_last_layers_bf16"].value is False
 
 
-def test_fp4_selection_leaves_explicit_choice_alone():
+def test_fp4_selection_keeps_an_explicit_choice():
     plan = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4"}, explicit={"first_last_layers_bf16": False})
-    assert "first_last_layers_bf16" not in plan.decisions
+    assert plan.decisions["first_last_layers_bf16"].source == "cli"
+    assert plan.decisions["first_last_layers_bf16"].value is False
+
+
+def test_explicit_selective_still_gets_layer_counts(env):
+    plan = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4"}, explicit={"first_last_layers_bf16": True},
+               env_settings=env(FP4_BF16_START=4))
+    got = {k: (plan.decisions[k].value, plan.decisions[k].source) for k in
+           ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")}
+    assert got == {"num_layers_at_start_in_bf16": (4, "env"), "num_layers_at_end_in_bf16": (8, "default")}
+
+
+def test_cli_layer_counts_imply_selective_bf16():
+    plan = run(args=MXFP4, explicit={"num_layers_at_start_in_bf16": 3})
+    assert plan.decisions["first_last_layers_bf16"].value is True
+    assert plan.decisions["first_last_layers_bf16"].source == "cli"
+    assert plan.decisions["num_layers_at_start_in_bf16"].value == 3
 
 
 def test_fp4_selection_only_with_fp4():

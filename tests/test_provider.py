@@ -166,21 +166,28 @@ def test_record_write_is_atomic(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_resume_with_different_toggles_warns_naming_them(tmp_path, capsys):
-    ck = str(tmp_path / "ck")
+def test_resume_compares_with_the_run_that_saved_the_checkpoint(tmp_path, capsys):
+    ck = tmp_path / "ck"
 
-    def run(environ):
+    def launch(environ):
         parser = replay.build_parser(replay.load_surface("main"))
         provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
-        return parser.parse_args([*BASE, "--save", ck, "--load", ck])
+        args = parser.parse_args([*BASE, "--save", str(ck), "--load", str(ck)])
+        return args, capsys.readouterr().out
 
-    run({})
-    assert json.loads((tmp_path / "ck" / "perf_toggles.json").read_text())["decisions"]["grad_reduce_in_bf16"]["value"]
-    capsys.readouterr()
-    args = run({"GRAD_REDUCE_IN_BF16": "0"})
-    out = capsys.readouterr().out
-    assert "warning: resuming from" in out and "grad_reduce_in_bf16 on -> off" in out
+    def megatron_saves(iteration):  # what Megatron writes after a checkpoint
+        (ck / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+    _, out = launch({})
+    assert "resuming from" not in out
+    megatron_saves(4)
+    args, out = launch({"GRAD_REDUCE_IN_BF16": "0"})
+    assert "warning: resuming from" in out and "(iteration 4)" in out and "grad_reduce_in_bf16 on -> off" in out
     assert args.grad_reduce_in_bf16 is False  # a warning, not a refusal
-    capsys.readouterr()
-    run({"GRAD_REDUCE_IN_BF16": "0"})
-    assert "resuming from" not in capsys.readouterr().out  # same toggles as the checkpointed run
+    # That launch crashed before saving: the next resume still compares with the run that saved 4.
+    _, out = launch({})
+    assert "resuming from" not in out
+    megatron_saves(8)  # ... and this one saved iteration 8 with the original toggles
+    _, out = launch({"DDP_AVERAGE_IN_COLLECTIVE": "0"})
+    assert "(iteration 8)" in out and "ddp_average_in_collective on -> off" in out
+    assert "grad_reduce_in_bf16" not in out.split("resuming from")[1]

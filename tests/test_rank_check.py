@@ -129,3 +129,17 @@ def test_opt_out_skips_the_automatic_check():
     results = _run(2, lambda r: {**BASE_ENV, "MEGATRON_PERF_TOGGLES_RANK_CHECK": "0",
                                  **({"GRAD_REDUCE_IN_BF16": "0"} if r == 1 else {})})
     assert all(kind == "ok" for kind, _, _ in results.values()), results
+
+
+def test_opt_out_never_unwraps_torchs_own_function():
+    import torch.distributed as dist
+
+    from megatron_perf_toggles import rank_check
+
+    before = dist.init_process_group
+    rank_check.arm({"toggles": {}}, enabled=False)
+    assert dist.init_process_group is before
+    rank_check.arm({"toggles": {}}, enabled=True)  # wraps (not initialised here)
+    assert getattr(dist.init_process_group, "_perf_toggles_wrapped", False)
+    rank_check.arm({"toggles": {}}, enabled=False)  # the opt-out removes only our wrapper
+    assert dist.init_process_group is before
