@@ -136,8 +136,10 @@ def test_opt_out_never_unwraps_torchs_own_function():
 
     from megatron_perf_toggles import rank_check
 
+    rank_check.arm({"toggles": {}}, enabled=False)  # clears a wrapper left by an earlier parse here
     before = dist.init_process_group
-    rank_check.arm({"toggles": {}}, enabled=False)
+    assert not getattr(before, "_perf_toggles_wrapped", False)
+    rank_check.arm({"toggles": {}}, enabled=False)  # torch's own (decorated) function stays as it is
     assert dist.init_process_group is before
     rank_check.arm({"toggles": {}}, enabled=True)  # wraps (not initialised here)
     assert getattr(dist.init_process_group, "_perf_toggles_wrapped", False)
