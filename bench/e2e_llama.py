@@ -100,6 +100,8 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="extra Megatron args, space separated")
     ap.add_argument("--out", required=True)
     ap.add_argument("--peak", action="store_true", help="also measure the bf16 GEMM peak (for MFU)")
+    ap.add_argument("--data", metavar="PREFIX",
+                    help="train on a real-text indexed dataset (bench/text_corpus.py) instead of mock data")
     ns = ap.parse_args()
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +118,13 @@ def main() -> int:
     for spec in ns.arms.split(","):
         arm = make_arm(spec.strip())
         tag = arm.name.replace(":", "_") + (f"_fp8{ns.fp8}" if ns.fp8 else "")
-        args = [*MODEL, "--train-iters", str(ns.iters), "--tensorboard-dir", str(out / "tb" / tag),
+        model = list(MODEL)
+        if ns.data:  # bytes as tokens, NullTokenizer's EOD 256: same seed and data order in every arm
+            i = model.index("--vocab-size")
+            model[i + 1] = "257"
+            model.remove("--mock-data")
+            model += ["--data-path", ns.data, "--split", "100,0,0"]
+        args = [*model, "--train-iters", str(ns.iters), "--tensorboard-dir", str(out / "tb" / tag),
                 *(FP8[ns.fp8] if ns.fp8 else []), *ns.extra.split()]
         cmd = [*ns.launch.split(), "-m", "megatron_perf_toggles.run", script, *args]
         log_path = out / f"{tag}.log"

@@ -196,7 +196,10 @@ def main() -> int:
         f"{DP2_PARAMS * 4 / 2**30:.2f} GiB vs bf16 {DP2_PARAMS * 2 / 2**30:.2f} GiB; each rank reduce-scatters half. "
         "Peak allocated memory is equal in both arms, as in the reference runs; not explained here.", "",
         "## Not measured here", "",
-        "- Convergence over 300 iterations on real text (plugin defaults vs all off) and the adam-eps 1e-8 vs 1e-5 arm.",
+        "- Convergence over 300 iterations on real text (plugin defaults vs all off) and the adam-eps 1e-8 vs 1e-5 arm. "
+        "The tools are ready: `python bench/text_corpus.py --out DIR/stdlib` (Python's standard library as byte "
+        "tokens, Megatron's .bin/.idx format, checked with Megatron's own IndexedDataset) and "
+        "`python bench/e2e_llama.py --data DIR/stdlib --arms all-off,default --iters 300 ...`.",
         "- MI355X/ROCm: the originating change reports +3.5 % to +7 % on 8x MI355X and mxfp4 reaching the MLPerf "
         "eval-loss target 3.3 (their figures).",
     ]
