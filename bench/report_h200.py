@@ -126,7 +126,7 @@ def main() -> int:
         "grad_buffer_bf16_saving_mb": {"expected_from_parameters": expected_saving_mb, "measured": measured_saving_mb},
         "fp8": fp8,
         "convergence_final_loss_rel_diff": None,
-        "convergence_note": "not run: the 300-iteration real-text runs did not fit this session's device time. "
+        "convergence_note": "not run yet: the 300-iteration real-text runs did not fit the GPU time available for these measurements. "
                             "At iteration 20 on mock data the default and all-off losses are "
                             f"{on['summary']['lm_loss_last']:.5f} and {off['summary']['lm_loss_last']:.5f} "
                             f"({final_loss_rel:.2%} apart).",
@@ -173,7 +173,7 @@ def main() -> int:
         "## Headline: the plugin with an empty environment vs all five toggles off", "", head,
         row("all off (baseline)", off, off), row("default (plugin, empty env)", on, off), "",
         f"Speedup {ms(off) / ms(on):.3f}x (TFLOP/s {tf(off):.1f} → {tf(on):.1f}, +{(tf(on) / tf(off) - 1):.1%}); "
-        f"target was +7 %. MFU against the bf16 GEMM peak measured in the same session ({peak:.0f} TFLOP/s, "
+        f"target was +7 %. MFU against the bf16 GEMM peak measured on the same GPU in the same run series ({peak:.0f} TFLOP/s, "
         f"8192³): {tf(off) / peak:.1%} → {tf(on) / peak:.1%}.", "",
         "## One at a time (all off, then each toggle alone)", "", head, row("all off (baseline)", off, off),
         *[row(f"only {d}", v, off) for d, v in one.items()], "",
