@@ -262,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     fl = sub.add_parser("flags", help="print the Megatron flags the environment implies",
                         description="Print the toggle flags that the current environment implies, for shell "
-                        "scripts that keep GPT_ARGS / EXTRA_ARGS buckets. The negative forms need the plugin "
-                        "(or a patched checkout). Guards run at launch, not here.")
+                        "scripts that keep GPT_ARGS / EXTRA_ARGS buckets. The --no-... forms exist only where the plugin "
+                        "is installed as a provider (or through the launcher). Guards run at launch, not here.")
     fl.add_argument("--group", choices=("gpt", "extra", "all"), default="all",
                     help="gpt: transformer and mixed-precision flags; extra: distributed and training flags")
     fl.set_defaults(func=cmd_flags)
