@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "scripts that keep GPT_ARGS / EXTRA_ARGS buckets. The --no-... forms exist only where the plugin "
                         "is installed as a provider (or through the launcher). Guards run at launch, not here.")
     fl.add_argument("--group", choices=("gpt", "extra", "all"), default="all",
-                    help="gpt: transformer and mixed-precision flags; extra: distributed and training flags")
+                    help="gpt: transformer and mixed-precision flags, plus gradient accumulation fusion (as the "
+                    "originating train_llama3.sh routed it); extra: distributed and training flags")
     fl.set_defaults(func=cmd_flags)
 
     doc = sub.add_parser("doctor", help="report what this machine has and which toggles can be on here",
