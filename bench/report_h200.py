@@ -126,7 +126,8 @@ def main() -> int:
         "grad_buffer_bf16_saving_mb": {"expected_from_parameters": expected_saving_mb, "measured": measured_saving_mb},
         "fp8": fp8,
         "convergence_final_loss_rel_diff": None,
-        "convergence_note": "not run yet: the 300-iteration real-text runs did not fit the GPU time available for these measurements. "
+        "convergence_note": "not run yet: the 300-iteration real-text runs did not fit the GPU time available "
+                            "for these measurements. "
                             "At iteration 20 on mock data the default and all-off losses are "
                             f"{on['summary']['lm_loss_last']:.5f} and {off['summary']['lm_loss_last']:.5f} "
                             f"({final_loss_rel:.2%} apart).",
