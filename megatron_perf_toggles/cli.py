@@ -10,12 +10,13 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from . import __version__, provenance, replay
 from .capabilities import (
     Capabilities,
+    MegatronFacts,
     detect,
     megatron_facts,
     megatron_facts_from_surface,
@@ -40,6 +41,13 @@ WGRAD_WORDS = {
 # --- explain ----------------------------------------------------------------------------------
 
 
+def _cannot_import(tree: str | None, error: ImportError) -> PerfTogglesError:
+    return PerfTogglesError(
+        f"cannot import Megatron-LM from {tree or 'PYTHONPATH'}: {error}",
+        "pass --megatron /path/to/Megatron-LM (the checkout holding megatron/training)",
+    )
+
+
 def _real_parser(tree: str | None) -> tuple[argparse.ArgumentParser, Capabilities, str]:
     from .megatron_env import megatron_importable
     from .surface import megatron_parser
@@ -48,11 +56,7 @@ def _real_parser(tree: str | None) -> tuple[argparse.ArgumentParser, Capabilitie
         with megatron_importable(tree):
             parser = megatron_parser()
     except ImportError as error:
-        where = tree or "PYTHONPATH"
-        raise PerfTogglesError(
-            f"cannot import Megatron-LM from {where}: {error}",
-            "pass --megatron /path/to/Megatron-LM (the checkout holding megatron/training)",
-        ) from None
+        raise _cannot_import(tree, error) from None
     facts = megatron_facts()
     return parser, replace(detect(), megatron=facts), f"Megatron-LM {facts.version} at {facts.path}"
 
@@ -154,32 +158,33 @@ def cmd_flags(ns: argparse.Namespace) -> int:
 # --- doctor -----------------------------------------------------------------------------------
 
 
-def _doctor_megatron(tree: str | None) -> tuple[dict[str, Any], str | None]:
+def _doctor_megatron(tree: str | None) -> tuple[MegatronFacts | None, str | None]:
+    """The facts of the Megatron in use (importing it, no parser built), or why there is none."""
     import importlib.util
 
+    from .megatron_env import megatron_importable
+
     if tree is None and importlib.util.find_spec("megatron") is None:
-        return {}, "not importable (put the Megatron-LM checkout on PYTHONPATH, or pass --megatron PATH)"
+        return None, "not importable (put the Megatron-LM checkout on PYTHONPATH, or pass --megatron PATH)"
     try:
-        _, caps, _ = _real_parser(tree)
-    except PerfTogglesError as error:
-        return {}, str(error)
-    facts = caps.megatron
-    return facts.__dict__, None
+        with megatron_importable(tree):
+            import megatron.training.arguments  # noqa: F401 - what megatron_facts() inspects
+    except ImportError as error:
+        return None, str(_cannot_import(tree, error))
+    return megatron_facts(), None
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
     caps = detect(deep=True)
-    megatron, why_not = _doctor_megatron(ns.megatron)
-    if megatron:
-        from .capabilities import MegatronFacts
-
-        caps = replace(caps, megatron=MegatronFacts(**megatron))
+    facts, why_not = _doctor_megatron(ns.megatron)
+    if facts is not None:
+        caps = replace(caps, megatron=facts)
     env = read_env(os.environ)
     planned = resolve(env.assume) if env.assume else None
     effective = replace(planned, megatron=caps.megatron) if planned else caps
     plan = decide(_llama_view(), {}, env, effective)
     report = {
-        "megatron": megatron or {"error": why_not},
+        "megatron": asdict(facts) if facts is not None else {"error": why_not},
         "torch": {"version": caps.torch_version, "device": caps.device},
         "gpu_arch": caps.gpu_arch,
         "transformer_engine": {"version": caps.te_version, "fused_qkv_rope_kernel": caps.te_fused_qkv_rope,
@@ -196,10 +201,10 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
         return 0
     yes = {True: "yes", False: "no", None: "unknown"}
     print(f"megatron-perf-toggles {__version__}, Python {sys.version.split()[0]}")
-    if megatron:
-        print(f"Megatron-LM:        {megatron.get('version')} at {megatron.get('path')}")
-        print(f"  fused_single_qkv_rope field: {yes[megatron.get('fused_single_qkv_rope_field')]}; "
-              f"asserts te cross entropy: {yes[megatron.get('asserts_te_cross_entropy')]}")
+    if facts is not None:
+        print(f"Megatron-LM:        {facts.version} at {facts.path}")
+        print(f"  fused_single_qkv_rope field: {yes[facts.fused_single_qkv_rope_field]}; "
+              f"asserts te cross entropy: {yes[facts.asserts_te_cross_entropy]}")
     else:
         print(f"Megatron-LM:        {why_not}")
     backend = {"rocm": "ROCm/HIP", "cuda": "CUDA", "cpu": "CPU only"}.get(caps.device or "", "")
