@@ -190,7 +190,7 @@ class Progress:
 def run_arms(arms: Sequence[Arm], commands: Sequence[list[str]], out: Path, environ: dict[str, str],
              progress: Progress | None = None) -> list[dict[str, Any]]:
     """Run each arm unless its status says done; a failed arm is recorded and the rest go on."""
-    from .megatron_log import ITERATION
+    from .megatron_log import ITERATION, parse_lines
 
     progress = progress or Progress(len(arms))
     statuses: list[dict[str, Any]] = []
@@ -216,15 +216,10 @@ def run_arms(arms: Sequence[Arm], commands: Sequence[list[str]], out: Path, envi
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
-                m = ITERATION.search(line)
-                if m:
-                    fields = m.group("fields")
-                    if "elapsed time per iteration (ms):" in fields:
-                        try:
-                            last_ms = float(fields.split("elapsed time per iteration (ms):")[1].split("|")[0])
-                        except ValueError:
-                            pass
-                    progress.update(i, arm.name, int(m.group(1)), int(m.group(2)), last_ms, len(arms) - i)
+                if ITERATION.search(line):
+                    it = parse_lines([line]).iterations[0]
+                    last_ms = it.get("ms_per_iter") or last_ms
+                    progress.update(i, arm.name, it.iteration, it.total, last_ms, len(arms) - i)
             code = proc.wait()
         seconds = time.monotonic() - start
         tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
