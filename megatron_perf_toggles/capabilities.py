@@ -86,7 +86,7 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
+def version_tuple(text: str) -> tuple[int, ...]:
     parts: list[int] = []
     for piece in text.split("."):
         digits = "".join(ch for ch in piece if ch.isdigit())
@@ -194,7 +194,7 @@ def detect(deep: bool = False) -> Capabilities:
         te_ce = _try_import("transformer_engine.pytorch.cross_entropy", "parallel_cross_entropy")
     else:
         # Installed but not imported yet: judge by version rather than pay for the import here.
-        vt = _version_tuple(te_version or "0")
+        vt = version_tuple(te_version or "0")
         te_rope, te_ce = vt >= TE_MIN_FUSED_QKV_ROPE, vt >= TE_MIN_CROSS_ENTROPY
     if te_version is not None and not te_rope:
         notes["te_fused_qkv_rope"] = f"TE {te_version} has no fused QKV RoPE kernel"
@@ -256,7 +256,7 @@ def parse_assume(spec: str) -> dict[str, Any]:
         elif name == "none" and not value:
             continue
         elif name == "te":
-            vt = _version_tuple(value.strip())
+            vt = version_tuple(value.strip())
             if not vt:
                 raise AssumeError(
                     f"MEGATRON_PERF_TOGGLES_ASSUME: {item!r} needs a Transformer Engine version, e.g. te=2.8"

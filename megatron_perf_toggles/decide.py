@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .capabilities import Capabilities
+from .capabilities import Capabilities, version_tuple
+from .ckpt_layout import GRAD_DTYPE_KEYED, loads_optimizer_state, optimizer_layout
 from .env import EnvSettings
 from .errors import CannotHonourError
 from .precision import precision_tag, tagged_log_dirs
@@ -81,13 +82,15 @@ class Change:
 
 
 class Context:
-    """What a guard may look at: parsed args, the decisions so far, capabilities, environment."""
+    """What a guard may look at: parsed args, the decisions so far, capabilities, environment,
+    and what is known of the checkpoint ``--load`` will resume from."""
 
-    __slots__ = ("args", "caps", "env", "values")
+    __slots__ = ("args", "caps", "checkpoint", "env", "values")
 
     def __init__(self, args: Mapping[str, Any], values: Mapping[str, Any], caps: Capabilities,
-                 env: EnvSettings) -> None:
+                 env: EnvSettings, checkpoint: Mapping[str, Any] | None = None) -> None:
         self.args, self.values, self.caps, self.env = args, values, caps, env
+        self.checkpoint = checkpoint or {}
 
 
 Guard = Callable[[Context], Iterator[Change]]
@@ -112,16 +115,17 @@ def _wgrad_kernel_available(ctx: Context) -> bool:
     return ctx.caps.apex_fused_wgrad or (ctx.caps.wgrad_fallback and ctx.env.wgrad_fallback)
 
 
+def _mxfp4_fusion_stays_on(ctx: Context) -> bool:
+    # Looks ahead of the later guards: only a fusion that will really stay on needs the bf16 buffer.
+    return bool(
+        ctx.args.get("fp4") and ctx.args.get("fp4_recipe") == "mxfp4"
+        and _on(ctx.values, "gradient_accumulation_fusion") and not _fsdp_flag(ctx.args)
+        and _wgrad_kernel_available(ctx)
+    )
+
+
 def mxfp4_bf16_wgrad(ctx: Context) -> Iterator[Change]:
-    # Runs first, so it looks ahead: only a fusion that will really stay on needs the bf16 buffer.
-    fusion_stays_on = (_on(ctx.values, "gradient_accumulation_fusion") and not _fsdp_flag(ctx.args)
-                       and _wgrad_kernel_available(ctx))
-    if (
-        ctx.args.get("fp4")
-        and ctx.args.get("fp4_recipe") == "mxfp4"
-        and fusion_stays_on
-        and not _on(ctx.values, "grad_reduce_in_bf16")
-    ):
+    if _mxfp4_fusion_stays_on(ctx) and not _on(ctx.values, "grad_reduce_in_bf16"):
         yield Change(
             "grad_reduce_in_bf16",
             True,
@@ -129,6 +133,24 @@ def mxfp4_bf16_wgrad(ctx: Context) -> Iterator[Change]:
             "gemm_a4w4_asm) only writes bf16, so the gradient buffer must be bf16",
             over_cli=True,
         )
+
+
+def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
+    saved = ctx.checkpoint.get("decisions", {}).get("grad_reduce_in_bf16")
+    if saved is None or bool(saved) == _on(ctx.values, "grad_reduce_in_bf16") or not loads_optimizer_state(ctx.args):
+        return
+    recorded = ctx.checkpoint.get("optimizer_layout")
+    kind, name = recorded if recorded else optimizer_layout(ctx.args, version_tuple(ctx.caps.megatron.version or ""))
+    if kind != GRAD_DTYPE_KEYED:
+        return
+    reason = (f"the checkpoint in {ctx.args.get('load')} (iteration {ctx.checkpoint.get('iteration')}) was saved "
+              f"with grad_reduce_in_bf16 {'on' if saved else 'off'}; its distributed-optimizer state ({name}) "
+              "is keyed by the gradient dtype, so the other value cannot load")
+    hint = "resume with the saved value, or pass --no-load-optim to start the optimizer state fresh"
+    if not saved and _mxfp4_fusion_stays_on(ctx):
+        yield Change("gradient_accumulation_fusion", False,
+                     f"{reason}; mxfp4's weight-gradient kernel writes only bf16, so fusion goes off instead", hint)
+    yield Change("grad_reduce_in_bf16", bool(saved), reason, hint)
 
 
 def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
@@ -258,6 +280,7 @@ def ddp_average_unsupported(ctx: Context) -> Iterator[Change]:
 
 GUARDS: tuple[Guard, ...] = (
     mxfp4_bf16_wgrad,
+    grad_reduce_checkpoint_layout,
     cross_entropy_te_asserted,
     cross_entropy_te_missing,
     gradient_accumulation_fusion_fsdp,
@@ -380,11 +403,13 @@ def decide(
     env: EnvSettings,
     caps: Capabilities,
     stock: Mapping[str, Any] | None = None,
+    checkpoint: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Resolve every toggle, then let the guards veto what cannot be honoured.
 
     ``args`` is the parsed namespace (non-explicit toggles at any value), ``explicit`` the dests
-    the command line set, ``stock`` Megatron's own defaults (used when the plugin is disabled).
+    the command line set, ``stock`` Megatron's own defaults (used when the plugin is disabled),
+    ``checkpoint`` what the launch that wrote the checkpoint being resumed recorded (resume.py).
     Raises CannotHonourError for an explicit command-line request that a guard rejects.
     """
     stock = stock or {}
@@ -392,7 +417,8 @@ def decide(
     decisions.update(_fp4_selection(args, explicit, env))
     messages: list[Message] = []
     for guard in GUARDS:
-        ctx = Context(args=args, values={k: d.value for k, d in decisions.items()}, caps=caps, env=env)
+        ctx = Context(args=args, values={k: d.value for k, d in decisions.items()}, caps=caps, env=env,
+                      checkpoint=checkpoint)
         for change in guard(ctx):
             current = decisions[change.dest]
             if current.value == change.value:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import provenance
-from .capabilities import Capabilities, resolve
+from .capabilities import Capabilities, resolve, version_tuple
+from .ckpt_layout import optimizer_layout
 from .decide import FP4_LAYER_DESTS, Message, Plan, decide
 from .env import EnvSettings, read_env
 from .errors import PerfTogglesError, fail
@@ -174,9 +175,12 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
             setattr(ns, dest, state.stock.get(dest))
         else:
             explicit[dest] = value
+    from . import resume  # reading the resumed checkpoint's history is safe when planning too
+
+    writer = resume.checkpoint_writer(getattr(ns, "load", None))
     try:
         caps = state.capabilities or resolve(state.env.assume)
-        plan = decide(vars(ns), explicit, state.env, caps, state.stock)
+        plan = decide(vars(ns), explicit, state.env, caps, state.stock, checkpoint=writer)
     except PerfTogglesError as error:
         fail(error)
     original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
@@ -196,12 +200,11 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
     state.last_plan = plan
     state.last_caps = caps
     if state.capabilities is None:  # a real run on this machine, not a plan for another one
-        from . import rank_check, resume
+        from . import rank_check
 
         rank_check.arm(rank_check.fingerprint(ns.perf_toggles, caps.to_record(), plan.wgrad_path),
                        enabled=state.env.rank_check)
-        for message in resume.compare_with_checkpoint(getattr(ns, "load", None), ns.perf_toggles):
-            plan.messages.append(message)
+        plan.messages.extend(resume.compare_with_checkpoint(writer, ns.perf_toggles))
     if state.announce and state.env.rank == 0 and not state.announced:
         state.announced = True
         for line in provenance.lines(plan, original_dirs):
@@ -212,9 +215,8 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
             if directory:
                 provenance.write_atomic(directory, payload)
             if state.capabilities is None:
-                from . import resume
-
-                resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision)
+                layout = optimizer_layout(vars(ns), version_tuple(caps.megatron.version or ""))
+                resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, layout)
         except OSError as error:
             print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",
                   file=sys.stderr, flush=True)

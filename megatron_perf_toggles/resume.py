@@ -3,8 +3,10 @@
 Each launch appends one line to ``perf_toggles_history.jsonl`` in ``--save``: the checkpoint
 iteration it started from and its decisions. The checkpoint a resume loads (iteration L, from
 Megatron's ``latest_checkpointed_iteration.txt``) was written by the last launch that started
-before L, so a launch that crashed before saving never masks the real one. The toggles change
-numerics, not the checkpoint layout, so a difference is a warning that names it, never a refusal.
+before L, so a launch that crashed before saving never masks the real one. Most toggles change
+numerics only, so a difference is a warning that names it. GRAD_REDUCE_IN_BF16 can also change
+the optimizer checkpoint's layout (ckpt_layout.py): the entry records that layout, and a guard in
+decide.py keeps the saved value where the other one could not load.
 """
 
 from __future__ import annotations
@@ -46,28 +48,42 @@ def _history(directory: str) -> list[dict[str, Any]]:
     return entries
 
 
-def compare_with_checkpoint(load_dir: str | None, decisions: Mapping[str, Mapping[str, Any]]) -> list[Message]:
+def checkpoint_writer(load_dir: str | None) -> dict[str, Any] | None:
+    """What the launch that wrote the checkpoint ``--load`` will resume from recorded, or None."""
     loaded = latest_iteration(load_dir)
     if not load_dir or not loaded:
-        return []
+        return None
     writers = [e for e in _history(load_dir) if int(e.get("start_iteration") or 0) < loaded]
     if not writers:
+        return None
+    return {**writers[-1], "iteration": loaded, "load_dir": load_dir}
+
+
+def compare_with_checkpoint(writer: Mapping[str, Any] | None,
+                            decisions: Mapping[str, Mapping[str, Any]]) -> list[Message]:
+    """A warning naming each toggle that differs from the checkpoint writer's (after the guards,
+    which already restored any value the checkpoint layout depends on)."""
+    if not writer:
         return []
-    before_values = writers[-1].get("decisions", {})
+    before_values = writer.get("decisions", {})
     diffs = [f"{dest} {format_value(before_values[dest])} -> {format_value(now.get('value'))}"
              for dest, now in decisions.items() if dest in before_values and before_values[dest] != now.get("value")]
     if not diffs:
         return []
-    return [Message("warning", f"resuming from {load_dir} (iteration {loaded}) with different toggles than the run "
-                    "that saved it: " + ", ".join(diffs) + " (numerics change; the checkpoint layout does not)")]
+    return [Message("warning", f"resuming from {writer.get('load_dir')} (iteration {writer.get('iteration')}) with "
+                    "different toggles than the run that saved it: " + ", ".join(diffs)
+                    + " (numerics change; the checkpoint layout does not)")]
 
 
-def record_launch(save_dir: str | None, decisions: Mapping[str, Mapping[str, Any]], precision: str) -> None:
+def record_launch(save_dir: str | None, decisions: Mapping[str, Mapping[str, Any]], precision: str,
+                  optimizer_layout: tuple[str, str] | None = None) -> None:
     """Append this launch (rank 0 only) to the history beside the checkpoints."""
     if not save_dir:
         return
     os.makedirs(save_dir, exist_ok=True)
-    entry = {"start_iteration": latest_iteration(save_dir) or 0, "precision": precision,
-             "decisions": {dest: d.get("value") for dest, d in decisions.items()}}
+    entry: dict[str, Any] = {"start_iteration": latest_iteration(save_dir) or 0, "precision": precision,
+                             "decisions": {dest: d.get("value") for dest, d in decisions.items()}}
+    if optimizer_layout:
+        entry["optimizer_layout"] = list(optimizer_layout)
     with open(os.path.join(save_dir, HISTORY_NAME), "a") as fh:
         fh.write(json.dumps(entry, sort_keys=True) + "\n")

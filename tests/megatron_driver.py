@@ -38,6 +38,10 @@ def run_case(case: dict, api: dict) -> dict:
     from megatron_perf_toggles.registry import TOGGLES
 
     _clean_environ(case.get("env", {}))
+    for path, text in case.get("files", {}).items():  # e.g. a checkpoint directory to resume from
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text)
     sys.argv = ["pretrain_gpt.py", *COMMON, *case.get("argv", [])]
     out, err = io.StringIO(), io.StringIO()
     result: dict = {"id": case["id"]}

@@ -288,3 +288,62 @@ def test_log_dirs_tagged_by_precision_and_untagged_when_off(env):
     assert plan.log_dirs == {"tensorboard_dir": "/runs/tb/bf16", "wandb_save_dir": "/runs/wb/bf16"}
     off = run(args={"tensorboard_dir": "/runs/tb"}, env_settings=env(MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0))
     assert off.log_dirs == {}
+
+
+# --- resume: optimizer checkpoint layout keyed by the gradient dtype ---------------------------
+
+SAVED_BF16 = {"iteration": 4, "decisions": {"grad_reduce_in_bf16": True},
+              "optimizer_layout": ["grad-dtype-keyed", "dp_reshardable"]}
+RESUMING = {"use_distributed_optimizer": True, "load": "/ck"}
+
+
+def resume(args=None, explicit=None, env_settings=None, checkpoint=SAVED_BF16):
+    from megatron_perf_toggles.env import read_env
+
+    merged = {**LLAMA_ARGS, **RESUMING, **(args or {})}
+    return decide(merged, explicit or {}, env_settings or read_env({}), full_caps(), None, checkpoint=checkpoint)
+
+
+def test_resume_guard_keeps_the_saved_grad_dtype_over_env(env):
+    plan = resume(env_settings=env(GRAD_REDUCE_IN_BF16=0))
+    d = plan.decisions["grad_reduce_in_bf16"]
+    assert (d.value, d.source) == (True, "guard") and "/ck (iteration 4)" in d.reason
+    assert any("GRAD_REDUCE_IN_BF16=0" in m.text for m in plan.messages)
+
+
+def test_resume_guard_refuses_explicit_cli():
+    with pytest.raises(CannotHonourError) as info:
+        resume(explicit={"grad_reduce_in_bf16": False})
+    assert "--no-grad-reduce-in-bf16" in str(info.value) and "--no-load-optim" in str(info.value)
+
+
+@pytest.mark.parametrize("args, checkpoint", [
+    ({"no_load_optim": True}, SAVED_BF16),
+    ({"finetune": True}, SAVED_BF16),
+    ({"load": None}, SAVED_BF16),
+    ({}, {**SAVED_BF16, "optimizer_layout": ["model-space", "fully_reshardable"]}),
+    ({}, {"iteration": 4, "decisions": {}}),  # the writer recorded no value: nothing to compare
+    ({}, None),
+])
+def test_resume_guard_stays_out_when_the_change_can_load(args, checkpoint, env):
+    plan = resume(args=args, env_settings=env(GRAD_REDUCE_IN_BF16=0), checkpoint=checkpoint)
+    assert plan.decisions["grad_reduce_in_bf16"].value is False
+
+
+def test_resume_guard_without_a_recorded_layout_computes_it_from_the_args(env):
+    saved = {"iteration": 4, "decisions": {"grad_reduce_in_bf16": True}}
+    plan = resume(env_settings=env(GRAD_REDUCE_IN_BF16=0), checkpoint=saved,
+                  args={"ckpt_format": "torch_dist", "dist_ckpt_optim_fully_reshardable": False})
+    assert plan.decisions["grad_reduce_in_bf16"].value is True
+    plan = resume(env_settings=env(GRAD_REDUCE_IN_BF16=0), checkpoint=saved, args={"use_distributed_optimizer": False})
+    assert plan.decisions["grad_reduce_in_bf16"].value is False
+
+
+def test_resume_guard_under_mxfp4_keeps_fp32_and_turns_fusion_off():
+    # mxfp4 + fusion would force a bf16 buffer, but the checkpoint was saved with fp32 gradients:
+    # fusion goes off instead, so both the load and the wgrad kernel work.
+    saved_fp32 = {**SAVED_BF16, "decisions": {"grad_reduce_in_bf16": False}}
+    plan = resume(args=MXFP4, checkpoint=saved_fp32)
+    assert plan.decisions["grad_reduce_in_bf16"].value is False
+    assert plan.decisions["gradient_accumulation_fusion"].value is False
+    assert "bf16" in plan.decisions["gradient_accumulation_fusion"].reason

@@ -54,6 +54,7 @@ def _cases(tmp: str) -> list[dict]:
          "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES_TAG_LOG_DIR": "0"}},
         {"id": "resume", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/tbr/bf16", "--save", f"{tmp}/ck",
                                   "--load", f"{tmp}/ck", "--save-interval", "1"], "env": CAPABLE},
+        *_resume_cases(tmp),
         {"id": "nvfp4", "argv": [*BF16, "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"], "env": CAPABLE,
          # validate_args wants TE >= 2.7 for FP4, which a CPU test machine lacks: parse only.
          "validate": False},
@@ -69,6 +70,20 @@ def _cases(tmp: str) -> list[dict]:
         cases.append({"id": f"cli_on_over_env0:{t.dest}", "argv": [*BF16, *cli_on], "env": {**CAPABLE, t.env: off}})
         cases.append({"id": f"cli_off_over_env1:{t.dest}", "argv": [*BF16, *cli_off], "env": {**CAPABLE, t.env: on}})
     return cases
+
+
+def _resume_cases(tmp: str) -> list[dict]:
+    """Resume a checkpoint whose writer had grad_reduce_in_bf16 on and recorded no layout, so the
+    layout is worked out from this tree's own parsed arguments."""
+    out = []
+    for name, extra in (("resume_distopt", []), ("resume_distopt_no_load_optim", ["--no-load-optim"])):
+        ck = f"{tmp}/{name}"
+        history = json.dumps({"start_iteration": 0, "precision": "bf16", "decisions": {"grad_reduce_in_bf16": True}})
+        out.append({"id": name, "argv": [*BF16, "--use-distributed-optimizer", "--load", ck, *extra],
+                    "env": {**CAPABLE, "GRAD_REDUCE_IN_BF16": "0"},
+                    "files": {f"{ck}/perf_toggles_history.jsonl": history + "\n",
+                              f"{ck}/latest_checkpointed_iteration.txt": "4"}})
+    return out
 
 
 def _version_of(tree: Path) -> tuple[int, ...]:
@@ -261,3 +276,17 @@ def test_wgrad_fallback_lands_where_megatron_looks(tree):
     assert before["has_flag"] and before["flag"] is False  # no APEX on a CPU test machine
     assert before["calls_fp32"] and before["calls_fp16"] and before["utils_imports_lazily"]
     assert after["flag"] is True and after["module_is_fallback"] and after["lazy_import_is_fallback"]
+
+
+def test_resume_keeps_the_grad_dtype_the_optimizer_checkpoint_is_keyed_by(tree):
+    # Megatron's torch_dist default for the distributed optimizer: dp_reshardable (keyed by the
+    # gradient dtype) from 0.15; before, fully_sharded_model_space (per parameter) with the default
+    # fully parallel save.
+    _path, version, by_id = tree
+    keyed = version[:2] >= (0, 15)
+    d = ok(by_id["resume_distopt"])["perf_toggles"]["grad_reduce_in_bf16"]
+    assert d["value"] is keyed and d["source"] == ("guard" if keyed else "env")
+    if keyed:
+        assert "dp_reshardable" in d["reason"] and "(iteration 4)" in d["reason"]
+    fresh = ok(by_id["resume_distopt_no_load_optim"])["perf_toggles"]["grad_reduce_in_bf16"]
+    assert (fresh["value"], fresh["source"]) == (False, "env")

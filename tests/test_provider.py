@@ -191,3 +191,87 @@ def test_resume_compares_with_the_run_that_saved_the_checkpoint(tmp_path, capsys
     _, out = launch({"DDP_AVERAGE_IN_COLLECTIVE": "0"})
     assert "(iteration 8)" in out and "ddp_average_in_collective on -> off" in out
     assert "grad_reduce_in_bf16" not in out.split("resuming from")[1]
+
+
+# --- resume: the checkpoint's optimizer layout can depend on grad_reduce_in_bf16 ----------------
+
+DISTOPT = ["--use-distributed-optimizer"]
+
+
+def _resume_pair(tmp_path, capsys, first_env, then_env, extra=(), surface="main", then_extra=()):
+    """Launch once (writes the history), let 'Megatron' save iteration 4, then launch again."""
+    ck = tmp_path / "ck"
+
+    def launch(environ, more):
+        parser = replay.build_parser(replay.load_surface(surface))
+        provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+        args = parser.parse_args([*BASE, *extra, *more, "--save", str(ck), "--load", str(ck)])
+        captured = capsys.readouterr()
+        return args, captured.out + captured.err
+
+    launch(first_env, ())
+    (ck / "latest_checkpointed_iteration.txt").write_text("4")
+    return launch(then_env, then_extra), ck
+
+
+def test_resume_keeps_grad_dtype_when_the_optimizer_state_is_keyed_by_it(tmp_path, capsys):
+    (args, out), ck = _resume_pair(tmp_path, capsys, {}, {"GRAD_REDUCE_IN_BF16": "0"}, DISTOPT)
+    history = [json.loads(line) for line in (ck / "perf_toggles_history.jsonl").read_text().splitlines()]
+    assert history[0]["optimizer_layout"] == ["grad-dtype-keyed", "dp_reshardable"]
+    assert args.grad_reduce_in_bf16 is True
+    record = args.perf_toggles["grad_reduce_in_bf16"]
+    assert record["source"] == "guard" and "(iteration 4)" in record["reason"] and "dp_reshardable" in record["reason"]
+    assert "GRAD_REDUCE_IN_BF16=0" in out and "overridden to True" in out
+    assert "different toggles" not in out  # nothing differs any more
+
+
+def test_resume_refuses_an_explicit_flag_the_checkpoint_cannot_load(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        _resume_pair(tmp_path, capsys, {}, {}, DISTOPT, then_extra=["--no-grad-reduce-in-bf16"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--no-grad-reduce-in-bf16" in err and "--no-load-optim" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("then_extra, surface", [
+    (["--no-load-optim"], "main"),  # fresh optimizer state: nothing keyed is loaded
+    (["--dist-ckpt-optim-fully-reshardable"], "main"),  # model-space layout on the resuming side
+    ([], "core_v0.13.0"),  # 0.13's default fully parallel save: fully_sharded_model_space
+])
+def test_resume_honours_the_change_where_the_layout_allows_it(tmp_path, capsys, then_extra, surface):
+    first = then_extra if "--dist-ckpt-optim-fully-reshardable" in then_extra else []
+    ck = tmp_path / "ck"
+
+    def launch(environ, more):
+        parser = replay.build_parser(replay.load_surface(surface))
+        provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+        args = parser.parse_args([*BASE, *DISTOPT, *more, "--save", str(ck), "--load", str(ck)])
+        return args, capsys.readouterr().out
+
+    launch({}, first)
+    (ck / "latest_checkpointed_iteration.txt").write_text("4")
+    args, out = launch({"GRAD_REDUCE_IN_BF16": "0"}, then_extra)
+    assert args.grad_reduce_in_bf16 is False
+    assert "grad_reduce_in_bf16 on -> off (numerics change; the checkpoint layout does not)" in out
+
+
+def test_resume_uses_the_layout_the_saving_run_recorded(tmp_path, capsys):
+    # Saved with --dist-ckpt-optim-fully-reshardable (model space); the resume omits the flag, which
+    # would save dp_reshardable, but what loads is the saved layout: the change is honoured.
+    ck = tmp_path / "ck"
+
+    def launch(environ, more):
+        parser = replay.build_parser(replay.load_surface("main"))
+        provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+        return parser.parse_args([*BASE, *DISTOPT, *more, "--save", str(ck), "--load", str(ck)])
+
+    launch({}, ["--dist-ckpt-optim-fully-reshardable"])
+    (ck / "latest_checkpointed_iteration.txt").write_text("4")
+    args = launch({"GRAD_REDUCE_IN_BF16": "0"}, [])
+    assert args.grad_reduce_in_bf16 is False
+
+
+def test_resume_on_0_13_without_fully_parallel_save_is_keyed(tmp_path, capsys):
+    (args, _out), _ = _resume_pair(tmp_path, capsys, {}, {"GRAD_REDUCE_IN_BF16": "0"},
+                                   [*DISTOPT, "--no-ckpt-fully-parallel-save"], surface="core_v0.13.0")
+    assert args.grad_reduce_in_bf16 is True and "dp_zero_gather_scatter" in args.perf_toggles["grad_reduce_in_bf16"]["reason"]
