@@ -45,6 +45,11 @@ MODEL = [
     "--mock-data", "--transformer-impl", "transformer_engine", "--log-interval", "1", "--log-throughput",
     "--eval-iters", "0", "--eval-interval", "100000",
 ]
+# A small model of the same family for quick optimizer experiments (the adam-eps arm): args that
+# replace the reference shape's values.
+SMALL = {"--num-layers": "4", "--hidden-size": "1024", "--ffn-hidden-size": "3584", "--num-attention-heads": "16",
+         "--num-query-groups": "4", "--seq-length": "1024", "--max-position-embeddings": "1024",
+         "--micro-batch-size": "8", "--global-batch-size": "32"}
 FP8 = {"delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
        "tensorwise": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]}
 
@@ -89,6 +94,36 @@ def gemm_peak_tflops() -> float | None:
     return 2 * 8192**3 / ms / 1e9
 
 
+def portable(cmd: list[str], ns: argparse.Namespace, out: Path) -> list[str]:
+    """The arm's command with this machine's paths replaced by placeholders, for the results file."""
+    subs = [(str(Path(ns.megatron)), "$MEGATRON"), (str(out), "$OUT")] + ([(ns.data, "$DATA")] if ns.data else [])
+    result = []
+    for part in cmd:
+        for old, new in subs:
+            part = part.replace(old, new)
+        result.append(part)
+    return result
+
+
+def versions() -> dict:
+    """torch, TE and GPU of the machine that ran the arms, for the results file."""
+    out: dict = {}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        out["transformer_engine"] = version("transformer_engine")
+    except Exception:  # noqa: BLE001 - absent or unreadable metadata: leave it out
+        pass
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--megatron", required=True, help="Megatron-LM checkout (pretrain_gpt.py)")
@@ -100,6 +135,9 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="extra Megatron args, space separated")
     ap.add_argument("--out", required=True)
     ap.add_argument("--peak", action="store_true", help="also measure the bf16 GEMM peak (for MFU)")
+    ap.add_argument("--shape", choices=("llama3-8b-4l", "small"), default="llama3-8b-4l",
+                    help="model: the reference Llama-3-8B-shaped 4 layers, or a small model of the same family "
+                         "(hidden 1024, ffn 3584, 16 heads, 4 KV groups, seq 1024, global batch 32)")
     ap.add_argument("--data", metavar="PREFIX",
                     help="train on a real-text indexed dataset (bench/text_corpus.py) instead of mock data")
     ns = ap.parse_args()
@@ -109,16 +147,22 @@ def main() -> int:
     env_base = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
     env_base["PYTHONPATH"] = os.pathsep.join([str(Path(ns.megatron).resolve()), str(REPO), env_base.get("PYTHONPATH", "")])
     env_base.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # Megatron appends `git rev-parse HEAD` of whatever checkout encloses its tree to its version.
+    env_base.setdefault("NO_VCS_VERSION", "1")
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("WORLD_SIZE", "1"), ("RANK", "0"),
                        ("LOCAL_RANK", "0")):
         env_base.setdefault(key, value)  # a plain `python` launch; torchrun sets these itself
-    summary: dict = {"iters": ns.iters, "warmup": ns.warmup, "fp8": ns.fp8, "arms": {}, "python": platform.python_version()}
+    summary: dict = {"iters": ns.iters, "warmup": ns.warmup, "fp8": ns.fp8, "shape": ns.shape, "data": ns.data,
+                     "extra": ns.extra, "arms": {}, "python": platform.python_version(), "versions": versions()}
     if ns.peak:
         summary["bf16_gemm_peak_tflops"] = gemm_peak_tflops()
     for spec in ns.arms.split(","):
         arm = make_arm(spec.strip())
         tag = arm.name.replace(":", "_") + (f"_fp8{ns.fp8}" if ns.fp8 else "")
         model = list(MODEL)
+        if ns.shape == "small":
+            for flag, value in SMALL.items():
+                model[model.index(flag) + 1] = value
         if ns.data:  # bytes as tokens, NullTokenizer's EOD 256: same seed and data order in every arm
             i = model.index("--vocab-size")
             model[i + 1] = "257"
@@ -134,6 +178,7 @@ def main() -> int:
         parsed = parse_file(str(log_path))
         record = {"env": arm.env(), "returncode": code, "seconds": time.monotonic() - start,
                   "summary": parsed.summary(skip_first=ns.warmup), "loss_curve": parsed.series("lm_loss"),
+                  "grad_norm_curve": parsed.series("grad_norm"), "command": portable(cmd[1:], ns, out),
                   "decisions": [ln.strip() for ln in log_path.read_text(errors="replace").splitlines()
                                 if ln.startswith("[perf-toggles]")]}
         if code != 0:

@@ -7,7 +7,11 @@
   mismatch  DP=2 with GRAD_REDUCE_IN_BF16=0 injected on rank 1 only: every rank must stop with
             RankMismatchError before the first iteration; reports how long that took.
   resume    train, stop, resume (--save/--load): same tagged log dir (no double tag), same
-            decisions; then a resume with a different toggle must warn and name it.
+            decisions; then a resume with a numerics-only toggle changed must warn and name it, and
+            one with GRAD_REDUCE_IN_BF16=0 must keep the saved bf16 buffer (its checkpoint layout).
+  nccl      DP=2, off vs on, a few iterations with NCCL's collective log (NCCL_DEBUG=INFO,
+            NCCL_DEBUG_SUBSYS=COLL): the gradient bytes each step really reduce-scatters, by dtype,
+            checked against the bytes computed from the parameter count.
   fixture   a few iterations on another Megatron version, for log-parser fixtures.
 
     python bench/gpu_multi.py MODE --megatron PATH --out DIR
@@ -50,6 +54,8 @@ def base_env(megatron: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(megatron).resolve()), str(REPO), env.get("PYTHONPATH", "")])
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # Megatron appends `git rev-parse HEAD` of whatever checkout encloses its tree to its version.
+    env.setdefault("NO_VCS_VERSION", "1")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     return env
 
@@ -104,6 +110,70 @@ def dp2(ns: argparse.Namespace, out: Path) -> dict:
     return results
 
 
+# NCCL's ncclDataType_t values and their sizes in bytes.
+NCCL_DTYPES = {0: ("int8", 1), 1: ("uint8", 1), 2: ("int32", 4), 3: ("uint32", 4), 4: ("int64", 8),
+               5: ("uint64", 8), 6: ("float16", 2), 7: ("float32", 4), 8: ("float64", 8), 9: ("bfloat16", 2),
+               10: ("float8e4m3", 1), 11: ("float8e5m2", 1)}
+NCCL_REDOPS = {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
+NCCL_COLL = re.compile(r"\[(?P<dev>\d+)\] NCCL INFO (?P<op>[A-Za-z]+): opCount \w+ .*?\bcount (?P<count>\d+) "
+                       r"datatype (?P<dtype>\d+) op (?P<redop>\d+)(?:.*?\[nranks=(?P<nranks>\d+)\])?")
+
+
+def nccl_traffic(text: str, iters: int, min_elements: int = 1 << 20) -> dict:
+    """Collectives of one rank (CUDA device 0) from NCCL's COLL log, large ones summed per step.
+
+    NCCL logs ReduceScatter with the per-rank receive count and AllGather with the per-rank send
+    count, so the whole buffer a collective covers is count x nranks; AllReduce logs the buffer.
+    """
+    totals: dict[str, dict] = {}
+    for m in NCCL_COLL.finditer(text):
+        if m["dev"] != "0":
+            continue
+        count, nranks = int(m["count"]), int(m["nranks"] or 1)
+        name, size = NCCL_DTYPES.get(int(m["dtype"]), (f"dtype{m['dtype']}", 0))
+        span = count * (nranks if m["op"] in ("ReduceScatter", "AllGather") else 1)
+        key = f"{m['op']}/{name}" + ("" if span >= min_elements else "/small")
+        t = totals.setdefault(key, {"calls": 0, "elements": 0, "bytes": 0, "reduce_ops": []})
+        t["calls"] += 1
+        t["elements"] += span
+        t["bytes"] += span * size
+        if m["op"] in ("ReduceScatter", "AllReduce", "Reduce"):
+            redop = NCCL_REDOPS.get(int(m["redop"]), f"op{m['redop']}")
+            if redop not in t["reduce_ops"]:
+                t["reduce_ops"].append(redop)
+    per_step = {k: {"calls": v["calls"] / iters, "buffer_bytes": v["bytes"] / iters, "reduce_ops": v["reduce_ops"]}
+                for k, v in totals.items() if not k.endswith("/small")}
+    return {"totals": totals, "large_per_step": per_step, "iterations": iters,
+            "coll_lines": sum(1 for _ in NCCL_COLL.finditer(text))}
+
+
+def nccl(ns: argparse.Namespace, out: Path) -> dict:
+    script = str(Path(ns.megatron) / "pretrain_gpt.py")
+    iters = 6
+    results = {}
+    for on in (False, True):
+        name = "on" if on else "off"
+        env = {**base_env(ns.megatron), **FIXED_OFF, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL",
+               "GRAD_REDUCE_IN_BF16": "1" if on else "0", "DDP_AVERAGE_IN_COLLECTIVE": "1" if on else "0"}
+        log = out / f"nccl_{name}.log"
+        code, secs = run([*torchrun(2, 29650 + len(results)), "-m", "megatron_perf_toggles.run", script, *DP2_MODEL,
+                          *COMMON, "--train-iters", str(iters)], env, log)
+        text = log.read_text(errors="replace")
+        n = param_count(log)
+        traffic = nccl_traffic(text, iters)
+        rs = {k: v for k, v in traffic["large_per_step"].items() if k.startswith(("ReduceScatter/", "AllReduce/"))}
+        measured = sum(v["buffer_bytes"] for v in rs.values())
+        expected = n * (2 if on else 4) if n else None
+        results[name] = {"returncode": code, "seconds": secs, "parameters": n, "traffic": traffic,
+                         "grad_reduction_bytes_per_step_measured": measured,
+                         "grad_reduction_bytes_per_step_expected": expected,
+                         "measured_over_expected": measured / expected if expected else None,
+                         "error_tail": text.splitlines()[-20:] if code else None}
+        print(f"nccl {name:<4} rc={code} params={n} grad bytes/step measured={measured:.0f} expected={expected} "
+              f"reductions={sorted(rs)}", flush=True)
+    return results
+
+
 def mismatch(ns: argparse.Namespace, out: Path) -> dict:
     script = str(Path(ns.megatron) / "pretrain_gpt.py")
     env = {**base_env(ns.megatron), **FIXED_OFF}
@@ -127,10 +197,17 @@ def resume(ns: argparse.Namespace, out: Path) -> dict:
     common = [*SMALL_MODEL, *COMMON, "--save", str(ck), "--load", str(ck), "--save-interval", "4",
               "--tensorboard-dir", str(tb)]
     steps = {}
-    for name, iters, extra_env in (("first", 4, {}), ("resumed", 8, {}), ("resumed_changed", 10, {"GRAD_REDUCE_IN_BF16": "0"})):
+    # One schedule (--train-iters 12) for every leg, as a real job has: Megatron refuses a resume
+    # whose lr/wd schedule differs. The first two legs stop early through --exit-interval.
+    # Then two changed resumes: a numerics-only toggle (warned, resumes), and grad_reduce_in_bf16,
+    # which names the distributed optimizer's checkpoint state here (the plugin keeps the saved value).
+    legs = (("first", ["--exit-interval", "4"], {}), ("resumed", ["--exit-interval", "8"], {}),
+            ("resumed_changed_numerics", ["--exit-interval", "10"], {"DDP_AVERAGE_IN_COLLECTIVE": "0"}),
+            ("resumed_changed_layout", [], {"GRAD_REDUCE_IN_BF16": "0"}))
+    for name, stop, extra_env in legs:
         log = out / f"resume_{name}.log"
         code, _secs = run([*torchrun(1, 29800), "-m", "megatron_perf_toggles.run", script, *common,
-                          "--train-iters", str(iters)], {**env, **extra_env}, log)
+                          "--train-iters", "12", *stop], {**env, **extra_env}, log)
         text = log.read_text(errors="replace")
         parsed = parse_file(str(log))
         steps[name] = {
@@ -139,7 +216,7 @@ def resume(ns: argparse.Namespace, out: Path) -> dict:
             "last_iteration": parsed.iterations[-1].iteration if parsed.iterations else None,
             "decisions": [ln for ln in text.splitlines() if ln.startswith("[perf-toggles]") and ": " in ln],
             "resume_warnings": [ln for ln in text.splitlines() if "resuming from" in ln],
-            "loaded_checkpoint": "successfully loaded checkpoint" in text.lower() or "loading checkpoint" in text.lower(),
+            "loaded_checkpoint": "successfully loaded checkpoint" in text.lower(),
         }
         print(f"resume {name}: rc={code} iterations {steps[name]['first_iteration']}..{steps[name]['last_iteration']} "
               f"warnings={steps[name]['resume_warnings']}", flush=True)
@@ -159,7 +236,7 @@ def fixture(ns: argparse.Namespace, out: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("dp2", "mismatch", "resume", "fixture"))
+    ap.add_argument("mode", choices=("dp2", "nccl", "mismatch", "resume", "fixture"))
     ap.add_argument("--megatron", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=40)
@@ -167,7 +244,7 @@ def main() -> int:
     ns = ap.parse_args()
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"dp2": dp2, "mismatch": mismatch, "resume": resume, "fixture": fixture}[ns.mode](ns, out)
+    result = {"dp2": dp2, "nccl": nccl, "mismatch": mismatch, "resume": resume, "fixture": fixture}[ns.mode](ns, out)
     (out / f"{ns.mode}.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

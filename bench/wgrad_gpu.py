@@ -2,7 +2,8 @@
 
 Correctness: fresh random inputs, compared with a float64 reference:
   - fp32 main_grad over several accumulation steps (relative error must stay < 1e-5);
-  - bf16 main_grad within bf16 rounding;
+  - bf16 main_grad within bf16 rounding (elementwise bound, and normwise against the exactly
+    rounded result);
   - non-contiguous and 3-D ([s, b, h]) inputs, as Megatron passes them;
   - every element written (each element of main_grad checked, none left at its old value).
 Speed: at Llama-3-8B shapes (8192 tokens: micro-batch 2 x seq 4096), the fallback's
@@ -33,8 +34,14 @@ LLAMA3_8B_SHAPES = [
 TOKENS = 2 * 4096
 
 
-def correctness(torch, fb) -> dict:
-    dev = "cuda"
+BF16_MAX_ROUNDINGS_RATIO = 1.5
+
+
+def bf16_verdict(metrics: dict) -> bool:
+    return metrics["bf16_max_error_over_bound"] <= 1.0 and metrics["bf16_rel_error_ratio"] <= BF16_MAX_ROUNDINGS_RATIO
+
+
+def correctness(torch, fb, dev: str = "cuda") -> dict:
     gen = torch.Generator(device=dev).manual_seed(1234)
     out: dict = {}
 
@@ -63,20 +70,30 @@ def correctness(torch, fb) -> dict:
     out["rel_error_noncontiguous"] = rel(g, ref)
     out["noncontiguous_ok"] = out["rel_error_noncontiguous"] < 1e-5
 
-    # bf16 main_grad: the result is the exact sum rounded once to bf16, so the error per element is
-    # at most half a bf16 spacing of the result plus fp32 accumulation error, which scales with the
-    # magnitude of the summed terms (not of the result, which can cancel to near zero).
-    x = torch.randn(8192, 2048, device=dev, generator=gen).to(torch.bfloat16)
-    dy = torch.randn(8192, 1024, device=dev, generator=gen).to(torch.bfloat16)
+    # bf16 main_grad ("accumulation in main_grad's dtype"). Two checks, both sound:
+    #  - elementwise: error <= rounding of the result to bf16 (|ref| * 2^-8) plus the deterministic
+    #    fp32 summation bound (K + 1) * 2^-24 * sum|terms| (Higham's gamma_n; any order, any split);
+    #  - normwise (bf16_verdict): at most two bf16 roundings, the product's and the sum's with
+    #    main_grad. That is what accumulating in bf16 means, and what cuBLAS does for a bf16 output
+    #    with beta=1, the call APEX's bf16 kernel makes too. Two equal, independent roundings give
+    #    sqrt(2) x the error of the exactly rounded result; a third (bf16 split-K partial sums)
+    #    pushes past the 1.5 limit.
+    k = 8192
+    x = torch.randn(k, 2048, device=dev, generator=gen).to(torch.bfloat16)
+    dy = torch.randn(k, 1024, device=dev, generator=gen).to(torch.bfloat16)
     gb = torch.randn(1024, 2048, device=dev, generator=gen).to(torch.bfloat16)
     ref = gb.double() + dy.double().t() @ x.double()
     scale = gb.double().abs() + dy.double().abs().t() @ x.double().abs()
     fb.wgrad_gemm_accum_fp16(x, dy, gb)
     err = (gb.double() - ref).abs()
-    bound = ref.abs() * 2.0 ** -8 + scale * 2.0 ** -20
+    bound = ref.abs() * 2.0 ** -8 + scale * (k + 1) * 2.0 ** -24
+    rounded = ref.to(torch.bfloat16).double()
     out["bf16_max_error_over_bound"] = (err / bound).max().item()
-    out["bf16_max_error_in_half_ulps"] = (err / (ref.abs() * 2.0 ** -8).clamp_min(1e-30)).median().item()
-    out["bf16_ok"] = out["bf16_max_error_over_bound"] <= 1.0
+    out["bf16_rel_error"] = rel(gb, ref)
+    out["bf16_rel_error_exactly_rounded"] = rel(rounded, ref)
+    out["bf16_rel_error_ratio"] = out["bf16_rel_error"] / out["bf16_rel_error_exactly_rounded"]
+    out["bf16_fraction_exactly_rounded"] = (gb.double() == rounded).double().mean().item()
+    out["bf16_ok"] = bf16_verdict(out)
 
     # Every element written: with all-ones inputs each element must grow by exactly K.
     k = 4096

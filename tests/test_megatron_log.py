@@ -1,4 +1,4 @@
-"""Megatron's own log lines -> numbers. Real logs from H200 runs of Megatron main are fixtures."""
+"""Megatron's own log lines -> numbers. Real logs from H200 runs (Megatron main and core 0.13) are fixtures."""
 
 from __future__ import annotations
 
@@ -29,6 +29,27 @@ def test_real_main_log():
 def test_real_main_fp8_log_has_the_same_shape():
     log = parse_file(str(FIXTURES / "main_te_llama8b4l_fp8_alloff.log"))
     assert len(log.iterations) == 20 and all("tflops_per_gpu" in it.values for it in log.iterations)
+
+
+def test_real_core_v0_13_log():
+    # core 0.13 prints its timestamp without microseconds and memory unrounded (a 1-GPU run of a
+    # small model, local layers, through the launcher on an H200).
+    path = FIXTURES / "core_v0.13.0_local_small.log"
+    log = parse_file(str(path))
+    assert len(log.iterations) == path.read_text().count("elapsed time per iteration (ms):") == 6
+    it4 = next(it for it in log.iterations if it.iteration == 4)
+    # Read off the fixture's iteration-4 line.
+    assert it4.get("ms_per_iter") == 43.3 and it4.get("tflops_per_gpu") == 19.2
+    assert it4.get("lm_loss") == 10.274 and it4.get("grad_norm") == 3.662 and it4.total == 6
+    assert log.memory_mb["allocated"] != round(log.memory_mb["allocated"], 2)  # unrounded, as 0.13 prints it
+    assert log.errors == []
+
+
+def test_real_main_dp2_log():
+    log = parse_file(str(FIXTURES / "main_local_dp2_on.log"))
+    assert len(log.iterations) == 40
+    it25 = next(it for it in log.iterations if it.iteration == 25)
+    assert it25.get("ms_per_iter") == 92.0 and it25.get("lm_loss") == 5.559188 and it25.get("global_batch_size") == 2
 
 
 # Older releases (core 0.13/0.14) print the timestamp without microseconds and memory numbers
