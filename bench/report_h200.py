@@ -404,8 +404,8 @@ def resume_section() -> list[str]:
         "a KeyError on `optimizer.distributed...dtype_(torch.bfloat16, "
         "torch.float32)...`, because the distributed optimizer's dp_reshardable state is keyed by the gradient "
         "dtype. So this toggle does change the checkpoint layout there. Since that run, the plugin keeps the "
-        "saved value in such layouts: a guard with a warning for a default or environment value, and a one-line "
-        "refusal (exit 2) for an explicit command-line flag, which names `--no-load-optim`. That behaviour is "
+        "saved value in such layouts: a guard (with a warning when the value came from the environment), and "
+        "a one-line refusal (exit 2) for an explicit command-line flag, which names `--no-load-optim`. That behaviour is "
         "tested on CPU against the real parsers of all nine Megatron versions; it was not re-run on the GPU.",
         "- Seen on the way, in Megatron itself: without APEX and without Transformer Engine importable, main "
         "cannot resume a distributed-optimizer torch_dist checkpoint (`assert len(steps) == 1` in "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .capabilities import Capabilities, version_tuple
-from .ckpt_layout import GRAD_DTYPE_KEYED, loads_optimizer_state, optimizer_layout
+from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
 from .env import EnvSettings
 from .errors import CannotHonourError
 from .precision import precision_tag, tagged_log_dirs
@@ -135,22 +135,38 @@ def mxfp4_bf16_wgrad(ctx: Context) -> Iterator[Change]:
         )
 
 
-def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
-    saved = ctx.checkpoint.get("decisions", {}).get("grad_reduce_in_bf16")
-    if saved is None or bool(saved) == _on(ctx.values, "grad_reduce_in_bf16") or not loads_optimizer_state(ctx.args):
-        return
+def _saved_layout(ctx: Context) -> tuple[str, str]:
     recorded = ctx.checkpoint.get("optimizer_layout")
-    kind, name = recorded if recorded else optimizer_layout(ctx.args, version_tuple(ctx.caps.megatron.version or ""))
+    if isinstance(recorded, (list, tuple)) and len(recorded) == 2:
+        return str(recorded[0]), str(recorded[1])
+    # An entry from before layouts were recorded: the resuming run's own arguments stand in.
+    return optimizer_layout(ctx.args, version_tuple(ctx.caps.megatron.version or ""),
+                            version_tuple(ctx.caps.torch_version or ""))
+
+
+def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
+    ck = ctx.checkpoint
+    if not ck or not loads_optimizer_state(ctx.args) or ck.get("optimizer_state_saved") is False:
+        return
+    saved_value = ck.get("decisions", {}).get("grad_reduce_in_bf16")
+    saved = ck.get("grad_buffer_dtype") or (
+        grad_buffer_dtype(ctx.args, bool(saved_value)) if saved_value is not None else None)
+    now = _on(ctx.values, "grad_reduce_in_bf16")
+    if saved is None or grad_buffer_dtype(ctx.args, now) == saved or grad_buffer_dtype(ctx.args, not now) != saved:
+        return  # same buffer, or one this toggle cannot bring back (the precision flags changed)
+    kind, name = _saved_layout(ctx)
     if kind != GRAD_DTYPE_KEYED:
         return
-    reason = (f"the checkpoint in {ctx.args.get('load')} (iteration {ctx.checkpoint.get('iteration')}) was saved "
-              f"with grad_reduce_in_bf16 {'on' if saved else 'off'}; its distributed-optimizer state ({name}) "
-              "is keyed by the gradient dtype, so the other value cannot load")
+    reason = (f"the checkpoint in {ctx.args.get('load')} (iteration {ck.get('iteration')}) was saved with a "
+              f"{saved} gradient buffer, and its distributed-optimizer state ({name}) is keyed by the gradient "
+              "dtype, so another buffer cannot load")
     hint = "resume with the saved value, or pass --no-load-optim to start the optimizer state fresh"
-    if not saved and _mxfp4_fusion_stays_on(ctx):
+    if now and _mxfp4_fusion_stays_on(ctx):  # going back to fp32, which mxfp4 fusion cannot write
         yield Change("gradient_accumulation_fusion", False,
-                     f"{reason}; mxfp4's weight-gradient kernel writes only bf16, so fusion goes off instead", hint)
-    yield Change("grad_reduce_in_bf16", bool(saved), reason, hint)
+                     f"{reason}; mxfp4's weight-gradient kernel writes only bf16, so gradient accumulation "
+                     "fusion cannot stay on", "pass --no-gradient-accumulation-fusion, or --no-load-optim to "
+                     "start the optimizer state fresh")
+    yield Change("grad_reduce_in_bf16", not now, reason, hint)
 
 
 def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
@@ -416,6 +432,8 @@ def decide(
     decisions = {t.dest: _base(t.dest, explicit, env, stock) for t in TOGGLES}
     decisions.update(_fp4_selection(args, explicit, env))
     messages: list[Message] = []
+    base = dict(decisions)
+    overridden: dict[str, Message] = {}  # dest -> the warning that a cli/env value was overridden
     for guard in GUARDS:
         ctx = Context(args=args, values={k: d.value for k, d in decisions.items()}, caps=caps, env=env,
                       checkpoint=checkpoint)
@@ -432,11 +450,16 @@ def decide(
             assumed = bool(change.capability) and caps.is_assumed(change.capability)
             source = "assumed" if assumed else "guard"
             reason = change.reason + (" (per MEGATRON_PERF_TOGGLES_ASSUME)" if assumed else "")
-            if current.source in ("cli", "env"):
-                messages.append(Message(
-                    "warning", f"{change.dest}: {current.value} ({current.reason}) overridden to {change.value}: {reason}"
-                ))
+            first = base[change.dest]
+            if change.value == first.value:  # a later guard gave back what the user or default asked for
+                overridden.pop(change.dest, None)
+                decisions[change.dest] = Decision(first.value, first.source, f"{first.reason}; {reason}")
+                continue
+            if first.source in ("cli", "env"):
+                overridden[change.dest] = Message(
+                    "warning", f"{change.dest}: {first.value} ({first.reason}) overridden to {change.value}: {reason}")
             decisions[change.dest] = Decision(change.value, source, reason)
+    messages.extend(overridden.values())
     messages.extend(_advice(args))
     tag = precision_tag(args)
     log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}

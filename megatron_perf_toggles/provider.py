@@ -17,7 +17,7 @@ from typing import Any
 
 from . import provenance
 from .capabilities import Capabilities, resolve, version_tuple
-from .ckpt_layout import optimizer_layout
+from .ckpt_layout import checkpoint_facts
 from .decide import FP4_LAYER_DESTS, Message, Plan, decide
 from .env import EnvSettings, read_env
 from .errors import PerfTogglesError, fail
@@ -177,7 +177,7 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
             explicit[dest] = value
     from . import resume  # reading the resumed checkpoint's history is safe when planning too
 
-    writer = resume.checkpoint_writer(getattr(ns, "load", None))
+    writer = resume.checkpoint_writer(vars(ns))
     try:
         caps = state.capabilities or resolve(state.env.assume)
         plan = decide(vars(ns), explicit, state.env, caps, state.stock, checkpoint=writer)
@@ -215,8 +215,10 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
             if directory:
                 provenance.write_atomic(directory, payload)
             if state.capabilities is None:
-                layout = optimizer_layout(vars(ns), version_tuple(caps.megatron.version or ""))
-                resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, layout)
+                facts = checkpoint_facts(vars(ns), bool(ns.grad_reduce_in_bf16),
+                                         version_tuple(caps.megatron.version or ""),
+                                         version_tuple(caps.torch_version or ""))
+                resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, facts)
         except OSError as error:
             print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",
                   file=sys.stderr, flush=True)

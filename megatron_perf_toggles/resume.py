@@ -40,23 +40,43 @@ def _history(directory: str) -> list[dict[str, Any]]:
         with open(os.path.join(directory, HISTORY_NAME)) as fh:
             for line in fh:
                 try:
-                    entries.append(json.loads(line))
+                    entry = json.loads(line)
                 except ValueError:
                     continue  # a torn line from a killed launch
+                if isinstance(entry, dict) and isinstance(entry.get("decisions", {}), dict):
+                    entries.append(entry)
     except OSError:
         return []
     return entries
 
 
-def checkpoint_writer(load_dir: str | None) -> dict[str, Any] | None:
-    """What the launch that wrote the checkpoint ``--load`` will resume from recorded, or None."""
-    loaded = latest_iteration(load_dir)
-    if not load_dir or not loaded:
+def loaded_iteration(args: Mapping[str, Any]) -> int | None:
+    """The iteration Megatron will resume from: ``--ckpt-step`` if given, else the newer of the
+    persistent tracker in ``--load`` and a global non-persistent one. (A local non-persistent
+    checkpoint is found by Megatron's checkpoint manager at run time; it is not looked at here.)"""
+    load_dir = args.get("load")
+    if not load_dir:
         return None
-    writers = [e for e in _history(load_dir) if int(e.get("start_iteration") or 0) < loaded]
+    if args.get("ckpt_step"):
+        return int(args["ckpt_step"])
+    found = [latest_iteration(load_dir)]
+    if args.get("non_persistent_ckpt_type") == "global":
+        found.append(latest_iteration(args.get("non_persistent_global_ckpt_dir")
+                                      or os.path.join(load_dir, "non_persistent")))
+    known = [i for i in found if i]
+    return max(known) if known else None
+
+
+def checkpoint_writer(args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the launch that wrote the checkpoint this run resumes recorded, or None. The history
+    lives beside ``--load`` (the run that saved there appended to it)."""
+    loaded = loaded_iteration(args)
+    if not loaded:
+        return None
+    writers = [e for e in _history(str(args["load"])) if int(e.get("start_iteration") or 0) < loaded]
     if not writers:
         return None
-    return {**writers[-1], "iteration": loaded, "load_dir": load_dir}
+    return {**writers[-1], "iteration": loaded, "load_dir": args["load"]}
 
 
 def compare_with_checkpoint(writer: Mapping[str, Any] | None,
@@ -76,14 +96,14 @@ def compare_with_checkpoint(writer: Mapping[str, Any] | None,
 
 
 def record_launch(save_dir: str | None, decisions: Mapping[str, Mapping[str, Any]], precision: str,
-                  optimizer_layout: tuple[str, str] | None = None) -> None:
-    """Append this launch (rank 0 only) to the history beside the checkpoints."""
+                  checkpoint_facts: Mapping[str, Any] | None = None) -> None:
+    """Append this launch (rank 0 only) to the history beside the checkpoints, with what its
+    checkpoints will look like (ckpt_layout.checkpoint_facts)."""
     if not save_dir:
         return
     os.makedirs(save_dir, exist_ok=True)
     entry: dict[str, Any] = {"start_iteration": latest_iteration(save_dir) or 0, "precision": precision,
-                             "decisions": {dest: d.get("value") for dest, d in decisions.items()}}
-    if optimizer_layout:
-        entry["optimizer_layout"] = list(optimizer_layout)
+                             "decisions": {dest: d.get("value") for dest, d in decisions.items()},
+                             **(checkpoint_facts or {})}
     with open(os.path.join(save_dir, HISTORY_NAME), "a") as fh:
         fh.write(json.dumps(entry, sort_keys=True) + "\n")

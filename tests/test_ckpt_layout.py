@@ -8,6 +8,8 @@ from megatron_perf_toggles.ckpt_layout import (
     GRAD_DTYPE_KEYED,
     MODEL_SPACE,
     NO_OPTIMIZER_BUFFERS,
+    checkpoint_facts,
+    grad_buffer_dtype,
     loads_optimizer_state,
     optimizer_layout,
 )
@@ -43,3 +45,30 @@ def test_layout(args, version, expected):
 ])
 def test_loads_optimizer_state(args, expected):
     assert loads_optimizer_state(args) is expected
+
+
+def test_0_15_with_an_old_torch_saves_the_pre_0_14_layouts():
+    args = {**NEW, "dist_ckpt_optim_fully_reshardable": True, "ckpt_fully_parallel_save": False}
+    assert optimizer_layout(args, (0, 15, 0), (2, 5, 1)) == (GRAD_DTYPE_KEYED, "dp_zero_gather_scatter")
+    assert optimizer_layout(args, (0, 15, 0), (2, 6, 0)) == (MODEL_SPACE, "fully_reshardable")
+    assert optimizer_layout(args, (0, 16, 0), (2, 5, 1)) == (MODEL_SPACE, "fully_reshardable")
+
+
+@pytest.mark.parametrize("args, grad_reduce_in_bf16, expected", [
+    ({"bf16": True}, True, "bf16"),
+    ({"bf16": True}, False, "fp32"),
+    ({"bf16": True, "main_grads_dtype": "bf16"}, False, "bf16"),
+    ({"bf16": True, "main_grads_dtype": "bf16", "accumulate_allreduce_grads_in_fp32": True}, False, "fp32"),
+    ({"bf16": True, "accumulate_allreduce_grads_in_fp32": True}, True, "bf16"),  # the toggle wins, as in Megatron
+    ({"fp16": True}, True, "fp16"),
+    ({"fp16": True, "accumulate_allreduce_grads_in_fp32": True}, False, "fp32"),
+    ({}, True, "fp32"),
+])
+def test_grad_buffer_dtype(args, grad_reduce_in_bf16, expected):
+    assert grad_buffer_dtype(args, grad_reduce_in_bf16) == expected
+
+
+def test_checkpoint_facts():
+    facts = checkpoint_facts({**NEW, "bf16": True, "no_save_optim": True}, True, (0, 20))
+    assert facts == {"optimizer_layout": [GRAD_DTYPE_KEYED, "dp_reshardable"], "grad_buffer_dtype": "bf16",
+                     "optimizer_state_saved": False}

@@ -347,3 +347,49 @@ def test_resume_guard_under_mxfp4_keeps_fp32_and_turns_fusion_off():
     assert plan.decisions["grad_reduce_in_bf16"].value is False
     assert plan.decisions["gradient_accumulation_fusion"].value is False
     assert "bf16" in plan.decisions["gradient_accumulation_fusion"].reason
+
+
+@pytest.mark.parametrize("args", [
+    {"bf16": False, "fp16": True},  # the toggle is read under --bf16 only
+    {"main_grads_dtype": "bf16"},  # bf16 main grads: a bf16 buffer either way
+    {"moe_use_upcycling": True},  # validate_args turns these into --no-load-optim / finetuning
+    {"skip_train": True},
+    {"freeze_all_layers": True},
+])
+def test_resume_guard_stays_out_when_the_buffer_or_the_load_does_not_depend_on_it(args, env):
+    plan = resume(args=args, env_settings=env(GRAD_REDUCE_IN_BF16=0))
+    assert plan.decisions["grad_reduce_in_bf16"].value is False
+
+
+def test_resume_guard_skip_train_in_rl_still_loads_the_optimizer(env):
+    plan = resume(args={"skip_train": True, "perform_rl_step": True}, env_settings=env(GRAD_REDUCE_IN_BF16=0))
+    assert plan.decisions["grad_reduce_in_bf16"].value is True
+
+
+def test_resume_guard_uses_what_the_writer_recorded(env):
+    # No optimizer state was saved: nothing keyed to load.
+    plan = resume(env_settings=env(GRAD_REDUCE_IN_BF16=0), checkpoint={**SAVED_BF16, "optimizer_state_saved": False})
+    assert plan.decisions["grad_reduce_in_bf16"].value is False
+    # The recorded buffer dtype is enough, even without the writer's decisions.
+    plan = resume(env_settings=env(GRAD_REDUCE_IN_BF16=0), checkpoint={
+        "iteration": 4, "grad_buffer_dtype": "bf16", "optimizer_layout": ["grad-dtype-keyed", "dp_reshardable"]})
+    assert plan.decisions["grad_reduce_in_bf16"].value is True
+    # The saved layout decides, not the resuming run's flags (Megatron loads what was saved).
+    plan = resume(env_settings=env(GRAD_REDUCE_IN_BF16=0), args={"dist_ckpt_optim_fully_reshardable": True})
+    assert plan.decisions["grad_reduce_in_bf16"].value is True
+    # A malformed recorded layout falls back to the resuming run's arguments.
+    plan = resume(env_settings=env(GRAD_REDUCE_IN_BF16=0), checkpoint={**SAVED_BF16, "optimizer_layout": ["x"]},
+                  args={"ckpt_format": "torch_dist", "dist_ckpt_optim_fully_reshardable": True})
+    assert plan.decisions["grad_reduce_in_bf16"].value is False
+
+
+def test_resume_guard_gives_back_an_explicit_value_mxfp4_had_overridden():
+    saved_fp32 = {**SAVED_BF16, "decisions": {"grad_reduce_in_bf16": False}}
+    plan = resume(args=MXFP4, explicit={"grad_reduce_in_bf16": False}, checkpoint=saved_fp32)
+    d = plan.decisions["grad_reduce_in_bf16"]
+    assert (d.value, d.source) == (False, "cli")
+    assert not any(m.text.startswith("grad_reduce_in_bf16:") for m in plan.messages)  # no stale mxfp4 warning
+    assert plan.decisions["gradient_accumulation_fusion"].value is False
+    with pytest.raises(CannotHonourError) as info:
+        resume(args=MXFP4, explicit={"gradient_accumulation_fusion": True}, checkpoint=saved_fp32)
+    assert "--no-gradient-accumulation-fusion" in str(info.value)

@@ -76,9 +76,12 @@ def _resume_cases(tmp: str) -> list[dict]:
     """Resume a checkpoint whose writer had grad_reduce_in_bf16 on and recorded no layout, so the
     layout is worked out from this tree's own parsed arguments."""
     out = []
-    for name, extra in (("resume_distopt", []), ("resume_distopt_no_load_optim", ["--no-load-optim"])):
+    plain = {"start_iteration": 0, "precision": "bf16", "decisions": {"grad_reduce_in_bf16": True}}
+    recorded = {**plain, "optimizer_layout": ["model-space", "fully_reshardable"], "grad_buffer_dtype": "bf16"}
+    for name, extra, entry in (("resume_distopt", [], plain), ("resume_distopt_no_load_optim", ["--no-load-optim"], plain),
+                               ("resume_recorded_model_space", [], recorded)):
         ck = f"{tmp}/{name}"
-        history = json.dumps({"start_iteration": 0, "precision": "bf16", "decisions": {"grad_reduce_in_bf16": True}})
+        history = json.dumps(entry)
         out.append({"id": name, "argv": [*BF16, "--use-distributed-optimizer", "--load", ck, *extra],
                     "env": {**CAPABLE, "GRAD_REDUCE_IN_BF16": "0"},
                     "files": {f"{ck}/perf_toggles_history.jsonl": history + "\n",
@@ -290,3 +293,6 @@ def test_resume_keeps_the_grad_dtype_the_optimizer_checkpoint_is_keyed_by(tree):
         assert "dp_reshardable" in d["reason"] and "(iteration 4)" in d["reason"]
     fresh = ok(by_id["resume_distopt_no_load_optim"])["perf_toggles"]["grad_reduce_in_bf16"]
     assert (fresh["value"], fresh["source"]) == (False, "env")
+    # The layout the saving run recorded decides (Megatron loads what was saved).
+    free = ok(by_id["resume_recorded_model_space"])["perf_toggles"]["grad_reduce_in_bf16"]
+    assert (free["value"], free["source"]) == (False, "env")

@@ -275,3 +275,45 @@ def test_resume_on_0_13_without_fully_parallel_save_is_keyed(tmp_path, capsys):
     (args, _out), _ = _resume_pair(tmp_path, capsys, {}, {"GRAD_REDUCE_IN_BF16": "0"},
                                    [*DISTOPT, "--no-ckpt-fully-parallel-save"], surface="core_v0.13.0")
     assert args.grad_reduce_in_bf16 is True and "dp_zero_gather_scatter" in args.perf_toggles["grad_reduce_in_bf16"]["reason"]
+
+
+def _launch_on(ck, capsys, environ, more=(), surface="main"):
+    parser = replay.build_parser(replay.load_surface(surface))
+    provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+    args = parser.parse_args([*BASE, *DISTOPT, *more, "--save", str(ck), "--load", str(ck)])
+    captured = capsys.readouterr()
+    return args, captured.out + captured.err
+
+
+def test_resume_finds_the_writer_of_the_iteration_megatron_loads(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    _launch_on(ck, capsys, {})  # bf16 buffer, saves 4
+    (ck / "latest_checkpointed_iteration.txt").write_text("4")
+    _launch_on(ck, capsys, {"GRAD_REDUCE_IN_BF16": "0"}, ["--no-load-optim"])  # fp32 buffer from 4, saves 8
+    (ck / "latest_checkpointed_iteration.txt").write_text("8")
+    args, _ = _launch_on(ck, capsys, {})
+    assert args.grad_reduce_in_bf16 is False and "(iteration 8)" in args.perf_toggles["grad_reduce_in_bf16"]["reason"]
+    # --ckpt-step (0.13 to 0.15) loads iteration 4, written with a bf16 buffer in a keyed layout.
+    args, _ = _launch_on(ck, capsys, {"GRAD_REDUCE_IN_BF16": "0"}, ["--ckpt-step", "4"], surface="core_v0.13.0")
+    assert args.grad_reduce_in_bf16 is True and "(iteration 4)" in args.perf_toggles["grad_reduce_in_bf16"]["reason"]
+
+
+def test_resume_sees_a_newer_global_non_persistent_checkpoint(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    _launch_on(ck, capsys, {}, ["--non-persistent-ckpt-type", "global"])
+    (ck / "latest_checkpointed_iteration.txt").write_text("4")
+    _launch_on(ck, capsys, {"GRAD_REDUCE_IN_BF16": "0"}, ["--non-persistent-ckpt-type", "global", "--no-load-optim"])
+    (ck / "non_persistent").mkdir()
+    (ck / "non_persistent" / "latest_checkpointed_iteration.txt").write_text("6")  # written by the fp32 launch
+    args, _ = _launch_on(ck, capsys, {}, ["--non-persistent-ckpt-type", "global"])
+    assert args.grad_reduce_in_bf16 is False and "(iteration 6)" in args.perf_toggles["grad_reduce_in_bf16"]["reason"]
+
+
+def test_a_malformed_history_is_skipped_without_a_traceback(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    _launch_on(ck, capsys, {})
+    with open(ck / "perf_toggles_history.jsonl", "a") as fh:
+        fh.write('null\n[1, 2]\n{"start_iteration": 0, "decisions": 5}\n{"torn": \n')
+    (ck / "latest_checkpointed_iteration.txt").write_text("4")
+    args, out = _launch_on(ck, capsys, {"GRAD_REDUCE_IN_BF16": "0"})
+    assert args.grad_reduce_in_bf16 is True and "Traceback" not in out
