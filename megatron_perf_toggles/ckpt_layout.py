@@ -22,14 +22,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .capabilities import version_tuple
+
 GRAD_DTYPE_KEYED = "grad-dtype-keyed"
 MODEL_SPACE = "model-space"
 NO_OPTIMIZER_BUFFERS = "no-distributed-optimizer"
 
 
-def optimizer_layout(args: Mapping[str, Any], megatron_version: tuple[int, ...] = (),
-                     torch_version: tuple[int, ...] = ()) -> tuple[str, str]:
-    """(kind, Megatron's name for the layout) of the checkpoint a run with ``args`` saves."""
+def optimizer_layout(args: Mapping[str, Any], megatron_version: str | None = None,
+                     torch_version: str | None = None) -> tuple[str, str]:
+    """(kind, Megatron's name for the layout) of the checkpoint a run with ``args`` saves; the
+    versions are those capabilities report (None when unknown)."""
     if not args.get("use_distributed_optimizer"):
         return NO_OPTIMIZER_BUFFERS, "no distributed optimizer"
     fmt = args.get("ckpt_format") or "torch_dist"
@@ -37,9 +40,10 @@ def optimizer_layout(args: Mapping[str, Any], megatron_version: tuple[int, ...] 
         return MODEL_SPACE, "fsdp_dtensor"
     if fmt == "torch":
         return GRAD_DTYPE_KEYED, "torch format, distrib_optim.pt per buffer dtype"
+    torch_vt = version_tuple(torch_version or "")
     pre_014 = "dist_ckpt_optim_fully_reshardable" not in args or (
-        megatron_version[:2] == (0, 15)
-        and (bool(args.get("dist_ckpt_save_pre_mcore_014")) or (bool(torch_version) and torch_version[:2] < (2, 6)))
+        version_tuple(megatron_version or "")[:2] == (0, 15)
+        and (bool(args.get("dist_ckpt_save_pre_mcore_014")) or (bool(torch_vt) and torch_vt[:2] < (2, 6)))
     )
     if pre_014:
         if args.get("ckpt_fully_parallel_save"):
@@ -75,8 +79,8 @@ def grad_buffer_dtype(args: Mapping[str, Any], grad_reduce_in_bf16: bool) -> str
     return "fp32"
 
 
-def checkpoint_facts(args: Mapping[str, Any], grad_reduce_in_bf16: bool, megatron_version: tuple[int, ...] = (),
-                     torch_version: tuple[int, ...] = ()) -> dict[str, Any]:
+def checkpoint_facts(args: Mapping[str, Any], grad_reduce_in_bf16: bool, megatron_version: str | None = None,
+                     torch_version: str | None = None) -> dict[str, Any]:
     """What a launch records about the checkpoints it will save (resume.py's history)."""
     return {"optimizer_layout": list(optimizer_layout(args, megatron_version, torch_version)),
             "grad_buffer_dtype": grad_buffer_dtype(args, grad_reduce_in_bf16),

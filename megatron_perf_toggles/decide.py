@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .capabilities import Capabilities, version_tuple
+from .capabilities import Capabilities
 from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
 from .env import EnvSettings
 from .errors import CannotHonourError
@@ -140,8 +140,7 @@ def _saved_layout(ctx: Context) -> tuple[str, str]:
     if isinstance(recorded, (list, tuple)) and len(recorded) == 2:
         return str(recorded[0]), str(recorded[1])
     # An entry from before layouts were recorded: the resuming run's own arguments stand in.
-    return optimizer_layout(ctx.args, version_tuple(ctx.caps.megatron.version or ""),
-                            version_tuple(ctx.caps.torch_version or ""))
+    return optimizer_layout(ctx.args, ctx.caps.megatron.version, ctx.caps.torch_version)
 
 
 def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:

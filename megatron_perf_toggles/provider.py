@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import provenance
-from .capabilities import Capabilities, resolve, version_tuple
+from .capabilities import Capabilities, resolve
 from .ckpt_layout import checkpoint_facts
 from .decide import FP4_LAYER_DESTS, Message, Plan, decide
 from .env import EnvSettings, read_env
@@ -215,9 +215,8 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
             if directory:
                 provenance.write_atomic(directory, payload)
             if state.capabilities is None:
-                facts = checkpoint_facts(vars(ns), bool(ns.grad_reduce_in_bf16),
-                                         version_tuple(caps.megatron.version or ""),
-                                         version_tuple(caps.torch_version or ""))
+                facts = checkpoint_facts(vars(ns), bool(ns.grad_reduce_in_bf16), caps.megatron.version,
+                                         caps.torch_version)
                 resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, facts)
         except OSError as error:
             print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",

@@ -20,17 +20,17 @@ OLD = {"use_distributed_optimizer": True, "ckpt_format": "torch_dist", "ckpt_ful
 
 
 @pytest.mark.parametrize("args, version, expected", [
-    ({**NEW, "use_distributed_optimizer": False}, (0, 20), (NO_OPTIMIZER_BUFFERS, "no distributed optimizer")),
-    (NEW, (0, 20), (GRAD_DTYPE_KEYED, "dp_reshardable")),
-    ({**NEW, "dist_ckpt_optim_fully_reshardable": True}, (0, 20), (MODEL_SPACE, "fully_reshardable")),
-    ({**NEW, "ckpt_format": "fsdp_dtensor"}, (0, 20), (MODEL_SPACE, "fsdp_dtensor")),
-    ({**NEW, "ckpt_format": "torch"}, (0, 20), (GRAD_DTYPE_KEYED, "torch format, distrib_optim.pt per buffer dtype")),
-    (OLD, (0, 13), (MODEL_SPACE, "fully_sharded_model_space")),
-    ({**OLD, "ckpt_fully_parallel_save": False}, (0, 13), (GRAD_DTYPE_KEYED, "dp_zero_gather_scatter")),
+    ({**NEW, "use_distributed_optimizer": False}, "0.20", (NO_OPTIMIZER_BUFFERS, "no distributed optimizer")),
+    (NEW, "0.20", (GRAD_DTYPE_KEYED, "dp_reshardable")),
+    ({**NEW, "dist_ckpt_optim_fully_reshardable": True}, "0.20", (MODEL_SPACE, "fully_reshardable")),
+    ({**NEW, "ckpt_format": "fsdp_dtensor"}, "0.20", (MODEL_SPACE, "fsdp_dtensor")),
+    ({**NEW, "ckpt_format": "torch"}, "0.20", (GRAD_DTYPE_KEYED, "torch format, distrib_optim.pt per buffer dtype")),
+    (OLD, "0.13", (MODEL_SPACE, "fully_sharded_model_space")),
+    ({**OLD, "ckpt_fully_parallel_save": False}, "0.13", (GRAD_DTYPE_KEYED, "dp_zero_gather_scatter")),
     # 0.15 alone still honours --dist-ckpt-save-pre-mcore-014; later versions ignore the flag.
-    ({**NEW, "dist_ckpt_save_pre_mcore_014": True}, (0, 15, 0), (MODEL_SPACE, "fully_sharded_model_space")),
-    ({**NEW, "dist_ckpt_save_pre_mcore_014": True}, (0, 16, 0), (GRAD_DTYPE_KEYED, "dp_reshardable")),
-    ({**NEW, "ckpt_format": None}, (), (GRAD_DTYPE_KEYED, "dp_reshardable")),
+    ({**NEW, "dist_ckpt_save_pre_mcore_014": True}, "0.15.0", (MODEL_SPACE, "fully_sharded_model_space")),
+    ({**NEW, "dist_ckpt_save_pre_mcore_014": True}, "0.16.0", (GRAD_DTYPE_KEYED, "dp_reshardable")),
+    ({**NEW, "ckpt_format": None}, None, (GRAD_DTYPE_KEYED, "dp_reshardable")),
 ])
 def test_layout(args, version, expected):
     assert optimizer_layout(args, version) == expected
@@ -49,9 +49,9 @@ def test_loads_optimizer_state(args, expected):
 
 def test_0_15_with_an_old_torch_saves_the_pre_0_14_layouts():
     args = {**NEW, "dist_ckpt_optim_fully_reshardable": True, "ckpt_fully_parallel_save": False}
-    assert optimizer_layout(args, (0, 15, 0), (2, 5, 1)) == (GRAD_DTYPE_KEYED, "dp_zero_gather_scatter")
-    assert optimizer_layout(args, (0, 15, 0), (2, 6, 0)) == (MODEL_SPACE, "fully_reshardable")
-    assert optimizer_layout(args, (0, 16, 0), (2, 5, 1)) == (MODEL_SPACE, "fully_reshardable")
+    assert optimizer_layout(args, "0.15.0", "2.5.1") == (GRAD_DTYPE_KEYED, "dp_zero_gather_scatter")
+    assert optimizer_layout(args, "0.15.0", "2.6.0") == (MODEL_SPACE, "fully_reshardable")
+    assert optimizer_layout(args, "0.16.0", "2.5.1") == (MODEL_SPACE, "fully_reshardable")
 
 
 @pytest.mark.parametrize("args, grad_reduce_in_bf16, expected", [
@@ -69,6 +69,6 @@ def test_grad_buffer_dtype(args, grad_reduce_in_bf16, expected):
 
 
 def test_checkpoint_facts():
-    facts = checkpoint_facts({**NEW, "bf16": True, "no_save_optim": True}, True, (0, 20))
+    facts = checkpoint_facts({**NEW, "bf16": True, "no_save_optim": True}, True, "0.20")
     assert facts == {"optimizer_layout": [GRAD_DTYPE_KEYED, "dp_reshardable"], "grad_buffer_dtype": "bf16",
                      "optimizer_state_saved": False}
