@@ -81,27 +81,38 @@ def param_count(log: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def dp2(ns: argparse.Namespace, out: Path) -> dict:
+def grad_buffer_bytes(parameters: int, comm_toggles_on: bool) -> int:
+    """The DDP gradient buffer: 2 bytes per parameter with GRAD_REDUCE_IN_BF16, else 4."""
+    return parameters * (2 if comm_toggles_on else 4)
+
+
+def dp2_arm(ns: argparse.Namespace, log: Path, on: bool, port: int, iters: int, extra_args: tuple[str, ...] = (),
+            extra_env: dict[str, str] | None = None) -> tuple[int, float]:
+    """One DP=2 launch with GRAD_REDUCE_IN_BF16 and DDP_AVERAGE_IN_COLLECTIVE both on or both off."""
+    env = {**base_env(ns.megatron), **FIXED_OFF, **(extra_env or {}),
+           "GRAD_REDUCE_IN_BF16": "1" if on else "0", "DDP_AVERAGE_IN_COLLECTIVE": "1" if on else "0"}
     script = str(Path(ns.megatron) / "pretrain_gpt.py")
+    return run([*torchrun(2, port), "-m", "megatron_perf_toggles.run", script, *DP2_MODEL, *COMMON,
+                "--train-iters", str(iters), *extra_args], env, log)
+
+
+def dp2(ns: argparse.Namespace, out: Path) -> dict:
     results = {}
     for overlap in (False, True):
         for on in (False, True):
             name = f"{'on' if on else 'off'}{'_overlap' if overlap else ''}"
-            env = {**base_env(ns.megatron), **FIXED_OFF,
-                   "GRAD_REDUCE_IN_BF16": "1" if on else "0", "DDP_AVERAGE_IN_COLLECTIVE": "1" if on else "0"}
-            args = [*DP2_MODEL, *COMMON, "--train-iters", str(ns.iters), *(["--overlap-grad-reduce"] if overlap else [])]
             log = out / f"dp2_{name}.log"
-            code, secs = run([*torchrun(2, 29600 + len(results)), "-m", "megatron_perf_toggles.run", script, *args], env, log)
+            code, secs = dp2_arm(ns, log, on, 29600 + len(results), ns.iters,
+                                 ("--overlap-grad-reduce",) if overlap else ())
             parsed = parse_file(str(log))
             n = param_count(log)
-            grad_bytes = 2 if on else 4
             results[name] = {
                 "returncode": code, "seconds": secs, "summary": parsed.summary(skip_first=ns.warmup),
                 "loss_curve": parsed.series("lm_loss"), "parameters": n,
                 # Distributed optimizer: the gradient buffer is reduce-scattered; each of the 2 ranks
                 # sends (and receives) half of it per step.
-                "grad_buffer_bytes": n * grad_bytes if n else None,
-                "reduce_scatter_bytes_sent_per_rank": n * grad_bytes // 2 if n else None,
+                "grad_buffer_bytes": grad_buffer_bytes(n, on) if n else None,
+                "reduce_scatter_bytes_sent_per_rank": grad_buffer_bytes(n, on) // 2 if n else None,
                 "error_tail": log.read_text(errors="replace").splitlines()[-20:] if code else None,
             }
             s = results[name]["summary"]
@@ -126,7 +137,9 @@ def nccl_traffic(text: str, iters: int, min_elements: int = 1 << 20) -> dict:
     count, so the whole buffer a collective covers is count x nranks; AllReduce logs the buffer.
     """
     totals: dict[str, dict] = {}
+    lines = 0
     for m in NCCL_COLL.finditer(text):
+        lines += 1
         if m["dev"] != "0":
             continue
         count, nranks = int(m["count"]), int(m["nranks"] or 1)
@@ -143,27 +156,23 @@ def nccl_traffic(text: str, iters: int, min_elements: int = 1 << 20) -> dict:
                 t["reduce_ops"].append(redop)
     per_step = {k: {"calls": v["calls"] / iters, "buffer_bytes": v["bytes"] / iters, "reduce_ops": v["reduce_ops"]}
                 for k, v in totals.items() if not k.endswith("/small")}
-    return {"totals": totals, "large_per_step": per_step, "iterations": iters,
-            "coll_lines": sum(1 for _ in NCCL_COLL.finditer(text))}
+    return {"totals": totals, "large_per_step": per_step, "iterations": iters, "coll_lines": lines}
 
 
 def nccl(ns: argparse.Namespace, out: Path) -> dict:
-    script = str(Path(ns.megatron) / "pretrain_gpt.py")
     iters = 6
     results = {}
     for on in (False, True):
         name = "on" if on else "off"
-        env = {**base_env(ns.megatron), **FIXED_OFF, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL",
-               "GRAD_REDUCE_IN_BF16": "1" if on else "0", "DDP_AVERAGE_IN_COLLECTIVE": "1" if on else "0"}
         log = out / f"nccl_{name}.log"
-        code, secs = run([*torchrun(2, 29650 + len(results)), "-m", "megatron_perf_toggles.run", script, *DP2_MODEL,
-                          *COMMON, "--train-iters", str(iters)], env, log)
+        code, secs = dp2_arm(ns, log, on, 29650 + len(results), iters,
+                             extra_env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL"})
         text = log.read_text(errors="replace")
         n = param_count(log)
         traffic = nccl_traffic(text, iters)
         rs = {k: v for k, v in traffic["large_per_step"].items() if k.startswith(("ReduceScatter/", "AllReduce/"))}
         measured = sum(v["buffer_bytes"] for v in rs.values())
-        expected = n * (2 if on else 4) if n else None
+        expected = grad_buffer_bytes(n, on) if n else None
         results[name] = {"returncode": code, "seconds": secs, "parameters": n, "traffic": traffic,
                          "grad_reduction_bytes_per_step_measured": measured,
                          "grad_reduction_bytes_per_step_expected": expected,

@@ -143,11 +143,11 @@ def dp2() -> dict:
                 "memory_mb": v["summary"]["memory_mb"]} for k, v in raw.items()}
     n = raw["on"]["parameters"]
     nccl = {}
-    for arm, nbytes in (("off", 4), ("on", 2)):
+    for arm in ("off", "on"):
         step = gpu_multi.nccl_traffic((NCCL_LOGS / f"dp2_{arm}_coll.log").read_text(), iters=6)["large_per_step"]
         grads = {k: v for k, v in step.items() if k.startswith("ReduceScatter/")}
         nccl[arm] = {"grad_reduce_scatter": grads, "param_all_gather": step.get("AllGather/bfloat16"),
-                     "expected_grad_bytes": n * nbytes,
+                     "expected_grad_bytes": gpu_multi.grad_buffer_bytes(n, arm == "on"),
                      "measured_grad_bytes": sum(v["buffer_bytes"] for v in grads.values())}
     return {
         "setup": DP2_SETUP, "arms": arms, "parameters": n,
