@@ -35,6 +35,11 @@ class MegatronFacts:
     asserts_ddp_average_with_gtp: bool | None = None
     has_parse_and_validate_args: bool | None = None
     pretrain_takes_extra_args_provider: bool | None = None
+    rules: tuple[str, ...] | None = None  # ids from megatron_rules.RULES present in this Megatron
+
+    def has_rule(self, rule_id: str) -> bool:
+        """Whether this Megatron enforces ``rule_id``; an unknown Megatron is assumed to."""
+        return self.rules is None or rule_id in self.rules
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,9 @@ def megatron_facts() -> MegatronFacts:
         facts["fused_single_qkv_rope_field"] = "fused_single_qkv_rope" in names
     except Exception:  # noqa: BLE001
         pass
+    from . import megatron_rules
+
+    facts["rules"] = megatron_rules.detect(facts["path"])
     training = sys.modules.get("megatron.training.training")
     if training is not None and hasattr(training, "pretrain"):
         params = inspect.signature(training.pretrain).parameters
@@ -286,4 +294,7 @@ def resolve(spec: str | None, deep: bool = False) -> Capabilities:
 def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:
     """Megatron facts from a recorded surface (planning without a checkout)."""
     known = {f for f in MegatronFacts.__dataclass_fields__}
-    return MegatronFacts(**{k: v for k, v in surface.get("facts", {}).items() if k in known})
+    facts = {k: v for k, v in surface.get("facts", {}).items() if k in known}
+    if isinstance(facts.get("rules"), list):
+        facts["rules"] = tuple(facts["rules"])
+    return MegatronFacts(**facts)

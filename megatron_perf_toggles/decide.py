@@ -11,16 +11,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .capabilities import Capabilities
+from .capabilities import Capabilities, version_tuple
 from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
 from .env import EnvSettings
-from .errors import CannotHonourError
+from .errors import CannotHonourError, DependencyError
 from .precision import precision_tag, tagged_log_dirs
 from .registry import BY_DEST, TOGGLES
 
 FP4_LAYER_DESTS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
 FP4_RECIPE_SELECTION = {"nvfp4": (True, 2, 8), "mxfp4": (False, 2, 8)}  # (selective, start, end)
-PACKED_SEQUENCE_DESTS = ("sft", "rl_use_sequence_packing")
+PACKED_SEQUENCE_DESTS = ("sft", "rl_use_sequence_packing", "hybrid_context_parallel", "dataloader_inter_document_masking")
 GTP_DESTS = ("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards")
 ADAM_EPS_ADVICE = (5e-4, 1e-6)  # (lr at or above, eps below)
 WGRAD_FALLBACK_WORDS = "torch.addmm with fp32 accumulation"
@@ -72,25 +72,30 @@ class Plan:
 class Change:
     """What a guard wants: ``dest`` becomes ``value`` because ``reason``."""
 
-    __slots__ = ("capability", "dest", "hint", "over_cli", "reason", "value")
+    __slots__ = ("capability", "dest", "hint", "over_cli", "reason", "value", "yields_to_cli")
 
     def __init__(self, dest: str, value: Any, reason: str, hint: str = "", capability: str = "",
-                 over_cli: bool = False) -> None:
+                 over_cli: bool = False, yields_to_cli: bool = False) -> None:
         self.dest, self.value, self.reason, self.hint = dest, value, reason, hint
         self.capability = capability  # the capability the change rests on, if any
         self.over_cli = over_cli  # applies even over an explicit command-line value (with a warning)
+        # Only moves a value nobody asked for: an explicit command-line value is kept as it is
+        # (the guard resolves a conflict between two requests in favour of the one on the command line).
+        self.yields_to_cli = yields_to_cli
 
 
 class Context:
     """What a guard may look at: parsed args, the decisions so far, capabilities, environment,
     and what is known of the checkpoint ``--load`` will resume from."""
 
-    __slots__ = ("args", "caps", "checkpoint", "env", "values")
+    __slots__ = ("args", "caps", "checkpoint", "env", "sources", "values")
 
     def __init__(self, args: Mapping[str, Any], values: Mapping[str, Any], caps: Capabilities,
-                 env: EnvSettings, checkpoint: Mapping[str, Any] | None = None) -> None:
+                 env: EnvSettings, checkpoint: Mapping[str, Any] | None = None,
+                 sources: Mapping[str, str] | None = None) -> None:
         self.args, self.values, self.caps, self.env = args, values, caps, env
         self.checkpoint = checkpoint or {}
+        self.sources = sources or {}  # dest -> where its current value came from (cli, env, default, guard)
 
 
 Guard = Callable[[Context], Iterator[Change]]
@@ -100,15 +105,47 @@ def _on(values: Mapping[str, Any], dest: str) -> bool:
     return bool(values.get(dest))
 
 
+def _graph_modules(args: Mapping[str, Any]) -> set[str]:
+    names: set[str] = set()
+    for dest in ("cuda_graph_modules", "cuda_graph_scope", "cuda_graph_scope_deprecated"):
+        value = args.get(dest) or ()
+        for item in [value] if isinstance(value, str) else value:
+            names.add(str(getattr(item, "name", item)).rsplit(".", 1)[-1])
+    return names
+
+
 # --- guards, applied in this order ------------------------------------------------------------
 
 
 FSDP_FLAGS = (("use_torch_fsdp2", "--use-torch-fsdp2"), ("use_megatron_fsdp", "--use-megatron-fsdp"),
               ("use_custom_fsdp", "--use-custom-fsdp"))
+MFSDP_FUSION_MIN_TE = (2, 10)  # Megatron-FSDP's adapter asserts this TE for gradient accumulation fusion
+DELAY_WGRAD_FUSION_OFF_MIN_TE = (2, 7)  # delay_wgrad_compute with fusion off asserts this TE
+CE_TE_FULL_GRAPH_MIN_TE = (2, 7)  # TE's cross-entropy inside a full-iteration CUDA graph
 
 
-def _fsdp_flag(args: Mapping[str, Any]) -> str | None:
-    return next((flag for dest, flag in FSDP_FLAGS if args.get(dest)), None)
+def _te_at_least(caps: Capabilities, minimum: tuple[int, ...]) -> bool:
+    return caps.te_version is not None and version_tuple(caps.te_version) >= minimum
+
+
+def _fsdp_blocks_fusion(ctx: Context) -> str | None:
+    """Why this FSDP layout cannot keep gradient accumulation fusion, following the rule of the
+    Megatron at hand; None where it can (or no FSDP is used)."""
+    a, m = ctx.args, ctx.caps.megatron
+    if a.get("use_torch_fsdp2"):
+        return "--use-torch-fsdp2: Megatron rejects gradient accumulation fusion with torch FSDP2"
+    flag = next((f for d, f in FSDP_FLAGS[1:] if a.get(d)), None)
+    if flag is None:
+        return None
+    if a.get("megatron_fsdp_version") == 2 and m.has_rule("mfsdp_v2_fusion"):
+        return f"{flag} --megatron-fsdp-version 2: Megatron-FSDP v2 does not support gradient accumulation fusion"
+    strategy = a.get("data_parallel_sharding_strategy")
+    if strategy in ("optim_grads", "optim_grads_params") and m.has_rule("custom_fsdp_sharded_rejects_fusion"):
+        return f"{flag} with --data-parallel-sharding-strategy {strategy}: this Megatron rejects gradient accumulation fusion"
+    if not _te_at_least(ctx.caps, MFSDP_FUSION_MIN_TE):
+        have = f"Transformer Engine {ctx.caps.te_version}" if ctx.caps.te_version else "no Transformer Engine"
+        return f"{flag}: Megatron-FSDP needs Transformer Engine >= 2.10 for gradient accumulation fusion ({have})"
+    return None
 
 
 def _wgrad_kernel_available(ctx: Context) -> bool:
@@ -119,9 +156,29 @@ def _mxfp4_fusion_stays_on(ctx: Context) -> bool:
     # Looks ahead of the later guards: only a fusion that will really stay on needs the bf16 buffer.
     return bool(
         ctx.args.get("fp4") and ctx.args.get("fp4_recipe") == "mxfp4"
-        and _on(ctx.values, "gradient_accumulation_fusion") and not _fsdp_flag(ctx.args)
+        and _on(ctx.values, "gradient_accumulation_fusion") and _fsdp_blocks_fusion(ctx) is None
         and _wgrad_kernel_available(ctx)
     )
+
+
+def grad_reduce_yields_to_fsdp_comm_dtype(ctx: Context) -> Iterator[Change]:
+    a = ctx.args
+    dtype = a.get("megatron_fsdp_grad_comm_dtype")
+    if (a.get("use_megatron_fsdp") and dtype not in (None, "auto", "bf16") and _on(ctx.values, "grad_reduce_in_bf16")
+            and ctx.caps.megatron.has_rule("grad_reduce_bf16_forces_mfsdp_grad_comm_dtype")):
+        yield Change("grad_reduce_in_bf16", False,
+                     f"--megatron-fsdp-grad-comm-dtype {dtype} was asked for, and this Megatron overrides it with bf16 "
+                     "under grad_reduce_in_bf16", yields_to_cli=True)
+
+
+def grad_reduce_yields_to_fp32_accumulation(ctx: Context) -> Iterator[Change]:
+    if ctx.args.get("accumulate_allreduce_grads_in_fp32") and _on(ctx.values, "grad_reduce_in_bf16"):
+        yield Change(
+            "grad_reduce_in_bf16", False,
+            "--accumulate-allreduce-grads-in-fp32 asks for fp32 gradient accumulation and reduction, which "
+            "Megatron's validate_args would silently drop under grad_reduce_in_bf16",
+            yields_to_cli=True,
+        )
 
 
 def mxfp4_bf16_wgrad(ctx: Context) -> Iterator[Change]:
@@ -168,19 +225,54 @@ def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
     yield Change("grad_reduce_in_bf16", not now, reason, hint)
 
 
+def cross_entropy_fusion_deterministic(ctx: Context) -> Iterator[Change]:
+    if ctx.args.get("deterministic_mode") and _on(ctx.values, "cross_entropy_loss_fusion") \
+            and (ctx.caps.megatron.has_rule("deterministic_ce_fusion")
+                 or ctx.caps.megatron.has_rule("deterministic_ce_fusion_019")):
+        yield Change(
+            "cross_entropy_loss_fusion", False,
+            "--deterministic-mode: Megatron rejects cross-entropy loss fusion there (the fused kernel is "
+            "not deterministic)",
+            hint="drop --cross-entropy-loss-fusion or --deterministic-mode",
+        )
+
+
 def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
-    if (
+    if not (
         _on(ctx.values, "cross_entropy_loss_fusion")
         and ctx.values.get("cross_entropy_fusion_impl") == "te"
         and ctx.caps.megatron.asserts_te_cross_entropy
     ):
-        yield Change(
-            "cross_entropy_fusion_impl",
-            "native",
-            f"Megatron {ctx.caps.megatron.version or ''} rejects the te impl with "
-            "--cross-entropy-loss-fusion (stability assertion in validate_args)".replace("  ", " "),
-            hint="use --cross-entropy-fusion-impl native",
-        )
+        return
+    reason = (f"Megatron {ctx.caps.megatron.version or ''} rejects the te impl with "
+              "--cross-entropy-loss-fusion (stability assertion in validate_args)").replace("  ", " ")
+    if ctx.sources.get("cross_entropy_fusion_impl") == "cli" and ctx.sources.get("cross_entropy_loss_fusion") != "cli":
+        # The impl was asked for by name; the fusion only by default: stock Megatron (fusion off by
+        # default) accepts this command line, so the fusion default yields.
+        yield Change("cross_entropy_loss_fusion", False, f"{reason}, and --cross-entropy-fusion-impl te was "
+                     "given explicitly", hint="pass --cross-entropy-fusion-impl native")
+        return
+    yield Change("cross_entropy_fusion_impl", "native", reason, hint="use --cross-entropy-fusion-impl native")
+
+
+def cross_entropy_te_distillation(ctx: Context) -> Iterator[Change]:
+    if ctx.args.get("export_kd_teacher_load") and ctx.values.get("cross_entropy_fusion_impl") == "te" \
+            and ctx.caps.megatron.has_rule("ce_te_impl_distillation"):
+        yield Change("cross_entropy_fusion_impl", "native",
+                     "--export-kd-teacher-load: ModelOpt distillation does not take TE's cross-entropy",
+                     hint="use --cross-entropy-fusion-impl native")
+
+
+def cross_entropy_te_full_iteration_graph(ctx: Context) -> Iterator[Change]:
+    a = ctx.args
+    full = a.get("cuda_graph_impl") == "full_iteration" or "full_iteration" in _graph_modules(a)
+    if full and _on(ctx.values, "cross_entropy_loss_fusion") and ctx.values.get("cross_entropy_fusion_impl") == "te" \
+            and not _te_at_least(ctx.caps, CE_TE_FULL_GRAPH_MIN_TE) \
+            and ctx.caps.megatron.has_rule("ce_te_full_iteration_graph_old_te"):
+        have = f"Transformer Engine {ctx.caps.te_version}" if ctx.caps.te_version else "no Transformer Engine"
+        yield Change("cross_entropy_fusion_impl", "native",
+                     f"a full-iteration CUDA graph needs Transformer Engine >= 2.7 for TE's cross-entropy ({have})",
+                     hint="use --cross-entropy-fusion-impl native")
 
 
 def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
@@ -201,15 +293,20 @@ def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
         )
 
 
+def cross_entropy_impl_unused(ctx: Context) -> Iterator[Change]:
+    # Without the fusion the impl is never used: leave Megatron's own value, so no rule about the
+    # te impl (distillation, graphs, stability) can reject a setting that does nothing.
+    if not _on(ctx.values, "cross_entropy_loss_fusion") and ctx.values.get("cross_entropy_fusion_impl") == "te" \
+            and ctx.sources.get("cross_entropy_fusion_impl") == "default":
+        yield Change("cross_entropy_fusion_impl", "native",
+                     "cross-entropy loss fusion is off, so the impl is unused: Megatron's default stands")
+
+
 def gradient_accumulation_fusion_fsdp(ctx: Context) -> Iterator[Change]:
-    flag = _fsdp_flag(ctx.args)
-    if _on(ctx.values, "gradient_accumulation_fusion") and flag:
-        yield Change(
-            "gradient_accumulation_fusion",
-            False,
-            f"{flag}: FSDP does not support gradient accumulation fusion",
-            hint="drop --gradient-accumulation-fusion or the FSDP flag",
-        )
+    reason = _fsdp_blocks_fusion(ctx) if _on(ctx.values, "gradient_accumulation_fusion") else None
+    if reason:
+        yield Change("gradient_accumulation_fusion", False, reason,
+                     hint="drop --gradient-accumulation-fusion or the FSDP flag")
 
 
 def gradient_accumulation_fusion_apex(ctx: Context) -> Iterator[Change]:
@@ -257,6 +354,14 @@ def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
         reason = "--attention-output-gate is not supported by the fused QKV RoPE path"
     elif a.get("flash_decode"):
         reason = "--flash-decode takes its own RoPE path"
+    elif a.get("qk_l2_norm"):
+        reason = "--qk-l2-norm: q/k are normalised after the split, so QKV cannot stay packed"
+    elif a.get("no_rope_freq"):
+        reason = "--no-rope-freq: layers without RoPE get no rotary embedding, which the fused path requires"
+    elif a.get("rotary_interleaved"):
+        reason = "--rotary-interleaved: the fused kernel is not told about interleaving, so results would differ"
+    elif a.get("perform_rl_step"):
+        reason = "--perform-rl-step: rollouts run with an inference context, which the fused path does not take"
     else:
         packed = [d for d in PACKED_SEQUENCE_DESTS if a.get(d)]
         if packed:
@@ -294,15 +399,74 @@ def ddp_average_unsupported(ctx: Context) -> Iterator[Change]:
 
 
 GUARDS: tuple[Guard, ...] = (
+    grad_reduce_yields_to_fp32_accumulation,
+    grad_reduce_yields_to_fsdp_comm_dtype,
     mxfp4_bf16_wgrad,
     grad_reduce_checkpoint_layout,
+    cross_entropy_fusion_deterministic,
     cross_entropy_te_asserted,
+    cross_entropy_te_distillation,
+    cross_entropy_te_full_iteration_graph,
     cross_entropy_te_missing,
+    cross_entropy_impl_unused,
     gradient_accumulation_fusion_fsdp,
     gradient_accumulation_fusion_apex,
     fused_qkv_rope_unsupported,
     ddp_average_unsupported,
 )
+
+
+# --- features that need a toggle: a guard may not take it away from them -----------------------
+
+
+def _needs_defer_embedding_wgrad(ctx: Context) -> str | None:
+    return "--defer-embedding-wgrad-compute" if ctx.args.get("defer_embedding_wgrad_compute") else None
+
+
+def _needs_delay_wgrad_cuda_graph(ctx: Context) -> str | None:
+    a = ctx.args
+    if not (a.get("delay_wgrad_compute") and a.get("overlap_grad_reduce")):
+        return None
+    modules = _graph_modules(a)
+    router = "moe_router" in modules and a.get("moe_shared_expert_intermediate_size") is not None \
+        and not a.get("moe_shared_expert_overlap")
+    if "attn" in modules or router:
+        return "--delay-wgrad-compute with --overlap-grad-reduce and attention/router CUDA graphs"
+    return None
+
+
+def _needs_delay_wgrad_old_te(ctx: Context) -> str | None:
+    if ctx.args.get("delay_wgrad_compute") and not _te_at_least(ctx.caps, DELAY_WGRAD_FUSION_OFF_MIN_TE):
+        have = f"Transformer Engine {ctx.caps.te_version}" if ctx.caps.te_version else "no Transformer Engine"
+        return f"--delay-wgrad-compute with {have} (fusion off needs TE >= 2.7)"
+    return None
+
+
+def _needs_fp32_local_accumulation(ctx: Context) -> str | None:
+    if ctx.args.get("ddp_param_name_patterns_for_fp32_local_accumulation"):
+        return "--ddp-param-name-patterns-for-fp32-local-accumulation"
+    return None
+
+
+# (dest, the value the feature needs, Megatron's rule id, who asks for it)
+NEEDS: tuple[tuple[str, Any, str, Callable[[Context], str | None]], ...] = (
+    ("gradient_accumulation_fusion", True, "defer_embedding_wgrad_needs_fusion", _needs_defer_embedding_wgrad),
+    ("gradient_accumulation_fusion", True, "delay_wgrad_cuda_graph_needs_fusion", _needs_delay_wgrad_cuda_graph),
+    ("gradient_accumulation_fusion", True, "delay_wgrad_fusion_off_te", _needs_delay_wgrad_old_te),
+    ("grad_reduce_in_bf16", True, "ddp_fp32_local_accum_patterns_need_bf16_grads", _needs_fp32_local_accumulation),
+)
+
+
+def _check_needs(ctx: Context, dest: str, base: Decision, change: Change) -> None:
+    """A guard is about to move ``dest`` away from ``base``: refuse with one line if something the
+    user asked for needs ``base``'s value (Megatron would reject the command line otherwise)."""
+    for need_dest, value, rule, feature in NEEDS:
+        if need_dest != dest or value != base.value or value == change.value \
+                or not ctx.caps.megatron.has_rule(rule):
+            continue
+        words = feature(ctx)
+        if words:
+            raise DependencyError(dest, words, change.reason, change.hint)
 
 
 # --- resolution -------------------------------------------------------------------------------
@@ -435,17 +599,26 @@ def decide(
     overridden: dict[str, Message] = {}  # dest -> the warning that a cli/env value was overridden
     for guard in GUARDS:
         ctx = Context(args=args, values={k: d.value for k, d in decisions.items()}, caps=caps, env=env,
-                      checkpoint=checkpoint)
+                      checkpoint=checkpoint, sources={k: d.source for k, d in decisions.items()})
         for change in guard(ctx):
             current = decisions[change.dest]
             if current.value == change.value:
                 # A guard that keeps the value still says how (e.g. which wgrad path runs).
                 decisions[change.dest] = Decision(current.value, current.source, f"{current.reason}; {change.reason}")
                 continue
+            if current.source == "cli" and change.yields_to_cli:
+                continue
             if current.source == "cli" and not change.over_cli:
                 raise CannotHonourError(
                     change.dest, _flag_words(change.dest, current.value), change.reason, change.hint
                 )
+            if current.source == "default" and not env.plugin_enabled:
+                # MEGATRON_PERF_TOGGLES=0 means stock Megatron: its own defaults stand, guards only
+                # act on what the environment asked for.
+                decisions[change.dest] = Decision(current.value, current.source,
+                                                  f"{current.reason}; left as stock although {change.reason}")
+                continue
+            _check_needs(ctx, change.dest, base[change.dest], change)
             assumed = bool(change.capability) and caps.is_assumed(change.capability)
             source = "assumed" if assumed else "guard"
             reason = change.reason + (" (per MEGATRON_PERF_TOGGLES_ASSUME)" if assumed else "")
@@ -463,5 +636,6 @@ def decide(
     tag = precision_tag(args)
     log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}
     fused = decisions["gradient_accumulation_fusion"].value
-    wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else "fallback")
+    wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else (
+        "fallback" if caps.wgrad_fallback and env.wgrad_fallback else "missing"))
     return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages, wgrad_path=wgrad_path)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from . import replay
+from .megatron_rules import rules_table
 from .registry import SETTINGS, TOGGLES
 
 BEGIN = "<!-- generated:{name} begin -->"
@@ -65,7 +66,8 @@ def compatibility_table() -> str:
     return "\n".join(rows)
 
 
-TABLES = {"toggles": toggles_table, "settings": settings_table, "compatibility": compatibility_table}
+TABLES = {"toggles": toggles_table, "settings": settings_table, "compatibility": compatibility_table,
+          "megatron-rules": rules_table}
 
 
 def render_block(name: str) -> str:

@@ -45,6 +45,16 @@ class CannotHonourError(PerfTogglesError):
         self.flag = flag
 
 
+class DependencyError(PerfTogglesError):
+    """A guard would take a toggle away from a feature the user asked for, which needs it."""
+
+    def __init__(self, dest: str, feature: str, reason: str, hint: str) -> None:
+        super().__init__(f"{feature} needs {dest} on, but it cannot stay on: {reason}",
+                         hint or f"fix what keeps {dest} off, or drop {feature.split()[0]}")
+        self.dest = dest
+        self.feature = feature
+
+
 class RegistryError(PerfTogglesError):
     """A toggle declaration is inconsistent: a bug in this package, caught at import."""
 

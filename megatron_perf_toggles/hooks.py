@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -35,6 +35,7 @@ from . import provenance
 from . import provider as plugin
 from .env import parse_bool
 from .errors import PerfTogglesError, fail
+from .rebinding import megatron_root, rebind
 from .registry import TOGGLES
 
 Provider = plugin.Provider
@@ -241,37 +242,6 @@ def import_megatron() -> tuple[types.ModuleType, ...]:
     return tuple(modules)
 
 
-def _megatron_root(arguments: types.ModuleType) -> str | None:
-    path = getattr(arguments, "__file__", None)
-    if not path:
-        return None
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(path))))
-
-
-def _holders(root: str | None) -> Iterator[dict[str, Any]]:
-    """Namespaces that may hold a stale reference: Megatron's modules, the script, the tree's files."""
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        path = namespace.get("__file__")
-        if (
-            name == "megatron" or name.startswith("megatron.") or name == "__main__"
-            or (root and isinstance(path, str) and os.path.abspath(path).startswith(root + os.sep))
-        ):
-            yield namespace
-
-
-def _rebind(old: Callable[..., Any], new: Callable[..., Any], root: str | None) -> int:
-    count = 0
-    for namespace in _holders(root):
-        for key, value in list(namespace.items()):
-            if value is old:
-                namespace[key] = new
-                count += 1
-    return count
-
-
 def _signature(fn: Callable[..., Any], needs: tuple[str, ...]) -> inspect.Signature:
     sig = inspect.signature(fn)
     missing = [n for n in needs if n not in sig.parameters]
@@ -344,7 +314,7 @@ def install(providers: Sequence[Provider | None], *, dry_run: bool = False) -> H
     """
     global _ACTIVE
     arguments, initialize, _training = import_megatron()
-    root = _megatron_root(arguments)
+    root = megatron_root(arguments)
     hooks = _ACTIVE or Hooks(providers=[])
     hooks.providers = flatten(providers)
     hooks.dry_run = dry_run
@@ -358,7 +328,7 @@ def install(providers: Sequence[Provider | None], *, dry_run: bool = False) -> H
         )
         hooks.originals[key] = original
         hooks.wrappers[key] = wrapper
-        _rebind(original, wrapper, root)
+        rebind(original, wrapper, root)
     _ACTIVE = hooks
     return hooks
 
@@ -370,7 +340,7 @@ def uninstall() -> None:
     if hooks is None:
         return
     for key, wrapper in hooks.wrappers.items():
-        _rebind(wrapper, hooks.originals[key], hooks.root)
+        rebind(wrapper, hooks.originals[key], hooks.root)
     _ACTIVE = None
 
 

@@ -10,19 +10,21 @@ by the time Megatron's ``parse_args`` returns, before ``validate_args``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import provenance
+from . import provenance, resume, safety_net
 from .capabilities import Capabilities, resolve
 from .ckpt_layout import checkpoint_facts
-from .decide import FP4_LAYER_DESTS, Message, Plan, decide
+from .decide import FP4_LAYER_DESTS, Decision, Message, Plan, decide
 from .env import EnvSettings, read_env
 from .errors import PerfTogglesError, fail
 from .provenance import format_value
 from .registry import GROUPS, TOGGLES, Toggle
+from .safety_net import FOUND_AT_RUN_TIME
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 PLUGIN_GROUP_TITLE = "perf toggles (megatron-perf-toggles)"
@@ -163,6 +165,9 @@ def install(
         return ns, extras
 
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    arguments = sys.modules.get("megatron.training.arguments")
+    if arguments is not None and hasattr(arguments, "validate_args"):
+        safety_net.NET.install(arguments)  # Megatron is parsing with us: guard its validation too
     parser._perf_toggles_state = state  # type: ignore[attr-defined]
     return parser
 
@@ -175,8 +180,6 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
             setattr(ns, dest, state.stock.get(dest))
         else:
             explicit[dest] = value
-    from . import resume  # reading the resumed checkpoint's history is safe when planning too
-
     writer = resume.checkpoint_writer(vars(ns))
     try:
         caps = state.capabilities or resolve(state.env.assume)
@@ -190,9 +193,12 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
         plan.messages.append(Message("warning", "MEGATRON_PERF_TOGGLES_ASSUME is set: these decisions rest on "
                                      "planned capabilities, not on this machine's"))
     if plan.wgrad_path == "fallback" and state.capabilities is None:
-        from .wgrad_fallback import install as install_wgrad_fallback
+        from . import wgrad_fallback
 
-        install_wgrad_fallback()  # a real run on this machine, not a plan for another one
+        # A real run on this machine, not a plan for another one; a fallback that is only assumed
+        # (MEGATRON_PERF_TOGGLES_ASSUME) is installed only where it can really run.
+        if not caps.is_assumed("wgrad_fallback") or wgrad_fallback.usable()[0]:
+            wgrad_fallback.install()
     for dest, path in plan.log_dirs.items():
         setattr(ns, dest, path)
     ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
@@ -209,19 +215,49 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
         state.announced = True
         for line in provenance.lines(plan, original_dirs):
             print(line, flush=True)
-        payload = provenance.record(plan, caps, state.env.raw_for_record(state.environ), sys.argv)
-        directory = provenance.record_dir(plan, vars(ns))
-        try:
-            if directory:
-                provenance.write_atomic(directory, payload)
-            if state.capabilities is None:
-                facts = checkpoint_facts(vars(ns), bool(ns.grad_reduce_in_bf16), caps.megatron.version,
-                                         caps.torch_version)
-                resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, facts)
-        except OSError as error:
-            print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",
-                  file=sys.stderr, flush=True)
+        _persist(ns, state, plan, caps)
+    if safety_net.NET.installed:
+        safety_net.NET.watch(ns, state.stock, functools.partial(_backed_off, state=state, plan=plan, caps=caps))
     return plan
+
+
+def _persist(ns: argparse.Namespace, state: ProviderState, plan: Plan, caps: Capabilities) -> None:
+    """Rank 0 of a real run: the JSON record beside the logs, and the launch history in --save."""
+    payload = provenance.record(plan, caps, state.env.raw_for_record(state.environ), sys.argv)
+    directory = provenance.record_dir(plan, vars(ns))
+    try:
+        if directory:
+            provenance.write_atomic(directory, payload)
+        if state.capabilities is None:
+            facts = checkpoint_facts(vars(ns), bool(ns.grad_reduce_in_bf16), caps.megatron.version,
+                                     caps.torch_version)
+            resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, facts)
+    except OSError as error:
+        print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",
+              file=sys.stderr, flush=True)
+
+
+def _backed_off(ns: argparse.Namespace, dests: list[str], reason: str, *, state: ProviderState, plan: Plan,
+                caps: Capabilities) -> None:
+    """The safety net turned plugin defaults back to Megatron's values: record it everywhere the
+    first decision went (the plan, ``args.perf_toggles``, the record, the history, the rank check)."""
+    changed = {}
+    for dest in dests:
+        changed[dest] = plan.decisions[dest] = Decision(getattr(ns, dest), "guard", reason)
+    ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+    warning = Message("warning", f"Megatron rejected the plugin default of {', '.join(dests)}, {FOUND_AT_RUN_TIME}; "
+                                 "it was turned back to Megatron's default for this run. Please report it to "
+                                 "megatron-perf-toggles so a guard can cover it.")
+    plan.messages.append(warning)
+    if state.capabilities is None:
+        from . import rank_check
+
+        rank_check.arm(rank_check.fingerprint(ns.perf_toggles, caps.to_record(), plan.wgrad_path),
+                       enabled=state.env.rank_check)
+    if state.announced:  # the table is out already: print what changed, once, and rewrite the record
+        for line in provenance.lines(Plan(changed, plan.precision, {}, [warning], plan.wgrad_path)):
+            print(line, flush=True)
+        _persist(ns, state, plan, caps)
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -47,7 +47,8 @@ def env():
 
 
 REAL_SUITES = ("tests/test_megatron_real.py", "tests/test_launcher.py", "tests/test_patches.py",
-               "tests/test_ablate_real.py", "tests/test_cli.py", "tests/test_examples.py")
+               "tests/test_ablate_real.py", "tests/test_cli.py", "tests/test_examples.py",
+               "tests/test_safety_net.py")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -28,7 +28,7 @@ def _clean_environ(extra: dict[str, str]) -> None:
     from megatron_perf_toggles.registry import TOGGLES
 
     for name in list(os.environ):
-        if name.startswith(PLUGIN_VARS_PREFIXES) or name in {t.env for t in TOGGLES}:
+        if name.startswith(PLUGIN_VARS_PREFIXES) or name in {t.env for t in TOGGLES} or name == "WORLD_SIZE":
             del os.environ[name]
     os.environ.update(extra)
 
@@ -45,21 +45,38 @@ def run_case(case: dict, api: dict) -> dict:
     sys.argv = ["pretrain_gpt.py", *COMMON, *case.get("argv", [])]
     out, err = io.StringIO(), io.StringIO()
     result: dict = {"id": case["id"]}
+    module = api["module"]
+    saved = {name: getattr(module, name) for name in ("get_device_arch_version",) if hasattr(module, name)}
+    if case.get("device_arch") is not None and "get_device_arch_version" in saved:
+        module.get_device_arch_version = lambda: case["device_arch"]  # a GPU machine's answer, no GPU touched
+    te_swap = None
+    if case.get("te_version"):
+        # Answer Megatron's TE version checks as a machine with that TE would, wherever imported.
+        from megatron.core import utils as core_utils
+        from packaging.version import Version
+
+        from megatron_perf_toggles.rebinding import rebind
+
+        real = core_utils.is_te_min_version
+        fake = lambda want, *a, **k: Version(case["te_version"]) >= Version(str(want))  # noqa: E731
+        rebind(real, fake, None)
+        te_swap = (real, fake)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            args = api["parse_args"](extra_args_provider=extra_args_provider)
+            provider = None if case.get("stock") else extra_args_provider
+            args = api["parse_args"](extra_args_provider=provider)
             result["parsed"] = True
             if case.get("validate", True):
-                api["validate_args"](args, {})
+                module.validate_args(args, {})  # looked up now, as Megatron's own callers do
                 result["validated"] = True
             result["values"] = {t.dest: getattr(args, t.dest, None) for t in TOGGLES}
             for dest in ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
-                         "tensorboard_dir", "wandb_save_dir", "save", "load"):
+                         "tensorboard_dir", "wandb_save_dir", "save", "load", "accumulate_allreduce_grads_in_fp32"):
                 result["values"][dest] = getattr(args, dest, None)
-            result["perf_toggles"] = args.perf_toggles
-            result["precision"] = args.perf_toggles_precision
+            result["perf_toggles"] = getattr(args, "perf_toggles", None)
+            result["precision"] = getattr(args, "perf_toggles_precision", None)
             if case.get("validate", True) and case.get("config", True):
-                cfg = api["core_transformer_config_from_args"](args)
+                cfg = module.core_transformer_config_from_args(args)
                 result["config_fused_single_qkv_rope"] = getattr(cfg, "fused_single_qkv_rope", None)
                 result["config_has_field"] = hasattr(cfg, "fused_single_qkv_rope")
                 result["config_cross_entropy_fusion_impl"] = getattr(cfg, "cross_entropy_fusion_impl", None)
@@ -68,6 +85,13 @@ def run_case(case: dict, api: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback_tail"] = traceback.format_exc().splitlines()[-3:]
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+        if te_swap is not None:
+            from megatron_perf_toggles.rebinding import rebind
+
+            rebind(te_swap[1], te_swap[0], None)
     result["stdout"] = "\n".join(ln for ln in out.getvalue().splitlines() if ln.startswith("[perf-toggles]"))
     result["stderr"] = err.getvalue()[-4000:]
     return result
@@ -113,6 +137,7 @@ def main() -> int:
         from megatron.training import arguments
 
     api = {
+        "module": arguments,
         "parse_args": arguments.parse_args,
         "validate_args": arguments.validate_args,
         "core_transformer_config_from_args": arguments.core_transformer_config_from_args,

@@ -152,6 +152,57 @@ def patched_cases(copy: str, fused: bool) -> list[dict[str, Any]]:
     ]
 
 
+INJECTED_RULE = "injected test rule: no averaging in the collective"
+INJECTED_LINE = f"    assert not getattr(args, 'ddp_average_in_collective', False), {INJECTED_RULE!r}\n"
+NET_SCRIPT = '''\
+"""The plain provider path (no launcher): parse, validate and build the TransformerConfig."""
+import json
+import sys
+
+import megatron_perf_toggles
+from megatron.training import arguments
+
+args = arguments.parse_args(extra_args_provider=megatron_perf_toggles.extra_args_provider)
+arguments.validate_args(args, {})
+arguments.core_transformer_config_from_args(args)
+print("NET-RESULT " + json.dumps({"perf_toggles": args.perf_toggles,
+                                  "ddp_average_in_collective": args.ddp_average_in_collective}))
+'''
+
+
+def inject_copy(tree: str, dest: Path) -> Path:
+    """A copy of ``tree`` whose validate_args carries one rule Megatron does not have: it rejects
+    ddp_average_in_collective, a plugin default. The safety net must find and back it off."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(Path(tree) / "megatron", dest / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
+        if (Path(tree) / name).exists():
+            shutil.copy2(Path(tree) / name, dest / name)
+    path = dest / "megatron" / "training" / "arguments.py"
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.startswith("def validate_args("))
+    lines.insert(at + 1, INJECTED_LINE)
+    path.write_text("".join(lines), encoding="utf-8")
+    (dest / "net_script.py").write_text(NET_SCRIPT)
+    return dest
+
+
+def net_cases(copy: str) -> list[dict[str, Any]]:
+    script = str(Path(copy) / "pretrain_gpt.py")
+    base = [*BASE_ARGS, *TOKENIZER]
+    return [
+        {"name": "net-launcher", "mode": "launcher", "argv": ["--dry-run", script, *base]},
+        {"name": "net-provider", "mode": "script", "argv": [str(Path(copy) / "net_script.py"), *base]},
+        {"name": "net-env-explicit", "mode": "launcher", "env": {"DDP_AVERAGE_IN_COLLECTIVE": "1"},
+         "argv": ["--dry-run", script, *base]},
+        {"name": "net-cli-explicit", "mode": "launcher",
+         "argv": ["--dry-run", script, *base, "--ddp-average-in-collective"]},
+        {"name": "net-stock-off", "mode": "launcher", "env": {"MEGATRON_PERF_TOGGLES": "0"},
+         "argv": ["--dry-run", script, *base]},
+    ]
+
+
 _lock = threading.Lock()
 _cache: dict[str, dict[str, dict[str, Any]]] = {}
 
@@ -176,9 +227,11 @@ def patch_copy(tree: str, dest: Path) -> Path:
 
 def _run_version(tree: str, work: Path) -> dict[str, dict[str, Any]]:
     copy = patch_copy(tree, work / "patched" / tree_id(tree))
+    injected = inject_copy(tree, work / "injected" / tree_id(tree))
     plan = {"phases": [
         {"tree": str(Path(tree).resolve()), "cases": stock_cases(tree, work)},
         {"tree": str(copy.resolve()), "cases": patched_cases(str(copy), has_fused_field(tree))},
+        {"tree": str(injected.resolve()), "cases": net_cases(str(injected))},
     ]}
     plan_file = work / f"plan-{tree_id(tree)}.json"
     results_file = work / f"results-{tree_id(tree)}.json"
@@ -231,7 +284,7 @@ def _drop_tree_modules(root: str) -> None:
 
 
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
-    from megatron_perf_toggles import hooks, run
+    from megatron_perf_toggles import hooks, run, safety_net
     from megatron_perf_toggles.megatron_env import megatron_importable
 
     out, err = io.StringIO(), io.StringIO()
@@ -270,6 +323,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
             else:
                 sys.modules[name] = module  # type: ignore[assignment]
         hooks.uninstall()
+        safety_net.NET.uninstall()
     return {"name": case["name"], "code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,
             "seconds": round(time.perf_counter() - started, 2)}
 

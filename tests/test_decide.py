@@ -7,7 +7,8 @@ from conftest import LLAMA_ARGS, full_caps
 
 from megatron_perf_toggles.capabilities import MegatronFacts, resolve
 from megatron_perf_toggles.decide import decide
-from megatron_perf_toggles.errors import CannotHonourError
+from megatron_perf_toggles.errors import CannotHonourError, DependencyError
+from megatron_perf_toggles.megatron_rules import RULES
 from megatron_perf_toggles.registry import TOGGLES
 
 
@@ -49,11 +50,22 @@ def test_plugin_switch_off_keeps_megatron_stock_defaults(env):
     assert "MEGATRON_PERF_TOGGLES=0" in plan.decisions["grad_reduce_in_bf16"].reason
 
 
-def test_plugin_switch_off_still_runs_guards(env):
+def test_plugin_switch_off_leaves_stock_defaults_even_where_a_guard_would_act(env):
+    # MEGATRON_PERF_TOGGLES=0 means stock Megatron: its default stands, the guard's concern is noted.
     plan = run(env_settings=env(MEGATRON_PERF_TOGGLES=0), caps=full_caps(apex_fused_wgrad=False),
                stock={"gradient_accumulation_fusion": True})
-    assert plan.decisions["gradient_accumulation_fusion"].source == "guard"
-    assert plan.decisions["gradient_accumulation_fusion"].value is False
+    d = plan.decisions["gradient_accumulation_fusion"]
+    assert (d.value, d.source) == (True, "default")
+    assert "left as stock" in d.reason and "APEX" in d.reason
+    assert plan.wgrad_path == "missing"
+
+
+def test_plugin_switch_off_still_guards_environment_values(env):
+    plan = run(env_settings=env(MEGATRON_PERF_TOGGLES=0, GRADIENT_ACCUMULATION_FUSION=1),
+               caps=full_caps(apex_fused_wgrad=False), stock={"gradient_accumulation_fusion": True})
+    d = plan.decisions["gradient_accumulation_fusion"]
+    assert (d.value, d.source) == (False, "guard")
+    assert any("GRADIENT_ACCUMULATION_FUSION=1" in m.text for m in plan.messages)
 
 
 def test_plugin_switch_off_but_explicit_env_still_counts(env):
@@ -167,15 +179,66 @@ def test_te_cross_entropy_kept_where_megatron_allows_it():
     assert run().decisions["cross_entropy_fusion_impl"].value == "te"
 
 
-def test_explicit_te_cross_entropy_on_asserting_megatron_is_an_error():
+def test_explicit_te_impl_with_default_fusion_on_asserting_megatron_backs_the_fusion_default_off():
+    # Stock Megatron accepts `--cross-entropy-fusion-impl te` (its fusion is off by default): so must we.
+    plan = run(explicit={"cross_entropy_fusion_impl": "te"}, caps=full_caps(megatron=ASSERTING))
+    fusion, impl = plan.decisions["cross_entropy_loss_fusion"], plan.decisions["cross_entropy_fusion_impl"]
+    assert (fusion.value, fusion.source) == (False, "guard")
+    assert (impl.value, impl.source) == ("te", "cli")
+
+
+def test_explicit_te_impl_and_explicit_fusion_on_asserting_megatron_is_an_error():
     with pytest.raises(CannotHonourError, match="--cross-entropy-fusion-impl te") as info:
-        run(explicit={"cross_entropy_fusion_impl": "te"}, caps=full_caps(megatron=ASSERTING))
+        run(explicit={"cross_entropy_fusion_impl": "te", "cross_entropy_loss_fusion": True},
+            caps=full_caps(megatron=ASSERTING))
     assert "native" in (info.value.hint or "")
 
 
-def test_te_impl_irrelevant_when_fusion_off(env):
+def test_te_impl_default_stays_megatrons_when_fusion_is_off(env):
+    # Unused without the fusion, so Megatron's own value stands (distillation rejects te even then).
     plan = run(env_settings=env(CROSS_ENTROPY_LOSS_FUSION=0), caps=full_caps(megatron=ASSERTING))
-    assert plan.decisions["cross_entropy_fusion_impl"].value == "te"
+    d = plan.decisions["cross_entropy_fusion_impl"]
+    assert (d.value, d.source) == ("native", "guard") and "unused" in d.reason
+    asked = run(env_settings=env(CROSS_ENTROPY_LOSS_FUSION=0, CROSS_ENTROPY_FUSION_IMPL="te"))
+    assert (asked.decisions["cross_entropy_fusion_impl"].value, asked.decisions["cross_entropy_fusion_impl"].source) \
+        == ("te", "env")
+
+
+def test_distillation_takes_the_native_cross_entropy():
+    d = run(args={"export_kd_teacher_load": "/ckpt/teacher"}).decisions["cross_entropy_fusion_impl"]
+    assert (d.value, d.source) == ("native", "guard") and "--export-kd-teacher-load" in d.reason
+
+
+@pytest.mark.parametrize(("args", "te", "native"), [
+    ({"cuda_graph_impl": "full_iteration"}, "2.6", True),
+    ({"cuda_graph_scope": "full_iteration"}, "2.6", True),
+    ({"cuda_graph_scope": ["full_iteration"]}, None, True),
+    ({"cuda_graph_impl": "full_iteration"}, "2.7", False),
+    ({"cuda_graph_impl": "local"}, "2.6", False),
+])
+def test_full_iteration_cuda_graph_with_old_te_takes_the_native_cross_entropy(args, te, native):
+    caps = full_caps(te_version=te, te_cross_entropy=True)
+    d = run(args=args, caps=caps).decisions["cross_entropy_fusion_impl"]
+    assert d.value == ("native" if native else "te")
+
+
+@pytest.mark.parametrize("flag", ["qk_l2_norm", "rotary_interleaved", "perform_rl_step", "hybrid_context_parallel",
+                                  "dataloader_inter_document_masking"])
+def test_fused_qkv_rope_off_for_each_path_megatron_does_not_fuse(flag):
+    d = run(args={flag: True}).decisions["fused_single_qkv_rope"]
+    assert (d.value, d.source) == (False, "guard") and flag.replace("_", "-") in d.reason
+
+
+def test_fused_qkv_rope_off_with_no_rope_layers():
+    d = run(args={"no_rope_freq": [0, 0, 0, 1]}).decisions["fused_single_qkv_rope"]
+    assert (d.value, d.source) == (False, "guard") and "--no-rope-freq" in d.reason
+
+
+def test_explicit_fsdp_comm_dtype_wins_over_the_bf16_default():
+    args = {"use_megatron_fsdp": True, "megatron_fsdp_grad_comm_dtype": "fp32"}
+    d = run(args=args).decisions["grad_reduce_in_bf16"]
+    assert (d.value, d.source) == (False, "guard") and "--megatron-fsdp-grad-comm-dtype fp32" in d.reason
+    assert run(args={**args, "megatron_fsdp_grad_comm_dtype": "auto"}).decisions["grad_reduce_in_bf16"].value is True
 
 
 def test_te_cross_entropy_without_te_kernel():
@@ -183,11 +246,106 @@ def test_te_cross_entropy_without_te_kernel():
     assert (d.value, d.source) == ("native", "guard")
 
 
-@pytest.mark.parametrize("fsdp", ["use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp"])
-def test_fsdp_turns_gradient_accumulation_fusion_off(fsdp):
-    d = run(args={fsdp: True}).decisions["gradient_accumulation_fusion"]
+def test_torch_fsdp2_turns_gradient_accumulation_fusion_off():
+    d = run(args={"use_torch_fsdp2": True}).decisions["gradient_accumulation_fusion"]
     assert (d.value, d.source) == (False, "guard")
-    assert fsdp.replace("_", "-") in d.reason
+    assert "--use-torch-fsdp2" in d.reason
+
+
+ALL_RULES = tuple(r.id for r in RULES)
+
+
+@pytest.mark.parametrize("fsdp", ["use_megatron_fsdp", "use_custom_fsdp"])
+@pytest.mark.parametrize(("te", "rules", "version", "kept"), [
+    ("2.20.2", ALL_RULES, 1, True),        # the adapter's rule: TE >= 2.10 keeps fusion
+    ("2.10", ALL_RULES, 1, True),
+    ("2.9.1", ALL_RULES, 1, False),
+    (None, ALL_RULES, 1, False),
+    ("2.20.2", ALL_RULES, 2, False),       # Megatron-FSDP v2 refuses fusion outright
+])
+def test_megatron_fsdp_follows_the_adapter_rule(fsdp, te, rules, version, kept):
+    megatron = MegatronFacts(version="0.20.0", rules=rules)
+    caps = full_caps(te_version=te, megatron=megatron)
+    d = run(args={fsdp: True, "megatron_fsdp_version": version}, caps=caps).decisions["gradient_accumulation_fusion"]
+    assert d.value is kept
+    assert d.source == ("default" if kept else "guard")
+    if not kept:
+        assert fsdp.replace("_", "-") in d.reason
+
+
+@pytest.mark.parametrize(("strategy", "kept"), [("optim_grads", False), ("optim_grads_params", False),
+                                                ("no_shard", True), ("optim", True)])
+def test_core_013_custom_fsdp_rejects_fusion_only_with_sharded_gradients(strategy, kept):
+    rules = ("fsdp2_fusion", "custom_fsdp_sharded_rejects_fusion", "defer_embedding_wgrad_needs_fusion")
+    caps = full_caps(megatron=MegatronFacts(version="0.13.0", rules=rules))
+    args = {"use_custom_fsdp": True, "data_parallel_sharding_strategy": strategy}
+    d = run(args=args, caps=caps).decisions["gradient_accumulation_fusion"]
+    assert d.value is kept
+    assert d.source == ("default" if kept else "guard")
+    if not kept:
+        assert strategy in d.reason
+
+
+def test_megatron_fsdp_with_old_te_and_deferred_embedding_wgrad_is_one_error():
+    caps = full_caps(te_version="2.9", megatron=MegatronFacts(version="0.20.0", rules=ALL_RULES))
+    with pytest.raises(DependencyError, match="--defer-embedding-wgrad-compute needs gradient_accumulation_fusion") as e:
+        run(args={"use_megatron_fsdp": True, "defer_embedding_wgrad_compute": True}, caps=caps)
+    assert "Transformer Engine >= 2.10" in str(e.value)
+
+
+def test_missing_apex_and_no_fallback_with_deferred_embedding_wgrad_is_one_error():
+    with pytest.raises(DependencyError, match="--defer-embedding-wgrad-compute") as e:
+        run(args={"defer_embedding_wgrad_compute": True}, caps=full_caps(apex_fused_wgrad=False))
+    assert "fused_weight_gradient_mlp_cuda" in str(e.value)
+
+
+def test_a_dependency_only_counts_where_this_megatron_has_the_rule():
+    rules = tuple(r for r in ALL_RULES if r != "defer_embedding_wgrad_needs_fusion")
+    caps = full_caps(apex_fused_wgrad=False, megatron=MegatronFacts(version="0.20.0", rules=rules))
+    d = run(args={"defer_embedding_wgrad_compute": True}, caps=caps).decisions["gradient_accumulation_fusion"]
+    assert (d.value, d.source) == (False, "guard")
+
+
+@pytest.mark.parametrize("scope", ["cuda_graph_modules", "cuda_graph_scope"])
+def test_delay_wgrad_under_attention_cuda_graphs_keeps_fusion_or_stops(scope):
+    args = {"delay_wgrad_compute": True, "overlap_grad_reduce": True, scope: ["attn"]}
+    with pytest.raises(DependencyError, match="--delay-wgrad-compute"):
+        run(args=args, caps=full_caps(apex_fused_wgrad=False))
+    # Without the graph scope (and with TE >= 2.7) fusion may go off as usual.
+    d = run(args={**args, scope: ["mlp"]}, caps=full_caps(apex_fused_wgrad=False)).decisions
+    assert d["gradient_accumulation_fusion"].value is False
+
+
+def test_delay_wgrad_with_old_te_needs_fusion():
+    with pytest.raises(DependencyError, match=r"TE >= 2\.7"):
+        run(args={"delay_wgrad_compute": True}, caps=full_caps(apex_fused_wgrad=False, te_version="2.6"))
+
+
+def test_deterministic_mode_turns_cross_entropy_fusion_off():
+    d = run(args={"deterministic_mode": True}).decisions["cross_entropy_loss_fusion"]
+    assert (d.value, d.source) == (False, "guard") and "--deterministic-mode" in d.reason
+
+
+def test_deterministic_mode_with_explicit_cross_entropy_fusion_is_refused():
+    with pytest.raises(CannotHonourError, match=r"--cross-entropy-loss-fusion was requested.*deterministic"):
+        run(args={"deterministic_mode": True}, explicit={"cross_entropy_loss_fusion": True})
+
+
+def test_deterministic_mode_overrides_an_environment_value_with_a_warning(env):
+    plan = run(args={"deterministic_mode": True}, env_settings=env(CROSS_ENTROPY_LOSS_FUSION=1))
+    assert plan.decisions["cross_entropy_loss_fusion"].value is False
+    assert any("CROSS_ENTROPY_LOSS_FUSION=1" in m.text for m in plan.messages)
+
+
+def test_explicit_fp32_accumulation_wins_over_the_bf16_default():
+    d = run(args={"accumulate_allreduce_grads_in_fp32": True}).decisions["grad_reduce_in_bf16"]
+    assert (d.value, d.source) == (False, "guard") and "--accumulate-allreduce-grads-in-fp32" in d.reason
+
+
+def test_explicit_fp32_accumulation_and_explicit_bf16_reduce_keep_both_as_stock_does():
+    d = run(args={"accumulate_allreduce_grads_in_fp32": True},
+            explicit={"grad_reduce_in_bf16": True}).decisions["grad_reduce_in_bf16"]
+    assert (d.value, d.source) == (True, "cli")
 
 
 def test_fsdp_with_explicit_fusion_is_an_error():

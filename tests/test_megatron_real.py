@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, megatron_trees
 
+from megatron_perf_toggles import megatron_rules
 from megatron_perf_toggles.registry import TOGGLES
 
 TREES = megatron_trees()
@@ -27,8 +28,43 @@ CAPABLE = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20"}
 BF16 = ["--bf16"]
 
 
-def _cases(tmp: str) -> list[dict]:
+GPU_TE = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.12,cuda"}
+MFSDP_DEFER = [*BF16, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format",
+               "fsdp_dtensor", "--pipeline-model-parallel-size", "2", "--defer-embedding-wgrad-compute"]
+DEFER = [*BF16, "--pipeline-model-parallel-size", "2", "--defer-embedding-wgrad-compute"]
+
+
+def _delay_wgrad_graph_argv(tree: Path) -> list[str]:
+    text = (tree / "megatron" / "training" / "arguments.py").read_text()
+    scope = "--cuda-graph-modules" if "'--cuda-graph-modules'" in text else "--cuda-graph-scope"
+    return [*BF16, "--num-experts", "4", "--delay-wgrad-compute", "--overlap-grad-reduce", "--use-distributed-optimizer",
+            "--cuda-graph-impl", "transformer_engine", scope, "attn", "--disable-bias-linear",
+            "--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2",
+            "--moe-token-dispatcher-type", "alltoall"]
+
+
+def _dependency_cases(tree: Path) -> list[dict]:
+    """Issue cases where a plugin default met a Megatron rule; each runs stock (no plugin) too."""
+    delay = _delay_wgrad_graph_argv(tree)
     cases = [
+        # Up to 0.18.2 deterministic mode wants NCCL_ALGO set (Megatron's own CI sets it).
+        {"id": "deterministic", "argv": [*BF16, "--deterministic-mode"], "env": {**CAPABLE, "NCCL_ALGO": "Ring"}},
+        {"id": "deterministic_cli_fusion", "argv": [*BF16, "--deterministic-mode", "--cross-entropy-loss-fusion"],
+         "env": {**CAPABLE, "NCCL_ALGO": "Ring"}},
+        {"id": "mfsdp_defer", "argv": MFSDP_DEFER, "env": {**GPU_TE, "WORLD_SIZE": "2"}, "device_arch": 9},
+        {"id": "defer_no_wgrad_kernel", "argv": DEFER, "env": {"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.12", "WORLD_SIZE": "2"}},
+        {"id": "delay_graph_fallback", "argv": delay, "te_version": "2.12.0",
+         "env": {"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.12,cuda", "WORLD_SIZE": "2"}},
+        {"id": "delay_graph_no_wgrad_kernel", "argv": delay, "te_version": "2.12.0",
+         "env": {"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.12", "WORLD_SIZE": "2"}},
+        {"id": "fp32_accumulation", "argv": [*BF16, "--accumulate-allreduce-grads-in-fp32"], "env": CAPABLE},
+    ]
+    return cases + [{**c, "id": f"stock:{c['id']}", "stock": True} for c in cases]
+
+
+def _cases(tmp: str, tree: Path) -> list[dict]:
+    cases = [
+        *_dependency_cases(tree),
         {"id": "bf16", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/tb", "--wandb-save-dir", f"{tmp}/wb"],
          "env": CAPABLE},
         {"id": "fp8_delayed", "argv": [*BF16, "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
@@ -98,7 +134,7 @@ def _version_of(tree: Path) -> tuple[int, ...]:
 @cache
 def _run_all(tmp: str) -> dict[str, dict]:
     def one(tree: Path) -> tuple[str, dict]:
-        cases = _cases(f"{tmp}/{tree.name}")
+        cases = _cases(f"{tmp}/{tree.name}", tree)
         proc = subprocess.run(
             [sys.executable, str(REPO / "tests" / "megatron_driver.py"), str(tree)],
             input=json.dumps(cases), capture_output=True, text=True, timeout=900,
@@ -186,10 +222,17 @@ def test_bad_assume_is_one_clear_line(tree):
 
 
 def test_fsdp2_guard_lets_validate_pass(tree):
-    for case in ("fsdp2", "fsdp2_plugin_off"):
-        r = ok(tree[2][case])
-        assert r["values"]["gradient_accumulation_fusion"] is False, case
-        assert r["perf_toggles"]["gradient_accumulation_fusion"]["source"] == "guard"
+    r = ok(tree[2]["fsdp2"])
+    assert r["values"]["gradient_accumulation_fusion"] is False
+    assert r["perf_toggles"]["gradient_accumulation_fusion"]["source"] == "guard"
+
+
+def test_fsdp2_with_the_master_switch_off_is_exactly_stock(tree):
+    # MEGATRON_PERF_TOGGLES=0 leaves Megatron's own default (fusion on), which stock Megatron
+    # rejects with FSDP2 itself: the same error, not a plugin change.
+    r = tree[2]["fsdp2_plugin_off"]
+    assert "--use-torch-fsdp2 is not supported with gradient accumulation fusion" in r.get("error", "")
+    assert r["perf_toggles"]["gradient_accumulation_fusion"]["source"] == "default" if "perf_toggles" in r else True
 
 
 def test_fsdp2_with_explicit_fusion_is_refused_before_validate(tree):
@@ -211,11 +254,11 @@ def test_qk_layernorm_turns_fused_rope_off(tree):
 
 def test_explicit_te_impl(tree):
     _path, version, by_id = tree
-    r = by_id["cli_te_impl"]
-    if version >= (0, 18, 2):
-        assert r.get("exit") == 2 and "--cross-entropy-fusion-impl te was requested" in r["stderr"]
-    else:
-        assert ok(r)["values"]["cross_entropy_fusion_impl"] == "te"
+    r = ok(by_id["cli_te_impl"])  # stock Megatron accepts it on every version, so must we
+    assert r["values"]["cross_entropy_fusion_impl"] == "te"
+    if version >= (0, 18, 2):  # the fusion default yields to the explicit impl Megatron forbids with it
+        d = r["perf_toggles"]["cross_entropy_loss_fusion"]
+        assert (d["value"], d["source"]) == (False, "guard")
 
 
 def test_adam_eps_advice_is_printed(tree):
@@ -263,8 +306,7 @@ def test_cli_overrides_env_both_directions(tree, t):
     r_off = ok(by_id[f"cli_off_over_env1:{t.dest}"])
     assert r_off["values"][t.dest] == off and r_off["perf_toggles"][t.dest]["source"] == "cli"
     r_on = by_id[f"cli_on_over_env0:{t.dest}"]
-    unhonourable = (t.dest == "cross_entropy_fusion_impl" and version >= (0, 18, 2)) or (
-        t.dest == "fused_single_qkv_rope" and version < (0, 15))
+    unhonourable = t.dest == "fused_single_qkv_rope" and version < (0, 15)
     if unhonourable:  # refused with one clear line, not crashed later
         assert r_on.get("exit") == 2 and f"{t.flag} " in r_on["stderr"] and "Traceback" not in r_on["stderr"]
         return
@@ -296,3 +338,59 @@ def test_resume_keeps_the_grad_dtype_the_optimizer_checkpoint_is_keyed_by(tree):
     # The layout the saving run recorded decides (Megatron loads what was saved).
     free = ok(by_id["resume_recorded_model_space"])["perf_toggles"]["grad_reduce_in_bf16"]
     assert (free["value"], free["source"]) == (False, "env")
+
+
+# --- plugin defaults against Megatron's rules (issue cases; each failed before its guard) -------
+
+
+def _stock_accepts(tree, case: str) -> bool:
+    r = tree[2][f"stock:{case}"]
+    return bool(r.get("validated")) and "error" not in r
+
+
+def test_deterministic_mode_turns_the_fusion_default_off(tree):
+    assert _stock_accepts(tree, "deterministic")
+    r = ok(tree[2]["deterministic"])
+    d = r["perf_toggles"]["cross_entropy_loss_fusion"]
+    assert (d["value"], d["source"]) == (False, "guard") and "--deterministic-mode" in d["reason"]
+
+
+def test_deterministic_mode_with_explicit_fusion_is_one_plugin_line(tree):
+    r = tree[2]["deterministic_cli_fusion"]
+    assert r.get("exit") == 2 and "Traceback" not in r["stderr"]
+    assert "[perf-toggles] error: --cross-entropy-loss-fusion was requested" in r["stderr"]
+
+
+def test_megatron_fsdp_keeps_fusion_where_megatron_allows_it(tree):
+    if not _stock_accepts(tree, "mfsdp_defer"):
+        pytest.skip(f"stock {tree[0]} rejects this Megatron-FSDP layout: {tree[2]['stock:mfsdp_defer'].get('error')}")
+    r = ok(tree[2]["mfsdp_defer"])
+    assert r["values"]["gradient_accumulation_fusion"] is True
+
+
+def test_deferred_embedding_wgrad_without_a_wgrad_kernel_is_one_plugin_line(tree):
+    assert _stock_accepts(tree, "defer_no_wgrad_kernel")
+    r = tree[2]["defer_no_wgrad_kernel"]
+    assert r.get("exit") == 2, r.get("error")
+    line = [ln for ln in r["stderr"].splitlines() if ln.startswith("[perf-toggles] error:")]
+    assert len(line) == 1 and "--defer-embedding-wgrad-compute" in line[0] and "fused_weight_gradient_mlp_cuda" in line[0]
+
+
+def test_delay_wgrad_under_cuda_graphs_keeps_fusion_or_says_why_not(tree):
+    if not _stock_accepts(tree, "delay_graph_fallback"):
+        pytest.skip(f"stock {tree[0]} rejects this layout: {tree[2]['stock:delay_graph_fallback'].get('error')}")
+    assert ok(tree[2]["delay_graph_fallback"])["values"]["gradient_accumulation_fusion"] is True
+    r = tree[2]["delay_graph_no_wgrad_kernel"]
+    if "delay_wgrad_cuda_graph_needs_fusion" not in (megatron_rules.detect(tree[0]) or ()):
+        assert ok(r)["values"]["gradient_accumulation_fusion"] is False  # no such rule here: fusion may go
+        return
+    assert r.get("exit") == 2, r.get("error")
+    assert "--delay-wgrad-compute" in r["stderr"] and "Traceback" not in r["stderr"]
+
+
+def test_explicit_fp32_accumulation_survives_validation(tree):
+    assert tree[2]["stock:fp32_accumulation"]["values"]["accumulate_allreduce_grads_in_fp32"] is True
+    r = ok(tree[2]["fp32_accumulation"])
+    assert r["values"]["accumulate_allreduce_grads_in_fp32"] is True
+    assert (r["perf_toggles"]["grad_reduce_in_bf16"]["value"], r["perf_toggles"]["grad_reduce_in_bf16"]["source"]) \
+        == (False, "guard")

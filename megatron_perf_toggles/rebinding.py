@@ -1,0 +1,47 @@
+"""Swap one Megatron function for a wrapper everywhere it is referenced, and back.
+
+Megatron modules import functions by name (``from megatron.training.arguments import
+validate_args``), so replacing the module attribute alone leaves stale references. These helpers
+walk Megatron's modules, the running script and the checkout's other files, and replace every
+reference to one object by identity. Nothing here imports Megatron.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def megatron_root(module: Any) -> str | None:
+    """The checkout a ``megatron.training.*`` module was imported from."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(path))))
+
+
+def holders(root: str | None) -> Iterator[dict[str, Any]]:
+    """Namespaces that may hold a stale reference: Megatron's modules, the script, the tree's files."""
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        path = namespace.get("__file__")
+        if (
+            name == "megatron" or name.startswith("megatron.") or name == "__main__"
+            or (root and isinstance(path, str) and os.path.abspath(path).startswith(root + os.sep))
+        ):
+            yield namespace
+
+
+def rebind(old: Callable[..., Any], new: Callable[..., Any], root: str | None) -> int:
+    """Replace every reference to ``old`` with ``new``; returns how many were replaced."""
+    count = 0
+    for namespace in holders(root):
+        for key, value in list(namespace.items()):
+            if value is old:
+                namespace[key] = new
+                count += 1
+    return count

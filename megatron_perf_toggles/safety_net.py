@@ -1,0 +1,211 @@
+"""The run-time safety net: a plugin default that Megatron's validation rejects is backed off.
+
+The guards in ``decide`` cover every rule of Megatron we know (``megatron_rules``). A Megatron
+release can add one we don't. So Megatron's ``validate_args`` and ``core_transformer_config_from_args``
+are wrapped: when one of them raises while plugin *defaults* are in play, the net re-runs it on
+copies of the namespace with those defaults set back to Megatron's own values, finds the
+default(s) Megatron rejects, turns them off (source ``guard``, Megatron's message as the reason),
+and lets the run go on, with a warning asking for the rule to be reported.
+
+The rules of the net:
+- explicit command-line and environment values are never backed off;
+- if the command line fails with every default backed off too, stock Megatron would reject it as
+  well, and Megatron's original error surfaces unchanged;
+- trial runs print nothing and leave nothing behind (environment, torch's determinism switch,
+  warnings and logging state are restored);
+- the success path costs one copy of the namespace, nothing more.
+
+``NET`` owns the wrappers: ``install(arguments_module)`` / ``uninstall()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import io
+import logging
+import os
+import sys
+import warnings
+import weakref
+from argparse import Namespace
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .rebinding import megatron_root, rebind
+
+PREFIX = "[perf-toggles]"
+FOUND_AT_RUN_TIME = "a rule found at run time"
+BACKED_OFF_SOURCES = ("default",)  # only values nobody asked for are backed off
+ORIGINAL_ATTR = "__perf_toggles_original__"
+# What each Megatron function is called, and the toggles that can matter to it.
+TARGETS = ("validate_args", "core_transformer_config_from_args")
+
+
+class _Entry:
+    """What the provider decided for one parsed namespace: enough to back a default off."""
+
+    def __init__(self, ns: Namespace, stock: dict[str, Any], on_backoff: Callable[[Namespace, list[str], str], None]):
+        self.ref = weakref.ref(ns)
+        self.stock = stock
+        self.on_backoff = on_backoff
+
+
+class SafetyNet:
+    """Owner of the wrapped Megatron functions and of the namespaces they watch."""
+
+    def __init__(self) -> None:
+        self.originals: dict[str, Callable[..., Any]] = {}
+        self.wrappers: dict[str, Callable[..., Any]] = {}
+        self.root: str | None = None
+        self.module: Any = None
+        self._entries: dict[int, _Entry] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def install(self, arguments: Any) -> None:
+        """Wrap ``arguments.validate_args`` (and the TransformerConfig builder) wherever referenced."""
+        if self.module is arguments and self.wrappers:
+            return
+        if self.wrappers:
+            self.uninstall()
+        self.module, self.root = arguments, megatron_root(arguments)
+        for name in TARGETS:
+            current = getattr(arguments, name, None)
+            if current is None:
+                continue
+            original = getattr(current, ORIGINAL_ATTR, current)
+            wrapper = current if current is not original else self._wrap(name, original)
+            self.originals[name], self.wrappers[name] = original, wrapper
+            rebind(original, wrapper, self.root)
+
+    def uninstall(self) -> None:
+        """Put Megatron's own functions back wherever a wrapper was bound."""
+        for name, wrapper in self.wrappers.items():
+            rebind(wrapper, self.originals[name], self.root)
+        self.originals, self.wrappers, self._entries = {}, {}, {}
+        self.module = self.root = None
+
+    @property
+    def installed(self) -> bool:
+        return bool(self.wrappers)
+
+    def watch(self, ns: Namespace, stock: dict[str, Any],
+              on_backoff: Callable[[Namespace, list[str], str], None]) -> None:
+        """Remember what the provider decided for ``ns`` (called right after parsing)."""
+        self._entries = {k: e for k, e in self._entries.items() if e.ref() is not None}
+        self._entries[id(ns)] = _Entry(ns, stock, on_backoff)
+
+    def _entry(self, ns: Any) -> _Entry | None:
+        entry = self._entries.get(id(ns))
+        return entry if entry is not None and entry.ref() is ns else None
+
+    # -- the net --------------------------------------------------------------------------------
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        stage = "validation" if name == "validate_args" else "TransformerConfig"
+
+        @functools.wraps(original)
+        def wrapper(args: Any, *rest: Any, **kwargs: Any) -> Any:
+            entry = self._entry(args)
+            if entry is None:
+                return original(args, *rest, **kwargs)
+            snapshot = _copy(vars(args))
+            try:
+                return original(args, *rest, **kwargs)
+            except Exception as error:
+                dests = self._find(original, snapshot, entry, rest, kwargs)
+                if not dests:
+                    raise
+                message = _first_line(error)
+            vars(args).clear()
+            vars(args).update(_copy(snapshot))
+            for dest in dests:
+                setattr(args, dest, entry.stock.get(dest))
+            entry.on_backoff(args, dests, f"Megatron's {stage} rejected the plugin default, {FOUND_AT_RUN_TIME}: "
+                                          f"{message}")
+            return original(args, *rest, **kwargs)
+
+        setattr(wrapper, ORIGINAL_ATTR, original)
+        return wrapper
+
+    def _find(self, fn: Callable[..., Any], snapshot: dict[str, Any], entry: _Entry,
+              rest: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+        """The smallest set of plugin defaults whose stock values make ``fn`` pass, or []."""
+        records = snapshot.get("perf_toggles") or {}
+        candidates = [dest for dest, rec in records.items()
+                      if rec.get("source") in BACKED_OFF_SOURCES and dest in entry.stock
+                      and rec.get("value") != entry.stock[dest]]
+        if not candidates:
+            return []
+
+        def passes(dests: list[str]) -> bool:
+            trial = Namespace(**_copy(snapshot))
+            for dest in dests:
+                setattr(trial, dest, entry.stock[dest])
+            with _quiet_and_undone():
+                try:
+                    fn(trial, *copy.deepcopy(rest), **copy.deepcopy(kwargs))
+                except Exception:  # noqa: BLE001 - a failed trial is an answer
+                    return False
+            return True
+
+        if not passes(candidates):
+            return []  # stock values fail too: not ours to fix
+        for dest in candidates:
+            if passes([dest]):
+                return [dest]
+        chosen: list[str] = []
+        for dest in candidates:
+            chosen.append(dest)
+            if passes(chosen):
+                break
+        for dest in list(chosen):
+            smaller = [d for d in chosen if d != dest]
+            if smaller and passes(smaller):
+                chosen = smaller
+        return chosen
+
+
+NET = SafetyNet()
+
+
+def _copy(values: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return copy.deepcopy(values)
+    except Exception:  # noqa: BLE001 - an uncopyable value: a shallow copy is the best we can do
+        return dict(values)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    return line if len(line) <= 240 else line[:237] + "..."
+
+
+@contextlib.contextmanager
+def _quiet_and_undone() -> Iterator[None]:
+    """Run a trial validation with no output and no lasting effect on process state."""
+    environ = dict(os.environ)
+    torch = sys.modules.get("torch")
+    deterministic = warn_only = None
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            deterministic = torch.are_deterministic_algorithms_enabled()
+            warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    disabled = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    sink = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(disabled)
+        if dict(os.environ) != environ:
+            os.environ.clear()
+            os.environ.update(environ)
+        if torch is not None and deterministic is not None:
+            with contextlib.suppress(Exception):
+                torch.use_deterministic_algorithms(deterministic, warn_only=bool(warn_only))

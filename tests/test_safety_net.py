@@ -1,0 +1,192 @@
+"""The run-time safety net: a plugin default rejected by Megatron's validation is backed off.
+
+Two layers: a fake ``megatron.training.arguments`` module with a rule of our choosing (any
+machine, milliseconds), and real trees from MEGATRON_LM_TREES whose copy gets a rule injected
+into ``validate_args`` that rejects a plugin default (tests/megatron_runs.py, phase "injected").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+
+import megatron_runs as runs
+import pytest
+
+from megatron_perf_toggles import provider, safety_net
+from megatron_perf_toggles.capabilities import Capabilities
+
+TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
+    pytest.param(None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))
+]
+CAPS = Capabilities(apex_fused_wgrad=True, te_version="2.20", te_cross_entropy=True, te_fused_qkv_rope=True)
+
+
+class FakeMegatron:
+    """A module shaped like megatron.training.arguments, with one rule and visible side effects."""
+
+    def __init__(self, rule, side_effects: bool = True) -> None:
+        self.module = types.ModuleType("megatron.training.arguments")
+        self.module.__file__ = "/nonexistent/megatron/training/arguments.py"
+        self.calls = 0
+
+        def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
+            self.calls += 1
+            if side_effects:
+                os.environ[f"PTT_NET_SIDE_EFFECT_{self.calls}"] = "1"
+            args.validated = True
+            rule(args)
+            if side_effects:
+                print("megatron chatter")  # like print_arguments: only a validation that passes prints
+
+        self.module.validate_args = validate_args
+        self.original = validate_args
+
+    def __enter__(self):
+        sys.modules["megatron.training.arguments"] = self.module
+        return self
+
+    def __exit__(self, *exc):
+        sys.modules.pop("megatron.training.arguments", None)
+        safety_net.NET.uninstall()
+        for name in [n for n in os.environ if n.startswith("PTT_NET_SIDE_EFFECT_")]:
+            del os.environ[name]
+
+
+def parse(argv, environ=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true")
+    parser.add_argument("--cross-entropy-loss-fusion", action="store_true")
+    parser.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
+    provider.install(parser, environ=environ or {}, announce=False, capabilities=CAPS)
+    return parser.parse_args(argv)
+
+
+def reject_bf16_reduce(args):
+    assert not args.grad_reduce_in_bf16, "new rule: no bf16 reduction here"
+
+
+def test_a_rejected_default_is_backed_off_with_megatrons_message(capsys):
+    with FakeMegatron(reject_bf16_reduce) as fake:
+        args = parse(["--bf16"])
+        capsys.readouterr()
+        fake.module.validate_args(args, {})
+        d = args.perf_toggles["grad_reduce_in_bf16"]
+        assert (args.grad_reduce_in_bf16, d["value"], d["source"]) == (False, False, "guard")
+        assert safety_net.FOUND_AT_RUN_TIME in d["reason"] and "new rule: no bf16 reduction here" in d["reason"]
+        # Other defaults stay as decided: only the rejected one is backed off.
+        assert args.perf_toggles["cross_entropy_loss_fusion"]["value"] is True
+        assert args.validated is True
+        out = capsys.readouterr().out
+        # Trials are silent: the chatter appears once, from the final real validation.
+        assert out.count("megatron chatter") == 1
+
+
+def test_trials_leave_no_state_behind():
+    with FakeMegatron(reject_bf16_reduce) as fake:
+        args = parse(["--bf16"])
+        fake.module.validate_args(args, {})
+        # Trials ran (first + >= 2 trials + final) but only the two real calls left their mark.
+        assert fake.calls >= 4
+        left = sorted(int(n.rsplit("_", 1)[1]) for n in os.environ if n.startswith("PTT_NET_SIDE_EFFECT_"))
+        assert left == [1, fake.calls]
+
+
+def test_explicit_values_are_never_backed_off():
+    for argv, environ in ((["--bf16", "--grad-reduce-in-bf16"], {}), (["--bf16"], {"GRAD_REDUCE_IN_BF16": "1"})):
+        with FakeMegatron(reject_bf16_reduce) as fake:
+            args = parse(argv, environ)
+            with pytest.raises(AssertionError, match="new rule: no bf16 reduction here"):
+                fake.module.validate_args(args, {})
+
+
+def test_stock_rejection_surfaces_megatrons_error_unchanged():
+    def always(args):
+        raise ValueError("stock says no")
+
+    with FakeMegatron(always) as fake:
+        args = parse(["--bf16"])
+        with pytest.raises(ValueError, match=r"^stock says no$"):
+            fake.module.validate_args(args, {})
+
+
+def test_success_path_validates_once():
+    with FakeMegatron(lambda args: None) as fake:
+        fake.module.validate_args(parse(["--bf16"]), {})
+        assert fake.calls == 1
+
+
+def test_a_rule_on_two_defaults_backs_off_both_and_no_more():
+    def rule(args):
+        assert not (args.grad_reduce_in_bf16 or args.cross_entropy_loss_fusion), "two at once"
+
+    with FakeMegatron(rule) as fake:
+        args = parse(["--bf16"])
+        fake.module.validate_args(args, {})
+        backed = {d for d, r in args.perf_toggles.items() if safety_net.FOUND_AT_RUN_TIME in r["reason"]}
+        assert backed == {"grad_reduce_in_bf16", "cross_entropy_loss_fusion"}
+
+
+def test_uninstall_puts_megatrons_function_back():
+    with FakeMegatron(lambda args: None) as fake:
+        parse(["--bf16"])
+        assert fake.module.validate_args is not fake.original
+        safety_net.NET.uninstall()
+        assert fake.module.validate_args is fake.original
+
+
+def test_namespaces_the_plugin_did_not_parse_pass_straight_through():
+    with FakeMegatron(reject_bf16_reduce) as fake:
+        parse(["--bf16"])
+        other = argparse.Namespace(grad_reduce_in_bf16=True)
+        with pytest.raises(AssertionError):
+            fake.module.validate_args(other, {})
+        assert fake.calls == 1
+
+
+# --- real trees with an injected rule --------------------------------------------------------------
+
+
+def _decisions(result):
+    assert result["error"] is None, result["error"]
+    assert result["code"] == 0, result["stderr"][-3000:]
+    return json.loads(result["stdout"])["decisions"]
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_injected_rule_is_backed_off_through_the_launcher_dry_run(tree):
+    d = _decisions(runs.results(tree)["net-launcher"])["ddp_average_in_collective"]
+    assert (d["value"], d["source"]) == (False, "guard")
+    assert runs.INJECTED_RULE in d["reason"] and safety_net.FOUND_AT_RUN_TIME in d["reason"]
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_injected_rule_is_backed_off_through_the_provider_path(tree):
+    r = runs.results(tree)["net-provider"]
+    assert r["error"] is None and r["code"] == 0, (r["error"], r["stderr"][-3000:])
+    line = next(ln for ln in r["stdout"].splitlines() if ln.startswith("NET-RESULT "))
+    found = json.loads(line.split(" ", 1)[1])
+    assert found["ddp_average_in_collective"] is False
+    assert runs.INJECTED_RULE in found["perf_toggles"]["ddp_average_in_collective"]["reason"]
+    # The table was printed at parse time; the net adds the changed line and one warning, once each.
+    warnings = [ln for ln in r["stdout"].splitlines() if safety_net.FOUND_AT_RUN_TIME in ln and "warning" in ln]
+    assert len(warnings) == 1, r["stdout"]
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+@pytest.mark.parametrize("case", ["net-env-explicit", "net-cli-explicit"])
+def test_injected_rule_against_an_explicit_value_surfaces_megatrons_error(tree, case):
+    r = runs.results(tree)[case]
+    assert r["code"] != 0 or r["error"] is not None
+    assert runs.INJECTED_RULE in (r["error"] or "") + r["stderr"]
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_master_switch_off_is_stock_and_the_net_has_nothing_to_do(tree):
+    d = _decisions(runs.results(tree)["net-stock-off"])["ddp_average_in_collective"]
+    assert (d["value"], d["source"]) == (False, "default")
