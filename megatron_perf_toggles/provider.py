@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import provenance, resume, safety_net
+from . import provenance
 from .capabilities import Capabilities, resolve
 from .ckpt_layout import checkpoint_facts
 from .decide import FP4_LAYER_DESTS, Decision, Message, Plan, decide
@@ -24,7 +24,6 @@ from .env import EnvSettings, read_env
 from .errors import PerfTogglesError, fail
 from .provenance import format_value
 from .registry import GROUPS, TOGGLES, Toggle
-from .safety_net import FOUND_AT_RUN_TIME
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 PLUGIN_GROUP_TITLE = "perf toggles (megatron-perf-toggles)"
@@ -167,7 +166,9 @@ def install(
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
     arguments = sys.modules.get("megatron.training.arguments")
     if arguments is not None and hasattr(arguments, "validate_args"):
-        safety_net.NET.install(arguments)  # Megatron is parsing with us: guard its validation too
+        from . import safety_net  # only where Megatron itself is parsing
+
+        safety_net.NET.install(arguments)  # guard its validation too
     parser._perf_toggles_state = state  # type: ignore[attr-defined]
     return parser
 
@@ -180,6 +181,8 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
             setattr(ns, dest, state.stock.get(dest))
         else:
             explicit[dest] = value
+    from . import resume  # reading the resumed checkpoint's history is safe when planning too
+
     writer = resume.checkpoint_writer(vars(ns))
     try:
         caps = state.capabilities or resolve(state.env.assume)
@@ -216,8 +219,9 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
         for line in provenance.lines(plan, original_dirs):
             print(line, flush=True)
         _persist(ns, state, plan, caps)
-    if safety_net.NET.installed:
-        safety_net.NET.watch(ns, state.stock, functools.partial(_backed_off, state=state, plan=plan, caps=caps))
+    net = sys.modules.get(f"{__package__}.safety_net")
+    if net is not None and net.NET.installed:
+        net.NET.watch(ns, state.stock, functools.partial(_backed_off, state=state, plan=plan, caps=caps))
     return plan
 
 
@@ -229,6 +233,8 @@ def _persist(ns: argparse.Namespace, state: ProviderState, plan: Plan, caps: Cap
         if directory:
             provenance.write_atomic(directory, payload)
         if state.capabilities is None:
+            from . import resume
+
             facts = checkpoint_facts(vars(ns), bool(ns.grad_reduce_in_bf16), caps.megatron.version,
                                      caps.torch_version)
             resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, facts)
@@ -245,6 +251,8 @@ def _backed_off(ns: argparse.Namespace, dests: list[str], reason: str, *, state:
     for dest in dests:
         changed[dest] = plan.decisions[dest] = Decision(getattr(ns, dest), "guard", reason)
     ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+    from .safety_net import FOUND_AT_RUN_TIME
+
     warning = Message("warning", f"Megatron rejected the plugin default of {', '.join(dests)}, {FOUND_AT_RUN_TIME}; "
                                  "it was turned back to Megatron's default for this run. Please report it to "
                                  "megatron-perf-toggles so a guard can cover it.")

@@ -23,11 +23,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import io
-import logging
 import os
 import sys
-import warnings
 import weakref
 from argparse import Namespace
 from collections.abc import Callable, Iterator
@@ -187,6 +184,10 @@ def _first_line(error: BaseException) -> str:
 @contextlib.contextmanager
 def _quiet_and_undone() -> Iterator[None]:
     """Run a trial validation with no output and no lasting effect on process state."""
+    import io  # only when a validation failed: nothing on the success path
+    import logging
+    import warnings
+
     environ = dict(os.environ)
     torch = sys.modules.get("torch")
     deterministic = warn_only = None
