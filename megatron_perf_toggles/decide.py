@@ -284,6 +284,11 @@ def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
         why = ctx.caps.notes.get("te_cross_entropy") or ctx.caps.notes.get("te") or (
             "Transformer Engine's parallel cross-entropy kernel is not available"
         )
+        if ctx.sources.get("cross_entropy_fusion_impl") == "cli" and ctx.sources.get("cross_entropy_loss_fusion") != "cli":
+            # te asked for by name, the fusion only by default: stock (fusion off) runs, so the default yields.
+            yield Change("cross_entropy_loss_fusion", False, f"{why}, and --cross-entropy-fusion-impl te was given "
+                         "explicitly", capability="te_cross_entropy")
+            return
         yield Change(
             "cross_entropy_fusion_impl",
             "native",

@@ -551,3 +551,12 @@ def test_resume_guard_gives_back_an_explicit_value_mxfp4_had_overridden():
     with pytest.raises(CannotHonourError) as info:
         resume(args=MXFP4, explicit={"gradient_accumulation_fusion": True}, checkpoint=saved_fp32)
     assert "--no-gradient-accumulation-fusion" in str(info.value)
+
+
+def test_explicit_te_impl_without_te_backs_the_fusion_default_off():
+    caps = full_caps(te_cross_entropy=False, te_version=None)
+    plan = run(explicit={"cross_entropy_fusion_impl": "te"}, caps=caps)
+    assert (plan.decisions["cross_entropy_loss_fusion"].value, plan.decisions["cross_entropy_loss_fusion"].source) \
+        == (False, "guard")
+    with pytest.raises(CannotHonourError, match="--cross-entropy-fusion-impl te"):
+        run(explicit={"cross_entropy_fusion_impl": "te", "cross_entropy_loss_fusion": True}, caps=caps)

@@ -1,0 +1,442 @@
+"""Run Megatron's real parse_args + validate_args + TransformerConfig, stock and with the plugin,
+for many command lines inside ONE process per Megatron tree.
+
+Usage (by tests/megatron_corpus.py): ``python corpus_driver.py TREE PLAN.json RESULTS.json``.
+
+Megatron trees share module names, so each version needs its own interpreter; importing one costs
+seconds, so every command line of that tree runs here, back to back, each in every mode:
+
+- ``A``: stock Megatron, no extra_args_provider at all;
+- ``B``: the plugin with ``MEGATRON_PERF_TOGGLES=0`` (on the same assumed machine as C1);
+- ``C1``: plugin defaults on an assumed GPU box (APEX, Transformer Engine, CUDA);
+- ``C2``: plugin defaults with nothing installed.
+
+Where Megatron asks the device (compute capability, device properties, the Transformer Engine
+version), this process answers like an H100 (sm_90) with TE ``PTT_TE_VERSION`` installed, without
+touching a GPU. Each case gets a fresh argv, environment, temporary directories and torch
+determinism flag; Megatron's module-level globals are put back after every case.
+
+Stock mode calls the functions captured right after import (Megatron's own); plugin modes look
+``parse_args``, ``validate_args`` and ``core_transformer_config_from_args`` up on Megatron's
+``arguments`` module at call time, so whatever wrapper the plugin installs there is what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+TE_VERSION = os.environ.get("PTT_TE_VERSION", "2.12.0")
+GPU_BOX = f"apex,te={TE_VERSION},cuda"
+MODE_ENV: dict[str, dict[str, str]] = {
+    "A": {},
+    "B": {"MEGATRON_PERF_TOGGLES": "0", "MEGATRON_PERF_TOGGLES_ASSUME": GPU_BOX},
+    "C1": {"MEGATRON_PERF_TOGGLES_ASSUME": GPU_BOX},
+    "C2": {"MEGATRON_PERF_TOGGLES_ASSUME": "none"},
+}
+PLUGIN_VAR_PREFIXES = ("MEGATRON_PERF_TOGGLES", "FP4_SELECTIVE_BF16", "FP4_BF16_")
+NET_WORDS = "found at run time"
+# The plugin's error lines (megatron_perf_toggles.errors.PREFIX).
+PLUGIN_PREFIX = "[perf-toggles]"
+
+
+class _H100Properties:
+    """What torch.cuda.get_device_properties answers on an H100 SXM."""
+
+    name = "NVIDIA H100 80GB HBM3"
+    major = 9
+    minor = 0
+    total_memory = 80 * 1024**3
+    multi_processor_count = 132
+    is_integrated = False
+    uuid = "GPU-00000000-0000-0000-0000-000000000000"
+
+    def __repr__(self) -> str:
+        return f"_CudaDeviceProperties(name='{self.name}', major=9, minor=0)"
+
+
+def answer_like_a_gpu_machine() -> None:
+    """Make Megatron's device and Transformer Engine probes see an H100 with TE installed.
+
+    Only the probes validate_args and TransformerConfig use are answered; torch.cuda.is_available
+    stays as it is, so nothing tries to create a CUDA context.
+    """
+    import torch
+    from megatron.core import utils as core_utils
+    from packaging.version import Version
+
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.get_device_properties = lambda device=None: _H100Properties()
+    torch.cuda.device_count = lambda: 8
+    torch.cuda.get_device_name = lambda device=None: _H100Properties.name
+    core_utils._te_version = Version(TE_VERSION)
+    # TransformerConfig checks that TE's fused kernels imported (RoPE, MoE permutation): without TE
+    # these module attributes are None (or, on older trees, missing). A stand-in answers "present";
+    # nothing here calls it.
+    for name, attrs in TE_KERNEL_PROBES.items():
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attr in attrs:
+            if getattr(module, attr, None) is None:
+                setattr(module, attr, _te_kernel_stand_in)
+
+
+TE_KERNEL_PROBES = {
+    "megatron.core.models.common.embeddings.rope_utils": ("fused_apply_rotary_pos_emb",
+                                                          "fused_apply_rotary_pos_emb_thd"),
+    "megatron.core.transformer.moe.moe_utils": ("fused_permute", "fused_permute_with_probs", "fused_unpermute",
+                                                "fused_sort_chunks_by_index",
+                                                "fused_sort_chunks_by_index_with_probs"),
+}
+
+
+def _te_kernel_stand_in(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a Transformer Engine kernel stand-in was called: only its presence is answered")
+
+
+def cache_parser_help_text() -> None:
+    """Megatron 0.16+ builds part of its parser from dataclass docstrings, parsing the source with
+    ``ast`` on every ``parse_args`` (~0.4 s a call). The text depends on the class alone, so it is
+    cached per class; the parser Megatron builds is the same."""
+    module = sys.modules.get("megatron.training.argument_utils")
+    for cls in vars(module).values() if module else ():
+        original = getattr(cls, "_get_field_docstrings", None) if isinstance(cls, type) else None
+        if original is None or getattr(original, "_ptt_cached", False):
+            continue
+        memo: dict[type, dict[str, str]] = {}
+
+        def cached(self: Any, src_cfg_class: type, _original: Any = original, _memo: dict = memo) -> dict[str, str]:
+            if src_cfg_class not in _memo:
+                _memo[src_cfg_class] = _original(self, src_cfg_class)
+            return dict(_memo[src_cfg_class])
+
+        cached._ptt_cached = True  # type: ignore[attr-defined]
+        cls._get_field_docstrings = cached
+
+
+# --- isolation ------------------------------------------------------------------------------------
+
+
+_GLOBAL_MODULES = ("megatron.training.global_vars", "megatron.core.parallel_state", "megatron.core.utils",
+                   "megatron.training.utils", "megatron.training.utils.common_utils")
+
+
+def _global_snapshot() -> dict[str, dict[str, Any]]:
+    """Module-level variables of the Megatron modules that keep process-wide state."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in _GLOBAL_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            out[name] = {k: v for k, v in vars(module).items()
+                         if not k.startswith("__") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+    return out
+
+
+def _global_restore(snapshot: dict[str, dict[str, Any]]) -> None:
+    for name, values in snapshot.items():
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for key, value in values.items():
+            if vars(module).get(key, value) is not value:
+                setattr(module, key, value)
+
+
+def _clean_environ(base: dict[str, str], extra: dict[str, str]) -> None:
+    from megatron_perf_toggles.registry import TOGGLES
+
+    toggle_vars = {t.env for t in TOGGLES}
+    os.environ.clear()
+    os.environ.update({k: v for k, v in base.items() if not k.startswith(PLUGIN_VAR_PREFIXES) and k not in toggle_vars})
+    os.environ.update(extra)
+
+
+def _fresh_dirs(dirs: list[str]) -> None:
+    """Empty directories behind the placeholders: no mode sees what an earlier mode wrote."""
+    for d in dirs:
+        if os.path.isdir(d) and not os.listdir(d):
+            continue  # removing and re-creating costs more than the look (slow overlay filesystems)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d, exist_ok=True)
+
+
+# --- one mode of one command line -----------------------------------------------------------------
+
+
+def _error_line(exc: BaseException) -> str:
+    """``Type: first line of the message (file:line)`` at the frame that raised it."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = ""
+    for frame in reversed(tb):
+        if "/megatron/" in frame.filename or "megatron_perf_toggles" in frame.filename:
+            parts = Path(frame.filename).parts
+            anchor = "megatron_perf_toggles" if "megatron_perf_toggles" in parts else "megatron"
+            where = f" ({'/'.join(parts[parts.index(anchor):])}:{frame.lineno})"
+            break
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:300]}{where}"
+
+
+def _exit_line(code: Any, stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith(PLUGIN_PREFIX) and "error" in ln:
+            return f"SystemExit({code}): {ln[:400]}"
+    for ln in reversed(lines):
+        if "error:" in ln:
+            return f"SystemExit({code}): {ln[:400]}"
+    if isinstance(code, str):
+        return f"SystemExit: {code.strip().splitlines()[0][:400] if code.strip() else ''}"
+    return f"SystemExit({code}): {lines[-1][:400] if lines else ''}"
+
+
+def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any], base_env: dict[str, str],
+             dirs: list[str], want_config: bool = True, explicit: list[str] = ()) -> tuple[dict[str, Any], Any]:
+    """Parse, validate and build the TransformerConfig once; returns (result, namespace or None)."""
+    import torch
+
+    from megatron_perf_toggles import extra_args_provider
+
+    _clean_environ(base_env, {**env, **MODE_ENV[mode]})
+    _fresh_dirs(dirs)
+    sys.argv = ["pretrain_gpt.py", *argv]
+    arguments = api["module"]
+    out, err = io.StringIO(), io.StringIO()
+    result: dict[str, Any] = {"ok": False, "stage": "parse"}
+    args = None
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    snapshot = _global_snapshot()
+    dist = getattr(torch, "distributed", None)
+    init_pg = getattr(dist, "init_process_group", None)
+    api["te_reset"]()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if mode == "A":
+                args = api["parse_args"](extra_args_provider=None)
+                result["stage"] = "validate"
+                api["validate_args"](args, {})
+                if want_config:
+                    result["stage"] = "config"
+                    api["core_transformer_config_from_args"](args)
+            else:
+                # Looked up at call time: the plugin's wrappers, if it installs any, are used.
+                args = arguments.parse_args(extra_args_provider=extra_args_provider)
+                result["stage"] = "validate"
+                arguments.validate_args(args, {})
+                if want_config:
+                    result["stage"] = "config"
+                    arguments.core_transformer_config_from_args(args)
+        result["ok"] = True
+        result["stage"] = "done"
+    except SystemExit as exc:
+        result["error"] = _exit_line(exc.code, err.getvalue())
+        result["exit_code"] = exc.code if isinstance(exc.code, int) else 1
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
+        result["error"] = _error_line(exc)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        _global_restore(snapshot)
+        if dist is not None and init_pg is not None:
+            dist.init_process_group = init_pg
+        with contextlib.suppress(Exception):
+            from megatron_perf_toggles import hooks
+
+            hooks.uninstall()
+    if args is not None and hasattr(args, "perf_toggles"):
+        result["perf_toggles"] = args.perf_toggles
+        result["net"] = sorted(d for d, rec in args.perf_toggles.items() if NET_WORDS in str(rec.get("reason", "")))
+        from megatron_perf_toggles.registry import TOGGLES
+
+        result["final"] = {t.dest: getattr(args, t.dest, None) for t in TOGGLES}
+    elif args is not None:
+        from megatron_perf_toggles.registry import TOGGLES
+
+        result["final"] = {t.dest: getattr(args, t.dest, None) for t in TOGGLES}
+    if args is not None:
+        # What the command line asked for, as it ended after validate_args (text: JSON-safe, comparable).
+        result["explicit"] = {dest: repr(getattr(args, dest, None)) for dest in explicit}
+    if not result["ok"]:
+        result["stderr_tail"] = err.getvalue()[-1500:]
+    return result, args
+
+
+# --- comparing B with A ---------------------------------------------------------------------------
+
+# What the plugin documents it adds or changes in the namespace even with MEGATRON_PERF_TOGGLES=0
+# (README: provenance, and the precision-tagged --tensorboard-dir / --wandb-save-dir).
+ALLOWED_B_DIFFERENCES = frozenset({"perf_toggles", "perf_toggles_precision", "tensorboard_dir", "wandb_save_dir"})
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - tensors, odd objects: compare their text
+        return repr(a) == repr(b)
+
+
+def namespace_diff(a: Any, b: Any) -> list[str]:
+    """Attributes where B differs from A, minus the documented ones.
+
+    An attribute only B has is allowed when it is a toggle dest this Megatron's parser lacks
+    (the plugin registers its flag) and B holds Megatron's own default for it.
+    """
+    from megatron_perf_toggles.registry import TOGGLES
+
+    stock_defaults = {t.dest: t.stock_default for t in TOGGLES}
+    va, vb = vars(a), vars(b)
+    out = []
+    for key in sorted(set(va) | set(vb)):
+        if key in ALLOWED_B_DIFFERENCES:
+            continue
+        if key not in va:
+            if key in stock_defaults and _same(vb[key], stock_defaults[key]):
+                continue
+            out.append(f"{key}: only with the plugin ({vb[key]!r})")
+        elif key not in vb:
+            out.append(f"{key}: missing with the plugin (stock {va[key]!r})")
+        elif not _same(va[key], vb[key]):
+            out.append(f"{key}: stock {va[key]!r}, plugin {vb[key]!r}")
+    return out
+
+
+# --- cases ----------------------------------------------------------------------------------------
+
+
+def run_case(case: dict[str, Any], api: dict[str, Any], base_env: dict[str, str]) -> dict[str, Any]:
+    """Every mode of one command line. B and C run only where A accepts (nothing to hold otherwise)."""
+    started = time.perf_counter()
+    dirs = case.get("dirs", [])
+    modes = case.get("modes", ["A", "B", "C1", "C2"])
+    out: dict[str, Any] = {"id": case["id"], "modes": {}}
+    explicit = explicit_dests(case["argv"], api["dests"])
+    a_result, a_args = run_mode("A", case["argv"], case.get("env", {}), api, base_env, dirs, explicit=explicit)
+    out["modes"]["A"] = a_result
+    if a_result["ok"]:
+        for mode in modes:
+            if mode == "A":
+                continue
+            result, args = run_mode(mode, case["argv"], case.get("env", {}), api, base_env, dirs, explicit=explicit)
+            if mode == "B" and result["ok"]:
+                result["diff"] = namespace_diff(a_args, args)
+            out["modes"][mode] = result
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    out["seconds"] = round(time.perf_counter() - started, 3)
+    return out
+
+
+def option_dests(api: dict[str, Any], base_env: dict[str, str]) -> dict[str, str]:
+    """Every option string of this tree's stock pretrain parser and its dest, captured through a
+    provider that adds nothing."""
+    found: dict[str, str] = {}
+
+    def capture(parser: Any) -> Any:
+        found.update({flag: action.dest for flag, action in parser._option_string_actions.items()})
+        return parser
+
+    _clean_environ(base_env, {})
+    sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+                "--global-batch-size", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        api["parse_args"](extra_args_provider=capture)
+    return found
+
+
+def explicit_dests(argv: list[str], dests: dict[str, str]) -> list[str]:
+    """Dests the command line sets itself (flags named on it), minus the documented B differences."""
+    named = {dests[w.split("=", 1)[0]] for w in argv if w.startswith("--") and w.split("=", 1)[0] in dests}
+    return sorted(named - ALLOWED_B_DIFFERENCES)
+
+
+def cache_megatron_facts() -> None:
+    """The plugin reads this tree's facts (version, TransformerConfig fields) from source on every
+    parse (~0.1 s); they cannot change within this process, so they are read once."""
+    import functools
+
+    from megatron_perf_toggles import capabilities
+
+    original = capabilities.megatron_facts
+    if not getattr(original, "cache_info", None) and not inspect_params(original):
+        capabilities.megatron_facts = functools.cache(original)
+
+
+def inspect_params(fn: Any) -> bool:
+    import inspect
+
+    try:
+        return bool(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return True
+
+
+def main() -> int:
+    tree, plan_file, results_file = sys.argv[1], sys.argv[2], sys.argv[3]
+    plan = json.loads(Path(plan_file).read_text())
+    saved_argv = list(sys.argv)
+    base_env = dict(os.environ)
+    started = time.perf_counter()
+    from megatron_perf_toggles.megatron_env import megatron_importable
+
+    with megatron_importable(tree):
+        from megatron.core import package_info
+        from megatron.core import utils as core_utils
+        from megatron.training import arguments
+    import_seconds = time.perf_counter() - started
+    answer_like_a_gpu_machine()
+    cache_parser_help_text()
+    cache_megatron_facts()
+    from packaging.version import Version
+
+    def te_reset() -> None:
+        core_utils._te_version = Version(TE_VERSION)
+
+    api = {
+        "module": arguments,
+        "parse_args": arguments.parse_args,
+        "validate_args": arguments.validate_args,
+        "core_transformer_config_from_args": arguments.core_transformer_config_from_args,
+        "te_reset": te_reset,
+    }
+    payload: dict[str, Any] = {"tree": tree, "version": package_info.__version__, "te_version": TE_VERSION,
+                               "import_seconds": round(import_seconds, 2), "results": []}
+    with megatron_importable(None):
+        api["dests"] = option_dests(api, base_env)
+        if plan.get("fuzz"):
+            import megatron_fuzz
+
+            fuzz = plan["fuzz"]
+            samples = megatron_fuzz.generate(fuzz["seed"], fuzz["count"], sorted(api["dests"]), fuzz["workdir"])
+            payload["samples"] = samples
+            cases = samples
+        else:
+            cases = plan["cases"]
+        for case in cases:
+            try:
+                payload["results"].append(run_case(case, api, base_env))
+            except BaseException as exc:  # noqa: BLE001 - one broken case must not hide the others
+                payload["results"].append({"id": case["id"], "driver_error": _error_line(exc)})
+    sys.argv = saved_argv
+    os.environ.clear()
+    os.environ.update(base_env)
+    payload["seconds"] = round(time.perf_counter() - started, 2)
+    Path(results_file).write_text(json.dumps(payload, default=repr))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

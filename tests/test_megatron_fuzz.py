@@ -1,0 +1,47 @@
+"""Seeded fuzzing: random combinations of flags that interact with the toggles and each other.
+
+For each sample (tests/megatron_fuzz.py) on every tree in MEGATRON_LM_TREES: stock Megatron (A)
+against plugin defaults on an assumed GPU box (C1) and with nothing installed (C2), and against the
+plugin with MEGATRON_PERF_TOGGLES=0 (B, whose namespace must equal A's apart from what the plugin
+documents), through real parse_args + validate_args + core_transformer_config_from_args. Whatever
+stock accepts, the plugin accepts too; where the sample set a toggle flag explicitly, the plugin may instead refuse
+with its own one-line error (exit 2, "[perf-toggles] ..."). Explicit settings end as they end in
+stock Megatron.
+
+PTT_FUZZ_SEED and PTT_FUZZ_COUNT choose the samples; CI runs the fixed default seed. A failure
+prints the seed, each failing sample's environment and argv, and the errors.
+"""
+
+from __future__ import annotations
+
+import megatron_corpus as corpus
+import megatron_fuzz
+import pytest
+from conftest import megatron_trees
+
+TREES = megatron_trees()
+needs_trees = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron fuzz suite skipped")
+
+
+@needs_trees
+@pytest.mark.parametrize("tree", [str(t) for t in TREES] or ["no-trees"], ids=lambda t: corpus.tree_id(t))
+def test_fuzz_stock_accepted_holds_with_plugin(tree: str, capsys: pytest.CaptureFixture[str]) -> None:
+    payload = corpus.FUZZ.get(tree)
+    stats = corpus.judge_fuzz(payload)
+    with capsys.disabled():
+        print("\n[fuzz] " + corpus.fuzz_summary(tree, payload, stats))
+    assert stats["samples"] == payload["count"]
+    assert stats["accepted"] > 0, "stock Megatron accepted no sample: the generator, not the plugin, is broken"
+    assert not stats["failures"], corpus.fuzz_failure_text(tree, payload, stats["failures"])
+
+
+def test_generator_is_seeded_and_uses_known_flags_only() -> None:
+    known = ["--bf16", "--fp16", "--tensor-model-parallel-size", "--sequence-parallel", "--num-experts",
+             "--moe-router-topk", "--deterministic-mode", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    first = megatron_fuzz.generate(7, 40, known, "/work")
+    assert first == megatron_fuzz.generate(7, 40, known, "/work")
+    assert first != megatron_fuzz.generate(8, 40, known, "/work")
+    base = set(megatron_fuzz.BASE)
+    for sample in first:
+        flags = {w for w in sample["argv"] if w.startswith("--")} - base
+        assert flags <= set(known), flags - set(known)
