@@ -143,7 +143,7 @@ def probe_arms(arms: Sequence[Arm]) -> dict[str, list[Arm]]:
     probes: dict[str, list[Arm]] = {}
     for name, seen in values.items():
         for value in sorted(seen - {base.intended().get(name)}, key=str):
-            if name in base.toggles:
+            if isinstance(value, bool):  # a toggle; settings from --vary are strings
                 probe = Arm(f"probe:{name}={value}", {**base.toggles, name: value}, dict(base.settings),
                             fixed=dict(base.fixed))
             else:
