@@ -17,8 +17,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-import gpu_multi  # noqa: E402
+sys.path.insert(0, str(REPO))
 import wgrad_gpu  # noqa: E402
+
+from megatron_perf_toggles import nccl_log  # noqa: E402
 
 RAW = REPO / "docs" / "benchmarks" / "raw"
 OUT = REPO / "docs" / "benchmarks"
@@ -144,10 +146,10 @@ def dp2() -> dict:
     n = raw["on"]["parameters"]
     nccl = {}
     for arm in ("off", "on"):
-        step = gpu_multi.nccl_traffic((NCCL_LOGS / f"dp2_{arm}_coll.log").read_text(), iters=6)["large_per_step"]
+        step = nccl_log.nccl_traffic((NCCL_LOGS / f"dp2_{arm}_coll.log").read_text(), iters=6)["large_per_step"]
         grads = {k: v for k, v in step.items() if k.startswith("ReduceScatter/")}
         nccl[arm] = {"grad_reduce_scatter": grads, "param_all_gather": step.get("AllGather/bfloat16"),
-                     "expected_grad_bytes": gpu_multi.grad_buffer_bytes(n, arm == "on"),
+                     "expected_grad_bytes": nccl_log.grad_buffer_bytes(n, arm == "on"),
                      "measured_grad_bytes": sum(v["buffer_bytes"] for v in grads.values())}
     return {
         "setup": DP2_SETUP, "arms": arms, "parameters": n,
