@@ -296,10 +296,13 @@ def make_run(out: Path, arm: Arm, block: int, launch: str | None, script: str, m
 class Progress:
     """One status line on stderr: run i/N, block, arm, iteration, ETA."""
 
-    def __init__(self, total_runs: int, stream: Any = None) -> None:
+    def __init__(self, total_runs: int, stream: Any = None, live: bool | None = None) -> None:
         self.total = total_runs
         self.stream = stream or sys.stderr
+        # A redrawn line only on a terminal; a log file gets one line per run.
+        self.live = live if live is not None else bool(getattr(self.stream, "isatty", lambda: False)())
         self.run_seconds: list[float] = []
+        self.last = ""
 
     def update(self, index: int, name: str, iteration: int, total_iters: int, ms_per_iter: float | None,
                remaining_runs: int) -> None:
@@ -311,12 +314,15 @@ class Progress:
         width = 24
         done = int(width * iteration / total_iters) if total_iters else 0
         bar = "#" * done + "." * (width - done)
-        self.stream.write(f"\r[run {index}/{self.total}] {name[:36]:<36} [{bar}] it {iteration}/{total_iters}{eta}   ")
-        self.stream.flush()
+        self.last = f"[run {index}/{self.total}] {name[:36]:<36} [{bar}] it {iteration}/{total_iters}{eta}"
+        if self.live:
+            self.stream.write(f"\r{self.last}   ")
+            self.stream.flush()
 
     def finish_run(self, seconds: float, status: str) -> None:
         self.run_seconds.append(seconds)
-        self.stream.write(f" {status} in {seconds:.0f}s\n")
+        self.stream.write(f"{'' if self.live else self.last} {status} in {seconds:.0f}s\n")
+        self.last = ""
         self.stream.flush()
 
 

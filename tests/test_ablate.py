@@ -447,6 +447,12 @@ def test_progress_line(tmp_path):
     arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
     runs = [ablate.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
     stream = io.StringIO()
-    ablate.run_arms(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream))
+    ablate.run_arms(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream, live=True))
     text = stream.getvalue()
     assert "[run 2/2]" in text and "(block 1)" in text and "it 6/6" in text and "ETA" in text
+    assert text.count("\r") == 12  # redrawn at every iteration
+    stream = io.StringIO()  # a log file: one line per run
+    runs = [ablate.make_run(tmp_path / "again", a, 0, FAKE, "s.py", [], {}) for a in arms]
+    ablate.run_arms(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream))
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 2 and "it 6/6" in lines[1] and "done in" in lines[1]
