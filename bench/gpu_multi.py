@@ -1,9 +1,6 @@
-"""Multi-GPU and lifecycle evidence on GPUs (no Transformer Engine needed: local layers).
+"""Multi-GPU and lifecycle evidence on GPUs (no Transformer Engine needed: local layers). Throughput
+at DP=2 is an ablation: ``bench/h200_ablate.py --parts dp2``.
 
-  dp2       DP=2: GRAD_REDUCE_IN_BF16 + DDP_AVERAGE_IN_COLLECTIVE on vs off, with and without
-            --overlap-grad-reduce (reference model: hidden 4096, ffn 14336, 4 layers, vocab 128256,
-            seq 1024, micro-batch 1, global batch 2). Also the gradient-reduction bytes per step,
-            computed from the parameter count Megatron prints.
   mismatch  DP=2 with GRAD_REDUCE_IN_BF16=0 injected on rank 1 only: every rank must stop with
             RankMismatchError before the first iteration; reports how long that took.
   resume    train, stop, resume (--save/--load): same tagged log dir (no double tag), same
@@ -24,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -34,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_perf_toggles.megatron_log import parse_file  # noqa: E402
+from megatron_perf_toggles.nccl_log import grad_buffer_bytes, nccl_traffic, param_count  # noqa: E402
 
 LOCAL = ["--transformer-impl", "local", "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-rope-fusion"]
 COMMON = ["--bf16", "--use-distributed-optimizer", "--tokenizer-type", "NullTokenizer", "--mock-data",
@@ -74,18 +71,6 @@ def torchrun(n: int, port: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(port)]
 
 
-def param_count(log: Path) -> int | None:
-    # "(tensor, pipeline) ... (0, 0)" up to 0.19, "(tensor, gtp_remat, pipeline) ... (0, 0, 0)" on main.
-    m = re.search(r"number of parameters on \([^)]*\) model parallel rank \([\d, ]+\)\s*:\s*(\d+)",
-                  log.read_text(errors="replace"))
-    return int(m.group(1)) if m else None
-
-
-def grad_buffer_bytes(parameters: int, comm_toggles_on: bool) -> int:
-    """The DDP gradient buffer: 2 bytes per parameter with GRAD_REDUCE_IN_BF16, else 4."""
-    return parameters * (2 if comm_toggles_on else 4)
-
-
 def dp2_arm(ns: argparse.Namespace, log: Path, on: bool, port: int, iters: int, extra_args: tuple[str, ...] = (),
             extra_env: dict[str, str] | None = None) -> tuple[int, float]:
     """One DP=2 launch with GRAD_REDUCE_IN_BF16 and DDP_AVERAGE_IN_COLLECTIVE both on or both off."""
@@ -94,69 +79,6 @@ def dp2_arm(ns: argparse.Namespace, log: Path, on: bool, port: int, iters: int, 
     script = str(Path(ns.megatron) / "pretrain_gpt.py")
     return run([*torchrun(2, port), "-m", "megatron_perf_toggles.run", script, *DP2_MODEL, *COMMON,
                 "--train-iters", str(iters), *extra_args], env, log)
-
-
-def dp2(ns: argparse.Namespace, out: Path) -> dict:
-    results = {}
-    for overlap in (False, True):
-        for on in (False, True):
-            name = f"{'on' if on else 'off'}{'_overlap' if overlap else ''}"
-            log = out / f"dp2_{name}.log"
-            code, secs = dp2_arm(ns, log, on, 29600 + len(results), ns.iters,
-                                 ("--overlap-grad-reduce",) if overlap else ())
-            parsed = parse_file(str(log))
-            n = param_count(log)
-            results[name] = {
-                "returncode": code, "seconds": secs, "summary": parsed.summary(skip_first=ns.warmup),
-                "loss_curve": parsed.series("lm_loss"), "parameters": n,
-                # Distributed optimizer: the gradient buffer is reduce-scattered; each of the 2 ranks
-                # sends (and receives) half of it per step.
-                "grad_buffer_bytes": grad_buffer_bytes(n, on) if n else None,
-                "reduce_scatter_bytes_sent_per_rank": grad_buffer_bytes(n, on) // 2 if n else None,
-                "error_tail": log.read_text(errors="replace").splitlines()[-20:] if code else None,
-            }
-            s = results[name]["summary"]
-            print(f"dp2 {name:<12} rc={code} ms/iter={s.get('ms_per_iter')} loss={s.get('lm_loss_last')} "
-                  f"mem={s.get('memory_mb', {}).get('max_allocated')} params={n}", flush=True)
-    return results
-
-
-# NCCL's ncclDataType_t values and their sizes in bytes.
-NCCL_DTYPES = {0: ("int8", 1), 1: ("uint8", 1), 2: ("int32", 4), 3: ("uint32", 4), 4: ("int64", 8),
-               5: ("uint64", 8), 6: ("float16", 2), 7: ("float32", 4), 8: ("float64", 8), 9: ("bfloat16", 2),
-               10: ("float8e4m3", 1), 11: ("float8e5m2", 1)}
-NCCL_REDOPS = {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
-NCCL_COLL = re.compile(r"\[(?P<dev>\d+)\] NCCL INFO (?P<op>[A-Za-z]+): opCount \w+ .*?\bcount (?P<count>\d+) "
-                       r"datatype (?P<dtype>\d+) op (?P<redop>\d+)(?:.*?\[nranks=(?P<nranks>\d+)\])?")
-
-
-def nccl_traffic(text: str, iters: int, min_elements: int = 1 << 20) -> dict:
-    """Collectives of one rank (CUDA device 0) from NCCL's COLL log, large ones summed per step.
-
-    NCCL logs ReduceScatter with the per-rank receive count and AllGather with the per-rank send
-    count, so the whole buffer a collective covers is count x nranks; AllReduce logs the buffer.
-    """
-    totals: dict[str, dict] = {}
-    lines = 0
-    for m in NCCL_COLL.finditer(text):
-        lines += 1
-        if m["dev"] != "0":
-            continue
-        count, nranks = int(m["count"]), int(m["nranks"] or 1)
-        name, size = NCCL_DTYPES.get(int(m["dtype"]), (f"dtype{m['dtype']}", 0))
-        span = count * (nranks if m["op"] in ("ReduceScatter", "AllGather") else 1)
-        key = f"{m['op']}/{name}" + ("" if span >= min_elements else "/small")
-        t = totals.setdefault(key, {"calls": 0, "elements": 0, "bytes": 0, "reduce_ops": []})
-        t["calls"] += 1
-        t["elements"] += span
-        t["bytes"] += span * size
-        if m["op"] in ("ReduceScatter", "AllReduce", "Reduce"):
-            redop = NCCL_REDOPS.get(int(m["redop"]), f"op{m['redop']}")
-            if redop not in t["reduce_ops"]:
-                t["reduce_ops"].append(redop)
-    per_step = {k: {"calls": v["calls"] / iters, "buffer_bytes": v["bytes"] / iters, "reduce_ops": v["reduce_ops"]}
-                for k, v in totals.items() if not k.endswith("/small")}
-    return {"totals": totals, "large_per_step": per_step, "iterations": iters, "coll_lines": lines}
 
 
 def nccl(ns: argparse.Namespace, out: Path) -> dict:
@@ -168,7 +90,7 @@ def nccl(ns: argparse.Namespace, out: Path) -> dict:
         code, secs = dp2_arm(ns, log, on, 29650 + len(results), iters,
                              extra_env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL"})
         text = log.read_text(errors="replace")
-        n = param_count(log)
+        n = param_count(log.read_text(errors="replace"))
         traffic = nccl_traffic(text, iters)
         rs = {k: v for k, v in traffic["large_per_step"].items() if k.startswith(("ReduceScatter/", "AllReduce/"))}
         measured = sum(v["buffer_bytes"] for v in rs.values())
@@ -245,7 +167,7 @@ def fixture(ns: argparse.Namespace, out: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("dp2", "nccl", "mismatch", "resume", "fixture"))
+    ap.add_argument("mode", choices=("nccl", "mismatch", "resume", "fixture"))
     ap.add_argument("--megatron", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=40)
@@ -253,7 +175,7 @@ def main() -> int:
     ns = ap.parse_args()
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"dp2": dp2, "nccl": nccl, "mismatch": mismatch, "resume": resume, "fixture": fixture}[ns.mode](ns, out)
+    result = {"nccl": nccl, "mismatch": mismatch, "resume": resume, "fixture": fixture}[ns.mode](ns, out)
     (out / f"{ns.mode}.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

@@ -17,8 +17,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-import gpu_multi  # noqa: E402
+sys.path.insert(0, str(REPO))
 import wgrad_gpu  # noqa: E402
+
+from megatron_perf_toggles import nccl_log  # noqa: E402
 
 RAW = REPO / "docs" / "benchmarks" / "raw"
 OUT = REPO / "docs" / "benchmarks"
@@ -44,6 +46,47 @@ DP2_EARLIER = "100.4 → 89.7 ms/iter (1.12x) and 110.5 → 98.5 ms/iter with ov
 # is what the script printed.
 MISMATCH = {"seconds_to_exit": 35.6, "iterations_run": 0, "ranks_raising_RankMismatchError": 2,
             "injected": "GRAD_REDUCE_IN_BF16=0 on rank 1 only", "source": "stdout of bench/gpu_multi.py mismatch"}
+
+
+def ablate_results() -> dict[str, dict]:
+    """``ablate`` results copied to raw/ablate/PART.json (results.json of bench/h200_ablate.py's parts)."""
+    folder = RAW / "ablate"
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
+
+
+def ablate_summary(results: dict[str, dict]) -> dict[str, dict]:
+    """Per part and arm: the speedup against the part's baseline with its interval and verdict."""
+    out: dict[str, dict] = {}
+    for part, res in results.items():
+        out[part] = {"design": res["design"], "blocks": res["blocks_run"], "iters": res["iters"],
+                     "warmup": res["warmup"], "seed": res["seed"], "confidence": res["confidence"], "arms": {}}
+        for row in res["rows"]:
+            sp = row.get("speedup") or {}
+            out[part]["arms"][row["arm"]] = {
+                "baseline": row["baseline"], "ms_per_iter": row.get("ms_per_iter"),
+                "speedup": sp.get("estimate"), "ci": [sp.get("low"), sp.get("high")], "verdict": sp.get("verdict"),
+                "loss_ratio": (row.get("loss") or {}).get("ratio")}
+    return out
+
+
+def ablate_section(summary: dict[str, dict]) -> list[str]:
+    lines = ["## Repeated, interleaved ablations (`bench/h200_ablate.py`)", ""]
+    for part, s in summary.items():
+        lines += [f"### {part} ({s['design']}, {s['blocks']} blocks, {s['iters']} iterations, first {s['warmup']} "
+                  f"left out, seed {s['seed']})", "",
+                  f"| arm | ms/iter | speedup [{s['confidence'] * 100:g} % CI] | verdict |", "|---|---|---|---|"]
+        for arm, a in s["arms"].items():
+            med = (a["ms_per_iter"] or {}).get("median")
+            if a["baseline"]:
+                lines.append(f"| {arm} (baseline) | {med:.1f} | 1 | - |" if med else f"| {arm} (baseline) | - | 1 | - |")
+                continue
+            lo, hi = a["ci"]
+            ci = f"{a['speedup']:.3f} [{lo:.3f}, {hi:.3f}]" if lo is not None else "-"
+            effect = a["verdict"] if a["verdict"] != "no detectable difference" else \
+                "no detectable effect at this scale"
+            lines.append(f"| {arm} | {med:.1f} | {ci} | {effect} |" if med else f"| {arm} | - | {ci} | {effect} |")
+        lines.append("")
+    return lines
 
 
 def load(name: str) -> dict:
@@ -144,10 +187,10 @@ def dp2() -> dict:
     n = raw["on"]["parameters"]
     nccl = {}
     for arm in ("off", "on"):
-        step = gpu_multi.nccl_traffic((NCCL_LOGS / f"dp2_{arm}_coll.log").read_text(), iters=6)["large_per_step"]
+        step = nccl_log.nccl_traffic((NCCL_LOGS / f"dp2_{arm}_coll.log").read_text(), iters=6)["large_per_step"]
         grads = {k: v for k, v in step.items() if k.startswith("ReduceScatter/")}
         nccl[arm] = {"grad_reduce_scatter": grads, "param_all_gather": step.get("AllGather/bfloat16"),
-                     "expected_grad_bytes": gpu_multi.grad_buffer_bytes(n, arm == "on"),
+                     "expected_grad_bytes": nccl_log.grad_buffer_bytes(n, arm == "on"),
                      "measured_grad_bytes": sum(v["buffer_bytes"] for v in grads.values())}
     return {
         "setup": DP2_SETUP, "arms": arms, "parameters": n,
@@ -207,6 +250,12 @@ def main() -> int:
                             "Llama3-8B, Llama2-7B) and mxfp4 reaching the MLPerf eval-loss target 3.3: their "
                             "figures, not measured here",
     }
+    ablated = ablate_summary(ablate_results())
+    if ablated:
+        summary["ablate"] = ablated
+        head = ablated.get("headline", {}).get("arms", {}).get("all-on")
+        if head:
+            summary["headline_ci"] = head["ci"]
     OUT.joinpath("summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
     wgrad = {
@@ -236,6 +285,8 @@ def main() -> int:
     OUT.joinpath("wgrad.json").write_text(json.dumps(wgrad, indent=1) + "\n")
     lines = report(a, peak, off, on, one, loo, fp8, conv, eps, two, wgrad, expected_saving_mb, measured_saving_mb,
                    steady_rise_mb)
+    if ablated:
+        lines += ["", *ablate_section(ablated)]
     OUT.joinpath("e2e_h200.md").write_text("\n".join(lines) + "\n")
     plot(off, on, one, loo)
     plot_convergence(conv, eps)

@@ -2,56 +2,98 @@
 
 1. Expand the design into arms (ablate_design).
 2. Confound check: resolve every arm's full effective Megatron arguments through the plugin's dry
-   run (Megatron's real parser and validate_args). Refuse to start when two arms differ in
-   anything besides the intended variables (shown as a diff), or when an arm does not get its
-   intended value (a guard forced it).
-3. Run the arms one after another through the given launcher, each with its own log; resume
-   skips finished arms; a crashed arm is recorded as failed and the others go on.
-4. Measure from Megatron's own log lines and report against the design's baseline.
+   run (Megatron's real parser and validate_args). What each variable derives (settings Megatron
+   changes along with it) is learnt on the live tree from a pair of dry runs that differ in that
+   variable alone. Refuse to start when an arm differs from the baseline in anything its changed
+   variables do not explain (shown as a diff), or when an arm does not get its intended value (a
+   guard forced it).
+3. Run the arms in blocks: one unmeasured warm-up run, then each block runs every arm once in an
+   order shuffled by the seed, so drift and warm-up hit every arm alike. Each run has its own log
+   and directories; resume skips finished runs; a crashed run is reported with its last lines.
+4. Measure from Megatron's own log lines; compare each arm with the baseline block by block
+   (ablate_stats: paired intervals, verdicts, loss band, sizing).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .ablate_design import DESIGNS, Arm, DesignError, expand, parse_toggles, parse_vary
+from . import ablate_stats as stats
+from .ablate_design import DESIGNS, OTHERS, Arm, DesignError, expand, parse_toggles, parse_vary
 from .errors import PerfTogglesError, fail
 from .megatron_log import parse_file
 
 # Arguments that legitimately differ between arms, or are bookkeeping, not the experiment.
 NOT_COMPARED = {"perf_toggles", "perf_toggles_precision", "rank", "local_rank", "world_size"}
 DRY_RUN_TIMEOUT_S = 600
-# Arguments Megatron's validate_args derives from a toggle, so they differ exactly when it does.
-# Listed explicitly (read off real dry runs): a heuristic could excuse a real confound.
-DERIVED: dict[str, tuple[str, ...]] = {
-    "grad_reduce_in_bf16": ("accumulate_allreduce_grads_in_fp32",),
-    # The impl only matters with the fusion on; the plugin's guard resolves it then.
-    "cross_entropy_loss_fusion": ("cross_entropy_fusion_impl",),
-}
+ERROR_TAIL_LINES = 12
 
 
 class ConfoundError(PerfTogglesError):
     """Arms differ in more than the intended variables, or do not get their intended values."""
 
 
+# --- Megatron arguments, each once -------------------------------------------------------------
+
+
+def _flag_key(word: str) -> str:
+    return word.split("=", 1)[0].replace("_", "-")
+
+
+def set_args(argv: Sequence[str], values: Mapping[str, str | None]) -> list[str]:
+    """``argv`` with every ``--flag value`` / ``--flag=value`` of ``values`` removed, then each flag
+    whose value is not None appended once. Only for flags that take exactly one value."""
+    keys = {_flag_key(f) for f in values}
+    out: list[str] = []
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+            continue
+        if word.startswith("--") and _flag_key(word) in keys:
+            skip = "=" not in word
+            continue
+        out.append(word)
+    for flag, value in values.items():
+        if value is not None:
+            out += [flag, value]
+    return out
+
+
+def repeated_flags(argv: Sequence[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    for word in argv:
+        if word.startswith("--"):
+            seen[_flag_key(word)] = seen.get(_flag_key(word), 0) + 1
+    return sorted(k for k, n in seen.items() if n > 1)
+
+
+def _settings_args(arm: Arm) -> dict[str, str | None]:
+    words = arm.extra_args()
+    return dict(zip(words[::2], words[1::2], strict=True))
+
+
 # --- confound check ---------------------------------------------------------------------------
 
 
 def dry_run_command(script: str, megatron_args: Sequence[str], arm: Arm) -> list[str]:
-    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", script, *megatron_args,
-            *arm.extra_args()]
+    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", script,
+            *set_args(megatron_args, _settings_args(arm))]
 
 
 def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: dict[str, str]) -> dict[str, Any]:
@@ -83,19 +125,64 @@ def resolve_all(resolver: Callable[..., dict[str, Any]], script: str, megatron_a
         return list(pool.map(lambda arm: resolver(script, megatron_args, arm, environ), arms))
 
 
+def baseline_of(arms: Sequence[Arm]) -> Arm:
+    return next((a for a in arms if a.baseline), arms[0])
+
+
+def probe_arms(arms: Sequence[Arm]) -> dict[str, list[Arm]]:
+    """For each design variable, the baseline with that variable alone changed, once per other value.
+
+    Where the design already has such an arm (one-at-a-time, leave-one-out and factorial all do),
+    the probe is that same run and costs no extra dry run.
+    """
+    base = baseline_of(arms)
+    values: dict[str, set[Any]] = {}
+    for arm in arms:
+        for name, value in arm.intended().items():
+            values.setdefault(name, set()).add(value)
+    probes: dict[str, list[Arm]] = {}
+    for name, seen in values.items():
+        for value in sorted(seen - {base.intended().get(name)}, key=str):
+            if isinstance(value, bool):  # a toggle; settings from --vary are strings
+                probe = Arm(f"probe:{name}={value}", {**base.toggles, name: value}, dict(base.settings),
+                            fixed=dict(base.fixed))
+            else:
+                probe = Arm(f"probe:{name}={value}", dict(base.toggles), {**base.settings, name: value},
+                            fixed=dict(base.fixed))
+            same = next((a for a in arms if a.signature() == probe.signature()), None)
+            probes.setdefault(name, []).append(same or probe)
+    return probes
+
+
 def _diff(base: dict[str, Any], other: dict[str, Any], ignore: set[str]) -> dict[str, tuple[Any, Any]]:
     keys = (set(base) | set(other)) - ignore
     return {k: (base.get(k), other.get(k)) for k in sorted(keys) if base.get(k) != other.get(k)}
 
 
-def check_confounds(arms: Sequence[Arm], records: Sequence[dict[str, Any]]) -> None:
-    """Raise ConfoundError naming every problem; return quietly when the arms are clean."""
+def derived_settings(base_record: dict[str, Any], probe_records: Mapping[str, Sequence[dict[str, Any]]]
+                     ) -> dict[str, set[str]]:
+    """What each variable derives: the arguments in which its single-change dry runs differ from
+    the baseline's, besides the variable itself (e.g. grad_reduce_in_bf16 ->
+    accumulate_allreduce_grads_in_fp32, and megatron_fsdp_grad_comm_dtype on core 0.17-0.18)."""
+    base = base_record.get("effective_args", {})
+    return {name: {k for rec in recs for k in _diff(base, rec.get("effective_args", {}), NOT_COMPARED | {name})}
+            for name, recs in probe_records.items()}
+
+
+def check_confounds(arms: Sequence[Arm], records: Sequence[dict[str, Any]],
+                    derived: Mapping[str, set[str]] | None = None) -> None:
+    """Raise ConfoundError naming every problem; return quietly when the arms are clean.
+
+    An arm may differ from the baseline only in the variables it changes and in what those
+    variables derive (``derived``, from single-change dry runs): a difference that none of its
+    changed variables produces alone is a confound, even if it arises only from their combination.
+    """
+    derived = derived or {}
     problems: list[str] = []
-    intended_names = {name for arm in arms for name in arm.intended()}
     for arm, rec in zip(arms, records, strict=True):
         decisions = rec.get("decisions", {})
         effective = rec.get("effective_args", {})
-        for dest, want in arm.toggles.items():
+        for dest, want in arm.pinned().items():
             got = decisions.get(dest, {})
             if got.get("value") != want:
                 problems.append(f"arm {arm.name}: {dest} should be {want} but is {got.get('value')} "
@@ -103,13 +190,18 @@ def check_confounds(arms: Sequence[Arm], records: Sequence[dict[str, Any]]) -> N
         for name, want in arm.settings.items():
             if name in effective and str(effective[name]) != str(want) and _as_float(effective[name]) != _as_float(want):
                 problems.append(f"arm {arm.name}: {name} should be {want} but Megatron resolved {effective[name]}")
-    base = records[0].get("effective_args", {})
-    derived = _derived_keys(arms, records, intended_names)
-    for arm, rec in zip(arms[1:], records[1:], strict=True):
-        diff = _diff(base, rec.get("effective_args", {}), NOT_COMPARED | intended_names | derived)
+    base_arm = baseline_of(arms)
+    base = records[list(arms).index(base_arm)].get("effective_args", {})
+    for arm, rec in zip(arms, records, strict=True):
+        if arm is base_arm:
+            continue
+        changed = {n for n, v in arm.intended().items() if base_arm.intended().get(n) != v}
+        allowed = NOT_COMPARED | changed | {k for n in changed for k in derived.get(n, ())}
+        diff = _diff(base, rec.get("effective_args", {}), allowed)
         if diff:
-            lines = [f"    {k}: {arms[0].name}={a!r}  {arm.name}={b!r}" for k, (a, b) in diff.items()]
-            problems.append(f"arm {arm.name} differs from {arms[0].name} beyond the intended variables:\n"
+            lines = [f"    {k}: {base_arm.name}={a!r}  {arm.name}={b!r}" for k, (a, b) in diff.items()]
+            problems.append(f"arm {arm.name} differs from {base_arm.name} beyond the intended variables "
+                            f"({', '.join(sorted(changed)) or 'none'}) and what each derives alone:\n"
                             + "\n".join(lines))
     fingerprints = {json.dumps(r.get("effective_args", {}), sort_keys=True) for r in records}
     if len(fingerprints) < len(records) and not problems:
@@ -125,177 +217,340 @@ def _as_float(value: Any) -> float | None:
         return None
 
 
-def _derived_keys(arms: Sequence[Arm], records: Sequence[dict[str, Any]], intended: set[str]) -> set[str]:
-    """Arguments that Megatron's validate_args derives from an intended variable (see DERIVED)."""
-    return {key for name in intended for key in DERIVED.get(name, ())}
+def resolve_and_check(resolver: Callable[..., dict[str, Any]], script: str, megatron_args: Sequence[str],
+                      arms: Sequence[Arm], environ: dict[str, str]
+                      ) -> tuple[list[dict[str, Any]], dict[str, set[str]]]:
+    """Dry-run the arms and the single-change probes (each distinct run once), then check."""
+    probes = probe_arms(arms)
+    unique: dict[Any, Arm] = {}
+    for arm in [*arms, *(p for ps in probes.values() for p in ps)]:
+        unique.setdefault(arm.signature(), arm)
+    resolved = dict(zip(unique, resolve_all(resolver, script, megatron_args, list(unique.values()), environ),
+                        strict=True))
+    records = [resolved[a.signature()] for a in arms]
+    base_record = resolved[baseline_of(arms).signature()]
+    derived = derived_settings(base_record, {n: [resolved[p.signature()] for p in ps] for n, ps in probes.items()})
+    check_confounds(arms, records, derived)
+    return records, derived
 
 
-# --- running ----------------------------------------------------------------------------------
+# --- runs: blocks, directories, commands ----------------------------------------------------------
+
+
+def block_order(seed: int, block: int, n_arms: int) -> list[int]:
+    """Arm indices in the order block ``block`` runs them: a shuffle seeded by (seed, block), so a
+    block's order does not depend on how many blocks run and a resumed experiment repeats it."""
+    order = list(range(n_arms))
+    random.Random(f"ablate/{seed}/{block}").shuffle(order)
+    return order
+
+
+@dataclass
+class Run:
+    arm: Arm
+    block: int  # 0-based; -1 for the unmeasured warm-up run
+    directory: Path
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm.name} (warm-up)" if self.block < 0 else f"{self.arm.name} (block {self.block + 1})"
 
 
 def arm_command(launch: str | None, script: str, megatron_args: Sequence[str], arm: Arm,
-                paths: Sequence[str] = ()) -> list[str]:
+                paths: Mapping[str, str | None] | None = None) -> list[str]:
+    """The arm's launch: each Megatron argument once (the arm's settings and paths replace the
+    common arguments' own)."""
     prefix = shlex.split(launch) if launch else [sys.executable]
-    return [*prefix, "-m", "megatron_perf_toggles.run", script, *megatron_args, *arm.extra_args(), *paths]
+    return [*prefix, "-m", "megatron_perf_toggles.run", script,
+            *set_args(megatron_args, {**_settings_args(arm), **(paths or {})})]
 
 
-def arm_paths(effective: dict[str, Any], directory: Path) -> list[str]:
-    """Each arm its own log directory and checkpoints, so no arm resumes from or overwrites another.
-    A ``--load`` other than ``--save`` (a pretrained start) is shared: arms only read it."""
-    out = ["--tensorboard-dir", str(directory / "tensorboard")]
+def arm_paths(effective: dict[str, Any], directory: Path) -> dict[str, str]:
+    """Each run its own log directory (and checkpoints, where it saves), so no run resumes from or
+    overwrites another. A ``--load`` other than ``--save`` (a pretrained start) is shared: runs only read it."""
+    out = {"--tensorboard-dir": str(directory / "tensorboard")}
     if effective.get("wandb_save_dir"):
-        out += ["--wandb-save-dir", str(directory / "wandb")]
+        out["--wandb-save-dir"] = str(directory / "wandb")
     if effective.get("save"):
-        out += ["--save", str(directory / "checkpoints")]
+        out["--save"] = str(directory / "checkpoints")
         if effective.get("load") == effective.get("save"):
-            out += ["--load", str(directory / "checkpoints")]
+            out["--load"] = str(directory / "checkpoints")
     return out
-
-
-def arm_dir(out: Path, arm: Arm) -> Path:
-    return out / "arms" / _slug(arm.name)
 
 
 def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in name)
 
 
-class Progress:
-    """One status line on stderr: arm i/N, iteration, ETA."""
+def run_dir(out: Path, arm: Arm, block: int) -> Path:
+    return out / "runs" / ("warmup" if block < 0 else f"block{block + 1:02d}") / _slug(arm.name)
 
-    def __init__(self, total_arms: int, stream: Any = None) -> None:
-        self.total = total_arms
+
+def make_run(out: Path, arm: Arm, block: int, launch: str | None, script: str, megatron_args: Sequence[str],
+             effective: dict[str, Any]) -> Run:
+    here = run_dir(out, arm, block)
+    return Run(arm, block, here, arm_command(launch, script, megatron_args, arm, arm_paths(effective, here)))
+
+
+class Progress:
+    """One status line on stderr: run i/N, block, arm, iteration, ETA."""
+
+    def __init__(self, total_runs: int, stream: Any = None, live: bool | None = None) -> None:
+        self.total = total_runs
         self.stream = stream or sys.stderr
-        self.arm_seconds: list[float] = []
+        # A redrawn line only on a terminal; a log file gets one line per run.
+        self.live = live if live is not None else bool(getattr(self.stream, "isatty", lambda: False)())
+        self.run_seconds: list[float] = []
+        self.last = ""
 
     def update(self, index: int, name: str, iteration: int, total_iters: int, ms_per_iter: float | None,
-               remaining_arms: int) -> None:
+               remaining_runs: int) -> None:
         eta = ""
         if ms_per_iter and total_iters:
             left = (total_iters - iteration) * ms_per_iter / 1000
-            per_arm = statistics.median(self.arm_seconds) if self.arm_seconds else total_iters * ms_per_iter / 1000
-            eta = f" ETA arm {left:5.0f}s, all {left + remaining_arms * per_arm:6.0f}s"
+            per_run = statistics.median(self.run_seconds) if self.run_seconds else total_iters * ms_per_iter / 1000
+            eta = f" ETA run {left:5.0f}s, all {left + remaining_runs * per_run:6.0f}s"
         width = 24
         done = int(width * iteration / total_iters) if total_iters else 0
         bar = "#" * done + "." * (width - done)
-        self.stream.write(f"\r[arm {index}/{self.total}] {name[:28]:<28} [{bar}] it {iteration}/{total_iters}{eta}   ")
+        self.last = f"[run {index}/{self.total}] {name[:36]:<36} [{bar}] it {iteration}/{total_iters}{eta}"
+        if self.live:
+            self.stream.write(f"\r{self.last}   ")
+            self.stream.flush()
+
+    def finish_run(self, seconds: float, status: str) -> None:
+        self.run_seconds.append(seconds)
+        self.stream.write(f"{'' if self.live else self.last} {status} in {seconds:.0f}s\n")
+        self.last = ""
         self.stream.flush()
 
-    def finish_arm(self, seconds: float, status: str) -> None:
-        self.arm_seconds.append(seconds)
-        self.stream.write(f" {status} in {seconds:.0f}s\n")
-        self.stream.flush()
+
+def error_tail(text: str, lines: int = ERROR_TAIL_LINES) -> list[str]:
+    """The last lines of a failed run's output, starting at its last traceback where it has one."""
+    all_lines = text.rstrip().splitlines()
+    start = max((i for i, ln in enumerate(all_lines) if ln.lstrip().startswith("Traceback")), default=None)
+    picked = all_lines[start:] if start is not None else all_lines
+    return picked[-lines:]
 
 
-def run_arms(arms: Sequence[Arm], commands: Sequence[list[str]], out: Path, environ: dict[str, str],
-             progress: Progress | None = None) -> list[dict[str, Any]]:
-    """Run each arm unless its status says done; a failed arm is recorded and the rest go on."""
+def report_failure(status: dict[str, Any], stream: Any) -> None:
+    stream.write(f"[ablate] FAILED: {status['label']}, exit code {status['returncode']}; "
+                 f"last lines of {status['log']}:\n")
+    for line in status.get("error_tail", []):
+        stream.write(f"    {line}\n")
+    stream.flush()
+
+
+def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, remaining: int) -> dict[str, Any]:
+    """Run one arm once unless its status says done with the same command; never raises on a crash."""
     from .megatron_log import ITERATION, parse_lines
 
-    progress = progress or Progress(len(arms))
-    statuses: list[dict[str, Any]] = []
-    for i, (arm, cmd) in enumerate(zip(arms, commands, strict=True), start=1):
-        here = arm_dir(out, arm)
-        here.mkdir(parents=True, exist_ok=True)
-        status_file = here / "status.json"
-        if status_file.exists():
-            try:
-                previous = json.loads(status_file.read_text())
-            except ValueError:
-                previous = {}  # torn by a kill: run the arm again
-            if previous.get("status") == "done" and previous.get("command") == cmd:
-                progress.stream.write(f"[arm {i}/{len(arms)}] {arm.name}: done earlier, skipped\n")
-                statuses.append(previous)
-                continue
-        log_path = here / "log.txt"
-        start = time.monotonic()
-        last_ms: float | None = None
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env={**environ, **arm.env()}, bufsize=1)
+    run.directory.mkdir(parents=True, exist_ok=True)
+    status_file = run.directory / "status.json"
+    if status_file.exists():
+        try:
+            previous = json.loads(status_file.read_text())
+        except ValueError:
+            previous = {}  # torn by a kill: run it again
+        if previous.get("status") == "done" and previous.get("command") == run.command:
+            progress.stream.write(f"[run {index}/{progress.total}] {run.label}: done earlier, skipped\n")
+            return previous
+    log_path = run.directory / "log.txt"
+    start = time.monotonic()
+    last_ms: float | None = None
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.Popen(run.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env={**environ, **run.arm.env()}, bufsize=1)
+        except OSError as error:
+            log.write(f"could not start {run.command[0]}: {error}\n")
+            code = 127
+        else:
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
                 if ITERATION.search(line):
                     it = parse_lines([line]).iterations[0]
                     last_ms = it.get("ms_per_iter") or last_ms
-                    progress.update(i, arm.name, it.iteration, it.total, last_ms, len(arms) - i)
+                    progress.update(index, run.label, it.iteration, it.total, last_ms, remaining)
             code = proc.wait()
-        seconds = time.monotonic() - start
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
-        status = {"arm": arm.name, "status": "done" if code == 0 else "failed", "returncode": code,
-                  "seconds": seconds, "command": cmd, "env": arm.env(), "log": str(log_path)}
-        if code != 0:
-            status["error_tail"] = tail
-        status_file.write_text(json.dumps(status, indent=1) + "\n")
-        progress.finish_arm(seconds, status["status"])
-        statuses.append(status)
-    return statuses
+    seconds = time.monotonic() - start
+    status = {"arm": run.arm.name, "block": run.block, "label": run.label,
+              "status": "done" if code == 0 else "failed", "returncode": code, "seconds": seconds,
+              "command": run.command, "env": run.arm.env(), "log": str(log_path)}
+    if code != 0:
+        status["error_tail"] = error_tail(log_path.read_text(errors="replace"))
+    status_file.write_text(json.dumps(status, indent=1) + "\n")
+    progress.finish_run(seconds, status["status"])
+    if code != 0:
+        report_failure(status, progress.stream)
+    return status
 
 
-# --- measuring and reporting ------------------------------------------------------------------
+def run_arms(runs: Sequence[Run], environ: dict[str, str], progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Run each run in order (a crash is recorded and the rest go on)."""
+    progress = progress or Progress(len(runs))
+    return [execute(run, environ, progress, i, len(runs) - i) for i, run in enumerate(runs, start=1)]
 
 
-def measure(arms: Sequence[Arm], statuses: Sequence[dict[str, Any]], warmup: int, seq_length: int | None,
-            gpus: int) -> list[dict[str, Any]]:
+# --- measuring ----------------------------------------------------------------------------------
+
+RAW_KEYS = ("ms_per_iter", "tflops_per_gpu", "lm_loss", "grad_norm", "global_batch_size")
+
+
+def measure_run(status: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """One run's numbers: every iteration's raw values and the steady-state summary."""
+    out = dict(status)
+    path = status.get("log")
+    if not path or not os.path.exists(path):
+        return out
+    log = parse_file(path)
+    out["iterations"] = [{"iteration": it.iteration, **{k: it.values[k] for k in RAW_KEYS if k in it.values}}
+                         for it in log.iterations]
+    out["summary"] = log.summary(skip_first=warmup)
+    return out
+
+
+def _median_of(run: dict[str, Any], key: str) -> float | None:
+    return (run.get("summary", {}).get(key) or {}).get("median")
+
+
+def _loss_at(run: dict[str, Any], iteration: int) -> float | None:
+    return next((it["lm_loss"] for it in run.get("iterations", []) if it["iteration"] == iteration
+                 and "lm_loss" in it), None)
+
+
+def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, seq_length: int | None, gpus: int,
+            confidence: float = 0.95, effect: float = 0.01) -> list[dict[str, Any]]:
+    """Per arm: the median of its runs' medians with their range; against the baseline, block by
+    block: the speedup with its interval and verdict, the loss ratio with its band, and sizing."""
+    measured = [r for r in runs if r.get("block", -1) >= 0]
+    by: dict[tuple[str, int], dict[str, Any]] = {(r["arm"], r["block"]): r for r in measured}
+    base = baseline_of(arms)
+
+    def per_block(arm: Arm, key: str) -> list[float | None]:
+        return [_median_of(by[(arm.name, b)], key) if by.get((arm.name, b), {}).get("status") == "done" else None
+                for b in range(blocks)]
+
+    def done_runs(arm: Arm) -> list[dict[str, Any]]:
+        return [by[(arm.name, b)] for b in range(blocks) if by.get((arm.name, b), {}).get("status") == "done"]
+
+    def last_loss_iteration(arm: Arm) -> set[int]:
+        return {it["iteration"] for r in done_runs(arm) for it in r.get("iterations", []) if "lm_loss" in it}
+
+    base_ms = per_block(base, "ms_per_iter")
     rows: list[dict[str, Any]] = []
-    for arm, status in zip(arms, statuses, strict=True):
-        row: dict[str, Any] = {"arm": arm.name, "baseline": arm.baseline, "intended": arm.intended(),
-                               "status": status.get("status"), "env": arm.env()}
-        if status.get("error_tail"):
-            row["error_tail"] = status["error_tail"]
-        log = parse_file(status["log"]) if status.get("log") and os.path.exists(status["log"]) else None
-        if log is not None:
-            summary = log.summary(skip_first=warmup)
-            row.update(summary)
-            row["loss_curve"] = log.series("lm_loss")
-            gbs = next((v for _, v in log.series("global_batch_size")), None)
-            ms = summary.get("ms_per_iter", {}).get("median")
-            if gbs and ms and seq_length:
-                row["tokens_per_s_per_gpu"] = gbs * seq_length / (ms / 1000) / max(gpus, 1)
-        rows.append(row)
-    base = next((r for r in rows if r["baseline"]), rows[0])
-    base_ms = base.get("ms_per_iter", {}).get("median")
-    base_curve = dict(base.get("loss_curve") or [])
-    for row in rows:
-        ms = row.get("ms_per_iter", {}).get("median")
-        if base_ms and ms:
-            row["speedup_vs_baseline"] = base_ms / ms
-        curve = dict(row.get("loss_curve") or [])
-        common = sorted(set(curve) & set(base_curve))
+    for arm in arms:
+        ok = done_runs(arm)
+        row: dict[str, Any] = {"arm": arm.name, "baseline": arm is base, "intended": arm.intended(),
+                               "env": arm.env(), "runs_done": len(ok), "runs_failed": sum(
+                                   1 for b in range(blocks) if by.get((arm.name, b), {}).get("status") == "failed")}
+        ms = per_block(arm, "ms_per_iter")
+        row["ms_per_iter"] = stats.spread([v for v in ms if v is not None])
+        row["tflops_per_gpu"] = stats.spread([v for v in per_block(arm, "tflops_per_gpu") if v is not None])
+        mems = [r["summary"]["memory_mb"].get("max_allocated") for r in ok if r.get("summary", {}).get("memory_mb")]
+        if mems:
+            row["max_allocated_mb"] = max(m for m in mems if m is not None)
+        gbs = next((it["global_batch_size"] for r in ok for it in r.get("iterations", [])
+                    if "global_batch_size" in it), None)
+        med = (row["ms_per_iter"] or {}).get("median")
+        if gbs and med and seq_length:
+            row["tokens_per_s_per_gpu"] = gbs * seq_length / (med / 1000) / max(gpus, 1)
+        if arm is not base:
+            row["speedup"] = stats.paired_speedup(base_ms, ms, confidence)
+            sd = row["speedup"].get("sd_log")
+            if sd is not None:
+                row["blocks_to_resolve"] = {"effect": effect, "power": 0.8,
+                                            "blocks": stats.blocks_to_resolve(sd, effect, confidence)}
+        common = last_loss_iteration(arm) & last_loss_iteration(base)
         if common:
-            last = common[-1]
-            row["loss_at_last_common_iteration"] = {"iteration": last, "loss": curve[last],
-                                                    "baseline_loss": base_curve[last],
-                                                    "ratio": curve[last] / base_curve[last] if base_curve[last] else None}
+            last = max(common)
+            bl = [_loss_at(by[(base.name, b)], last) if (base.name, b) in by else None for b in range(blocks)]
+            al = [_loss_at(by[(arm.name, b)], last) if (arm.name, b) in by else None for b in range(blocks)]
+            cmp_ = stats.loss_comparison(bl, al)
+            if cmp_:
+                row["loss"] = {"iteration": last, "arm_losses": al, "baseline_losses": bl, **cmp_}
+        rows.append(row)
     return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]], design: str) -> str:
-    lines = [f"# Ablation ({design})", "",
-             "| arm | status | ms/iter (median) | spread | TFLOP/s/GPU | tokens/s/GPU | speedup vs baseline "
-             "| loss @ last common it | loss ratio | max alloc MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+def sizing(rows: Sequence[dict[str, Any]], effect: float, confidence: float) -> dict[str, Any] | None:
+    """Blocks needed to resolve ``effect`` on the noise measured: pooled over the arms' per-block
+    log-ratio spreads (each arm's own is in its row)."""
+    sds = [r["speedup"]["sd_log"] for r in rows if r.get("speedup", {}).get("sd_log") is not None]
+    if not sds:
+        return None
+    pooled = math.sqrt(statistics.fmean(s * s for s in sds))
+    return {"effect": effect, "confidence": confidence, "power": 0.8, "pooled_sd_log": pooled,
+            "blocks_to_resolve": stats.blocks_to_resolve(pooled, effect, confidence),
+            "blocks_for_half_width": stats.blocks_for_half_width(pooled, effect, confidence)}
+
+
+def widest_interval(rows: Sequence[dict[str, Any]]) -> float:
+    widths = [stats.relative_half_width(r["speedup"]) for r in rows if "speedup" in r]
+    return max((w if w is not None else math.inf for w in widths), default=math.inf)
+
+
+# --- reporting ----------------------------------------------------------------------------------
+
+
+def _f(v: Any, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    conf = result["confidence"]
+    pct = f"{conf * 100:g} %"
+    lines = [f"# Ablation ({result['design']})", "",
+             f"{result['blocks_run']} block(s) of {len(rows)} arms, each block in its own order (seed "
+             f"{result['seed']}), after {1 if result.get('warmup_run') else 0} unmeasured warm-up run. "
+             f"{result['iters']} iterations per run; medians over iterations after the first {result['warmup']}. "
+             f"Speedup: baseline ms / arm ms per block, geometric mean with a paired {pct} t-interval.", "",
+             f"| arm | runs | ms/iter (median of run medians) | range of run medians | TFLOP/s/GPU | tokens/s/GPU "
+             f"| speedup [{pct} CI] | verdict | loss ratio [range] (it) | loss | max alloc MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ms = r.get("ms_per_iter", {})
-        tf = r.get("tflops_per_gpu", {})
-        loss = r.get("loss_at_last_common_iteration", {})
-        mem = (r.get("memory_mb") or {}).get("max_allocated")
+        ms = r.get("ms_per_iter") or {}
+        sp = r.get("speedup") or {}
+        loss = r.get("loss") or {}
+        if r["baseline"]:
+            speed, verdict = "1 (baseline)", "-"
+        else:
+            speed = f"{_f(sp.get('estimate'), '.3f')} [{_f(sp.get('low'), '.3f')}, {_f(sp.get('high'), '.3f')}]"
+            verdict = sp.get("verdict", "-")
+        runs = f"{r['runs_done']}" + (f" ({r['runs_failed']} failed)" if r.get("runs_failed") else "")
+        loss_txt = (f"{_f(loss.get('ratio'), '.4f')} [{_f(loss.get('min'), '.4f')}, {_f(loss.get('max'), '.4f')}] "
+                    f"(it {loss.get('iteration', '-')})") if loss else "-"
+        flag = "-" if not loss or r["baseline"] else (
+            "outside noise band" if loss.get("outside_noise_band") else "within noise band")
+        lines.append(f"| {r['arm']} | {runs} | {_f(ms.get('median'), '.1f')} | {_f(ms.get('min'), '.1f')}–"
+                     f"{_f(ms.get('max'), '.1f')} | {_f((r.get('tflops_per_gpu') or {}).get('median'), '.1f')} "
+                     f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} | {flag} "
+                     f"| {_f(r.get('max_allocated_mb'), '.0f')} |")
+    band = next((r["loss"]["noise_band"] for r in rows if r.get("loss")), None)
+    if band is not None:
+        lines += ["", f"Loss noise band: the baseline's loss moved by up to {band * 100:.3f} % between its own repeats."]
+    size = result.get("sizing")
+    if size:
+        lines += ["", f"Sizing: per-block noise (sd of ln ratio) {size['pooled_sd_log'] * 100:.2f} %. Resolving a "
+                  f"{size['effect'] * 100:g} % effect at {pct} with 80 % power needs about "
+                  f"{size['blocks_to_resolve']} blocks; an interval of +-{size['effect'] * 100:g} % needs about "
+                  f"{size['blocks_for_half_width']}. This run had {result['blocks_run']}."]
+    if result.get("stop_reason"):
+        lines += ["", f"Stopped: {result['stop_reason']}."]
+    failed = [r for r in result["runs"] if r.get("status") == "failed"]
+    if failed:
+        lines += ["", "## Failed runs", ""]
+        for r in failed:
+            lines += [f"**{r['label']}**: exit code {r['returncode']}, log `{r['log']}`", "", "```",
+                      *r.get("error_tail", []), "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
 
-        def f(v: Any, fmt: str) -> str:
-            return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
-        lines.append(
-            f"| {r['arm']}{' (baseline)' if r['baseline'] else ''} | {r['status']} | {f(ms.get('median'), '.1f')} "
-            f"| {f(ms.get('min'), '.1f')}–{f(ms.get('max'), '.1f')} | {f(tf.get('median'), '.1f')} "
-            f"| {f(r.get('tokens_per_s_per_gpu'), '.0f')} | {f(r.get('speedup_vs_baseline'), '.3f')} "
-            f"| {f(loss.get('loss'), '.4f')} (it {loss.get('iteration', '-')}) | {f(loss.get('ratio'), '.4f')} "
-            f"| {f(mem, '.0f')} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
-    """Throughput bars with min-max spread, and loss curves. Returns a note when it cannot plot."""
+def plot(result: dict[str, Any], path: Path) -> str | None:
+    """Speedup intervals against the baseline, and every run's loss curve. Returns a note when it cannot plot."""
     try:
         import matplotlib
 
@@ -303,28 +558,64 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'megatron-perf-toggles[plot]'): results.png not written"
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    names = [r["arm"] for r in rows]
-    med = [r.get("tflops_per_gpu", {}).get("median", 0) for r in rows]
-    lo = [m - r.get("tflops_per_gpu", {}).get("min", m) for m, r in zip(med, rows, strict=True)]
-    hi = [r.get("tflops_per_gpu", {}).get("max", m) - m for m, r in zip(med, rows, strict=True)]
-    ax1.bar(range(len(rows)), med, yerr=[lo, hi], capsize=4,
-            color=["#777" if r["baseline"] else "#3a7" for r in rows])
-    ax1.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
-    ax1.set_ylabel("TFLOP/s/GPU (median, min-max)")
-    ax1.set_title("throughput")
-    for r in rows:
-        curve = r.get("loss_curve") or []
-        if curve:
-            ax2.plot([i for i, _ in curve], [v for _, v in curve], label=r["arm"], lw=1)
+    rows = [r for r in result["rows"] if not r["baseline"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.45 * max(len(rows), 4)))
+    colors = {"faster": "#2a7", "slower": "#c33"}
+    for y, r in enumerate(rows):
+        sp = r.get("speedup") or {}
+        est, lo, hi = sp.get("estimate"), sp.get("low"), sp.get("high")
+        if est is None:
+            continue
+        color = colors.get(sp.get("verdict"), "#777")
+        if lo is not None and hi is not None:
+            ax1.errorbar([est], [y], xerr=[[est - lo], [hi - est]], fmt="o", color=color, capsize=4)
+        else:
+            ax1.plot([est], [y], "o", color=color)
+        for v in sp.get("per_block", []):
+            ax1.plot([v], [y], "|", color="#333", ms=8)
+    ax1.axvline(1.0, color="#999", lw=1, ls="--")
+    ax1.set_yticks(range(len(rows)), [r["arm"] for r in rows], fontsize=8)
+    ax1.invert_yaxis()
+    ax1.set_xlabel(f"speedup vs {next(r['arm'] for r in result['rows'] if r['baseline'])} "
+                   f"({result['confidence'] * 100:g} % CI; ticks: blocks)")
+    ax1.set_title(f"throughput, {result['blocks_run']} blocks")
+    names = [r["arm"] for r in result["rows"]]
+    cmap = plt.get_cmap("tab10")
+    for run in result["runs"]:
+        if run.get("block", -1) < 0 or run["arm"] not in names:
+            continue
+        pts = [(it["iteration"], it["lm_loss"]) for it in run.get("iterations", []) if "lm_loss" in it]
+        if pts:
+            i = names.index(run["arm"])
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, color=cmap(i % 10),
+                     label=run["arm"] if run["block"] == 0 else None)
     ax2.set_xlabel("iteration")
     ax2.set_ylabel("lm loss")
-    ax2.set_title("loss")
-    ax2.legend(fontsize=7)
+    ax2.set_title("loss, every run")
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def write_results(out: Path, result: dict[str, Any], records: Sequence[dict[str, Any]]) -> None:
+    import platform
+
+    result = {**result, "versions": {
+        "megatron_perf_toggles": __version__, "python": platform.python_version(),
+        "megatron": records[0].get("megatron") if records else None,
+        "capabilities": records[0].get("capabilities") if records else None},
+        "environment": {k: v for k, v in os.environ.items()
+                        if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA", "NCCL", "NVTE"))}}
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    text = markdown(result)
+    (out / "results.md").write_text(text)
+    note = plot(result, out / "results.png")
+    if note:
+        print(f"[ablate] note: {note}", file=sys.stderr)
+    print(text)
 
 
 # --- command ----------------------------------------------------------------------------------
@@ -359,83 +650,177 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-perf-toggles ablate",
         description="Run a controlled toggle experiment: every arm is resolved through Megatron's real "
-        "parser first, and the run is refused if arms differ in anything but the intended variables.",
+        "parser first, and the run is refused if arms differ in anything but the intended variables. "
+        "Arms run in blocks (each block every arm once, in a seeded shuffled order) after one unmeasured "
+        "warm-up run; each arm is compared with the baseline block by block, with a confidence interval.",
         epilog="example: megatron-perf-toggles ablate --design factorial --toggles grad_reduce_in_bf16 "
         "--vary adam_eps=1e-8,1e-5 --out runs/2x2 -- pretrain_gpt.py <megatron args>",
     )
     p.add_argument("--design", required=True, choices=DESIGNS,
                    help="one-at-a-time: all off, then each alone; leave-one-out: all on, then each off; "
-                   "factorial: every combination (with --vary settings)")
+                   "factorial: every combination (with --vary settings); headline: all off against all on")
     p.add_argument("--toggles", help="comma list of toggle dests taking part (default: all five on/off toggles)")
+    p.add_argument("--others", choices=OTHERS, default="inherit",
+                   help="toggles not taking part: inherit the environment / plugin default (default), or pin "
+                   "them off or on in every arm")
     p.add_argument("--vary", action="append", metavar="NAME=V1,V2", help="a Megatron setting to vary (factorial)")
     p.add_argument("--out", default="ablation", help="results directory (default: ./ablation)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python)")
-    p.add_argument("--warmup", type=int, default=3, help="iterations skipped before steady-state medians")
-    p.add_argument("--dry-run", action="store_true", help="check confounds, print arms and commands, run nothing")
+    p.add_argument("--repeats", type=int, default=3, help="blocks to run; each block runs every arm once (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seeds each block's arm order (default 0)")
+    p.add_argument("--iters", type=int, help="iterations per run (sets --train-iters; default: the arguments' own)")
+    p.add_argument("--warmup", type=int, default=3, help="iterations skipped before steady-state medians (default 3)")
+    p.add_argument("--no-warmup-run", dest="warmup_run", action="store_false",
+                   help="skip the unmeasured warm-up run before the first block")
+    p.add_argument("--confidence", type=float, default=0.95, help="confidence of the intervals (default 0.95)")
+    p.add_argument("--effect", type=float, default=0.01,
+                   help="the effect the sizing advice is for, as a fraction (default 0.01 = 1 %%)")
+    p.add_argument("--target-ci", type=float, metavar="FRACTION",
+                   help="after --repeats blocks, add blocks until every interval is within +-FRACTION "
+                   "(0.01 = +-1 %%), --budget is spent or --max-repeats is reached")
+    p.add_argument("--max-repeats", type=int, default=30, help="most blocks --target-ci may run (default 30)")
+    p.add_argument("--budget", type=float, metavar="MINUTES",
+                   help="do not start a block that would end after this many minutes from the start")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check confounds, print arms, block order and commands; run and write nothing")
     p.add_argument("script", help="the Megatron training script, e.g. pretrain_gpt.py")
     p.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments")
     return p
 
 
-def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, Any]] = resolve_arm) -> int:
+def _validate(ns: argparse.Namespace) -> None:
+    if ns.repeats < 1:
+        raise DesignError(f"--repeats {ns.repeats}: at least 1 (3 or more for an interval worth reading)")
+    if ns.warmup < 0:
+        raise DesignError(f"--warmup {ns.warmup}: cannot be negative")
+    if ns.iters is not None and ns.iters <= ns.warmup:
+        raise DesignError(f"--iters {ns.iters} must be more than --warmup {ns.warmup}: nothing would be measured")
+    if not 0.5 < ns.confidence < 1:
+        raise DesignError(f"--confidence {ns.confidence}: expected a fraction between 0.5 and 1, e.g. 0.95")
+    if not 0 < ns.effect < 1:
+        raise DesignError(f"--effect {ns.effect}: expected a fraction, e.g. 0.01 for 1 %")
+    if ns.target_ci is not None and not 0 < ns.target_ci < 1:
+        raise DesignError(f"--target-ci {ns.target_ci}: expected a fraction, e.g. 0.01 for +-1 %")
+    if ns.budget is not None and ns.budget <= 0:
+        raise DesignError(f"--budget {ns.budget}: expected minutes > 0")
+    if not Path(ns.script).is_file():
+        raise DesignError(f"script not found: {ns.script}")
+
+
+def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, Any]] = resolve_arm,
+         clock: Callable[[], float] = time.monotonic) -> int:
     ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     args = [a for a in ns.megatron_args if a != "--"] if ns.megatron_args[:1] == ["--"] else list(ns.megatron_args)
     try:
-        if not Path(ns.script).is_file():
-            raise DesignError(f"script not found: {ns.script}")
-        arms = expand(ns.design, parse_toggles(ns.toggles), parse_vary(ns.vary, _known_args()))
+        _validate(ns)
+        arms = expand(ns.design, parse_toggles(ns.toggles), parse_vary(ns.vary, _known_args()), ns.others)
         out = Path(ns.out)
-        _check_out(out)
+        if not ns.dry_run:
+            _check_out(out)
+        repeated = repeated_flags(args)
+        if repeated:
+            print(f"[ablate] note: given more than once (Megatron takes the last): {', '.join(repeated)}",
+                  file=sys.stderr)
+        if ns.iters is not None:
+            args = set_args(args, {"--train-iters": str(ns.iters)})
         environ = dict(os.environ)
         print(f"[ablate] {len(arms)} arms ({ns.design}); resolving each through Megatron's parser and "
               "validate_args...", file=sys.stderr, flush=True)
-        records = resolve_all(resolver, ns.script, args, arms, environ)
-        check_confounds(arms, records)
-        commands = [arm_command(ns.launch, ns.script, args, arm,
-                                arm_paths(rec.get("effective_args", {}), arm_dir(out, arm)))
-                    for arm, rec in zip(arms, records, strict=True)]
-        launcher = commands[0][0]
+        records, derived = resolve_and_check(resolver, ns.script, args, arms, environ)
+        effective = records[arms.index(baseline_of(arms))].get("effective_args", {})
+        iters = ns.iters if ns.iters is not None else effective.get("train_iters")
+        if isinstance(iters, int) and iters <= ns.warmup:
+            raise DesignError(f"--train-iters {iters} must be more than --warmup {ns.warmup}: nothing would be measured")
+        explained = {n: sorted(k) for n, k in derived.items() if k}
+        print("[ablate] confound check passed: arms differ only in "
+              + ", ".join(sorted({n for a in arms for n in a.intended()}))
+              + (" and what they derive: " + "; ".join(f"{n} -> {', '.join(k)}" for n, k in explained.items())
+                 if explained else ""), file=sys.stderr)
+        launcher = arm_command(ns.launch, ns.script, args, arms[0])[0]
         if shutil.which(launcher) is None and not Path(launcher).is_file():
             raise DesignError(f"--launch: {launcher!r} is not an executable on PATH")
-        plan = {"design": ns.design, "arms": [
-            {"name": a.name, "baseline": a.baseline, "env": a.env(), "command": c}
-            for a, c in zip(arms, commands, strict=True)]}
-        (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
-        print("[ablate] confound check passed: arms differ only in " + ", ".join(
-            sorted({n for a in arms for n in a.intended()})), file=sys.stderr)
+
+        def runs_of_block(block: int) -> list[Run]:
+            return [make_run(out, arms[i], block, ns.launch, ns.script, args, records[i])
+                    for i in block_order(ns.seed, block, len(arms))]
+
+        total = ns.repeats * len(arms) + (1 if ns.warmup_run else 0)
+        print(f"[ablate] {total} runs: {'1 unmeasured warm-up run, then ' if ns.warmup_run else ''}{ns.repeats} "
+              f"block(s) x {len(arms)} arms (seed {ns.seed}); {iters} iterations per run, the first {ns.warmup} "
+              "left out of the medians", file=sys.stderr, flush=True)
         if ns.dry_run:
-            for a, c in zip(arms, commands, strict=True):
-                env = " ".join(f"{k}={v}" for k, v in a.env().items())
-                print(f"{a.name}{' (baseline)' if a.baseline else ''}:\n  {env} {shlex.join(c)}")
+            for b in range(ns.repeats):
+                print(f"block {b + 1}: " + ", ".join(r.arm.name for r in runs_of_block(b)))
+            for run in runs_of_block(0):
+                env = " ".join(f"{k}={v}" for k, v in run.arm.env().items())
+                print(f"{run.arm.name}{' (baseline)' if run.arm.baseline else ''}:\n  {env} {shlex.join(run.command)}")
             return 0
-        statuses = run_arms(arms, commands, out, environ)
-        seq = records[0].get("effective_args", {}).get("seq_length")
-        rows = measure(arms, statuses, ns.warmup, seq, _gpus(ns.launch))
-        write_results(out, ns.design, rows, records, commands, arms)
-        failed = [r["arm"] for r in rows if r["status"] != "done"]
-        return 1 if failed else 0
+        result = experiment(ns, arms, records, args, out, environ, runs_of_block, iters, derived, clock)
+        write_results(out, result, records)
+        return 1 if any(r.get("status") == "failed" for r in result["runs"]) else 0
     except PerfTogglesError as error:
         fail(error)
     return 2
 
 
-def write_results(out: Path, design: str, rows: list[dict[str, Any]], records: Sequence[dict[str, Any]],
-                  commands: Sequence[list[str]], arms: Sequence[Arm]) -> None:
-    import platform
-
-    versions = {"megatron_perf_toggles": __version__, "python": platform.python_version(),
-                "megatron": records[0].get("megatron") if records else None,
-                "capabilities": records[0].get("capabilities") if records else None}
-    payload = {"design": design, "rows": rows, "versions": versions,
-               "commands": {a.name: {"env": a.env(), "argv": c} for a, c in zip(arms, commands, strict=True)},
-               "environment": {k: v for k, v in os.environ.items()
-                               if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA", "NCCL", "NVTE"))}}
-    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    (out / "results.md").write_text(markdown(rows, design))
-    note = plot(rows, out / "results.png")
-    if note:
-        print(f"[ablate] note: {note}", file=sys.stderr)
-    print(markdown(rows, design))
+def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[dict[str, Any]], args: Sequence[str],
+               out: Path, environ: dict[str, str], runs_of_block: Callable[[int], list[Run]], iters: Any,
+               derived: Mapping[str, set[str]], clock: Callable[[], float]) -> dict[str, Any]:
+    """Warm-up run, then blocks until --repeats (and --target-ci) are met or --budget would be passed."""
+    start = clock()
+    planned = ns.repeats * len(arms) + (1 if ns.warmup_run else 0)
+    progress = Progress(planned)
+    statuses: list[dict[str, Any]] = []
+    index = 0
+    if ns.warmup_run:
+        base = baseline_of(arms)
+        warm = make_run(out, base, -1, ns.launch, ns.script, args, records[list(arms).index(base)])
+        index += 1
+        statuses.append(execute(warm, environ, progress, index, planned - index))
+        per_run = statuses[-1]["seconds"]
+        print(f"[ablate] the warm-up run took {per_run:.0f}s: about {per_run * (planned - 1) / 60:.1f} min "
+              "for the blocks", file=sys.stderr, flush=True)
+    seq = records[0].get("effective_args", {}).get("seq_length")
+    gpus = _gpus(ns.launch)
+    block, stop_reason = 0, None
+    orders: list[list[str]] = []
+    while True:
+        if block >= ns.repeats:
+            if ns.target_ci is None:
+                break
+            rows = compare(arms, [measure_run(s, ns.warmup) for s in statuses], block, seq, gpus, ns.confidence)
+            width = widest_interval(rows)
+            if width <= ns.target_ci:
+                stop_reason = f"every interval within +-{ns.target_ci * 100:g} % after {block} blocks"
+                break
+            if block >= ns.max_repeats:
+                stop_reason = f"--max-repeats {ns.max_repeats} reached (widest interval +-{width * 100:.2f} %)"
+                break
+        seconds = [s["seconds"] for s in statuses if s.get("seconds")]
+        if ns.budget is not None and seconds:
+            predicted = statistics.median(seconds) * len(arms)
+            if clock() - start + predicted > ns.budget * 60:
+                stop_reason = (f"--budget {ns.budget:g} min: block {block + 1} (about {predicted / 60:.1f} min) "
+                               f"would not fit after {(clock() - start) / 60:.1f} min")
+                break
+        runs = runs_of_block(block)
+        orders.append([r.arm.name for r in runs])
+        progress.total = max(progress.total, index + len(runs))
+        for run in runs:
+            index += 1
+            statuses.append(execute(run, environ, progress, index, max(progress.total - index, 0)))
+        block += 1
+    if stop_reason:
+        print(f"[ablate] stopped: {stop_reason}", file=sys.stderr)
+    runs = [measure_run(s, ns.warmup) for s in statuses]
+    rows = compare(arms, runs, block, seq, gpus, ns.confidence, ns.effect)
+    return {"design": ns.design, "seed": ns.seed, "repeats": ns.repeats, "blocks_run": block, "block_order": orders,
+            "warmup_run": ns.warmup_run, "iters": iters, "warmup": ns.warmup, "confidence": ns.confidence,
+            "target_ci": ns.target_ci, "budget_min": ns.budget, "stop_reason": stop_reason,
+            "derived": {n: sorted(k) for n, k in derived.items()}, "rows": rows,
+            "sizing": sizing(rows, ns.effect, ns.confidence), "runs": runs,
+            "commands": {a.name: {"env": a.env(), "argv": arm_command(ns.launch, ns.script, args, a)} for a in arms},
+            "seconds": clock() - start}
 
 
 def _known_args() -> set[str] | None:

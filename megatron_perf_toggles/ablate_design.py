@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from .errors import PerfTogglesError
 from .registry import BY_DEST, TOGGLES
 
-DESIGNS = ("one-at-a-time", "leave-one-out", "factorial")
+DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline")
+OTHERS = ("inherit", "off", "on")
 DEFAULT_TOGGLES = tuple(t.dest for t in TOGGLES if t.kind == "bool")
 
 
@@ -38,9 +39,11 @@ class Arm:
     toggles: dict[str, bool]  # dest -> intended value
     settings: dict[str, str] = field(default_factory=dict)  # Megatron dest -> value (from --vary)
     baseline: bool = False
+    # Toggles that take no part but are pinned to one value in every arm (--others off|on).
+    fixed: dict[str, bool] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
-        return {BY_DEST[d].env: "1" if v else "0" for d, v in self.toggles.items()}
+        return {BY_DEST[d].env: "1" if v else "0" for d, v in {**self.fixed, **self.toggles}.items()}
 
     def extra_args(self) -> list[str]:
         out: list[str] = []
@@ -50,6 +53,14 @@ class Arm:
 
     def intended(self) -> dict[str, object]:
         return {**self.toggles, **self.settings}
+
+    def pinned(self) -> dict[str, bool]:
+        """Every toggle value this arm sets: the design's toggles and the pinned others."""
+        return {**self.fixed, **self.toggles}
+
+    def signature(self) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+        """What the arm's process gets (environment and extra arguments): equal means the same run."""
+        return tuple(sorted(self.env().items())), tuple(self.extra_args())
 
 
 def parse_toggles(text: str | None) -> tuple[str, ...]:
@@ -93,9 +104,13 @@ def _label(toggles: dict[str, bool], settings: dict[str, str]) -> str:
     return ",".join(parts)
 
 
-def expand(design: str, toggles: tuple[str, ...], vary: list[Vary]) -> list[Arm]:
+def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str = "inherit") -> list[Arm]:
+    """The design's arms, baseline first. ``others``: what the toggles outside ``toggles`` get in
+    every arm: ``inherit`` (the caller's environment, else the plugin default), ``off`` or ``on``."""
     if design not in DESIGNS:
         raise DesignError(f"unknown design {design!r}", f"choose from: {', '.join(DESIGNS)}")
+    if others not in OTHERS:
+        raise DesignError(f"--others {others!r}: choose from {', '.join(OTHERS)}")
     settings_grid = [dict(zip([v.name for v in vary], combo, strict=True))
                      for combo in itertools.product(*[v.values for v in vary])] or [{}]
     if design != "factorial" and len(settings_grid) > 1:
@@ -105,6 +120,9 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary]) -> list[Arm]
         base = dict.fromkeys(toggles, False)
         arms.append(Arm("all-off", base, baseline=True))
         arms += [Arm(f"only:{d}", {**base, d: True}) for d in toggles]
+    elif design == "headline":
+        arms.append(Arm("all-off", dict.fromkeys(toggles, False), baseline=True))
+        arms.append(Arm("all-on", dict.fromkeys(toggles, True)))
     elif design == "leave-one-out":
         base = dict.fromkeys(toggles, True)
         arms.append(Arm("all-on", base, baseline=True))
@@ -115,6 +133,10 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary]) -> list[Arm]
                 values = dict(zip(toggles, combo, strict=True))
                 arms.append(Arm(_label(values, settings), values, dict(settings)))
         arms[0].baseline = True
-    if len(arms) < 2:
+    if len(arms) < 2 or (not toggles and design == "headline"):
         raise DesignError(f"design {design!r} with these toggles gives {len(arms)} arm(s); nothing to compare")
+    if others != "inherit":
+        pinned = {d: others == "on" for d in DEFAULT_TOGGLES if d not in toggles}
+        for arm in arms:
+            arm.fixed = dict(pinned)
     return arms

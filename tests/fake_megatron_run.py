@@ -1,28 +1,41 @@
-"""Stands in for `python -m megatron_perf_toggles.run pretrain_gpt.py ...` in ablate tests.
+"""Stands in for `python -m megatron_perf_toggles.run pretrain_gpt.py ...` in ablate tests and smoke runs.
 
-Writes Megatron-format log lines; the speed depends on GRAD_REDUCE_IN_BF16 so arms differ.
+Writes Megatron-format log lines; the speed depends on GRAD_REDUCE_IN_BF16 (900 ms on, 1000 ms off)
+so arms differ, and on nothing else.
+``--train-iters N`` sets the iterations (default 6).
 FAKE_CRASH_ARM=<env value> makes the arm whose GRAD_REDUCE_IN_BF16 equals it crash mid-run.
+FAKE_DRIFT=x multiplies every run's speed by a factor drawn uniformly from [1-x, 1+x], seeded by the
+run's own command line: run-to-run drift, as on a shared GPU.
+FAKE_SLEEP=s sleeps s seconds per iteration.
 Invoked as: python fake_megatron_run.py -m megatron_perf_toggles.run SCRIPT [args...]
 """
 
 import os
+import random
 import sys
+import time
 
-iters = 6
+argv = sys.argv[1:]
+iters = int(argv[argv.index("--train-iters") + 1]) if "--train-iters" in argv else 6
 fast = os.environ.get("GRAD_REDUCE_IN_BF16") == "1"
 ms = 900.0 if fast else 1000.0
+drift = float(os.environ.get("FAKE_DRIFT", "0") or 0)
+if drift:
+    ms *= random.Random(" ".join(argv)).uniform(1 - drift, 1 + drift)
 counter = os.environ.get("FAKE_COUNTER")
 if counter:
     with open(counter, "a") as fh:
         fh.write(os.environ.get("GRAD_REDUCE_IN_BF16", "?") + "\n")
 for i in range(1, iters + 1):
     loss = 10.0 - 0.5 * i
+    time.sleep(float(os.environ.get("FAKE_SLEEP", "0") or 0))
     print(f" [2026-11-30 01:00:00.000000] iteration {i:8d}/{iters:8d} | consumed samples: {16 * i:12d} | "
           f"elapsed time per iteration (ms): {ms + (5 if i % 2 else -5):.1f} | throughput per GPU (TFLOP/s/GPU): "
           f"{500000.0 / ms:.1f} | learning rate: 1.000000E-04 | global batch size:    16 | lm loss: {loss:.6E} | "
           f"loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |",
           flush=True)
-    if i == 3 and os.environ.get("FAKE_CRASH_ARM") == os.environ.get("GRAD_REDUCE_IN_BF16"):
+    crash = os.environ.get("FAKE_CRASH_ARM")
+    if i == 3 and crash is not None and crash == os.environ.get("GRAD_REDUCE_IN_BF16", ""):
         print("Traceback (most recent call last):\nRuntimeError: CUDA error: an illegal memory access", flush=True)
         sys.exit(1)
 print("[Rank 0] (after 6 iterations) memory (MB) | allocated: 100.00 | max allocated: 200.50 | "

@@ -11,6 +11,7 @@ from conftest import REPO
 
 from megatron_perf_toggles import ablate
 from megatron_perf_toggles.ablate_design import DEFAULT_TOGGLES, DesignError, expand, parse_toggles, parse_vary
+from megatron_perf_toggles.registry import BY_DEST
 
 
 def test_one_at_a_time():
@@ -41,8 +42,25 @@ def test_factorial_over_three_toggles():
     assert len(expand("factorial", DEFAULT_TOGGLES[:3], [])) == 8
 
 
+def test_headline_is_all_off_against_all_on():
+    arms = expand("headline", DEFAULT_TOGGLES, [])
+    assert [a.name for a in arms] == ["all-off", "all-on"] and arms[0].baseline
+    assert not any(arms[0].toggles.values()) and all(arms[1].toggles.values())
+
+
+def test_others_pins_the_toggles_that_take_no_part():
+    arms = expand("one-at-a-time", ("ddp_average_in_collective",), [], others="off")
+    assert [a.name for a in arms] == ["all-off", "only:ddp_average_in_collective"]
+    for arm in arms:
+        env = arm.env()
+        assert set(env) == {BY_DEST[d].env for d in DEFAULT_TOGGLES}
+        assert [k for k, v in env.items() if v == "1"] == (["DDP_AVERAGE_IN_COLLECTIVE"] if not arm.baseline else [])
+    inherit = expand("one-at-a-time", ("ddp_average_in_collective",), [])
+    assert set(inherit[0].env()) == {"DDP_AVERAGE_IN_COLLECTIVE"}
+
+
 def test_every_arm_sets_every_design_toggle_explicitly():
-    for design in ("one-at-a-time", "leave-one-out", "factorial"):
+    for design in ("one-at-a-time", "leave-one-out", "factorial", "headline"):
         for arm in expand(design, DEFAULT_TOGGLES[:2], []):
             assert set(arm.env()) == {"GRADIENT_ACCUMULATION_FUSION", "GRAD_REDUCE_IN_BF16"}
 
@@ -56,6 +74,8 @@ def test_every_arm_sets_every_design_toggle_explicitly():
     (lambda: parse_toggles(","), "empty"),
     (lambda: expand("random", DEFAULT_TOGGLES, []), "unknown design"),
     (lambda: expand("one-at-a-time", (), []), "nothing to compare"),
+    (lambda: expand("headline", (), []), "nothing to compare"),
+    (lambda: expand("headline", DEFAULT_TOGGLES, [], others="sideways"), "--others 'sideways'"),
     (lambda: expand("one-at-a-time", DEFAULT_TOGGLES, parse_vary(["lr=1e-4,2e-4"], {"lr"})), "--design factorial"),
 ])
 def test_bad_input_is_a_clear_error(call, words):
@@ -71,6 +91,11 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
         (["--design", "factorial", "--vary", "adam_epz=1,2", str(script)], "unknown name 'adam_epz'"),
         (["--design", "factorial", "--out", "/proc/forbidden/x", str(script)], "not writable"),
         (["--design", "one-at-a-time", str(tmp_path / "missing.py")], "script not found"),
+        (["--design", "headline", "--repeats", "0", str(script)], "--repeats 0"),
+        (["--design", "headline", "--iters", "3", "--warmup", "3", str(script)], "nothing would be measured"),
+        (["--design", "headline", "--confidence", "95", str(script)], "--confidence 95.0"),
+        (["--design", "headline", "--target-ci", "5", str(script)], "--target-ci 5.0"),
+        (["--design", "headline", "--budget", "0", str(script)], "--budget 0.0"),
     ]:
         with pytest.raises(SystemExit) as info:
             ablate.main(argv, resolver=lambda *a: pytest.fail("must not resolve arms on bad input"))
@@ -79,13 +104,29 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
         assert words in err and "Traceback" not in err
 
 
+
 # --- confound check on synthetic records (the real-tree version is in test_ablate_real.py) -------
 
 
 def _record(arm, **extra):
-    effective = {"seq_length": 4096, "adam_eps": 1e-8, "seed": 1234, **arm.toggles, **extra}
-    decisions = {d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.toggles.items()}
+    effective = {"seq_length": 4096, "adam_eps": 1e-8, "seed": 1234, "train_iters": 6, **arm.pinned(),
+                 **arm.settings, **extra}
+    decisions = {d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned().items()}
     return {"decisions": decisions, "effective_args": effective}
+
+
+def _fake_megatron(derives=None, calls=None):
+    """A resolver standing in for Megatron's parser: each toggle that is on sets what ``derives`` says."""
+    def resolver(script, args, arm, environ):
+        if calls is not None:
+            calls.append(arm.name)
+        extra = {}
+        for dest, (key, on, off) in (derives or {}).items():
+            extra[key] = on if arm.pinned().get(dest) else off
+        if "--adam-eps" in args:
+            extra["adam_eps"] = float(args[args.index("--adam-eps") + 1])
+        return _record(arm, **extra)
+    return resolver
 
 
 def test_clean_arms_pass():
@@ -113,70 +154,227 @@ def test_guard_forced_arm_is_refused_with_the_guard_reason():
         ablate.check_confounds(arms, records)
 
 
-def test_values_derived_from_an_intended_variable_are_allowed(monkeypatch):
-    monkeypatch.setitem(ablate.DERIVED, "grad_reduce_in_bf16", ("main_grads_dtype",))
-    arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
-    records = [_record(a, main_grads_dtype="bf16" if a.toggles["grad_reduce_in_bf16"] else "fp32") for a in arms]
-    ablate.check_confounds(arms, records)
+def test_a_pinned_toggle_forced_by_a_guard_is_refused():
+    arms = expand("one-at-a-time", ("ddp_average_in_collective",), [], others="off")
+    records = [_record(a) for a in arms]
+    records[1]["decisions"]["grad_reduce_in_bf16"] = {"value": True, "source": "guard", "reason": "mxfp4"}
+    with pytest.raises(ablate.ConfoundError, match="grad_reduce_in_bf16 should be False but is True"):
+        ablate.check_confounds(arms, records)
 
 
-# --- running, resume, failures, measuring -------------------------------------------------------
+def test_what_a_toggle_derives_is_learnt_from_a_single_change_pair():
+    derives = {"grad_reduce_in_bf16": ("megatron_fsdp_grad_comm_dtype", "torch.bfloat16", None)}
+    arms = expand("headline", ("grad_reduce_in_bf16", "ddp_average_in_collective"), [])
+    calls = []
+    records, derived = ablate.resolve_and_check(_fake_megatron(derives, calls), "s.py", [], arms, {})
+    assert derived == {"grad_reduce_in_bf16": {"megatron_fsdp_grad_comm_dtype"}, "ddp_average_in_collective": set()}
+    # headline arms flip two toggles at once: the single-change probes are extra dry runs
+    assert sorted(calls) == sorted(["all-off", "all-on", "probe:grad_reduce_in_bf16=True",
+                                    "probe:ddp_average_in_collective=True"])
+    # without what the pair taught, the same records are a confound
+    with pytest.raises(ablate.ConfoundError, match="megatron_fsdp_grad_comm_dtype"):
+        ablate.check_confounds(arms, records)
 
 
-def _arms_and_commands(tmp_path):
-    arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
-    launch = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
-    cmds = [ablate.arm_command(launch, "pretrain_gpt.py", ["--seq-length", "4096"], a) for a in arms]
-    return arms, cmds
+def test_one_at_a_time_probes_are_its_own_arms():
+    calls = []
+    arms = expand("one-at-a-time", DEFAULT_TOGGLES, [])
+    ablate.resolve_and_check(_fake_megatron(calls=calls), "s.py", [], arms, {})
+    assert sorted(calls) == sorted(a.name for a in arms)
 
 
-def test_runs_measures_and_reports(tmp_path):
-    arms, cmds = _arms_and_commands(tmp_path)
-    stream = io.StringIO()
-    statuses = ablate.run_arms(arms, cmds, tmp_path, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream))
-    assert [s["status"] for s in statuses] == ["done", "done"]
-    assert "[arm 2/2]" in stream.getvalue() and "it 6/6" in stream.getvalue() and "ETA" in stream.getvalue()
-    rows = ablate.measure(arms, statuses, warmup=2, seq_length=4096, gpus=1)
-    base, fast = rows
-    assert base["ms_per_iter"]["median"] == 1000.0 and fast["ms_per_iter"]["median"] == 900.0
-    assert fast["speedup_vs_baseline"] == pytest.approx(1000 / 900)
-    assert fast["ms_per_iter"]["min"] == 895.0 and fast["ms_per_iter"]["max"] == 905.0
+def test_a_difference_no_changed_toggle_makes_alone_is_refused():
+    # The difference comes with grad_reduce_in_bf16, but the arm did not change it.
+    derives = {"grad_reduce_in_bf16": ("main_grads_dtype", "bf16", "fp32")}
+    arms = expand("factorial", ("grad_reduce_in_bf16", "ddp_average_in_collective"), [])
+    records, derived = ablate.resolve_and_check(_fake_megatron(derives), "s.py", [], arms, {})
+    only_ddp = next(i for i, a in enumerate(arms) if a.name == "ddp_average_in_collective")
+    records[only_ddp]["effective_args"]["main_grads_dtype"] = "bf16"
+    with pytest.raises(ablate.ConfoundError, match="main_grads_dtype: all-off='fp32'"):
+        ablate.check_confounds(arms, records, derived)
+
+
+def test_an_interaction_only_difference_is_refused():
+    arms = expand("factorial", ("grad_reduce_in_bf16", "ddp_average_in_collective"), [])
+
+    def resolver(script, args, arm, environ):
+        both = arm.toggles["grad_reduce_in_bf16"] and arm.toggles["ddp_average_in_collective"]
+        return _record(arm, bucket_size=1 if both else 2)
+
+    with pytest.raises(ablate.ConfoundError, match="bucket_size"):
+        ablate.resolve_and_check(resolver, "s.py", [], arms, {})
+
+
+def test_vary_settings_are_checked_and_carried_once():
+    arms = expand("factorial", ("grad_reduce_in_bf16",), parse_vary(["adam_eps=1e-8,1e-5"], {"adam_eps"}))
+    seen = []
+
+    def resolver(script, args, arm, environ):
+        seen.append(args)
+        return _record(arm)
+
+    ablate.resolve_and_check(resolver, "s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms, {})
+    cmd = ablate.dry_run_command("s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms[-1])
+    assert cmd.count("--adam-eps") == 1 and cmd[cmd.index("--adam-eps") + 1] == "1e-5"
+
+
+def test_set_args_replaces_each_flag_once():
+    argv = ["--train-iters", "10", "--tensorboard-dir=/a", "--bf16", "--train_iters", "12", "--lr", "1"]
+    got = ablate.set_args(argv, {"--train-iters": "20", "--tensorboard-dir": "/b", "--save": None})
+    assert got == ["--bf16", "--lr", "1", "--train-iters", "20", "--tensorboard-dir", "/b"]
+    assert ablate.repeated_flags(["--lr", "1", "--lr", "2", "--bf16"]) == ["--lr"]
+
+
+# --- block order -----------------------------------------------------------------------------------
+
+
+def test_block_order_is_a_seeded_shuffle_per_block():
+    orders = [ablate.block_order(7, b, 6) for b in range(40)]
+    assert all(sorted(o) == list(range(6)) for o in orders)
+    assert orders == [ablate.block_order(7, b, 6) for b in range(40)]  # the same seed: the same blocks
+    assert orders != [ablate.block_order(8, b, 6) for b in range(40)]
+    assert len({tuple(o) for o in orders}) > 20  # blocks are shuffled anew, not one order repeated
+    first = [o[0] for o in orders]
+    assert all(first.count(i) >= 2 for i in range(6))  # every arm gets to run first now and then
+
+
+# --- the command end to end, with a stand-in Megatron -------------------------------------------------
+
+FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
+
+
+def _run_main(tmp_path, *extra, env=None, monkeypatch=None, clock=None, design=("--design", "one-at-a-time",
+              "--toggles", "grad_reduce_in_bf16")):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    if monkeypatch is not None:
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+    argv = [*design, "--out", str(tmp_path / "out"), "--launch", FAKE, *extra, str(script),
+            "--", "--seq-length", "4096"]
+    kwargs = {"clock": clock} if clock else {}
+    return ablate.main(argv, resolver=_fake_megatron(), **kwargs)
+
+
+def test_repeats_blocks_warmup_and_results(tmp_path, capsys):
+    assert _run_main(tmp_path, "--repeats", "3", "--seed", "5", "--iters", "8", "--warmup", "2") == 0
+    out = tmp_path / "out"
+    data = json.loads((out / "results.json").read_text())
+    assert data["seed"] == 5 and data["blocks_run"] == 3 and data["iters"] == 8 and data["warmup"] == 2
+    arms = ["all-off", "only:grad_reduce_in_bf16"]
+    assert data["block_order"] == [[arms[i] for i in ablate.block_order(5, b, 2)] for b in range(3)]
+    runs = data["runs"]
+    assert [r["block"] for r in runs] == [-1, 0, 0, 1, 1, 2, 2]  # one warm-up, then 3 blocks of 2
+    assert [r["arm"] for r in runs[1:]] == [a for block in data["block_order"] for a in block]
+    assert all(len(r["iterations"]) == 8 for r in runs)
+    assert runs[1]["iterations"][0] == {"iteration": 1, "ms_per_iter": runs[1]["iterations"][0]["ms_per_iter"],
+                                        "tflops_per_gpu": runs[1]["iterations"][0]["tflops_per_gpu"],
+                                        "lm_loss": 9.5, "grad_norm": 1.234, "global_batch_size": 16.0}
+    assert all(r["command"].count("--train-iters") == 1 for r in runs)
+    base, fast = data["rows"]
+    assert base["ms_per_iter"] == {"median": 1000.0, "min": 1000.0, "max": 1000.0, "runs": 3}
+    assert fast["speedup"]["estimate"] == pytest.approx(1000 / 900) and fast["speedup"]["verdict"] == "faster"
+    assert fast["loss"]["ratio"] == 1.0 and not fast["loss"]["outside_noise_band"]
     assert fast["tokens_per_s_per_gpu"] == pytest.approx(16 * 4096 / 0.9)
-    assert fast["loss_at_last_common_iteration"] == {"iteration": 6, "loss": 7.0, "baseline_loss": 7.0, "ratio": 1.0}
-    assert fast["memory_mb"]["max_allocated"] == 200.5
-    ablate.write_results(tmp_path, "one-at-a-time", rows, [{}, {}], cmds, arms)
-    data = json.loads((tmp_path / "results.json").read_text())
-    assert data["commands"]["only:grad_reduce_in_bf16"]["env"] == {"GRAD_REDUCE_IN_BF16": "1"}
-    assert "| only:grad_reduce_in_bf16 | done | 900.0 |" in (tmp_path / "results.md").read_text()
+    assert fast["max_allocated_mb"] == 200.5
+    md = (out / "results.md").read_text()
+    assert "| only:grad_reduce_in_bf16 | 3 | 900.0 |" in md and "| faster |" in md and "verdict" in md
+    assert "8 iterations per run; medians over iterations after the first 2" in md
+    assert "seed 5" in md and "3 block(s)" in md
+    err = capsys.readouterr().err
+    assert "7 runs: 1 unmeasured warm-up run, then 3 block(s) x 2 arms (seed 5); 8 iterations per run" in err
+    # a second call resumes: every run is done with the same command
+    assert _run_main(tmp_path, "--repeats", "3", "--seed", "5", "--iters", "8", "--warmup", "2") == 0
+    assert capsys.readouterr().err.count("done earlier, skipped") == 7
 
 
-def test_resume_skips_finished_arms_and_failed_arm_does_not_stop_others(tmp_path):
-    arms, cmds = _arms_and_commands(tmp_path)
-    counter = tmp_path / "runs.txt"
-    env = {"PATH": "/usr/bin:/bin", "FAKE_COUNTER": str(counter), "FAKE_CRASH_ARM": "0"}
-    quiet = ablate.Progress(2, io.StringIO())
-    first = ablate.run_arms(arms, cmds, tmp_path, env, quiet)
-    assert [s["status"] for s in first] == ["failed", "done"]
-    assert any("illegal memory access" in line for line in first[0]["error_tail"])
-    rows = ablate.measure(arms, first, warmup=1, seq_length=4096, gpus=1)
-    assert rows[0]["status"] == "failed" and rows[0]["error_tail"]
-    env["FAKE_CRASH_ARM"] = "never"
-    second = ablate.run_arms(arms, cmds, tmp_path, env, ablate.Progress(2, io.StringIO()))
-    assert [s["status"] for s in second] == ["done", "done"]
-    assert counter.read_text().split() == ["0", "1", "0"]  # the done arm ran once; the failed one again
+def test_noise_gives_an_interval_and_a_no_op_no_verdict(tmp_path, monkeypatch):
+    # ddp_average_in_collective does not change the stand-in's speed: a planted no-op under drift.
+    assert _run_main(tmp_path, "--repeats", "4", env={"FAKE_DRIFT": "0.05"}, monkeypatch=monkeypatch,
+                     design=("--design", "one-at-a-time", "--toggles", "ddp_average_in_collective")) == 0
+    row = json.loads((tmp_path / "out" / "results.json").read_text())["rows"][1]
+    sp = row["speedup"]
+    assert sp["blocks"] == 4 and sp["low"] < sp["estimate"] < sp["high"]
+    assert sp["verdict"] in ("no detectable difference", "faster", "slower")
+    assert row["ms_per_iter"]["min"] < row["ms_per_iter"]["max"]  # the drift shows in the spread
+    assert row["blocks_to_resolve"]["blocks"] >= 2
+
+
+def test_failed_runs_are_named_with_their_last_lines(tmp_path, monkeypatch, capsys):
+    code = _run_main(tmp_path, "--repeats", "2", "--no-warmup-run", env={"FAKE_CRASH_ARM": "1"},
+                     monkeypatch=monkeypatch)
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "FAILED: only:grad_reduce_in_bf16 (block 1), exit code 1" in err
+    assert "FAILED: only:grad_reduce_in_bf16 (block 2), exit code 1" in err
+    assert "    RuntimeError: CUDA error: an illegal memory access" in err
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "## Failed runs" in md and "**only:grad_reduce_in_bf16 (block 1)**: exit code 1" in md
+    assert "RuntimeError: CUDA error: an illegal memory access" in md
+    assert "| only:grad_reduce_in_bf16 | 0 (2 failed) |" in md and "too few blocks" in md
+
+
+def test_error_tail_starts_at_the_last_traceback():
+    text = "\n".join([*(f"line {i}" for i in range(40)), "Traceback (most recent call last):", "  x",
+                      "ValueError: boom"])
+    assert ablate.error_tail(text) == ["Traceback (most recent call last):", "  x", "ValueError: boom"]
+    assert ablate.error_tail("\n".join(f"l{i}" for i in range(30)), lines=3) == ["l27", "l28", "l29"]
+
+
+def test_dry_run_writes_and_creates_nothing(tmp_path, capsys, monkeypatch):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code = ablate.main(["--design", "headline", "--toggles", "grad_reduce_in_bf16,ddp_average_in_collective",
+                        "--out", str(tmp_path / "new" / "out"), "--launch", FAKE, "--dry-run", "--iters", "9",
+                        str(script), "--", "--train-iters", "5", "--tensorboard-dir", "/tb", "--lr", "1e-4"],
+                       resolver=_fake_megatron())
+    assert code == 0
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    out = capsys.readouterr().out
+    assert "block 1: " in out and "block 3: " in out
+    commands = [ln for ln in out.splitlines() if "megatron_perf_toggles.run" in ln]
+    assert len(commands) == 2
+    for line in commands:
+        words = line.split()
+        for flag in ("--train-iters", "--tensorboard-dir", "--lr"):
+            assert words.count(flag) == 1, (flag, line)
+        assert words[words.index("--train-iters") + 1] == "9"
+
+
+def test_target_ci_adds_blocks_until_max_repeats(tmp_path, monkeypatch, capsys):
+    assert _run_main(tmp_path, "--repeats", "2", "--no-warmup-run", "--target-ci", "0.0001", "--max-repeats", "4",
+                     env={"FAKE_DRIFT": "0.03"}, monkeypatch=monkeypatch) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 4 and "--max-repeats 4" in data["stop_reason"]
+
+
+def test_target_ci_stops_when_narrow_enough(tmp_path):
+    # no drift: the interval is a point after 2 blocks, so no block beyond --repeats runs
+    assert _run_main(tmp_path, "--repeats", "2", "--no-warmup-run", "--target-ci", "0.01") == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 2 and "within +-1 %" in data["stop_reason"]
+
+
+def test_budget_stops_before_a_block_that_would_not_fit(tmp_path):
+    ticks = iter(range(0, 100000, 50))  # every look at the clock: 50 s later
+    assert _run_main(tmp_path, "--repeats", "5", "--budget", "3", clock=lambda: next(ticks)) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert 0 < data["blocks_run"] < 5 and "--budget 3 min" in data["stop_reason"]
+    assert "Stopped: --budget 3 min" in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_plot_or_clear_note(tmp_path):
-    arms, cmds = _arms_and_commands(tmp_path)
-    statuses = ablate.run_arms(arms, cmds, tmp_path, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, io.StringIO()))
-    rows = ablate.measure(arms, statuses, 1, 4096, 1)
-    note = ablate.plot(rows, tmp_path / "results.png")
+    assert _run_main(tmp_path, "--repeats", "2") == 0
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    note = ablate.plot(result, tmp_path / "p.png")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert "matplotlib is not installed" in note
     else:
-        assert note is None and (tmp_path / "results.png").stat().st_size > 1000
+        assert note is None and (tmp_path / "p.png").stat().st_size > 1000
 
 
 def test_gpu_count_from_launch():
@@ -185,17 +383,22 @@ def test_gpu_count_from_launch():
     assert ablate._gpus("torchrun --nnodes=2 --nproc_per_node=4") == 8
 
 
-def test_each_arm_gets_its_own_logs_and_checkpoints(tmp_path):
+def test_each_run_gets_its_own_logs_and_checkpoints(tmp_path):
     arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
     effective = {"save": "/ck", "load": "/ck", "wandb_save_dir": "/wb"}
-    paths = [ablate.arm_paths(effective, ablate.arm_dir(tmp_path, a)) for a in arms]
-    assert paths[0] != paths[1]
-    for a, p in zip(arms, paths, strict=True):
-        here = str(ablate.arm_dir(tmp_path, a))
-        assert p[p.index("--save") + 1].startswith(here) and p[p.index("--load") + 1] == p[p.index("--save") + 1]
-        assert p[p.index("--tensorboard-dir") + 1].startswith(here) and "--wandb-save-dir" in p
-    shared = ablate.arm_paths({"save": "/ck", "load": "/pretrained"}, ablate.arm_dir(tmp_path, arms[0]))
-    assert "--load" not in shared  # a pretrained start is only read: shared by every arm
+    runs = [ablate.make_run(tmp_path, a, b, None, "s.py", ["--save", "/ck", "--load", "/ck"], effective)
+            for a in arms for b in (-1, 0, 1)]
+    dirs = {str(r.directory) for r in runs}
+    assert len(dirs) == 6
+    for r in runs:
+        c = r.command
+        here = str(r.directory)
+        assert c.count("--save") == 1 and c.count("--load") == 1 and c.count("--tensorboard-dir") == 1
+        assert c[c.index("--save") + 1].startswith(here) and c[c.index("--load") + 1] == c[c.index("--save") + 1]
+        assert c[c.index("--tensorboard-dir") + 1].startswith(here) and "--wandb-save-dir" in c
+    shared = ablate.arm_paths({"save": "/ck", "load": "/pretrained"}, tmp_path)
+    assert "--load" not in shared  # a pretrained start is only read: shared by every run
+    assert "--save" not in ablate.arm_paths({}, tmp_path)  # no --save given: no checkpoints written
 
 
 def test_dry_runs_run_as_rank_zero(tmp_path, monkeypatch):
@@ -225,20 +428,31 @@ def test_dry_run_timeout_is_a_clear_error(monkeypatch):
 def test_missing_launcher_is_refused_before_running(tmp_path, capsys):
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("")
-
-    def resolver(script, args, arm, environ):
-        return {"decisions": {d: {"value": v} for d, v in arm.toggles.items()},
-                "effective_args": {"seed": 1, **arm.toggles}}
-
     with pytest.raises(SystemExit) as info:
         ablate.main(["--design", "one-at-a-time", "--toggles", "grad_reduce_in_bf16", "--out", str(tmp_path / "o"),
-                     "--launch", "no-such-torchrun --nproc-per-node 8", str(script)], resolver=resolver)
+                     "--launch", "no-such-torchrun --nproc-per-node 8", str(script)], resolver=_fake_megatron())
     assert info.value.code == 2 and "'no-such-torchrun' is not an executable" in capsys.readouterr().err
 
 
-def test_torn_status_file_reruns_the_arm(tmp_path):
-    arms, cmds = _arms_and_commands(tmp_path)
-    ablate.arm_dir(tmp_path, arms[0]).mkdir(parents=True)
-    (ablate.arm_dir(tmp_path, arms[0]) / "status.json").write_text('{"status": "do')
-    statuses = ablate.run_arms(arms, cmds, tmp_path, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, io.StringIO()))
+def test_torn_status_file_reruns_the_run(tmp_path):
+    arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
+    runs = [ablate.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
+    runs[0].directory.mkdir(parents=True)
+    (runs[0].directory / "status.json").write_text('{"status": "do')
+    statuses = ablate.run_arms(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, io.StringIO()))
     assert [s["status"] for s in statuses] == ["done", "done"]
+
+
+def test_progress_line(tmp_path):
+    arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
+    runs = [ablate.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
+    stream = io.StringIO()
+    ablate.run_arms(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream, live=True))
+    text = stream.getvalue()
+    assert "[run 2/2]" in text and "(block 1)" in text and "it 6/6" in text and "ETA" in text
+    assert text.count("\r") == 12  # redrawn at every iteration
+    stream = io.StringIO()  # a log file: one line per run
+    runs = [ablate.make_run(tmp_path / "again", a, 0, FAKE, "s.py", [], {}) for a in arms]
+    ablate.run_arms(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream))
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 2 and "it 6/6" in lines[1] and "done in" in lines[1]

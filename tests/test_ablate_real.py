@@ -1,4 +1,4 @@
-"""The ablation confound check through real Megatron parsers (dry runs on CPU)."""
+"""The ablation confound check through real Megatron parsers (dry runs on CPU), on every tree given."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 from conftest import REPO, megatron_trees
 
 from megatron_perf_toggles import ablate
-from megatron_perf_toggles.ablate_design import expand
+from megatron_perf_toggles.ablate_design import DEFAULT_TOGGLES, expand
 
 TREES = megatron_trees()
 pytestmark = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron suite skipped")
-# The oldest and the newest tree given: enough to cover both parse paths, at ~12 s per dry run.
+# The oldest and the newest tree given, for the checks that need extra dry runs (~8 s each).
 PICKED = sorted({TREES[0], TREES[-1]}, key=str) if TREES else []
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
         "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-4",
@@ -27,18 +27,36 @@ def _environ(tree):
     return env
 
 
-@pytest.mark.parametrize("tree", PICKED, ids=lambda p: p.name)
-def test_toggle_only_arms_pass_and_an_injected_difference_is_refused(tree):
+def _has_fused_single_qkv_rope(tree) -> bool:
+    """The TransformerConfig field exists from core 0.15 on: read from the tree itself."""
+    config = tree / "megatron" / "core" / "transformer" / "transformer_config.py"
+    return "fused_single_qkv_rope" in config.read_text()
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda p: p.name)
+def test_each_toggle_can_be_varied_alone(tree):
+    """One dry run per arm; each single-toggle arm is also its own probe: what it derives is allowed."""
     script = str(tree / "pretrain_gpt.py")
-    arms = expand("one-at-a-time", ("grad_reduce_in_bf16", "cross_entropy_loss_fusion"), [])
+    toggles = tuple(t for t in DEFAULT_TOGGLES if t != "fused_single_qkv_rope" or _has_fused_single_qkv_rope(tree))
+    arms = expand("one-at-a-time", toggles, [])
     env = _environ(tree)
-    records = ablate.resolve_all(ablate.resolve_arm, script, ARGS, arms, env)
-    ablate.check_confounds(arms, records)  # clean: only the toggles (and what they derive) differ
-    injected = ablate.resolve_arm(script, [*ARGS, "--adam-eps", "1e-5"], arms[1], env)
-    with pytest.raises(ablate.ConfoundError) as info:
-        ablate.check_confounds(arms, [records[0], injected, records[2]])
-    text = str(info.value)
-    assert "adam_eps: all-off=1e-08" in text and "1e-05" in text and "nothing was run" in text
+    records, derived = ablate.resolve_and_check(ablate.resolve_arm, script, ARGS, arms, env)
+    # Megatron keeps grads in fp32 for the reduction exactly when they are not reduced in bf16.
+    assert "accumulate_allreduce_grads_in_fp32" in derived["grad_reduce_in_bf16"]
+    assert set(derived) == set(toggles)
+    if tree in PICKED:
+        # The same check refuses a difference that no toggle makes.
+        injected = ablate.resolve_arm(script, [*ARGS, "--adam-eps", "1e-5"], arms[1], env)
+        with pytest.raises(ablate.ConfoundError) as info:
+            ablate.check_confounds(arms, [records[0], injected, *records[2:]], derived)
+        text = str(info.value)
+        assert "adam_eps: all-off=1e-08" in text and "1e-05" in text and "nothing was run" in text
+        if not _has_fused_single_qkv_rope(tree):
+            arm = next(a for a in expand("one-at-a-time", DEFAULT_TOGGLES, []) if a.name == "only:fused_single_qkv_rope")
+            rec = ablate.resolve_arm(script, ARGS, arm, env)
+            with pytest.raises(ablate.ConfoundError) as info:
+                ablate.check_confounds([arms[0], arm], [records[0], rec], derived)
+            assert "fused_single_qkv_rope should be True but is False (guard;" in str(info.value)
 
 
 @pytest.mark.parametrize("tree", PICKED[-1:], ids=lambda p: p.name)
@@ -46,8 +64,7 @@ def test_guard_forced_factorial_is_refused_with_the_guard_reason(tree):
     script = str(tree / "pretrain_gpt.py")
     fsdp = [*ARGS, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--ckpt-format", "torch_dist"]
     arms = expand("factorial", ("gradient_accumulation_fusion",), [])
-    records = ablate.resolve_all(ablate.resolve_arm, script, fsdp, arms, _environ(tree))
     with pytest.raises(ablate.ConfoundError) as info:
-        ablate.check_confounds(arms, records)
+        ablate.resolve_and_check(ablate.resolve_arm, script, fsdp, arms, _environ(tree))
     assert "gradient_accumulation_fusion should be True but is False" in str(info.value)
     assert "--use-torch-fsdp2" in str(info.value)

@@ -10,8 +10,7 @@ import sys
 import pytest
 from conftest import REPO, megatron_trees
 
-sys.path.insert(0, str(REPO / "bench"))
-import text_corpus
+from megatron_perf_toggles import text_corpus
 
 DOCS = [b"def f():\n    return 1\n", "caf\u00e9 = 'ok'\n".encode(), b"x" * 300]
 

@@ -1,0 +1,180 @@
+"""Benchmark presets over ``megatron-perf-toggles ablate``: every published throughput number comes
+from repeated, interleaved ablate runs with intervals.
+
+The model is the reference one: Llama-3-8B-shaped layers (hidden 4096, ffn 14336, 32 heads, 8 KV
+groups), 4 layers, seq 4096, micro-batch 2, global batch 16, vocab 128256, mock data, distributed
+optimizer, bf16, Transformer Engine, no checkpoints. Parts (each one ``ablate`` call, its own
+directory under --out):
+
+  headline        all five toggles off against all on (the plugin defaults)
+  noop            the planted no-op: ddp_average_in_collective alone against all off, at DP=1
+  one-at-a-time   all off, then each toggle alone
+  leave-one-out   all on, then each toggle off
+  fp8-delayed     headline with FP8 (hybrid format, delayed scaling)
+  fp8-tensorwise  headline with FP8 (e4m3, tensorwise scaling)
+  dp2             headline at DP=2 (torchrun, 2 GPUs)
+
+    python bench/h200_ablate.py --megatron PATH --out DIR --parts headline,noop --budget 20
+    python bench/h200_ablate.py --megatron PATH --out DIR --smoke     # CPU: stand-in runs, real dry runs
+
+It prints the expected run time first. --smoke runs the same parts on CPU: the arms' dry runs go
+through the given Megatron tree's real parser, the runs themselves through tests/fake_megatron_run.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+MODEL = [
+    "--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+    "--seq-length", "4096", "--max-position-embeddings", "4096", "--position-embedding-type", "rope",
+    "--rotary-base", "500000", "--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+    "--micro-batch-size", "2", "--global-batch-size", "16",
+    "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-eps", "1e-8", "--seed", "1234",
+    "--bf16", "--use-distributed-optimizer", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
+    "--mock-data", "--transformer-impl", "transformer_engine", "--log-interval", "1", "--log-throughput",
+    "--eval-iters", "0", "--eval-interval", "100000",
+]
+# A small model of the same family for quick optimizer experiments: values that replace the reference ones.
+SMALL = {"--num-layers": "4", "--hidden-size": "1024", "--ffn-hidden-size": "3584", "--num-attention-heads": "16",
+         "--num-query-groups": "4", "--seq-length": "1024", "--max-position-embeddings": "1024",
+         "--micro-batch-size": "8", "--global-batch-size": "32"}
+FP8 = {"delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+       "tensorwise": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]}
+# part -> (ablate design options, extra Megatron args, GPUs)
+PARTS: dict[str, tuple[list[str], list[str], int]] = {
+    "headline": (["--design", "headline"], [], 1),
+    "noop": (["--design", "one-at-a-time", "--toggles", "ddp_average_in_collective", "--others", "off"], [], 1),
+    "one-at-a-time": (["--design", "one-at-a-time"], [], 1),
+    "leave-one-out": (["--design", "leave-one-out"], [], 1),
+    "fp8-delayed": (["--design", "headline"], FP8["delayed"], 1),
+    "fp8-tensorwise": (["--design", "headline"], FP8["tensorwise"], 1),
+    "dp2": (["--design", "headline"], [], 2),
+}
+ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-delayed": 2, "fp8-tensorwise": 2,
+        "dp2": 2}
+# Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
+# start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
+SECONDS_PER_ITER = {"bf16": 1.2, "fp8": 1.0, "dp2": 1.3}
+STARTUP_S = 40.0
+DRY_RUNS_S = 30.0
+
+
+def model_args(shape: str, data: str | None) -> list[str]:
+    args = list(MODEL)
+    if shape == "small":
+        for flag, value in SMALL.items():
+            args[args.index(flag) + 1] = value
+    if data:  # bytes as tokens, NullTokenizer's EOD 256 (megatron_perf_toggles.text_corpus)
+        args[args.index("--vocab-size") + 1] = "257"
+        args.remove("--mock-data")
+        args += ["--data-path", data, "--split", "100,0,0"]
+    return args
+
+
+def estimate_s(part: str, repeats: int, iters: int) -> float:
+    per_iter = SECONDS_PER_ITER["dp2" if part == "dp2" else "fp8" if part.startswith("fp8") else "bf16"]
+    runs = 1 + repeats * ARMS[part]
+    return DRY_RUNS_S + runs * (STARTUP_S + iters * per_iter)
+
+
+def base_env(megatron: Path, smoke: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(megatron), str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env.setdefault("NO_VCS_VERSION", "1")  # else Megatron appends `git rev-parse HEAD` of an enclosing checkout
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    if smoke:  # no GPU here: plan for the H200's capabilities in the dry runs
+        env["MEGATRON_PERF_TOGGLES_ASSUME"] = "apex,te=2.20.2,cuda"
+    return env
+
+
+def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: float | None) -> tuple[list[str], dict]:
+    design, extra, gpus = PARTS[part]
+    megatron = Path(ns.megatron).resolve()
+    env = base_env(megatron, ns.smoke)
+    if ns.smoke:
+        launch = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
+    elif gpus > 1:
+        launch = f"{sys.executable} -m torch.distributed.run --nproc-per-node {gpus} --master-port {ns.port}"
+    else:
+        launch = sys.executable
+        # a plain `python` launch: torchrun would set these
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(ns.port)), ("WORLD_SIZE", "1"),
+                           ("RANK", "0"), ("LOCAL_RANK", "0")):
+            env.setdefault(key, value)
+    cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *design, "--out", str(out / part),
+           "--launch", launch, "--repeats", str(ns.repeats), "--seed", str(ns.seed), "--iters", str(ns.iters),
+           "--warmup", str(ns.warmup)]
+    if budget_min is not None:
+        cmd += ["--budget", f"{budget_min:.2f}"]
+    cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(ns.shape, ns.data), *extra]
+    return cmd, env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatron", required=True, help="Megatron-LM checkout (pretrain_gpt.py)")
+    ap.add_argument("--out", required=True, help="results directory; each part writes OUT/PART/results.*")
+    ap.add_argument("--parts", default="headline,noop", help=f"comma list of: {', '.join(PARTS)}")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=12, help="iterations per run (default 12)")
+    ap.add_argument("--warmup", type=int, default=5, help="iterations left out of each run's median (default 5)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget", type=float, metavar="MINUTES",
+                    help="time for all parts together: no block starts that would end after it")
+    ap.add_argument("--shape", choices=("llama3-8b-4l", "small"), default="llama3-8b-4l")
+    ap.add_argument("--data", metavar="PREFIX", help="a real-text indexed dataset instead of mock data")
+    ap.add_argument("--port", type=int, default=29511)
+    ap.add_argument("--smoke", action="store_true", help="CPU: stand-in runs (tests/fake_megatron_run.py)")
+    ap.add_argument("--print-only", action="store_true", help="print the plan and the commands, run nothing")
+    ns = ap.parse_args(argv)
+    parts = [p.strip() for p in ns.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        ap.error(f"--parts: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
+    if not (Path(ns.megatron) / "pretrain_gpt.py").is_file():
+        ap.error(f"--megatron {ns.megatron}: no pretrain_gpt.py there")
+    out = Path(ns.out)
+    total = 0.0
+    print(f"plan: {ns.repeats} blocks per part, {ns.iters} iterations per run ({ns.warmup} left out), "
+          f"1 warm-up run per part; about {STARTUP_S:.0f}s start-up per run" + (" (smoke: stand-in runs)"
+                                                                                if ns.smoke else ""))
+    for part in parts:
+        est = estimate_s(part, ns.repeats, ns.iters)
+        total += est
+        print(f"  {part:<15} {1 + ns.repeats * ARMS[part]:>3} runs  ~{est / 60:5.1f} min  -> {out / part}")
+    print(f"expected: ~{total / 60:.1f} min on the H200" + (f" (budget {ns.budget:g} min)" if ns.budget else ""),
+          flush=True)
+    start = time.monotonic()
+    worst = 0
+    for part in parts:
+        left = None if ns.budget is None else ns.budget - (time.monotonic() - start) / 60
+        if left is not None and left <= 0:
+            print(f"[{part}] skipped: the budget is spent", flush=True)
+            worst = max(worst, 1)
+            continue
+        cmd, env = ablate_command(part, ns, out, left)
+        print(f"[{part}] {shlex.join(cmd)}", flush=True)
+        if ns.print_only:
+            continue
+        code = subprocess.call(cmd, env=env)
+        print(f"[{part}] exit {code} after {(time.monotonic() - start) / 60:.1f} min; results in {out / part}",
+              flush=True)
+        worst = max(worst, code)
+    return worst
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

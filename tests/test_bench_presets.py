@@ -1,0 +1,65 @@
+"""The benchmark presets (bench/h200_ablate.py): thin ablate calls, checked without a GPU."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, megatron_trees
+
+sys.path.insert(0, str(REPO / "bench"))
+import h200_ablate
+
+
+def _commands(tmp_path, *extra):
+    tree = tmp_path / "Megatron-LM"
+    tree.mkdir(exist_ok=True)
+    (tree / "pretrain_gpt.py").write_text("")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "h200_ablate.py"), "--megatron", str(tree),
+                           "--out", str(tmp_path / "out"), "--print-only", *extra],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, {ln.split("]")[0][1:]: shlex.split(ln.split("] ", 1)[1])
+                         for ln in proc.stdout.splitlines() if ln.startswith("[")}
+
+
+def test_presets_are_ablate_calls_without_checkpoints(tmp_path):
+    text, cmds = _commands(tmp_path, "--parts", ",".join(h200_ablate.PARTS), "--budget", "20")
+    assert set(cmds) == set(h200_ablate.PARTS)
+    assert "expected: ~" in text and "min on the H200" in text
+    for cmd in cmds.values():
+        assert cmd[1:4] == ["-m", "megatron_perf_toggles", "ablate"]
+        megatron_args = cmd[cmd.index("--") + 1:]
+        assert "--save" not in megatron_args and "--load" not in megatron_args  # no checkpoints written
+        assert len(set(w for w in megatron_args if w.startswith("--"))) == len(
+            [w for w in megatron_args if w.startswith("--")])  # each argument once
+        assert cmd[cmd.index("--repeats") + 1] == "3" and "--budget" in cmd
+    assert cmds["noop"][cmds["noop"].index("--toggles") + 1] == "ddp_average_in_collective"
+    assert cmds["noop"][cmds["noop"].index("--others") + 1] == "off"
+    assert cmds["headline"][cmds["headline"].index("--design") + 1] == "headline"
+    assert "--nproc-per-node 2" in cmds["dp2"][cmds["dp2"].index("--launch") + 1]
+    assert "--fp8-recipe" in cmds["fp8-delayed"] and "--fp8-recipe" not in cmds["headline"]
+
+
+def test_expected_time_grows_with_the_work():
+    assert h200_ablate.estimate_s("one-at-a-time", 3, 12) > h200_ablate.estimate_s("headline", 3, 12)
+    assert h200_ablate.estimate_s("headline", 5, 12) > h200_ablate.estimate_s("headline", 3, 12)
+
+
+@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: the preset smoke run needs a tree")
+def test_smoke_path_runs_the_noop_preset_end_to_end(tmp_path):
+    tree = megatron_trees()[-1]
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "h200_ablate.py"), "--megatron", str(tree),
+                           "--out", str(tmp_path / "out"), "--smoke", "--parts", "noop", "--repeats", "2",
+                           "--iters", "6", "--warmup", "2"],
+                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
+                                                                            "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "out" / "noop" / "results.json").read_text())
+    assert data["blocks_run"] == 2 and [r["arm"] for r in data["rows"]] == ["all-off",
+                                                                            "only:ddp_average_in_collective"]
+    assert data["rows"][1]["speedup"]["verdict"] == "no detectable difference"
+    assert not list((tmp_path / "out").rglob("checkpoints"))
