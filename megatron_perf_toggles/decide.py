@@ -15,7 +15,7 @@ from .capabilities import Capabilities
 from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
 from .env import EnvSettings
 from .errors import CannotHonourError
-from .precision import precision_tag, tagged_log_dirs
+from .precision import log_dir_warnings, precision_tag, tagged_log_dirs
 from .registry import BY_DEST, TOGGLES
 
 FP4_LAYER_DESTS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
@@ -485,6 +485,8 @@ def decide(
     messages.extend(_advice(args))
     tag = precision_tag(args)
     log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}
+    if env.tag_log_dir:
+        messages.extend(Message("warning", text) for text in log_dir_warnings(args, tag))
     fused = decisions["gradient_accumulation_fusion"].value
     wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else "fallback")
     return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages, wgrad_path=wgrad_path)

@@ -437,3 +437,21 @@ def test_resume_guard_gives_back_an_explicit_value_mxfp4_had_overridden():
     with pytest.raises(CannotHonourError) as info:
         resume(args=MXFP4, explicit={"gradient_accumulation_fusion": True}, checkpoint=saved_fp32)
     assert "--no-gradient-accumulation-fusion" in str(info.value)
+
+
+# --- log directories ----------------------------------------------------------------------------
+
+
+def test_log_dir_tagged_by_a_script_keeps_its_path():
+    plan = run(args={"tensorboard_dir": "exp/run/bf16/2025-01-01_00-00-00"})
+    assert plan.log_dirs == {"tensorboard_dir": "exp/run/bf16/2025-01-01_00-00-00"}
+    assert plan.messages == []
+
+
+def test_mislabelled_log_dir_is_warned_and_tagged_with_the_true_precision(env):
+    args = {"fp8": "e4m3", "fp8_recipe": "tensorwise", "tensorboard_dir": "exp/run/bf16/ts"}
+    plan = run(args=args)
+    assert plan.log_dirs == {"tensorboard_dir": "exp/run/bf16/ts/fp8_tensorwise"}
+    assert [m.level for m in plan.messages] == ["warning"] and "'bf16'" in plan.messages[0].text
+    untagged = run(args=args, env_settings=env(MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0))
+    assert untagged.log_dirs == {} and untagged.messages == []

@@ -67,6 +67,10 @@ def _cases(tmp: str) -> list[dict]:
          "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES": "0", "FP4_SELECTIVE_BF16": "1", "FP4_BF16_END": "3"}},
         {"id": "nvfp4_plugin_off_counts", "argv": [*BF16, *NVFP4], "te_version": "2.8.0",
          "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES": "0", "FP4_BF16_START": "3"}},
+        {"id": "tag_by_script", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/exp/bf16/2025-01-01_00-00-00"],
+         "env": CAPABLE},
+        {"id": "tag_mislabelled", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/exp/fp8/2025-01-01_00-00-00"],
+         "env": CAPABLE},
     ]
     cases.append({"id": "wgrad_sites", "kind": "wgrad_sites"})
     for t in TOGGLES:
@@ -274,6 +278,18 @@ def test_fp4_counts_alone_do_not_switch_selection_on(tree):
     r = _fp4_case(tree, "nvfp4_plugin_off_counts")
     assert _fp4_layers(r) == (False, 1, 1)
     assert "[perf-toggles] warning: FP4_BF16_START set" in r["stdout"] and "FP4_SELECTIVE_BF16=1" in r["stdout"]
+
+
+def test_a_log_dir_tagged_by_a_script_is_not_tagged_again(tree):
+    r = ok(tree[2]["tag_by_script"])
+    assert r["values"]["tensorboard_dir"].endswith("/exp/bf16/2025-01-01_00-00-00")
+    assert "warning: --tensorboard-dir" not in r["stdout"]
+
+
+def test_a_mislabelled_log_dir_is_warned_and_tagged(tree):
+    r = ok(tree[2]["tag_mislabelled"])
+    assert r["values"]["tensorboard_dir"].endswith("/exp/fp8/2025-01-01_00-00-00/bf16")
+    assert "[perf-toggles] warning: --tensorboard-dir" in r["stdout"] and "'fp8'" in r["stdout"]
 
 
 @pytest.mark.parametrize("t", TOGGLES, ids=lambda t: t.dest)
