@@ -15,11 +15,12 @@ from .capabilities import Capabilities, version_tuple
 from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
 from .env import EnvSettings
 from .errors import CannotHonourError, DependencyError
-from .precision import precision_tag, tagged_log_dirs
+from .precision import log_dir_warnings, precision_tag, tagged_log_dirs
 from .registry import BY_DEST, TOGGLES
 
 FP4_LAYER_DESTS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
 FP4_RECIPE_SELECTION = {"nvfp4": (True, 2, 8), "mxfp4": (False, 2, 8)}  # (selective, start, end)
+MEGATRON_FP4_LAYER_DEFAULTS = (False, 1, 1)  # TransformerConfig's own, where the parser does not say
 PACKED_SEQUENCE_DESTS = ("sft", "rl_use_sequence_packing", "hybrid_context_parallel", "dataloader_inter_document_masking")
 GTP_DESTS = ("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards")
 ADAM_EPS_ADVICE = (5e-4, 1e-6)  # (lr at or above, eps below)
@@ -500,56 +501,78 @@ def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mappi
                     if toggle.kind == "bool" else f"plugin default; set {toggle.env} to change it")
 
 
-def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: EnvSettings) -> dict[str, Decision]:
-    """FP4 layer selection: CLI > FP4_* environment > the recipe's default. Layer counts given on
-    either side imply selective bf16, unless it was switched off explicitly."""
+def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: EnvSettings,
+                   stock: Mapping[str, Any]) -> tuple[dict[str, Decision], list[Message]]:
+    """FP4 layer selection: CLI > FP4_* environment > the recipe's default (with the master
+    switch off, Megatron's own defaults instead). Layer counts never switch selection on by
+    themselves: Megatron reads them only with --first-last-layers-bf16, and the mxfp4 recipe
+    trains every layer in FP4 unless selection is asked for."""
     if not args.get("fp4"):
-        return {}
+        return {}, []
     recipe = str(args.get("fp4_recipe") or "nvfp4")
-    selective, start, end = FP4_RECIPE_SELECTION.get(recipe, (False, 2, 8))
-    why = f"{recipe} recipe default"
+    by_recipe, start, end = FP4_RECIPE_SELECTION.get(recipe, (False, 2, 8))
+    if env.plugin_enabled:
+        label = "first/last layers in bf16" if by_recipe else "every layer in FP4"
+        defaults = {FP4_LAYER_DESTS[0]: Decision(by_recipe, "default", f"{recipe} recipe default: {label}"),
+                    FP4_LAYER_DESTS[1]: Decision(start, "default", f"{recipe} recipe default"),
+                    FP4_LAYER_DESTS[2]: Decision(end, "default", f"{recipe} recipe default")}
+    else:
+        off = "MEGATRON_PERF_TOGGLES=0: Megatron's own default"
+        defaults = {dest: Decision(stock.get(dest, value), "default", off)
+                    for dest, value in zip(FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, strict=True)}
     out: dict[str, Decision] = {}
-    cli_counts = [d for d in FP4_LAYER_DESTS[1:] if d in explicit]
-    env_counts = env.fp4_bf16_start is not None or env.fp4_bf16_end is not None
     if "first_last_layers_bf16" in explicit:
         value = explicit["first_last_layers_bf16"]
         out["first_last_layers_bf16"] = Decision(value, "cli", "set on the command line (--first-last-layers-bf16)")
     elif env.fp4_selective_bf16 is not None:
         out["first_last_layers_bf16"] = Decision(
             env.fp4_selective_bf16, "env", f"FP4_SELECTIVE_BF16={int(env.fp4_selective_bf16)}")
-    elif cli_counts:
-        flags = ", ".join("--" + d.replace("_", "-") for d in cli_counts)
-        out["first_last_layers_bf16"] = Decision(True, "cli", f"implied by {flags}")
-    elif env_counts:
-        out["first_last_layers_bf16"] = Decision(True, "env", "implied by FP4_BF16_START/FP4_BF16_END")
     else:
-        label = "first/last layers in bf16" if selective else "every layer in FP4"
-        out["first_last_layers_bf16"] = Decision(selective, "default", f"{why}: {label}")
-    if not out["first_last_layers_bf16"].value:
-        return out
-    for dest, env_value, recipe_value, var in (
-        ("num_layers_at_start_in_bf16", env.fp4_bf16_start, start, "FP4_BF16_START"),
-        ("num_layers_at_end_in_bf16", env.fp4_bf16_end, end, "FP4_BF16_END"),
+        out["first_last_layers_bf16"] = defaults["first_last_layers_bf16"]
+    selection = out["first_last_layers_bf16"]
+    if not selection.value:
+        given = [f"--{d.replace('_', '-')}" for d in FP4_LAYER_DESTS[1:] if d in explicit]
+        given += [var for var, value in (("FP4_BF16_START", env.fp4_bf16_start), ("FP4_BF16_END", env.fp4_bf16_end))
+                  if value is not None]
+        if not given:
+            return out, []
+        return out, [Message(
+            "warning",
+            f"{' and '.join(given)} set, but FP4 selective bf16 is off ({selection.reason}): every layer trains "
+            "in FP4 and the counts are unused; set FP4_SELECTIVE_BF16=1 (or pass --first-last-layers-bf16) "
+            "to keep those layers in bf16",
+        )]
+    for dest, env_value, var in (
+        ("num_layers_at_start_in_bf16", env.fp4_bf16_start, "FP4_BF16_START"),
+        ("num_layers_at_end_in_bf16", env.fp4_bf16_end, "FP4_BF16_END"),
     ):
         if dest in explicit:
             out[dest] = Decision(explicit[dest], "cli", f"set on the command line (--{dest.replace('_', '-')})")
         elif env_value is not None:
             out[dest] = Decision(env_value, "env", f"{var}={env_value}")
         else:
-            out[dest] = Decision(recipe_value, "default", why)
+            out[dest] = defaults[dest]
     per_stage = _layers_per_stage(args)
-    if per_stage is not None:
-        for dest in FP4_LAYER_DESTS[1:]:
-            d = out[dest]
-            if d.source != "cli" and d.value > per_stage:
-                out[dest] = Decision(
-                    per_stage, "guard",
-                    f"{d.value} layers requested ({d.reason}) but a pipeline stage has only {per_stage}",
-                )
-    return out
+    if per_stage is None:
+        return out, []
+    for dest in FP4_LAYER_DESTS[1:]:
+        d = out[dest]
+        if d.value <= per_stage:
+            continue
+        if args.get("fp8") and d.source != "cli":
+            # TransformerConfig.__post_init__ bounds the counts by one pipeline stage, inside `if fp8`.
+            out[dest] = Decision(per_stage, "guard", (
+                f"{d.value} layers requested ({d.reason}), but with fp8 Megatron's TransformerConfig allows at "
+                f"most the {per_stage} layers of one pipeline stage"))
+        elif not args.get("fp8"):
+            out[dest] = Decision(d.value, d.source, (
+                f"{d.reason}; FP4 picks its bf16 layers by global layer number, so the count is not bounded by "
+                f"a pipeline stage's {per_stage} layers (Megatron bounds it only with fp8)"))
+    return out, []
 
 
 def _layers_per_stage(args: Mapping[str, Any]) -> int | None:
+    """Layers in one pipeline stage, as Megatron's fp8 rule counts them (num_layers // PP)."""
     layers = args.get("num_layers")
     if not isinstance(layers, int) or layers <= 0:
         return None
@@ -598,8 +621,8 @@ def decide(
     """
     stock = stock or {}
     decisions = {t.dest: _base(t.dest, explicit, env, stock) for t in TOGGLES}
-    decisions.update(_fp4_selection(args, explicit, env))
-    messages: list[Message] = []
+    fp4_decisions, messages = _fp4_selection(args, explicit, env, stock)
+    decisions.update(fp4_decisions)
     base = dict(decisions)
     overridden: dict[str, Message] = {}  # dest -> the warning that a cli/env value was overridden
     for guard in GUARDS:
@@ -640,6 +663,8 @@ def decide(
     messages.extend(_advice(args))
     tag = precision_tag(args)
     log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}
+    if env.tag_log_dir:
+        messages.extend(Message("warning", text) for text in log_dir_warnings(args, tag))
     fused = decisions["gradient_accumulation_fusion"].value
     wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else (
         "fallback" if caps.wgrad_fallback and env.wgrad_fallback else "missing"))

@@ -33,16 +33,43 @@ def precision_tag(args: Mapping[str, Any]) -> str:
     return "fp32"
 
 
+def _components(path: str) -> list[str]:
+    return [part for part in path.replace(os.sep, "/").split("/") if part]
+
+
 def tag_dir(path: str, tag: str) -> str:
-    """Append ``tag`` as the last component, unless it is already there (idempotent, so a
-    resumed run logs into the same directory)."""
-    trimmed = path.rstrip("/") or path
-    if os.path.basename(trimmed) == tag:
+    """``path`` with ``tag`` as its last component, unless ``tag`` is already one of its
+    components: a launch script may have tagged it itself (``.../bf16/<timestamp>``), and a
+    resumed run must log into the same directory. A path that carries only another precision's
+    tag gets the true tag appended (``mislabelled`` says which)."""
+    if tag in _components(path):
         return path
+    trimmed = path.rstrip("/") or path
     return os.path.join(trimmed, tag)
+
+
+def mislabelled(path: str, tag: str) -> str | None:
+    """The other known precision tag that ``path`` carries as a component while the run trains
+    in ``tag``, if any (the first one found)."""
+    parts = _components(path)
+    if tag in parts:
+        return None
+    return next((part for part in parts if part in TAGS and part != tag), None)
 
 
 def tagged_log_dirs(args: Mapping[str, Any], tag: str) -> dict[str, str]:
     """dest -> tagged directory, for the log directories that are set. ``save``/``load`` are
     deliberately absent: checkpoints must stay where resume finds them."""
     return {dest: tag_dir(str(args[dest]), tag) for dest in LOG_DIR_DESTS if args.get(dest)}
+
+
+def log_dir_warnings(args: Mapping[str, Any], tag: str) -> list[str]:
+    """One line per log directory whose path names another precision than the one in use."""
+    out = []
+    for dest in LOG_DIR_DESTS:
+        path = args.get(dest)
+        other = mislabelled(str(path), tag) if path else None
+        if other:
+            out.append(f"--{dest.replace('_', '-')} {path} names precision {other!r}, but this run trains in "
+                       f"{tag}: logging to {tag_dir(str(path), tag)} instead")
+    return out

@@ -172,8 +172,9 @@ TOGGLES: tuple[Toggle, ...] = (
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("MEGATRON_PERF_TOGGLES", "bool", "1",
-            "0 switches every plugin default off: Megatron's own defaults stand, the flags stay "
-            "registered and the guards still run."),
+            "0 switches every plugin default off (the FP4 layer selection by recipe too): Megatron's own "
+            "defaults stand, the flags stay registered, the guards still run, and variables that are set "
+            "still apply."),
     Setting("MEGATRON_PERF_TOGGLES_TAG_LOG_DIR", "bool", "1",
             "0 leaves --tensorboard-dir and --wandb-save-dir untagged."),
     Setting("MEGATRON_PERF_TOGGLES_ASSUME", "list", "",
@@ -189,11 +190,13 @@ SETTINGS: tuple[Setting, ...] = (
             "(a patched pretrain_gpt.py does so when given --extra-args-provider)."),
     Setting("FP4_SELECTIVE_BF16", "bool", "",
             "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
-            "(default by recipe: nvfp4 1, mxfp4 0)."),
+            "(default by recipe: nvfp4 1, mxfp4 0; with MEGATRON_PERF_TOGGLES=0, Megatron's own: 0)."),
     Setting("FP4_BF16_START", "int", "2",
-            "With FP4 selective bf16: how many layers at the start stay in bf16."),
+            "With FP4 selective bf16: how many layers at the start stay in bf16 (alone it does not switch "
+            "selection on)."),
     Setting("FP4_BF16_END", "int", "8",
-            "With FP4 selective bf16: how many layers at the end stay in bf16."),
+            "With FP4 selective bf16: how many layers at the end stay in bf16, counted over the whole "
+            "model, not per pipeline stage."),
 )
 
 BOOL_TRUE = ("1", "true", "yes", "on")

@@ -2,12 +2,14 @@
 
 The contract tests replay these facts as a parser, so the plugin's registration is checked
 against every supported version on any machine. Only facts are recorded: option strings, dest,
-action kind, default, choices, nargs and the group they live in; never help text or code.
+action kind, default, choices (enum members by name), nargs and the group they live in; never
+help text or code.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
 from pathlib import Path
@@ -31,6 +33,11 @@ _ACTION_KINDS = {
 
 
 def _jsonable(value: Any) -> Any:
+    """A JSON fact for an argparse value. Enum members become their names: that is what the
+    command line spells (Megatron's enum flags convert ``Enum[name]``), e.g. ``--attention-backend
+    fused``; the enum class is recorded once per action (``enum``)."""
+    if isinstance(value, enum.Enum):
+        return value.name
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
@@ -38,6 +45,14 @@ def _jsonable(value: Any) -> Any:
     if value is argparse.SUPPRESS:
         return "==SUPPRESS=="
     return {"repr_of_type": type(value).__name__}
+
+
+def _enum_name(action: argparse.Action) -> str | None:
+    """The enum class whose members are this action's choices or default, if any."""
+    for value in [*(action.choices or []), action.default]:
+        if isinstance(value, enum.Enum):
+            return type(value).__name__
+    return None
 
 
 def action_kind(action: argparse.Action) -> str:
@@ -54,19 +69,21 @@ def describe_parser(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
         for action in group._group_actions:
             if not action.option_strings:
                 continue
-            out.append(
-                {
-                    "group": group.title,
-                    "flags": list(action.option_strings),
-                    "dest": action.dest,
-                    "action": action_kind(action),
-                    "default": _jsonable(action.default),
-                    "choices": _jsonable(list(action.choices)) if action.choices else None,
-                    "nargs": _jsonable(action.nargs),
-                    "type": getattr(action.type, "__name__", None) if action.type else None,
-                    "const": _jsonable(action.const),
-                }
-            )
+            fact: dict[str, Any] = {
+                "group": group.title,
+                "flags": list(action.option_strings),
+                "dest": action.dest,
+                "action": action_kind(action),
+                "default": _jsonable(action.default),
+                "choices": _jsonable(list(action.choices)) if action.choices else None,
+                "nargs": _jsonable(action.nargs),
+                "type": getattr(action.type, "__name__", None) if action.type else None,
+                "const": _jsonable(action.const),
+            }
+            enum_name = _enum_name(action)
+            if enum_name:
+                fact["enum"] = enum_name
+            out.append(fact)
     return out
 
 

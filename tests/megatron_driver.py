@@ -34,10 +34,35 @@ def _clean_environ(extra: dict[str, str]) -> None:
 
 
 def run_case(case: dict, api: dict) -> dict:
+    saved_environ = dict(os.environ)
+    try:
+        return _run_case(case, api)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        _planned_te_version(None)
+
+
+def _planned_te_version(version: str | None) -> None:
+    """Let Megatron's own ``is_te_min_version`` checks see ``version`` (a machine with that
+    Transformer Engine, as MEGATRON_PERF_TOGGLES_ASSUME=te=... plans for the plugin); ``None``
+    goes back to detection."""
+    from megatron.core import utils
+
+    if version is None:
+        utils._te_version = None
+        return
+    from packaging.version import Version
+
+    utils._te_version = Version(version)
+
+
+def _run_case(case: dict, api: dict) -> dict:
     from megatron_perf_toggles import extra_args_provider
     from megatron_perf_toggles.registry import TOGGLES
 
     _clean_environ(case.get("env", {}))
+    _planned_te_version(case.get("te_version"))
     for path, text in case.get("files", {}).items():  # e.g. a checkpoint directory to resume from
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as fh:
@@ -80,6 +105,8 @@ def run_case(case: dict, api: dict) -> dict:
                 result["config_fused_single_qkv_rope"] = getattr(cfg, "fused_single_qkv_rope", None)
                 result["config_has_field"] = hasattr(cfg, "fused_single_qkv_rope")
                 result["config_cross_entropy_fusion_impl"] = getattr(cfg, "cross_entropy_fusion_impl", None)
+                result["config_fp4_layers"] = [cfg.first_last_layers_bf16, cfg.num_layers_at_start_in_bf16,
+                                               cfg.num_layers_at_end_in_bf16]
     except SystemExit as exc:
         result["exit"] = exc.code
     except Exception as exc:  # noqa: BLE001 - reported to the test, which decides

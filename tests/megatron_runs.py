@@ -283,6 +283,43 @@ def _drop_tree_modules(root: str) -> None:
             del sys.modules[name]
 
 
+def _plan_te_version(version: str | None) -> None:
+    """Let Megatron's own ``is_te_min_version`` see Transformer Engine ``version`` (validate_args
+    wants TE >= 2.7 for FP4): the machine the case plans for, as MEGATRON_PERF_TOGGLES_ASSUME
+    does for the plugin. ``None`` goes back to detection."""
+    if version is None and "megatron.core.utils" not in sys.modules:
+        return
+    from megatron_perf_toggles.megatron_env import megatron_importable
+
+    with megatron_importable():
+        from megatron.core import utils
+    if version is None:
+        utils._te_version = None
+        return
+    from packaging.version import Version
+
+    utils._te_version = Version(version)
+
+
+_ARCH_ORIGINAL: dict[str, Any] = {}
+
+
+def _plan_device_arch(major: int | None) -> None:
+    """Let validate_args see a GPU of compute-capability ``major`` where it asks for one (TP/CP > 1,
+    Megatron-FSDP): the machine the case plans for. ``None`` puts Megatron's function back."""
+    arguments = sys.modules.get("megatron.training.arguments")
+    if major is None:
+        if arguments is not None and "fn" in _ARCH_ORIGINAL:
+            arguments.get_device_arch_version = _ARCH_ORIGINAL.pop("fn")
+        return
+    from megatron_perf_toggles.megatron_env import megatron_importable
+
+    with megatron_importable():
+        from megatron.training import arguments
+    _ARCH_ORIGINAL.setdefault("fn", arguments.get_device_arch_version)
+    arguments.get_device_arch_version = lambda: major
+
+
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     from megatron_perf_toggles import hooks, run, safety_net
     from megatron_perf_toggles.megatron_env import megatron_importable
@@ -298,6 +335,8 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     sys.stdout, sys.stderr = out, err
     try:
+        _plan_te_version(case.get("te_version"))
+        _plan_device_arch(case.get("device_arch"))
         if case["mode"] == "launcher":
             code = run.main(case["argv"])
         else:  # as `python SCRIPT ARGS`
@@ -324,6 +363,8 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
                 sys.modules[name] = module  # type: ignore[assignment]
         hooks.uninstall()
         safety_net.NET.uninstall()
+        _plan_te_version(None)
+        _plan_device_arch(None)
     return {"name": case["name"], "code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,
             "seconds": round(time.perf_counter() - started, 2)}
 

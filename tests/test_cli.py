@@ -129,3 +129,28 @@ def test_explain_with_a_real_tree():
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(proc.stdout)
     assert str(tree.resolve()) in data["megatron"] and data["precision"] == "bf16"
+
+
+def test_explain_on_the_fork_surface_takes_an_enum_flag():
+    proc = run_cli("explain", "--megatron-version", "rocm_fork", "--json", "--", "--bf16", "--attention-backend",
+                   "fused", "--fp4-format", "e2m1", "--fp4-recipe", "mxfp4")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["precision"] == "mxfp4"
+
+
+@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: surface recording skipped")
+def test_recorded_surfaces_match_the_trees(tmp_path):
+    # The packaged surface of each tree is what `surface TREE` records from it now, enum choices
+    # included (by the names Megatron's own enum flags accept).
+    from megatron_perf_toggles import replay
+
+    for tree in megatron_trees():
+        if tree.name not in replay.available():
+            continue
+        out = tmp_path / f"{tree.name}.json"
+        proc = run_cli("surface", str(tree), "--out", str(out), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        fresh = json.loads(out.read_text())
+        assert fresh["actions"] == replay.load_surface(tree.name)["actions"], tree.name
+        backend = next(a for a in fresh["actions"] if a["dest"] == "attention_backend")
+        assert "fused" in backend["choices"] and backend["enum"] == "AttnBackend"

@@ -138,3 +138,22 @@ def test_upstream_rejects_mxfp4_recipe(name):
     _surface, parser = _installed(name)
     with pytest.raises(SystemExit):
         parser.parse_args([*BASE, "--fp4-format", "e2m1", "--fp4-recipe", "mxfp4"])
+
+
+# --- enum choices: recorded by name, as the command line spells them -------------------------------
+
+@pytest.mark.parametrize("name", SURFACES)
+def test_no_placeholder_values_in_recorded_choices(name):
+    for action in replay.load_surface(name)["actions"]:
+        for value in [*(action["choices"] or []), action["default"]]:
+            assert not isinstance(value, dict), (action["dest"], value)
+
+
+@pytest.mark.parametrize("name", SURFACES)
+def test_attention_backend_fused_parses(name):
+    # Every ROCm launch script passes --attention-backend fused (or --use-flash-attn).
+    _surface, parser = _installed(name)
+    args = parser.parse_args([*BASE, "--attention-backend", "fused"])
+    assert args.attention_backend == "fused"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*BASE, "--attention-backend", "fastest"])

@@ -148,21 +148,65 @@ def test_explicit_selective_still_gets_layer_counts(env):
     assert got == {"num_layers_at_start_in_bf16": (4, "env"), "num_layers_at_end_in_bf16": (8, "default")}
 
 
-def test_cli_layer_counts_imply_selective_bf16():
+def _fp4(plan):
+    return tuple(plan.decisions[k].value if k in plan.decisions else None for k in
+                 ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"))
+
+
+def test_cli_layer_counts_alone_do_not_switch_selection_on():
+    # Megatron reads the counts only with --first-last-layers-bf16: the user's flags stay as given.
     plan = run(args=MXFP4, explicit={"num_layers_at_start_in_bf16": 3})
-    assert plan.decisions["first_last_layers_bf16"].value is True
-    assert plan.decisions["first_last_layers_bf16"].source == "cli"
-    assert plan.decisions["num_layers_at_start_in_bf16"].value == 3
+    assert plan.decisions["first_last_layers_bf16"].value is False
+    assert plan.decisions["first_last_layers_bf16"].source == "default"
+    assert "num_layers_at_start_in_bf16" not in plan.decisions
+    [warning] = [m for m in plan.messages if "FP4" in m.text]
+    assert "--num-layers-at-start-in-bf16" in warning.text and "FP4_SELECTIVE_BF16=1" in warning.text
+    by_recipe = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4"}, explicit={"num_layers_at_end_in_bf16": 3})
+    assert _fp4(by_recipe) == (True, 2, 3) and by_recipe.messages == []
+
+
+def test_env_layer_counts_alone_do_not_switch_selection_on(env):
+    plan = run(args=MXFP4, env_settings=env(FP4_BF16_START=4))
+    assert _fp4(plan) == (False, None, None)
+    [warning] = plan.messages
+    assert warning.level == "warning"
+    assert "FP4_BF16_START" in warning.text and "FP4_SELECTIVE_BF16=1" in warning.text
+    assert run(args=MXFP4).messages == []
 
 
 def test_fp4_selection_only_with_fp4():
     assert "first_last_layers_bf16" not in run().decisions
 
 
-def test_fp4_bf16_counts_clamped_to_a_pipeline_stage():
-    plan = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4", "num_layers": 4})
+@pytest.mark.parametrize("layers, pp", [(4, 1), (32, 8), (2, 1)])
+def test_fp4_bf16_counts_not_bounded_by_a_pipeline_stage(layers, pp):
+    # FP4 picks its bf16 layers by global layer number; Megatron bounds the counts only under fp8.
+    plan = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4", "num_layers": layers, "pipeline_model_parallel_size": pp})
+    assert _fp4(plan) == (True, 2, 8)
+    d = plan.decisions["num_layers_at_end_in_bf16"]
+    assert d.source == "default" and "global layer number" in d.reason
+    within = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4", "num_layers": 32})
+    assert within.decisions["num_layers_at_end_in_bf16"].reason == "nvfp4 recipe default"
+
+
+def test_fp4_bf16_counts_clamped_where_megatrons_fp8_rule_applies():
+    plan = run(args={"fp4": "e2m1", "fp4_recipe": "nvfp4", "fp8": "e4m3", "num_layers": 4})
     d = plan.decisions["num_layers_at_end_in_bf16"]
     assert (d.value, d.source) == (4, "guard")
+    assert "fp8" in d.reason and "TransformerConfig" in d.reason
+
+
+def test_fp4_selection_with_the_master_switch_off_keeps_megatrons_values(env):
+    stock = {"first_last_layers_bf16": False, "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1}
+    nvfp4 = {"fp4": "e2m1", "fp4_recipe": "nvfp4"}
+    plan = run(args=nvfp4, env_settings=env(MEGATRON_PERF_TOGGLES=0), stock=stock)
+    assert _fp4(plan) == (False, None, None)
+    assert "MEGATRON_PERF_TOGGLES=0" in plan.decisions["first_last_layers_bf16"].reason
+    # The FP4_* variables are set by the user, like a toggle's variable: they still apply.
+    chosen = run(args=nvfp4, env_settings=env(MEGATRON_PERF_TOGGLES=0, FP4_SELECTIVE_BF16=1, FP4_BF16_END=6),
+                 stock=stock)
+    assert _fp4(chosen) == (True, 1, 6)
+    assert chosen.decisions["num_layers_at_start_in_bf16"].source == "default"
 
 
 # --- downgrades ---------------------------------------------------------------------------------
@@ -560,3 +604,21 @@ def test_explicit_te_impl_without_te_backs_the_fusion_default_off():
         == (False, "guard")
     with pytest.raises(CannotHonourError, match="--cross-entropy-fusion-impl te"):
         run(explicit={"cross_entropy_fusion_impl": "te", "cross_entropy_loss_fusion": True}, caps=caps)
+
+
+# --- log directories ----------------------------------------------------------------------------
+
+
+def test_log_dir_tagged_by_a_script_keeps_its_path():
+    plan = run(args={"tensorboard_dir": "exp/run/bf16/2025-01-01_00-00-00"})
+    assert plan.log_dirs == {"tensorboard_dir": "exp/run/bf16/2025-01-01_00-00-00"}
+    assert plan.messages == []
+
+
+def test_mislabelled_log_dir_is_warned_and_tagged_with_the_true_precision(env):
+    args = {"fp8": "e4m3", "fp8_recipe": "tensorwise", "tensorboard_dir": "exp/run/bf16/ts"}
+    plan = run(args=args)
+    assert plan.log_dirs == {"tensorboard_dir": "exp/run/bf16/ts/fp8_tensorwise"}
+    assert [m.level for m in plan.messages] == ["warning"] and "'bf16'" in plan.messages[0].text
+    untagged = run(args=args, env_settings=env(MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0))
+    assert untagged.log_dirs == {} and untagged.messages == []

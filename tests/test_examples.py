@@ -21,41 +21,47 @@ def run(env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
                           env={**base, "PYTHON": sys.executable, **env})
 
 
-@pytest.mark.parametrize("precision, words", [
-    ("bf16", []),
-    ("fp8", ["--fp8-format hybrid", "--fp8-recipe delayed"]),
-    ("fp8_tensorwise", ["--fp8-recipe tensorwise"]),
-    ("mxfp8", ["--fp8-recipe mxfp8"]),
-    ("nvfp4", ["--fp4-format e2m1", "--fp4-recipe nvfp4"]),
-    ("mxfp4", ["--fp4-recipe mxfp4"]),
+@pytest.mark.parametrize("env, words", [
+    ({}, []),
+    ({"TE_FP8": "1"}, ["--fp8-recipe delayed", "--fp8-format hybrid"]),
+    ({"TE_FP8": "1", "TE_FP8_RECIPE": "tensorwise"}, ["--fp8-recipe tensorwise"]),
+    ({"TE_FP8": "1", "TE_FP8_RECIPE": "mxfp8"}, ["--fp8-recipe mxfp8", "--fp8-format e4m3"]),
+    ({"TE_FP4": "1"}, ["--fp4-format e2m1", "--fp4-recipe nvfp4"]),
+    ({"TE_FP4": "1", "TE_FP4_RECIPE": "mxfp4"}, ["--fp4-recipe mxfp4"]),
 ])
 @pytest.mark.parametrize("size, layers", [("8", "32"), ("70", "80")])
-def test_printed_command_goes_through_the_launcher(precision, words, size, layers):
-    proc = run({"MEGATRON_LM": "/opt/Megatron-LM", "PRINT_ONLY": "1", "PRECISION": precision, "MODEL_SIZE": size})
+def test_printed_command_goes_through_the_launcher(env, words, size, layers):
+    proc = run({"MEGATRON_LM": "/opt/Megatron-LM", "PRINT_ONLY": "1", "MODEL_SIZE": size, "GPUS_PER_NODE": "8", **env})
     assert proc.returncode == 0, proc.stderr
     cmd = proc.stdout
-    assert cmd.startswith("torchrun --nproc-per-node 8") and "-m megatron_perf_toggles.run /opt/Megatron-LM/pretrain_gpt.py" in cmd
+    assert cmd.startswith("torchrun --nproc_per_node 8") and "-m megatron_perf_toggles.run /opt/Megatron-LM/pretrain_gpt.py" in cmd
     assert f"--num-layers {layers}" in cmd
     for w in words:
         assert w in cmd
+    for toggle_flag in ("--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--fused-single-qkv-rope"):
+        assert toggle_flag not in cmd  # the plugin decides the toggles from their variables
 
 
 @pytest.mark.parametrize("env, words", [
     ({"MODEL_SIZE": "13"}, "MODEL_SIZE must be 8 or 70"),
-    ({"PRECISION": "int4"}, "PRECISION must be bf16"),
+    ({"TE_FP8": "1", "TE_FP8_RECIPE": "int4"}, "TE_FP8_RECIPE must be"),
+    ({"TE_FP4": "1", "TE_FP4_RECIPE": "int4"}, "TE_FP4_RECIPE must be"),
+    ({"TE_FP8": "yes"}, "TE_FP8 must be 0 or 1"),
+    ({"TE_FP8": "1", "TE_FP4": "1"}, "choose one precision"),
 ])
 def test_bad_choices_are_one_line_exit_2(env, words):
-    proc = run({"MEGATRON_LM": "/opt/Megatron-LM", "PRINT_ONLY": "1", **env})
+    proc = run({"MEGATRON_LM": "/opt/Megatron-LM", "PRINT_ONLY": "1", "GPUS_PER_NODE": "8", **env})
     assert proc.returncode == 2 and words in proc.stderr
 
 
 @pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: example dry runs skipped")
-@pytest.mark.parametrize("size, precision, tag", [("8", "fp8", "fp8"), ("70", "bf16", "bf16")])
-def test_dry_run_on_the_newest_tree(size, precision, tag):
+@pytest.mark.parametrize("env, tag", [({"MODEL_SIZE": "8", "TE_FP8": "1"}, "fp8"), ({"MODEL_SIZE": "70"}, "bf16")])
+def test_dry_run_on_the_newest_tree(env, tag):
     tree = megatron_trees()[-1]
-    proc = run({"MEGATRON_LM": str(tree), "PYTHONPATH": str(REPO), "DRY_RUN": "1", "MODEL_SIZE": size,
-                "PRECISION": precision, "NUM_LAYERS": "2", "MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20.2,cuda"})
+    proc = run({"MEGATRON_LM": str(tree), "PYTHONPATH": str(REPO), "DRY_RUN": "1", "TP": "1", "GPUS_PER_NODE": "8",
+                "TIME_STAMP": "ts", "MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20.2,cuda", **env})
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads(proc.stdout)
-    assert record["precision"] == tag and record["log_dirs"]["tensorboard_dir"].endswith(f"/tensorboard/{tag}")
+    # The example's default LOG_DIR carries the tag already: the plugin keeps it as it is.
+    assert record["precision"] == tag and record["log_dirs"]["tensorboard_dir"].endswith(f"/{tag}/ts")
     assert record["decisions"]["grad_reduce_in_bf16"]["value"] is True

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set:
 
 CAPABLE = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20"}
 BF16 = ["--bf16"]
+NVFP4 = ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]
 
 
 GPU_TE = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.12,cuda"}
@@ -91,9 +92,21 @@ def _cases(tmp: str, tree: Path) -> list[dict]:
         {"id": "resume", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/tbr/bf16", "--save", f"{tmp}/ck",
                                   "--load", f"{tmp}/ck", "--save-interval", "1"], "env": CAPABLE},
         *_resume_cases(tmp),
-        {"id": "nvfp4", "argv": [*BF16, "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"], "env": CAPABLE,
-         # validate_args wants TE >= 2.7 for FP4, which a CPU test machine lacks: parse only.
-         "validate": False},
+        # validate_args wants TE >= 2.7 for FP4: these cases plan for a machine with TE 2.8, for
+        # Megatron's checks as for the plugin's (CAPABLE), and build the TransformerConfig.
+        {"id": "nvfp4", "argv": [*BF16, *NVFP4], "env": CAPABLE, "te_version": "2.8.0"},
+        {"id": "nvfp4_pp8", "argv": [*BF16, *NVFP4, "--num-layers", "32", "--pipeline-model-parallel-size", "8"],
+         "env": {**CAPABLE, "WORLD_SIZE": "8"}, "te_version": "2.8.0"},
+        {"id": "nvfp4_plugin_off", "argv": [*BF16, *NVFP4], "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES": "0"},
+         "te_version": "2.8.0"},
+        {"id": "nvfp4_plugin_off_fp4_env", "argv": [*BF16, *NVFP4], "te_version": "2.8.0",
+         "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES": "0", "FP4_SELECTIVE_BF16": "1", "FP4_BF16_END": "3"}},
+        {"id": "nvfp4_plugin_off_counts", "argv": [*BF16, *NVFP4], "te_version": "2.8.0",
+         "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES": "0", "FP4_BF16_START": "3"}},
+        {"id": "tag_by_script", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/exp/bf16/2025-01-01_00-00-00"],
+         "env": CAPABLE},
+        {"id": "tag_mislabelled", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/exp/fp8/2025-01-01_00-00-00"],
+         "env": CAPABLE},
     ]
     cases.append({"id": "wgrad_sites", "kind": "wgrad_sites"})
     for t in TOGGLES:
@@ -272,16 +285,54 @@ def test_tagging_can_be_turned_off_and_resume_is_not_double_tagged(tree):
     assert v["tensorboard_dir"].endswith("/tbr/bf16") and v["save"].endswith("/ck") and v["load"].endswith("/ck")
 
 
-def test_nvfp4_layer_selection(tree):
+def _fp4_case(tree, case: str) -> dict:
     _path, version, by_id = tree
     if version < (0, 15):
-        pytest.skip("FP4 flags arrived in core 0.15")
-    r = by_id["nvfp4"]
-    assert r.get("parsed") and "error" not in r and "exit" not in r, r
+        pytest.skip(f"core {'.'.join(map(str, version))} has no --fp4-format (FP4 arrived in core 0.15)")
+    return ok(by_id[case])
+
+
+def _fp4_layers(r: dict) -> tuple:
     v = r["values"]
-    assert v["first_last_layers_bf16"] is True and v["num_layers_at_start_in_bf16"] == 2
-    assert v["num_layers_at_end_in_bf16"] == 4  # the recipe's 8, clamped to this 4-layer model
+    return v["first_last_layers_bf16"], v["num_layers_at_start_in_bf16"], v["num_layers_at_end_in_bf16"]
+
+
+@pytest.mark.parametrize("case", ["nvfp4", "nvfp4_pp8"])
+def test_nvfp4_keeps_first_2_and_last_8_layers_in_bf16(tree, case):
+    # As the originating launch script passes them: FP4 picks bf16 layers by global layer number,
+    # and Megatron bounds the counts per pipeline stage only under fp8, so its TransformerConfig
+    # accepts 8 on a 4-layer model and on 32 layers in 8 stages of 4.
+    r = _fp4_case(tree, case)
+    assert _fp4_layers(r) == (True, 2, 8)
+    assert r["config_fp4_layers"] == [True, 2, 8]
+    assert r["perf_toggles"]["num_layers_at_end_in_bf16"]["source"] == "default"
     assert r["precision"] == "nvfp4"
+
+
+def test_fp4_selection_with_the_master_switch_off_keeps_megatrons_values(tree):
+    r = _fp4_case(tree, "nvfp4_plugin_off")
+    assert _fp4_layers(r) == (False, 1, 1) and r["config_fp4_layers"] == [False, 1, 1]
+    assert "MEGATRON_PERF_TOGGLES=0" in r["perf_toggles"]["first_last_layers_bf16"]["reason"]
+    chosen = _fp4_case(tree, "nvfp4_plugin_off_fp4_env")  # the user's FP4_* variables still apply
+    assert _fp4_layers(chosen) == (True, 1, 3) and chosen["config_fp4_layers"] == [True, 1, 3]
+
+
+def test_fp4_counts_alone_do_not_switch_selection_on(tree):
+    r = _fp4_case(tree, "nvfp4_plugin_off_counts")
+    assert _fp4_layers(r) == (False, 1, 1)
+    assert "[perf-toggles] warning: FP4_BF16_START set" in r["stdout"] and "FP4_SELECTIVE_BF16=1" in r["stdout"]
+
+
+def test_a_log_dir_tagged_by_a_script_is_not_tagged_again(tree):
+    r = ok(tree[2]["tag_by_script"])
+    assert r["values"]["tensorboard_dir"].endswith("/exp/bf16/2025-01-01_00-00-00")
+    assert "warning: --tensorboard-dir" not in r["stdout"]
+
+
+def test_a_mislabelled_log_dir_is_warned_and_tagged(tree):
+    r = ok(tree[2]["tag_mislabelled"])
+    assert r["values"]["tensorboard_dir"].endswith("/exp/fp8/2025-01-01_00-00-00/bf16")
+    assert "[perf-toggles] warning: --tensorboard-dir" in r["stdout"] and "'fp8'" in r["stdout"]
 
 
 @pytest.mark.parametrize("t", TOGGLES, ids=lambda t: t.dest)

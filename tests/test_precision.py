@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_perf_toggles.precision import precision_tag, tag_dir, tagged_log_dirs
+from megatron_perf_toggles.precision import log_dir_warnings, mislabelled, precision_tag, tag_dir, tagged_log_dirs
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,23 @@ def test_tag_dir_is_idempotent(path, expected):
 def test_only_log_dirs_are_tagged_never_checkpoints():
     args = {"tensorboard_dir": "/tb", "wandb_save_dir": None, "save": "/ck", "load": "/ck"}
     assert tagged_log_dirs(args, "fp8") == {"tensorboard_dir": "/tb/fp8"}
+
+
+@pytest.mark.parametrize("path", ["/exp/run/bf16/2024-01-01_00-00-00", "exp/bf16/ts/", "/bf16"])
+def test_a_path_already_tagged_by_a_script_is_not_tagged_again(path):
+    assert tag_dir(path, "bf16") == path
+    assert mislabelled(path, "bf16") is None
+    assert log_dir_warnings({"tensorboard_dir": path}, "bf16") == []
+
+
+def test_a_path_tagged_with_another_precision_is_mislabelled():
+    path = "/exp/run/fp8/2024-01-01_00-00-00"
+    assert mislabelled(path, "nvfp4") == "fp8"
+    assert tag_dir(path, "nvfp4") == path + "/nvfp4"
+    [line] = log_dir_warnings({"tensorboard_dir": path, "wandb_save_dir": "/wb"}, "nvfp4")
+    assert "--tensorboard-dir" in line and "'fp8'" in line and "nvfp4" in line and path + "/nvfp4" in line
+
+
+def test_tag_names_inside_a_component_are_not_tags():
+    assert mislabelled("/exp/bf16_run", "fp8") is None
+    assert tag_dir("/exp/bf16_run", "fp8") == "/exp/bf16_run/fp8"
