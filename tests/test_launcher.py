@@ -17,6 +17,7 @@ from pathlib import Path
 
 import megatron_runs as runs
 import pytest
+from example_layouts import all_layouts
 
 from megatron_perf_toggles import chain_providers, extra_args_provider, hooks
 from megatron_perf_toggles.errors import PerfTogglesError
@@ -421,3 +422,25 @@ def test_real_chaining_with_the_scripts_own_provider(tree: str, style: str) -> N
     assert _names(payload).count(PLUGIN) == 1
     assert payload["args_defaults"] == {"tokenizer_type": "NullTokenizer", "standin_default": "from-args-defaults"}
     assert set(payload["decisions"]) >= {t.dest for t in TOGGLES}
+
+
+# --- NVIDIA's example layouts, planned from a machine without their GPUs ---------------------------
+
+
+LAYOUTS = {layout.name: layout for layout in all_layouts("/unused")}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_real_example_layout_dry_run_with_world_size(tree: str, name: str) -> None:
+    layout = LAYOUTS[name]
+    result = runs.results(tree)[f"layout:{name}"]
+    payload = runs.payload(result)
+    args = payload["effective_args"]
+    # Megatron itself worked these out from the planned world: TP x PP x DP = world size.
+    assert args["world_size"] == layout.world_size
+    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == (layout.tp, layout.pp)
+    assert args["data_parallel_size"] == layout.world_size // (layout.tp * layout.pp)
+    assert payload["target"]["world_size"] == layout.world_size
+    assert payload["target"]["gpu"]["vendor"] in ("cuda", "rocm")  # planned: this machine has none or one
+    assert result["stand_ins_undone"], "a stand-in outlived the dry run"
