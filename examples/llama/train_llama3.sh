@@ -10,7 +10,10 @@
 #              Blackwell-class or MI355X hardware)
 # NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE   torchrun topology (defaults: one node)
 # TP, PP, MBS, GBS, SEQ_LEN, TRAIN_ITERS, DATA_PATH, TOKENIZER_MODEL, LOG_DIR, CKPT_DIR
-# DRY_RUN=1    stop after Megatron's parse and validate and print the toggles' decisions as JSON
+# DRY_RUN=1    stop after Megatron's parse and validate and print the toggles' decisions as JSON; runs
+#              on any machine, planning for NNODES x GPUS_PER_NODE ranks and the GPU named by GPU
+#              (h100, h200, b200, mi300x, mi355x, or an arch such as sm_90 / gfx942; default: the
+#              visible one)
 # PRINT_ONLY=1 print the command instead of running it
 set -euo pipefail
 
@@ -80,11 +83,12 @@ fi
 
 LAUNCH=(torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
         --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+PLAN=()
 if [ "${DRY_RUN:-0}" = 1 ]; then
   LAUNCH=("${PYTHON:-python3}")   # a dry run parses and validates once, on any machine
-  export MEGATRON_PERF_TOGGLES_DRY_RUN=1
+  PLAN=(--dry-run --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" ${GPU:+--gpu "$GPU"})
 fi
-CMD=("${LAUNCH[@]}" -m megatron_perf_toggles.run "$MEGATRON_LM/pretrain_gpt.py" "${GPT_ARGS[@]}" "${EXTRA_ARGS[@]}")
+CMD=("${LAUNCH[@]}" -m megatron_perf_toggles.run "${PLAN[@]}" "$MEGATRON_LM/pretrain_gpt.py" "${GPT_ARGS[@]}" "${EXTRA_ARGS[@]}")
 export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
