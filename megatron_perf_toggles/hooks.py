@@ -36,6 +36,7 @@ from . import provider as plugin
 from . import target as planned
 from .env import parse_bool
 from .errors import PerfTogglesError, fail
+from .megatron_env import import_failure
 from .registry import TOGGLES
 
 Provider = plugin.Provider
@@ -57,6 +58,10 @@ class ProviderSpecError(PerfTogglesError):
 
 class MegatronImportError(PerfTogglesError):
     """Megatron-LM's ``megatron.training`` cannot be imported."""
+
+
+class MegatronRejectedError(PerfTogglesError):
+    """A dry run's command line that Megatron's own validate_args refuses."""
 
 
 class HookError(PerfTogglesError):
@@ -233,14 +238,15 @@ def import_megatron() -> tuple[types.ModuleType, ...]:
         raise MegatronImportError(f"importing megatron.training.arguments failed: {error}",
                                   "install Megatron-LM's requirements") from None
     except Exception as error:  # noqa: BLE001 - a broken checkout is one clear line
-        raise MegatronImportError(f"importing megatron.training.arguments failed: "
-                                  f"{type(error).__name__}: {error}") from None
+        what, hint = import_failure(error)
+        raise MegatronImportError(f"importing megatron.training.arguments failed: {what}", hint) from None
     modules = [arguments]
     for name in ("megatron.training.initialize", "megatron.training.training"):
         try:
             modules.append(importlib.import_module(name))
         except Exception as error:  # noqa: BLE001
-            raise MegatronImportError(f"importing {name} failed: {type(error).__name__}: {error}") from None
+            what, hint = import_failure(error)
+            raise MegatronImportError(f"importing {name} failed: {what}", hint) from None
     return tuple(modules)
 
 
@@ -504,12 +510,18 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
             notes.append(f"{via} was given parsed_args: they were validated, not parsed again")
         if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args"):
             notes.append("--use-checkpoint-args: a dry run does not load arguments from the checkpoint")
-        if getattr(args, "yaml_cfg", None) is not None:
-            from megatron.training.yaml_arguments import validate_yaml
+        try:
+            if getattr(args, "yaml_cfg", None) is not None:
+                from megatron.training.yaml_arguments import validate_yaml
 
-            args = validate_yaml(args, args_defaults)
-        else:
-            arguments.validate_args(args, args_defaults)
+                args = validate_yaml(args, args_defaults)
+            else:
+                arguments.validate_args(args, args_defaults)
+        except (AssertionError, ValueError, RuntimeError, TypeError, KeyError) as error:
+            # Megatron refusing the command line is the answer a dry run exists to give: one line.
+            raise MegatronRejectedError(f"Megatron's validate_args rejects this command line for "
+                                        f"{planned.describe(hooks.target)}: {type(error).__name__}: "
+                                        f"{' '.join(str(error).split())}") from None
     payload = dry_run_record(hooks, args, args_defaults, via, notes)
     payload["target"] = {**(hooks.target or planned.Target()).to_record(),
                          "summary": planned.describe(hooks.target)}

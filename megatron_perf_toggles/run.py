@@ -152,6 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except PerfTogglesError as error:
         return _report(error)
+    except Exception as error:
+        if not dry_run:
+            raise  # a real run's failure keeps its traceback
+        from .megatron_env import import_failure
+
+        what, hint = import_failure(error)  # e.g. a tree that builds GPU code at import, on a GPU-less torch
+        return _report(PerfTogglesError(f"{ns.script} failed before Megatron parsed its arguments: {what}", hint))
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
