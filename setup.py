@@ -36,9 +36,10 @@ setup(
     install_requires=[],
     extras_require={
         "test": ["pytest>=7", "ruff>=0.4"],
-        # What parsing a real Megatron-LM tree needs on a CPU-only machine (real-Megatron tests).
-        "megatron-cpu": ["torch", "numpy", "packaging", "six", "regex", "pyyaml", "pydantic",
-                         "typing_extensions"],
+        # What Megatron-LM's parse_args + validate_args + TransformerConfig import on a CPU-only
+        # machine, core 0.13 to main (pydantic from 0.16), next to torch. torch is not listed: a
+        # plain "torch" from PyPI is a multi-GB CUDA build; install PyTorch's CPU build first (README).
+        "megatron-cpu": ["numpy", "packaging", "six", "regex", "pyyaml", "pydantic"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["megatron-perf-toggles=megatron_perf_toggles.cli:main"]},

@@ -54,6 +54,7 @@ class Capabilities:
     torch_version: str | None = None
     device: str | None = None  # "cuda", "rocm" or "cpu"; None when torch is absent
     gpu_arch: str | None = None
+    gpu_source: str | None = None  # "detected", or what a dry run planned for ("--gpu h100", ...)
     assumed: tuple[str, ...] = ()  # capability names that came from MEGATRON_PERF_TOGGLES_ASSUME
     notes: dict[str, str] = field(default_factory=dict)  # capability -> why it is missing
 
@@ -178,12 +179,19 @@ def _detect_torch(deep: bool) -> dict[str, Any]:
     version = getattr(torch, "version", None)
     device = "rocm" if getattr(version, "hip", None) else ("cuda" if getattr(version, "cuda", None) else "cpu")
     out: dict[str, Any] = {"torch_version": getattr(torch, "__version__", None), "device": device}
+    from .target import active
+
+    planned = active()
+    if planned is not None and planned.gpu is not None:  # a dry run's planned GPU (target.py)
+        out.update(device=planned.gpu.vendor, gpu_arch=planned.gpu.arch, gpu_source=planned.gpu_source)
+        return out
     if deep:
         try:
             if torch.cuda.is_available():
                 props = torch.cuda.get_device_properties(0)
                 arch = getattr(props, "gcnArchName", None)
                 out["gpu_arch"] = arch or f"sm_{props.major}{props.minor}"
+                out["gpu_source"] = "detected"
         except Exception:  # noqa: BLE001
             pass
     return out
@@ -238,16 +246,27 @@ def detect(deep: bool = False) -> Capabilities:
     )
 
 
+# What ``none`` plans for: none of the packages the guards ask about.
+ASSUME_NONE: dict[str, Any] = {
+    "apex_fused_wgrad": False,
+    "wgrad_fallback": False,
+    "te_version": None,
+    "te_fused_qkv_rope": False,
+    "te_cross_entropy": False,
+    "aiter_version": None,
+}
+# The notes (reasons a capability is missing) that an assumed value makes stale.
+_NOTES_OF = {
+    "apex_fused_wgrad": ("apex_fused_wgrad",), "wgrad_fallback": ("wgrad_fallback",),
+    "te_version": ("te", "te_fused_qkv_rope", "te_cross_entropy"), "te_fused_qkv_rope": ("te_fused_qkv_rope",),
+    "te_cross_entropy": ("te_cross_entropy",), "aiter_version": ("aiter",),
+}
+
+
 def parse_assume(spec: str) -> dict[str, Any]:
-    """``apex,te=2.8,rocm`` -> capability overrides. Unknown names are an AssumeError."""
-    out: dict[str, Any] = {
-        "apex_fused_wgrad": False,
-        "wgrad_fallback": False,
-        "te_version": None,
-        "te_fused_qkv_rope": False,
-        "te_cross_entropy": False,
-        "aiter_version": None,
-    }
+    """``apex,te=2.8,rocm`` -> the capabilities it names, and only those (``none``: no packages).
+    Unknown names are an AssumeError."""
+    out: dict[str, Any] = {}
     for raw in spec.split(","):
         item = raw.strip()
         if not item:
@@ -262,7 +281,7 @@ def parse_assume(spec: str) -> dict[str, Any]:
             out["device"] = name
             out["wgrad_fallback"] = True  # a GPU with a current torch: the stand-in can run
         elif name == "none" and not value:
-            continue
+            out.update(ASSUME_NONE)
         elif name == "te":
             vt = version_tuple(value.strip())
             if not vt:
@@ -279,12 +298,26 @@ def parse_assume(spec: str) -> dict[str, Any]:
     return out
 
 
+def assumed_device(spec: str | None = None) -> str | None:
+    """``cuda`` or ``rocm`` where MEGATRON_PERF_TOGGLES_ASSUME names one (a bad spelling: None;
+    the provider reports it)."""
+    import os
+
+    spec = os.environ.get("MEGATRON_PERF_TOGGLES_ASSUME") if spec is None else spec
+    try:
+        return parse_assume(spec).get("device") if spec else None
+    except AssumeError:
+        return None
+
+
 def with_assumptions(caps: Capabilities, spec: str | None) -> Capabilities:
-    """Replace detected packages with planned ones; Megatron facts stay as detected."""
+    """Replace what ``spec`` names, and only that; the rest (Megatron facts included) stays as detected."""
     if not spec:
         return caps
     overrides = parse_assume(spec)
-    return replace(caps, **overrides, assumed=tuple(sorted(overrides)), notes={})
+    stale = {note for name in overrides for note in _NOTES_OF.get(name, ())}
+    notes = {k: v for k, v in caps.notes.items() if k not in stale}
+    return replace(caps, **overrides, assumed=tuple(sorted({*caps.assumed, *overrides})), notes=notes)
 
 
 def resolve(spec: str | None, deep: bool = False) -> Capabilities:

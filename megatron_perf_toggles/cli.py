@@ -14,6 +14,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from . import __version__, provenance, replay
+from . import target as planned
 from .capabilities import (
     Capabilities,
     MegatronFacts,
@@ -26,7 +27,7 @@ from .capabilities import (
 from .decide import Plan, decide
 from .embedded import LLAMA3_8B_BF16
 from .env import read_env
-from .errors import PerfTogglesError, fail
+from .errors import OneLineArgumentParser, PerfTogglesError, fail
 from .provenance import format_value
 from .registry import SETTINGS, TOGGLES
 
@@ -50,40 +51,73 @@ def _cannot_import(tree: str | None, error: ImportError) -> PerfTogglesError:
     )
 
 
-def _real_parser(tree: str | None) -> tuple[argparse.ArgumentParser, Capabilities, str]:
-    from .megatron_env import megatron_importable
-    from .surface import megatron_parser
+def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None,
+                  ) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
+    """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (hooks.py): the same
+    providers, parse, validate_args, planned world and GPU; the record is handed back, not printed."""
+    import contextlib
+    import io
+    import runpy
+    from pathlib import Path
 
+    from . import hooks
+    from .megatron_env import megatron_importable
+    from .provider import extra_args_provider
+
+    root = Path(tree)
+    script = root / "pretrain_gpt.py"
+    if not (root / "megatron" / "training" / "arguments.py").is_file() or not script.is_file():
+        raise PerfTogglesError(f"{tree} is not a Megatron-LM checkout (no pretrain_gpt.py and "
+                               "megatron/training/arguments.py there)", "pass --megatron /path/to/Megatron-LM")
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    chatter = io.StringIO()  # Megatron's own printing and warnings; the explanation is ours
     try:
-        with megatron_importable(tree):
-            parser = megatron_parser()
-    except ImportError as error:
-        raise _cannot_import(tree, error) from None
-    facts = megatron_facts()
-    return parser, replace(detect(), megatron=facts), f"Megatron-LM {facts.version} at {facts.path}"
+        with megatron_importable(tree), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            installed = hooks.install([extra_args_provider], dry_run=True, target=target, capture=True)
+            sys.argv = [str(script), *megatron_args]
+            sys.path.insert(0, str(script.resolve().parent))
+            runpy.run_path(str(script), run_name="__main__")
+    except hooks.DryRunDone as done:
+        state = hooks._state(installed)
+        caps = state.last_caps if state is not None else None
+        if done.plan is None or caps is None:
+            raise PerfTogglesError(f"{script} did not reach the plugin", "is it Megatron's pretrain_gpt.py?") from None
+        label = f"Megatron-LM {caps.megatron.version} at {caps.megatron.path} (its pretrain_gpt.py, parse and validate)"
+        return done.plan, caps, label, done.payload["effective_args"]
+    except SystemExit as done:  # Megatron's argparse refused the command line (its message is the last line)
+        said = [line for line in chatter.getvalue().splitlines() if line.strip()]
+        raise PerfTogglesError(f"Megatron's parser: {said[-1] if said else f'exit {done.code}'}") from None
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        hooks.uninstall()
+    raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments")
 
 
 def plan_command_line(
     megatron_args: Sequence[str], tree: str | None = None, surface: str | None = None,
-    environ: dict[str, str] | None = None,
+    environ: dict[str, str] | None = None, target: planned.Target | None = None,
 ) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
-    """Parse ``megatron_args`` with the plugin installed, without announcing or writing anything."""
+    """Decide the toggles for ``megatron_args`` without announcing or writing anything.
+
+    With ``tree``: the launcher's dry run of its pretrain_gpt.py. Without: the recorded surface,
+    with the same capability detection as that dry run (torch and TE imported where installed)."""
     from .provider import install
 
-    environ = dict(os.environ if environ is None else environ)
     if tree:
-        parser, caps, label = _real_parser(tree)
-    else:
-        name = surface or DEFAULT_SURFACE
-        try:
-            recorded = replay.load_surface(name)
-        except KeyError as error:
-            raise PerfTogglesError(str(error.args[0])) from None
-        parser = replay.build_parser(recorded)
-        caps = replace(detect(), megatron=megatron_facts_from_surface(recorded))
-        label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
+        return _megatron_run(tree, megatron_args, target)
+    environ = dict(os.environ if environ is None else environ)
+    name = surface or DEFAULT_SURFACE
+    try:
+        recorded = replay.load_surface(name)
+    except KeyError as error:
+        raise PerfTogglesError(str(error.args[0])) from None
+    parser = replay.build_parser(recorded)
     env = read_env(environ)
+    with planned.stand_ins(target):
+        caps = replace(detect(deep=True), megatron=megatron_facts_from_surface(recorded))
     caps = with_assumptions(caps, env.assume)
+    label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
     install(parser, environ=environ, announce=False, capabilities=caps)
     ns = parser.parse_args(list(megatron_args))
     plan = parser._perf_toggles_state.last_plan  # type: ignore[attr-defined]
@@ -103,22 +137,61 @@ def _caps_summary(caps: Capabilities) -> str:
         f"TE {caps.te_version}" if caps.te_version else "no TE",
         "APEX fused wgrad" if caps.apex_fused_wgrad else "no APEX fused wgrad",
         f"aiter {caps.aiter_version}" if caps.aiter_version else "no aiter",
-        caps.device or "no torch",
+        f"torch {caps.torch_version}" if caps.torch_version else "no torch",
+        f"{caps.device} {caps.gpu_arch}" if caps.gpu_arch else (caps.device or "no device"),
     ]
-    planned = " (planned via MEGATRON_PERF_TOGGLES_ASSUME)" if caps.assumed else ""
-    return ", ".join(bits) + planned
+    return ", ".join(bits)
+
+
+FACT_NAMES = (("te_version", "Transformer Engine"), ("apex_fused_wgrad", "APEX fused wgrad"),
+              ("wgrad_fallback", "torch wgrad fallback"), ("aiter_version", "aiter"), ("device", "device"))
+
+
+def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
+    """Where each fact the guards rest on came from: detected here, assumed (ASSUME), planned
+    (--gpu), or the recorded surface / the checkout for Megatron's own."""
+    out = [f"Megatron facts: {megatron_source}"]
+    for name, words in FACT_NAMES:
+        value = getattr(caps, name)
+        if caps.is_assumed(name):
+            source = "assumed (MEGATRON_PERF_TOGGLES_ASSUME)"
+        elif name == "device" and caps.gpu_source and caps.gpu_source != "detected":
+            source = f"planned: {caps.gpu_source}"
+        else:
+            source = "detected"
+        shown = ("yes" if value else "no") if isinstance(value, bool) else (value or "none")
+        out.append(f"{words}: {shown} ({source})")
+    return out
+
+
+def target_from(ns: argparse.Namespace) -> planned.Target:
+    from .capabilities import assumed_device
+
+    return planned.make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:
     megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
-    plan, caps, label, args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version)
+    target = target_from(ns)
+    if not ns.megatron and target.world_size is not None:
+        raise PerfTogglesError("--world-size / --nnodes plan Megatron's validate_args, which needs a checkout",
+                               "add --megatron /path/to/Megatron-LM")
+    plan, caps, label, args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
+                                                target=target)
+    megatron_source = (f"detected in the checkout {caps.megatron.path}" if ns.megatron
+                       else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
     if ns.json:
         payload = provenance.record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
         payload["megatron"] = label
+        payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
+        payload["sources"] = fact_sources(caps, megatron_source)
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
     print(f"Megatron: {label}")
     print(f"Machine:  {_caps_summary(caps)}")
+    print(f"Plan for: {planned.describe(target)}")
+    for line in fact_sources(caps, megatron_source):
+        print(f"  {line}")
     if not ns.megatron_args:
         print("Command:  built-in Llama-3-8B bf16 command line (pass your own after --)")
     print()
@@ -140,19 +213,53 @@ def cmd_explain(ns: argparse.Namespace) -> int:
 # --- flags ------------------------------------------------------------------------------------
 
 
+def _stock_flags(tree: str | None, surface: str | None) -> tuple[set[str], dict[str, Any]]:
+    """The option strings the target Megatron has by itself (without the plugin), and its defaults."""
+    if tree:
+        from .megatron_env import megatron_importable
+        from .surface import describe_parser, megatron_parser
+
+        with megatron_importable(tree):
+            actions = describe_parser(megatron_parser())
+    else:
+        actions = replay.load_surface(surface or DEFAULT_SURFACE)["actions"]
+    return ({flag for a in actions for flag in a["flags"]},
+            {a["dest"]: a["default"] for a in actions})
+
+
 def cmd_flags(ns: argparse.Namespace) -> int:
+    """The flags the environment implies, decided against the target Megatron: what its guards
+    would turn off is left out (a ``#`` line on stderr says why), so pasting the output into a
+    launch never turns a guarded default into a refused explicit request."""
     env = read_env(os.environ)
+    megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
+    plan, _caps, _label, _args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
+                                                  target=target_from(ns))
+    stock, defaults = _stock_flags(ns.megatron, ns.megatron_version)
     words: list[str] = []
+    why_not: list[str] = []
     for t in TOGGLES:
         if ns.group != "all" and t.script_bucket != ns.group:
             continue
+        decision = plan.decisions[t.dest]
         if t.dest in env.toggles:
             value = env.toggles[t.dest]
         elif env.plugin_enabled:
             value = t.default
         else:
             continue  # MEGATRON_PERF_TOGGLES=0: Megatron's defaults, so no flag
-        words.extend(t.flag_for(value))
+        flag = t.flag_for(value)
+        if decision.value != value:
+            why_not.append(f"# {' '.join(flag)} left out: {decision.reason}")
+        elif flag[0] not in stock and defaults.get(t.dest) == value:
+            why_not.append(f"# {' '.join(flag)} left out: already this Megatron's default")
+        elif flag[0] not in stock:
+            why_not.append(f"# {' '.join(flag)} left out: this Megatron has no {flag[0]} by itself "
+                           "(the launcher or the provider adds it)")
+        else:
+            words.extend(flag)
+    for line in why_not:
+        print(line, file=sys.stderr)
     print(" ".join(words))
     return 0
 
@@ -161,18 +268,27 @@ def cmd_flags(ns: argparse.Namespace) -> int:
 
 
 def _doctor_megatron(tree: str | None) -> tuple[MegatronFacts | None, str | None]:
-    """The facts of the Megatron in use (importing it, no parser built), or why there is none."""
+    """The facts of the Megatron in use (importing it, no parser built), or why there is none.
+
+    A checkout named with --megatron that is missing or does not import is an error (exit 2);
+    with none named, "not importable" is part of the report."""
     import importlib.util
 
-    from .megatron_env import megatron_importable
+    from .megatron_env import import_failure, megatron_importable
 
+    if tree is not None and not os.path.isfile(os.path.join(tree, "megatron", "training", "arguments.py")):
+        raise PerfTogglesError(f"--megatron {tree}: not a Megatron-LM checkout (no megatron/training/arguments.py)",
+                               "pass the directory that holds pretrain_gpt.py")
     if tree is None and importlib.util.find_spec("megatron") is None:
         return None, "not importable (put the Megatron-LM checkout on PYTHONPATH, or pass --megatron PATH)"
     try:
         with megatron_importable(tree):
             import megatron.training.arguments  # noqa: F401 - what megatron_facts() inspects
-    except ImportError as error:
-        return None, str(_cannot_import(tree, error))
+    except Exception as error:  # noqa: BLE001 - any import failure is one line
+        what, hint = import_failure(error)
+        if tree is not None:
+            raise PerfTogglesError(f"cannot import Megatron-LM from {tree}: {what}", hint) from None
+        return None, f"cannot import Megatron-LM from PYTHONPATH: {what}"
     return megatron_facts(), None
 
 
@@ -244,8 +360,17 @@ def _env_epilog() -> str:
     return "\n".join(lines)
 
 
+def _target_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("what to plan for (as the launcher's --dry-run)")
+    group.add_argument("--world-size", type=int, metavar="N", help="ranks in the job (with --megatron)")
+    group.add_argument("--nnodes", type=int, metavar="N", help="nodes; with --nproc-per-node, instead of --world-size")
+    group.add_argument("--nproc-per-node", type=int, metavar="N", help="GPUs per node")
+    group.add_argument("--gpu", metavar="NAME", help=f"{', '.join(planned.GPUS)}, or an arch (sm_90, gfx942, ...); "
+                       "default: the visible GPU, else h100 (mi300x with MEGATRON_PERF_TOGGLES_ASSUME=rocm)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="megatron-perf-toggles",
         description="Default-on Megatron-LM performance toggles: see what they decide, where they can "
         "run, and wire them into a checkout.",
@@ -264,16 +389,26 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--megatron-version", metavar="NAME", choices=replay.available(),
                        help="plan against a recorded Megatron surface instead (default: main)")
     ex.add_argument("--json", action="store_true", help="print the provenance record as JSON")
+    _target_options(ex)
     ex.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
     ex.set_defaults(func=cmd_explain)
 
-    fl = sub.add_parser("flags", help="print the Megatron flags the environment implies",
+    fl = sub.add_parser("flags", help="print the Megatron flags the environment implies, as the target accepts them",
                         description="Print the toggle flags that the current environment implies, for shell "
-                        "scripts that keep GPT_ARGS / EXTRA_ARGS buckets. The --no-... forms exist only where the plugin "
-                        "is installed as a provider (or through the launcher). Guards run at launch, not here.")
+                        "scripts that keep GPT_ARGS / EXTRA_ARGS buckets and run Megatron without the plugin. "
+                        "The flags are decided against the target Megatron (recorded surface 'main' by default, "
+                        "or --megatron PATH) for a command line (the built-in Llama-3-8B one, or yours after --): "
+                        "a flag whose default a guard turns off, or that the target lacks without the plugin, "
+                        "is left out, with a '#' line on stderr saying why. stdout holds the flags alone.")
     fl.add_argument("--group", choices=("gpt", "extra", "all"), default="all",
                     help="gpt: transformer and mixed-precision flags, plus gradient accumulation fusion (as the "
                     "originating train_llama3.sh routed it); extra: distributed and training flags")
+    where = fl.add_mutually_exclusive_group()
+    where.add_argument("--megatron", metavar="PATH", help="a Megatron-LM checkout to decide against")
+    where.add_argument("--megatron-version", metavar="NAME", choices=replay.available(),
+                       help="a recorded Megatron surface to decide against (default: main)")
+    _target_options(fl)
+    fl.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
     fl.set_defaults(func=cmd_flags)
 
     doc = sub.add_parser("doctor", help="report what this machine has and which toggles can be on here",
@@ -308,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "surface":
         from .surface import main as surface_main
 
-        return surface_main(argv[1:])
+        return surface_main(argv[1:], prog="megatron-perf-toggles surface")
     parser = build_parser()
     ns = parser.parse_args(argv)
     if getattr(ns, "megatron_args", None) and ns.megatron_args[0] == "--":

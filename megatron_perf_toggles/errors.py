@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import re
 import sys
+from typing import NoReturn
 
 EXIT_USAGE = 2
 PREFIX = "[perf-toggles]"
@@ -63,3 +67,18 @@ def fail(error: PerfTogglesError) -> None:
     """Print the error as one line on stderr and exit with its code (argparse's convention)."""
     print(f"{PREFIX} error: {error}", file=sys.stderr)
     raise SystemExit(error.exit_code)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``[perf-toggles] error:`` line and exit 2, not a usage
+    block; an invalid choice gets a "did you mean". Subparsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = f"see {self.prog} --help"
+        match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if match:
+            choices = re.findall(r"'([^']*)'", match.group(2)) or [c.strip() for c in match.group(2).split(",")]
+            close = difflib.get_close_matches(match.group(1), choices, n=1)
+            if close:
+                hint = f"did you mean {close[0]!r}? {hint}"
+        fail(PerfTogglesError(f"{self.prog}: {message}", hint))

@@ -33,8 +33,10 @@ from typing import Any, TextIO
 
 from . import provenance
 from . import provider as plugin
+from . import target as planned
 from .env import parse_bool
 from .errors import PerfTogglesError, fail
+from .megatron_env import import_failure
 from .rebinding import megatron_root, rebind
 from .registry import TOGGLES
 
@@ -57,6 +59,10 @@ class ProviderSpecError(PerfTogglesError):
 
 class MegatronImportError(PerfTogglesError):
     """Megatron-LM's ``megatron.training`` cannot be imported."""
+
+
+class MegatronRejectedError(PerfTogglesError):
+    """A dry run's command line that Megatron's own validate_args refuses."""
 
 
 class HookError(PerfTogglesError):
@@ -203,6 +209,8 @@ class Hooks:
     announced: bool = False
     last_chain: Chain | None = None
     out: TextIO | None = None  # where a dry run prints its JSON: stdout as it was at install time
+    target: planned.Target | None = None  # the world and GPU a dry run plans for (target.py)
+    capture: bool = False  # a dry run hands its record to the caller (explain) instead of printing it
 
     def chain(self, caller: Provider | None) -> Chain:
         own = list(caller.providers) if isinstance(caller, Chain) else [caller]  # never nest our own chain
@@ -231,14 +239,15 @@ def import_megatron() -> tuple[types.ModuleType, ...]:
         raise MegatronImportError(f"importing megatron.training.arguments failed: {error}",
                                   "install Megatron-LM's requirements") from None
     except Exception as error:  # noqa: BLE001 - a broken checkout is one clear line
-        raise MegatronImportError(f"importing megatron.training.arguments failed: "
-                                  f"{type(error).__name__}: {error}") from None
+        what, hint = import_failure(error)
+        raise MegatronImportError(f"importing megatron.training.arguments failed: {what}", hint) from None
     modules = [arguments]
     for name in ("megatron.training.initialize", "megatron.training.training"):
         try:
             modules.append(importlib.import_module(name))
         except Exception as error:  # noqa: BLE001
-            raise MegatronImportError(f"importing {name} failed: {type(error).__name__}: {error}") from None
+            what, hint = import_failure(error)
+            raise MegatronImportError(f"importing {name} failed: {what}", hint) from None
     return tuple(modules)
 
 
@@ -307,10 +316,13 @@ def _targets(arguments: types.ModuleType, initialize: types.ModuleType) -> list[
     return out
 
 
-def install(providers: Sequence[Provider | None], *, dry_run: bool = False) -> Hooks:
+def install(providers: Sequence[Provider | None], *, dry_run: bool = False,
+            target: planned.Target | None = None, capture: bool = False) -> Hooks:
     """Chain ``providers`` into every parse Megatron makes from now on (importing Megatron).
 
-    A second call updates the providers and the dry-run switch; it never wraps twice.
+    A second call updates the providers and the dry-run switch; it never wraps twice. ``target``
+    is the world and GPU a dry run's parse and validate see; ``capture`` makes a dry run raise
+    :class:`DryRunDone` with its record instead of printing it and exiting.
     """
     global _ACTIVE
     arguments, initialize, _training = import_megatron()
@@ -320,6 +332,8 @@ def install(providers: Sequence[Provider | None], *, dry_run: bool = False) -> H
     hooks.dry_run = dry_run
     hooks.out = sys.stdout if dry_run else None
     hooks.root = root
+    hooks.target = target
+    hooks.capture = capture
     for key, module, attr in _targets(arguments, initialize):
         current = getattr(module, attr)
         original = getattr(current, ORIGINAL_ATTR, current)
@@ -423,17 +437,38 @@ def dry_run_record(hooks: Hooks, args: argparse.Namespace, args_defaults: Mappin
     return payload
 
 
+class DryRunDone(Exception):
+    """A captured dry run's result: the record and the plan (``install(..., capture=True)``)."""
+
+    def __init__(self, payload: dict[str, Any], plan: Any) -> None:
+        super().__init__("dry run done")
+        self.payload = payload
+        self.plan = plan
+
+
+def _assumed_te(hooks: Hooks) -> str | None:
+    """The Transformer Engine version MEGATRON_PERF_TOGGLES_ASSUME plans for, if it names one."""
+    from .capabilities import parse_assume
+
+    spec = os.environ.get("MEGATRON_PERF_TOGGLES_ASSUME")
+    try:
+        return parse_assume(spec).get("te_version") if spec else None
+    except PerfTogglesError:
+        return None  # the provider reports a bad spelling as its one line
+
+
 def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, args_defaults: dict[str, Any],
             parsed_args: argparse.Namespace | None, via: str) -> None:
     """Parse and validate as Megatron's ``via`` would, print the record as JSON, exit 0.
 
     Megatron's own output goes to stderr so stdout is the JSON alone. Nothing after validation
-    runs: no global state, no distributed init, no CUDA.
+    runs: no global state, no distributed init, no CUDA. Parse and validate see the planned world
+    and GPU (``hooks.target``); every stand-in is undone before the record is printed.
     """
     out = hooks.out or sys.stdout
     notes: list[str] = []
     arguments = sys.modules["megatron.training.arguments"]
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), planned.stand_ins(hooks.target, _assumed_te(hooks)):
         if parsed_args is None:
             # Chain explicitly: a provider-less parse that ignores unknown arguments looks like one
             # of Megatron's peeks to the parse_args wrapper, which would leave our providers out.
@@ -445,15 +480,25 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
             notes.append(f"{via} was given parsed_args: they were validated, not parsed again")
         if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args"):
             notes.append("--use-checkpoint-args: a dry run does not load arguments from the checkpoint")
-        if getattr(args, "yaml_cfg", None) is not None:
-            from megatron.training.yaml_arguments import validate_yaml
+        try:
+            if getattr(args, "yaml_cfg", None) is not None:
+                from megatron.training.yaml_arguments import validate_yaml
 
-            args = validate_yaml(args, args_defaults)
-        else:
-            arguments.validate_args(args, args_defaults)
+                args = validate_yaml(args, args_defaults)
+            else:
+                arguments.validate_args(args, args_defaults)
+        except (AssertionError, ValueError, RuntimeError, TypeError, KeyError) as error:
+            # Megatron refusing the command line is the answer a dry run exists to give: one line.
+            raise MegatronRejectedError(f"Megatron's validate_args rejects this command line for "
+                                        f"{planned.describe(hooks.target)}: {type(error).__name__}: "
+                                        f"{' '.join(str(error).split())}") from None
     payload = dry_run_record(hooks, args, args_defaults, via, notes)
+    payload["target"] = {**(hooks.target or planned.Target()).to_record(),
+                         "summary": planned.describe(hooks.target)}
+    plan = _plan(hooks)
+    if hooks.capture:
+        raise DryRunDone(payload, plan)
     if os.environ.get("RANK", "0").strip() in ("", "0"):  # one report per job, from rank 0
-        plan = _plan(hooks)
         for line in provenance.lines(plan) if plan is not None else []:
             print(line, file=sys.stderr, flush=True)  # the table for people; the JSON for tools
         print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)

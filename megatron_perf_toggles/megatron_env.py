@@ -12,6 +12,7 @@ import builtins
 import importlib.util
 import os
 import sys
+import traceback
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 STAND_IN_PACKAGES = ("triton",)
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
 class _Anything:
@@ -103,3 +105,33 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
         yield
     finally:
         builtins.__import__ = real_import
+
+
+def _gpu_build_without_gpu() -> bool:
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "version", None)
+    if torch is None or not (getattr(version, "cuda", None) or getattr(version, "hip", None)):
+        return False
+    try:
+        return not torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a torch that cannot even ask has no usable GPU
+        return True
+
+
+def import_failure(error: BaseException) -> tuple[str, str | None]:
+    """(what broke, and in which of Megatron's files; a hint) for an import of Megatron that raised.
+
+    Some trees build GPU extensions while being imported (core 0.15's inference/unified_memory.py
+    compiles a CUDA allocator): with a CUDA or ROCm build of torch and no GPU that raises. Planning
+    needs no GPU code at all, so the hint is PyTorch's CPU build."""
+    frames = traceback.extract_tb(error.__traceback__)
+    site = next((f for f in reversed(frames) if f"{os.sep}megatron{os.sep}" in f.filename), None)
+    where = ""
+    if site is not None:
+        where = f" (in megatron{os.sep}{site.filename.rsplit(os.sep + 'megatron' + os.sep, 1)[1]}:{site.lineno})"
+    text = " ".join(str(error).split()) or "no message"
+    what = f"{type(error).__name__}: {text}{where}"
+    if _gpu_build_without_gpu():
+        return what, ("this torch is a GPU build and no GPU is visible, and this Megatron runs GPU code at import; "
+                      f"to plan on this machine use PyTorch's CPU build: {CPU_TORCH}")
+    return what, "install Megatron-LM's requirements (see the README: 'Plan on a CPU-only machine')"

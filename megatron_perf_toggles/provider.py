@@ -128,6 +128,16 @@ def _stock_defaults(parser: argparse.ArgumentParser, dests: list[str]) -> dict[s
     return out
 
 
+def refuse_contradictions(words: Any) -> None:
+    """``--x`` and ``--no-x`` of one toggle on one command line: argparse would let the last one
+    win in silence; which one was meant is not ours to guess, so the run stops with one line."""
+    given = {str(w).split("=", 1)[0] for w in words or () if str(w).startswith("--")}
+    for toggle in TOGGLES:
+        if toggle.kind == "bool" and toggle.flag in given and toggle.off_flag in given:
+            fail(PerfTogglesError(f"{toggle.flag} and {toggle.off_flag} are both on the command line",
+                                  f"keep one; {toggle.env}=0/1 sets it from the environment instead"))
+
+
 def install(
     parser: argparse.ArgumentParser,
     environ: Mapping[str, str] | None = None,
@@ -159,6 +169,7 @@ def install(
     original = parser.parse_known_args
 
     def parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
+        refuse_contradictions(sys.argv[1:] if args is None else args)
         ns, extras = original(args, namespace)
         post_parse(ns, state)
         return ns, extras

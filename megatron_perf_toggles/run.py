@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import hooks
+from . import target as planned
 from .errors import PREFIX, PerfTogglesError
 from .megatron_env import megatron_importable
 from .provider import extra_args_provider
@@ -39,17 +40,26 @@ PYTHONPATH=/path/to/Megatron-LM.
 
 A dry run ({hooks.DRY_RUN_ENV}=1 does the same) parses and validates the arguments
 exactly as Megatron would, prints the decisions as JSON on stdout (Megatron's own output goes
-to stderr) and exits 0 before anything touches a GPU.
+to stderr) and exits 0 before anything touches a GPU. It plans for the world and GPU you name
+(--world-size or --nnodes x --nproc-per-node; --gpu {'|'.join(planned.GPUS)} or an arch such as
+sm_90 or gfx942): Megatron's parse and validate see that many ranks, and its device queries are
+answered from the GPU's facts, on any machine. Without them the real world (WORLD_SIZE) and the
+visible GPU are used; with no GPU visible, the plan is for {planned.DEFAULT_GPU['cuda']} and says so.
 
 examples:
   {PROG} pretrain_gpt.py --num-layers 32 ...
   torchrun --nproc-per-node 8 -m megatron_perf_toggles.run pretrain_gpt.py ...
   {PROG} --dry-run --extra-args-provider my_pkg.args:add_args pretrain_gpt.py ...
+  {PROG} --dry-run --world-size 128 --gpu h100 pretrain_gpt.py --tensor-model-parallel-size 8 ...
 """
 
 
 class ScriptNotFoundError(PerfTogglesError):
     """SCRIPT does not name a file."""
+
+
+class NotAPythonScriptError(PerfTogglesError):
+    """SCRIPT is a file, but not Python source (a shell script, a binary)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help=f"parse and validate only, print the decisions as JSON, exit 0 "
                              f"(also {hooks.DRY_RUN_ENV}=1)")
+    plan = parser.add_argument_group("what a dry run plans for (dry runs only)")
+    plan.add_argument("--world-size", type=int, metavar="N", help="ranks in the job (default: WORLD_SIZE, else 1)")
+    plan.add_argument("--nnodes", type=int, metavar="N", help="nodes; with --nproc-per-node, instead of --world-size")
+    plan.add_argument("--nproc-per-node", type=int, metavar="N", help="GPUs per node")
+    plan.add_argument("--gpu", metavar="NAME", help=f"the GPU: {', '.join(planned.GPUS)}, or an arch "
+                      "(sm_90, sm_100, gfx942, gfx950); default: the visible one")
     parser.add_argument("script", metavar="SCRIPT", help="the training script, e.g. pretrain_gpt.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="MEGATRON ARGS",
                         help="the script's arguments, passed on unchanged")
@@ -75,6 +91,33 @@ def build_parser() -> argparse.ArgumentParser:
 def _report(error: PerfTogglesError) -> int:
     print(f"{PREFIX} error: {error}", file=sys.stderr, flush=True)
     return error.exit_code
+
+
+def check_python_script(script: Path) -> None:
+    """Refuse, in one line, a SCRIPT that is not Python source (``runpy`` would show a traceback)."""
+    try:
+        compile(script.read_bytes(), str(script), "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as error:
+        where = f" (line {error.lineno})" if isinstance(error, SyntaxError) and error.lineno else ""
+        first_line = script.read_bytes().split(b"\n", 1)[0]
+        shell = script.suffix in (".sh", ".bash") or (first_line.startswith(b"#!") and b"python" not in first_line)
+        hint = ("run a launch script with bash, or give the Python training script it calls" if shell
+                else "give the Python training script, e.g. pretrain_gpt.py")
+        raise NotAPythonScriptError(f"{script} is not a Python script{where}: {type(error).__name__}", hint) from None
+
+
+def plan_target(ns: argparse.Namespace, dry_run: bool) -> planned.Target | None:
+    """The world and GPU a dry run plans for; these options mean nothing to a real launch."""
+    given = [f"--{name.replace('_', '-')}" for name in ("world_size", "nnodes", "nproc_per_node", "gpu")
+             if getattr(ns, name) is not None]
+    if not dry_run:
+        if given:
+            raise PerfTogglesError(f"{given[0]} plans a dry run: add --dry-run",
+                                   "a real launch takes its world from torchrun and its GPU from the machine")
+        return None
+    from .capabilities import assumed_device
+
+    return planned.make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not script.is_file():
             raise ScriptNotFoundError(f"script not found: {ns.script}",
                                       "give the path of the training script, e.g. /path/to/Megatron-LM/pretrain_gpt.py")
+        check_python_script(script)
+        target = plan_target(ns, dry_run)
         # As under `python SCRIPT`: the script's directory comes first. The directory `python -m`
         # put there stays importable after it, for provider modules.
         sys.path.insert(0, str(script.resolve().parent))
@@ -100,13 +145,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Stand-ins for GPU-only imports (triton) only for a dry run, which stops before any kernel.
         with megatron_importable(stand_ins=dry_run):
             providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
-            hooks.install([*providers, extra_args_provider], dry_run=dry_run)
+            hooks.install([*providers, extra_args_provider], dry_run=dry_run, target=target)
             # In a dry run stdout carries the JSON alone: the script's own output goes to stderr.
             with contextlib.redirect_stdout(sys.stderr) if dry_run else contextlib.nullcontext():
                 runpy.run_path(str(script), run_name="__main__")
         return 0
     except PerfTogglesError as error:
         return _report(error)
+    except Exception as error:
+        if not dry_run:
+            raise  # a real run's failure keeps its traceback
+        from .megatron_env import import_failure
+
+        what, hint = import_failure(error)  # e.g. a tree that builds GPU code at import, on a GPU-less torch
+        return _report(PerfTogglesError(f"{ns.script} failed before Megatron parsed its arguments: {what}", hint))
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path

@@ -138,9 +138,13 @@ def dumps_record(rec: dict[str, Any]) -> str:
     return json.dumps(head, indent=1, sort_keys=True)[:-2] + ',\n "actions": [\n  ' + body + "\n ]\n}\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m megatron_perf_toggles.surface",
+def main(argv: list[str] | None = None, prog: str = "python -m megatron_perf_toggles.surface") -> int:
+    """Record one tree; errors are one ``[perf-toggles]`` line and exit 2."""
+    from .errors import OneLineArgumentParser, PerfTogglesError, fail
+    from .megatron_env import import_failure
+
+    ap = OneLineArgumentParser(
+        prog=prog,
         description="Write the argparse surface facts of one Megatron-LM tree as JSON.",
     )
     ap.add_argument("tree", help="a Megatron-LM checkout (holds megatron/training/arguments.py)")
@@ -148,12 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write here instead of standard output")
     ns = ap.parse_args(argv)
     if not (Path(ns.tree) / "megatron" / "training" / "arguments.py").is_file():
-        print(f"error: {ns.tree} is not a Megatron-LM checkout (no megatron/training/arguments.py)", file=sys.stderr)
-        return 2
-    rec = {"name": ns.name or Path(ns.tree).resolve().name, **record(ns.tree)}
+        fail(PerfTogglesError(f"{ns.tree} is not a Megatron-LM checkout (no megatron/training/arguments.py)"))
+    try:
+        rec = {"name": ns.name or Path(ns.tree).resolve().name, **record(ns.tree)}
+    except Exception as error:  # noqa: BLE001 - a tree that does not import is one line
+        what, hint = import_failure(error)
+        fail(PerfTogglesError(f"cannot record {ns.tree}: {what}", hint))
     text = dumps_record(rec)
     if ns.out:
-        Path(ns.out).write_text(text)
+        try:
+            Path(ns.out).write_text(text)
+        except OSError as error:
+            fail(PerfTogglesError(f"--out {ns.out}: {error.strerror or error}"))
     else:
         sys.stdout.write(text)
     return 0

@@ -26,7 +26,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 TREES_ENV = "MEGATRON_LM_TREES"
 SKIP_REASON = (f"{TREES_ENV} is unset: real-Megatron tests SKIPPED (set it to ':'-separated Megatron-LM "
-               "checkouts, one per version; see shared/megatron/README.md)")
+               "checkouts, one per version; each needs Megatron-LM's Python requirements, see the README's "
+               "'Plan on a CPU-only machine')")
 
 # Enough for parse_args + validate_args of pretrain_gpt.py on a CPU box, every version.
 BASE_ARGS = [
@@ -114,11 +115,21 @@ def payload(result: dict[str, Any]) -> dict[str, Any]:
     return json.loads(result["stdout"])
 
 
+def layout_cases(tree: str, work: Path) -> list[dict[str, Any]]:
+    """NVIDIA's example layouts (tests/example_layouts.py), each planned with --world-size only."""
+    from example_layouts import all_layouts
+
+    script = str(Path(tree) / "pretrain_gpt.py")
+    return [{"name": f"layout:{layout.name}", "mode": "launcher", "env": dict(layout.env),
+             "argv": ["--dry-run", "--world-size", str(layout.world_size), script, *layout.argv]}
+            for layout in all_layouts(str(work / "layouts"))]
+
+
 def stock_cases(tree: str, work: Path) -> list[dict[str, Any]]:
     script = str(Path(tree) / "pretrain_gpt.py")
     mimic = str(work / "mimic_script.py")
     base = [*BASE_ARGS, *TOKENIZER]
-    return [
+    return [*layout_cases(tree, work),
         {"name": "plain", "mode": "launcher", "argv": ["--dry-run", script, *base]},
         {"name": "provider", "mode": "launcher",
          "env": {"MEGATRON_PERF_TOGGLES_DRY_RUN": "1", "GRAD_REDUCE_IN_BF16": "0"},
@@ -237,7 +248,7 @@ def _run_version(tree: str, work: Path) -> dict[str, dict[str, Any]]:
     results_file = work / f"results-{tree_id(tree)}.json"
     plan_file.write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "PTT_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(work)])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(work), str(REPO / "tests")])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     done = subprocess.run([sys.executable, __file__, str(plan_file), str(results_file)], env=env, cwd=work,
                           capture_output=True, text=True, timeout=900, check=False)
@@ -321,13 +332,22 @@ def _plan_device_arch(major: int | None) -> None:
 
 
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
-    from megatron_perf_toggles import hooks, run, safety_net
+    import torch
+
+    from megatron_perf_toggles import hooks, run, safety_net, target
     from megatron_perf_toggles.megatron_env import megatron_importable
+
+    device_queries = {name: getattr(torch.cuda, name) for name in (
+        "is_available", "device_count", "get_device_capability", "get_device_properties")}
+    versions = (torch.version.cuda, torch.version.hip)
 
     out, err = io.StringIO(), io.StringIO()
     saved = (sys.stdout, sys.stderr, list(sys.argv), list(sys.path), dict(os.environ))
     blocked = {name: sys.modules.get(name, _MISSING) for name in case.get("block", [])}
     os.environ.update(case.get("env", {}))
+    world_vars = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    world_before = {v: os.environ.get(v) for v in world_vars}
+    world_after: dict[str, Any] = {}
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]  # makes `import name` fail
     code: Any = None
@@ -354,6 +374,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     finally:
         sys.stdout, sys.stderr = saved[0], saved[1]
         sys.argv, sys.path[:] = saved[2], saved[3]
+        world_after = {v: os.environ.get(v) for v in world_vars}
         os.environ.clear()
         os.environ.update(saved[4])
         for name, module in blocked.items():
@@ -365,7 +386,11 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         safety_net.NET.uninstall()
         _plan_te_version(None)
         _plan_device_arch(None)
-    return {"name": case["name"], "code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,
+    undone = (all(getattr(torch.cuda, name) is fn for name, fn in device_queries.items())
+              and (torch.version.cuda, torch.version.hip) == versions and target.active() is None
+              and world_after == world_before)
+    return {"name": case["name"], "code": code, "stand_ins_undone": undone,
+            "stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,
             "seconds": round(time.perf_counter() - started, 2)}
 
 

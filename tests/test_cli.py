@@ -55,7 +55,7 @@ def test_explain_own_command_line_and_recorded_version():
 @pytest.mark.parametrize("argv, env, words", [
     (["explain"], {"GRAD_REDUCE_IN_BF16": "maybe"}, "GRAD_REDUCE_IN_BF16='maybe'"),
     (["explain"], {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,quantum"}, "unknown entry 'quantum'"),
-    (["explain", "--megatron", "/nonexistent/megatron"], {}, "cannot import Megatron-LM"),
+    (["explain", "--megatron", "/nonexistent/megatron"], {}, "not a Megatron-LM checkout"),
     (["explain", "--", "--use-torch-fsdp2", "--gradient-accumulation-fusion"],
      {"MEGATRON_PERF_TOGGLES_ASSUME": "apex"}, "--gradient-accumulation-fusion was requested"),
 ])
@@ -65,28 +65,93 @@ def test_bad_input_is_one_line_exit_2(argv, env, words):
     assert words in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_unknown_recorded_version_is_rejected_by_argparse():
-    proc = run_cli("explain", "--megatron-version", "core_v0.1.0")
-    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+def _one_line(proc):
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("[perf-toggles] error:"), proc.stderr
+    return lines[0]
+
+
+def test_unknown_recorded_version_is_one_line_with_a_suggestion():
+    line = _one_line(run_cli("explain", "--megatron-version", "core_v0.19"))
+    assert "invalid choice" in line and "did you mean 'core_v0.19.0'" in line
+
+
+def test_unknown_subcommand_is_one_line_with_a_suggestion():
+    assert "did you mean 'explain'" in _one_line(run_cli("explian"))
+
+
+def test_doctor_with_a_missing_checkout_is_one_line():
+    assert "/nonexistent" in _one_line(run_cli("doctor", "--megatron", "/nonexistent"))
+
+
+def test_surface_errors_carry_the_prefix_and_help_names_the_command():
+    assert "not a Megatron-LM checkout" in _one_line(run_cli("surface", "/nonexistent"))
+    _one_line(run_cli("surface"))  # missing TREE
+    assert run_cli("surface", "--help").stdout.startswith("usage: megatron-perf-toggles surface")
+
+
+def test_contradicting_flags_are_one_line():
+    line = _one_line(run_cli("explain", "--", "--grad-reduce-in-bf16", "--no-grad-reduce-in-bf16"))
+    assert "--grad-reduce-in-bf16 and --no-grad-reduce-in-bf16" in line
+
+
+def test_explain_reports_torch_where_it_is_installed_and_where_facts_came_from():
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here")
+    data = json.loads(run_cli("explain", "--json", "--gpu", "h200").stdout)
+    assert data["capabilities"]["torch_version"]  # not "no torch"
+    assert data["capabilities"]["device"] == "cuda" and data["capabilities"]["gpu_arch"] == "sm_90"
+    sources = "\n".join(data["sources"])
+    assert "recorded surface 'main'" in sources and "planned: --gpu h200" in sources
+    out = run_cli("explain", env={"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.20"}).stdout
+    assert "Transformer Engine: 2.20 (assumed" in out and "APEX fused wgrad: no (detected)" in out
+
+
+def test_explain_world_size_needs_a_checkout():
+    assert "--megatron" in _one_line(run_cli("explain", "--world-size", "8"))
+    assert "did you mean 'h100'" in _one_line(run_cli("explain", "--gpu", "h10"))
 
 
 # Routing of the originating ROCm train_llama3.sh: GPT_ARGS got gradient accumulation fusion,
 # bf16 grad reduce, cross-entropy fusion (+impl) and fused QKV RoPE; EXTRA_ARGS got DDP average.
-GPT_BUCKET = {"--gradient-accumulation-fusion", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
-              "--cross-entropy-fusion-impl", "te", "--fused-single-qkv-rope"}
+# Gradient accumulation fusion is on by Megatron's own default, so it needs no flag; upstream has
+# no --fused-single-qkv-rope (a TransformerConfig field only), so a stock launch cannot take it.
+GPT_BUCKET = {"--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"}
 EXTRA_BUCKET = {"--ddp-average-in-collective"}
+CAPABLE = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20"}
+NO_TE_ASSERT = ("--megatron-version", "core_v0.18.0")  # has the field, no te cross-entropy assertion
 
 
 def test_flags_route_like_the_originating_scripts():
-    assert set(run_cli("flags", "--group", "gpt").stdout.split()) == GPT_BUCKET
-    assert set(run_cli("flags", "--group", "extra").stdout.split()) == EXTRA_BUCKET
-    assert set(run_cli("flags").stdout.split()) == GPT_BUCKET | EXTRA_BUCKET
+    assert set(run_cli("flags", "--group", "gpt", *NO_TE_ASSERT, env=CAPABLE).stdout.split()) == GPT_BUCKET
+    assert set(run_cli("flags", "--group", "extra", *NO_TE_ASSERT, env=CAPABLE).stdout.split()) == EXTRA_BUCKET
+    assert set(run_cli("flags", *NO_TE_ASSERT, env=CAPABLE).stdout.split()) == GPT_BUCKET | EXTRA_BUCKET
 
 
 def test_flags_follow_the_environment():
-    out = run_cli("flags", env={"GRAD_REDUCE_IN_BF16": "0", "CROSS_ENTROPY_FUSION_IMPL": "native"}).stdout.split()
-    assert "--no-grad-reduce-in-bf16" in out and "native" in out and "--grad-reduce-in-bf16" not in out
+    out = run_cli("flags", *NO_TE_ASSERT, env={**CAPABLE, "GRAD_REDUCE_IN_BF16": "0",
+                                               "CROSS_ENTROPY_FUSION_IMPL": "native"}).stdout.split()
+    assert "native" in out and "--grad-reduce-in-bf16" not in out
     assert run_cli("flags", env={"MEGATRON_PERF_TOGGLES": "0"}).stdout.strip() == ""
+
+
+@pytest.mark.parametrize("version, env, refused", [
+    # main asserts against the te impl with fusion; 0.13 has no TE kernel here and no RoPE field.
+    ("main", CAPABLE, ["--cross-entropy-fusion-impl"]),
+    ("core_v0.13.0", {"MEGATRON_PERF_TOGGLES_ASSUME": "none"}, ["--cross-entropy-fusion-impl", "--fused-single-qkv-rope"]),
+])
+def test_flags_leave_out_what_the_target_would_refuse(version, env, refused):
+    proc = run_cli("flags", "--megatron-version", version, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for flag in refused:
+        assert flag not in proc.stdout.split()
+        assert any(line.startswith(f"# {flag}") and "left out:" in line for line in proc.stderr.splitlines())
+    # What is printed, pasted into a launch, is accepted: no refusal of an explicit request.
+    explain = run_cli("explain", "--megatron-version", version, "--", *proc.stdout.split(), env=env)
+    assert explain.returncode == 0, explain.stderr
 
 
 def test_doctor_reports_every_section():

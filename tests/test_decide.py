@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import LLAMA_ARGS, full_caps
 
-from megatron_perf_toggles.capabilities import MegatronFacts, resolve
+from megatron_perf_toggles.capabilities import MegatronFacts, resolve, with_assumptions
 from megatron_perf_toggles.decide import decide
 from megatron_perf_toggles.errors import CannotHonourError, DependencyError
 from megatron_perf_toggles.megatron_rules import RULES
@@ -458,10 +458,22 @@ def test_gtp_shards_of_one_keep_ddp_average():
 
 
 def test_assumed_capability_marks_source_assumed():
-    caps = resolve("te=2.20")  # no apex in the plan
+    caps = resolve("none,te=2.20")  # no apex in the plan
     d = run(caps=caps).decisions["gradient_accumulation_fusion"]
     assert (d.value, d.source) == (False, "assumed") and "MEGATRON_PERF_TOGGLES_ASSUME" in d.reason
     assert run(caps=resolve("apex,te=2.20")).decisions["gradient_accumulation_fusion"].value is True
+
+
+def test_assume_replaces_only_what_it_names():
+    detected = full_caps(aiter_version="0.1.5", notes={"te_cross_entropy": "TE 2.20.2 lacks it"})
+    planned = with_assumptions(detected, "te=2.1")
+    assert (planned.apex_fused_wgrad, planned.aiter_version, planned.device) == (True, "0.1.5", "cuda")
+    assert (planned.te_version, planned.te_fused_qkv_rope, planned.te_cross_entropy) == ("2.1", False, True)
+    assert "te_cross_entropy" not in planned.notes  # the detected TE's note no longer applies
+    assert planned.is_assumed("te_version") and not planned.is_assumed("apex_fused_wgrad")
+    nothing = with_assumptions(detected, "none")
+    assert (nothing.apex_fused_wgrad, nothing.te_version, nothing.aiter_version) == (False, None, None)
+    assert with_assumptions(detected, "none,apex").apex_fused_wgrad is True
 
 
 # --- advice and warnings ------------------------------------------------------------------------

@@ -65,3 +65,20 @@ def test_dry_run_on_the_newest_tree(env, tag):
     # The example's default LOG_DIR carries the tag already: the plugin keeps it as it is.
     assert record["precision"] == tag and record["log_dirs"]["tensorboard_dir"].endswith(f"/{tag}/ts")
     assert record["decisions"]["grad_reduce_in_bf16"]["value"] is True
+
+
+@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: example dry runs skipped")
+@pytest.mark.parametrize("env, world, dp", [
+    ({"TP": "2"}, 8, 4),  # the README's TP=2 DRY_RUN=1 line, on a machine without GPUs
+    ({"MODEL_SIZE": "70", "TP": "8", "PP": "4", "NNODES": "8", "NUM_LAYERS": "8", "GPU": "mi355x"}, 64, 2),
+])
+def test_dry_run_plans_the_whole_layout(env, world, dp):
+    tree = megatron_trees()[-1]
+    proc = run({"MEGATRON_LM": str(tree), "PYTHONPATH": str(REPO), "DRY_RUN": "1", **env})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(proc.stdout)
+    args = record["effective_args"]
+    assert (args["world_size"], args["data_parallel_size"]) == (world, dp)
+    assert args["tensor_model_parallel_size"] == int(env["TP"])
+    if "GPU" in env:
+        assert record["target"]["gpu"]["arch"] == "gfx950" and record["target"]["gpu_source"] == "--gpu mi355x"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import megatron_runs as runs
 import pytest
+from example_layouts import all_layouts
 
 from megatron_perf_toggles import chain_providers, extra_args_provider, hooks
 from megatron_perf_toggles.errors import PerfTogglesError
@@ -421,3 +422,55 @@ def test_real_chaining_with_the_scripts_own_provider(tree: str, style: str) -> N
     assert _names(payload).count(PLUGIN) == 1
     assert payload["args_defaults"] == {"tokenizer_type": "NullTokenizer", "standin_default": "from-args-defaults"}
     assert set(payload["decisions"]) >= {t.dest for t in TOGGLES}
+
+
+# --- NVIDIA's example layouts, planned from a machine without their GPUs ---------------------------
+
+
+LAYOUTS = {layout.name: layout for layout in all_layouts("/unused")}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_real_example_layout_dry_run_with_world_size(tree: str, name: str) -> None:
+    layout = LAYOUTS[name]
+    result = runs.results(tree)[f"layout:{name}"]
+    payload = runs.payload(result)
+    args = payload["effective_args"]
+    # Megatron itself worked these out from the planned world: TP x PP x DP = world size.
+    assert args["world_size"] == layout.world_size
+    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == (layout.tp, layout.pp)
+    assert args["data_parallel_size"] == layout.world_size // (layout.tp * layout.pp)
+    assert payload["target"]["world_size"] == layout.world_size
+    assert payload["target"]["gpu"]["vendor"] in ("cuda", "rocm")  # planned: this machine has none or one
+    assert result["stand_ins_undone"], "a stand-in outlived the dry run"
+
+
+# --- one answer: explain, the dry run and a real launch decide alike ------------------------------
+
+
+def _subprocess(argv: list[str], tmp: Path, timeout: int = 600, **extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    env.update(PYTHONPATH=str(REPO), CUDA_DEVICE_MAX_CONNECTIONS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    env.update(extra)
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp, env=env,
+                          timeout=timeout)
+
+
+def _decided(record: dict) -> dict:
+    return {"decisions": record["decisions"], "precision": record["precision"], "log_dirs": record["log_dirs"],
+            "wgrad_path": record["wgrad_path"]}
+
+
+@pytest.mark.skipif(not runs.trees(), reason=runs.SKIP_REASON)
+def test_explain_decides_as_the_launcher_dry_run_on_the_same_tree(tmp_path: Path) -> None:
+    tree = runs.trees()[-1]
+    layout = LAYOUTS["llama3-70b-tp8-pp4"]
+    argv = [a.replace("/unused", str(tmp_path)) for a in layout.argv]
+    plan = ["--world-size", str(layout.world_size), "--gpu", "mi355x"]
+    dry = _subprocess(["megatron_perf_toggles.run", "--dry-run", *plan, f"{tree}/pretrain_gpt.py", *argv], tmp_path)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    explain = _subprocess(["megatron_perf_toggles", "explain", "--megatron", tree, "--json", *plan, "--", *argv],
+                          tmp_path)
+    assert explain.returncode == 0, explain.stderr[-3000:]
+    assert _decided(json.loads(explain.stdout)) == _decided(json.loads(dry.stdout))

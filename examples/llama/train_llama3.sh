@@ -18,7 +18,9 @@
 # TE_FP4_RECIPE=nvfp4|mxfp4 (mxfp4 needs the ROCm fork); neither: bf16.
 # Only here (not in the originating script): MEGATRON_LM (the checkout, required), GPUS_PER_NODE
 # (default: the GPUs torch sees), TIME_STAMP (default: now), PYTHON, DRY_RUN=1 (parse and validate
-# only, print the decisions as JSON) and PRINT_ONLY=1 (print the command instead of running it).
+# only, print the decisions as JSON; plans for NNODES x GPUS_PER_NODE ranks on any machine, and for
+# the GPU named by GPU=h100|h200|b200|mi300x|mi355x or an arch such as sm_90 / gfx942) and
+# PRINT_ONLY=1 (print the command instead of running it).
 set -uo pipefail
 
 die() { echo "train_llama3.sh: $*" >&2; exit 2; }
@@ -227,11 +229,12 @@ MEGATRON_ARGS=("${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${EXTRA_A
                "${LOGGING_ARGS[@]}" "${CKPT_LOAD_ARGS[@]}")
 LAUNCH=(torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
         --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+PLAN=()
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  LAUNCH=("$PYTHON")   # a dry run parses and validates once, on any machine, as rank 0 of the job
-  export MEGATRON_PERF_TOGGLES_DRY_RUN=1 WORLD_SIZE=$((GPUS_PER_NODE * NNODES)) RANK=0
+  LAUNCH=("$PYTHON")   # a dry run parses and validates once, on any machine, for the whole job
+  PLAN=(--dry-run --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" ${GPU:+--gpu "$GPU"})
 fi
-CMD=("${LAUNCH[@]}" -m megatron_perf_toggles.run "$MEGATRON_LM/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")
+CMD=("${LAUNCH[@]}" -m megatron_perf_toggles.run "${PLAN[@]}" "$MEGATRON_LM/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")
 export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "${PRINT_ONLY:-0}" = 1 ]; then
