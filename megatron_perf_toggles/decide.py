@@ -73,16 +73,19 @@ class Plan:
 class Change:
     """What a guard wants: ``dest`` becomes ``value`` because ``reason``."""
 
-    __slots__ = ("capability", "dest", "hint", "over_cli", "reason", "value", "yields_to_cli")
+    __slots__ = ("capability", "dest", "hint", "over_cli", "reason", "requested_by", "value", "yields_to_cli")
 
     def __init__(self, dest: str, value: Any, reason: str, hint: str = "", capability: str = "",
-                 over_cli: bool = False, yields_to_cli: bool = False) -> None:
+                 over_cli: bool = False, yields_to_cli: bool = False, requested_by: str = "") -> None:
         self.dest, self.value, self.reason, self.hint = dest, value, reason, hint
         self.capability = capability  # the capability the change rests on, if any
         self.over_cli = over_cli  # applies even over an explicit command-line value (with a warning)
         # Only moves a value nobody asked for: an explicit command-line value is kept as it is
         # (the guard resolves a conflict between two requests in favour of the one on the command line).
         self.yields_to_cli = yields_to_cli
+        # The explicit request (another setting's flag) this change makes room for: a later guard that
+        # takes the room back must say so, or refuse.
+        self.requested_by = requested_by
 
 
 class Context:
@@ -126,7 +129,12 @@ CE_TE_FULL_GRAPH_MIN_TE = (2, 7)  # TE's cross-entropy inside a full-iteration C
 
 
 def _te_at_least(caps: Capabilities, minimum: tuple[int, ...]) -> bool:
-    return caps.te_version is not None and version_tuple(caps.te_version) >= minimum
+    """Transformer Engine is there in at least ``minimum``; one whose version could not be read
+    (``unknown``) is taken as recent rather than blamed for a rule it may well satisfy."""
+    if caps.te_version is None:
+        return False
+    found = version_tuple(caps.te_version)
+    return not found or found >= minimum
 
 
 def _fsdp_blocks_fusion(ctx: Context) -> str | None:
@@ -169,7 +177,8 @@ def grad_reduce_yields_to_fsdp_comm_dtype(ctx: Context) -> Iterator[Change]:
             and ctx.caps.megatron.has_rule("grad_reduce_bf16_forces_mfsdp_grad_comm_dtype")):
         yield Change("grad_reduce_in_bf16", False,
                      f"--megatron-fsdp-grad-comm-dtype {dtype} was asked for, and this Megatron overrides it with bf16 "
-                     "under grad_reduce_in_bf16", yields_to_cli=True)
+                     "under grad_reduce_in_bf16", yields_to_cli=True,
+                     requested_by=f"--megatron-fsdp-grad-comm-dtype {dtype}")
 
 
 def grad_reduce_yields_to_fp32_accumulation(ctx: Context) -> Iterator[Change]:
@@ -178,7 +187,7 @@ def grad_reduce_yields_to_fp32_accumulation(ctx: Context) -> Iterator[Change]:
             "grad_reduce_in_bf16", False,
             "--accumulate-allreduce-grads-in-fp32 asks for fp32 gradient accumulation and reduction, which "
             "Megatron's validate_args would silently drop under grad_reduce_in_bf16",
-            yields_to_cli=True,
+            yields_to_cli=True, requested_by="--accumulate-allreduce-grads-in-fp32",
         )
 
 
@@ -625,6 +634,7 @@ def decide(
     decisions.update(fp4_decisions)
     base = dict(decisions)
     overridden: dict[str, Message] = {}  # dest -> the warning that a cli/env value was overridden
+    made_room: dict[str, Change] = {}  # dest -> the change that moved it for another explicit request
     for guard in GUARDS:
         ctx = Context(args=args, values={k: d.value for k, d in decisions.items()}, caps=caps, env=env,
                       checkpoint=checkpoint, sources={k: d.source for k, d in decisions.items()})
@@ -647,6 +657,14 @@ def decide(
                                                   f"{current.reason}; left as stock although {change.reason}")
                 continue
             _check_needs(ctx, change.dest, base[change.dest], change)
+            room = made_room.get(change.dest)
+            if room is not None and change.value != room.value:
+                if not change.over_cli:
+                    raise CannotHonourError(change.dest, room.requested_by, change.reason, change.hint)
+                messages.append(Message("warning", f"{room.requested_by} was requested, but {change.reason}; "
+                                                   f"{change.dest} goes back to {change.value}"))
+            if change.requested_by:
+                made_room[change.dest] = change
             assumed = bool(change.capability) and caps.is_assumed(change.capability)
             source = "assumed" if assumed else "guard"
             reason = change.reason + (" (per MEGATRON_PERF_TOGGLES_ASSUME)" if assumed else "")

@@ -53,8 +53,9 @@ class DependencyError(PerfTogglesError):
     """A guard would take a toggle away from a feature the user asked for, which needs it."""
 
     def __init__(self, dest: str, feature: str, reason: str, hint: str) -> None:
+        # Not the guard's own hint: "turn the toggle off" is exactly what the feature cannot take.
         super().__init__(f"{feature} needs {dest} on, but it cannot stay on: {reason}",
-                         hint or f"fix what keeps {dest} off, or drop {feature.split()[0]}")
+                         f"fix what keeps {dest} off, or drop {feature.split()[0]}")
         self.dest = dest
         self.feature = feature
 

@@ -180,7 +180,8 @@ class Chain:
             if p is plugin.extra_args_provider:
                 # Announce the decision table (and write the provenance record) once per process,
                 # not once per parse; a dry run writes nothing and prints the table itself.
-                result = plugin.install(parser, announce=not (self.hooks.announced or self.hooks.dry_run))
+                result = plugin.install(parser, announce=not (self.hooks.announced or self.hooks.dry_run),
+                                        quiet=self.hooks.dry_run)
             else:
                 result = p(parser)
             parser = parser if result is None else result

@@ -42,13 +42,15 @@ class ProviderState:
 
     def __init__(self, env: EnvSettings, environ: Mapping[str, str], stock: dict[str, Any],
                  watched: tuple[str, ...], added_flags: list[str], announce: bool = True,
-                 capabilities: Capabilities | None = None) -> None:
+                 capabilities: Capabilities | None = None, quiet: bool = False) -> None:
         self.env = env
         self.environ = environ
         self.stock = stock
         self.watched = watched
         self.added_flags = added_flags
         self.announce = announce
+        self.quiet = quiet  # a dry run: its caller prints the decisions, nothing is written
+        self.launch_id: str | None = None  # this launch's line in perf_toggles_history.jsonl
         self.capabilities = capabilities
         self.last_plan: Plan | None = None
         self.last_caps: Capabilities | None = None
@@ -143,6 +145,7 @@ def install(
     environ: Mapping[str, str] | None = None,
     announce: bool = True,
     capabilities: Capabilities | None = None,
+    quiet: bool = False,
 ) -> argparse.ArgumentParser:
     """Make ``parser`` decide the toggles after parsing. Idempotent: a second call is a no-op.
 
@@ -165,7 +168,7 @@ def install(
     watched = tuple(d for d in [*toggle_dests, *FP4_LAYER_DESTS] if d in present)
     parser.set_defaults(**{dest: UNSET for dest in watched})
     state = ProviderState(env=env, environ=dict(environ), stock=stock, watched=watched,
-                          added_flags=added, announce=announce, capabilities=capabilities)
+                          added_flags=added, announce=announce, capabilities=capabilities, quiet=quiet)
     original = parser.parse_known_args
 
     def parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
@@ -248,7 +251,9 @@ def _persist(ns: argparse.Namespace, state: ProviderState, plan: Plan, caps: Cap
 
             facts = checkpoint_facts(vars(ns), bool(ns.grad_reduce_in_bf16), caps.megatron.version,
                                      caps.torch_version)
-            resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, facts)
+            state.launch_id = state.launch_id or resume.new_launch_id()
+            resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, facts,
+                                 launch_id=state.launch_id)
     except OSError as error:
         print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",
               file=sys.stderr, flush=True)
@@ -273,7 +278,9 @@ def _backed_off(ns: argparse.Namespace, dests: list[str], reason: str, *, state:
 
         rank_check.arm(rank_check.fingerprint(ns.perf_toggles, caps.to_record(), plan.wgrad_path),
                        enabled=state.env.rank_check)
-    if state.announced:  # the table is out already: print what changed, once, and rewrite the record
+    if state.env.rank == 0 and not state.quiet:
+        # The table went out at parse time (from this parse or an earlier one): print what changed,
+        # once, and rewrite the record and this launch's history line. A dry run prints the plan itself.
         for line in provenance.lines(Plan(changed, plan.precision, {}, [warning], plan.wgrad_path)):
             print(line, flush=True)
         _persist(ns, state, plan, caps)

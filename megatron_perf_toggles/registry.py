@@ -172,9 +172,9 @@ TOGGLES: tuple[Toggle, ...] = (
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("MEGATRON_PERF_TOGGLES", "bool", "1",
-            "0 switches every plugin default off (the FP4 layer selection by recipe too): Megatron's own "
-            "defaults stand, the flags stay registered, the guards still run, and variables that are set "
-            "still apply."),
+            "0 is stock Megatron: every plugin default is off (the FP4 layer selection by recipe too) and "
+            "Megatron's own values stand; the flags stay registered, variables that are set still apply, "
+            "and guards act only on those."),
     Setting("MEGATRON_PERF_TOGGLES_TAG_LOG_DIR", "bool", "1",
             "0 leaves --tensorboard-dir and --wandb-save-dir untagged."),
     Setting("MEGATRON_PERF_TOGGLES_ASSUME", "list", "",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,8 +96,13 @@ def compare_with_checkpoint(writer: Mapping[str, Any] | None,
                     + " (numerics change; the checkpoint layout does not)")]
 
 
+def new_launch_id() -> str:
+    """An id for one launch's history line, so the same launch can rewrite it."""
+    return f"{os.getpid()}-{time.time_ns()}"
+
+
 def record_launch(save_dir: str | None, decisions: Mapping[str, Mapping[str, Any]], precision: str,
-                  checkpoint_facts: Mapping[str, Any] | None = None) -> None:
+                  checkpoint_facts: Mapping[str, Any] | None = None, launch_id: str | None = None) -> None:
     """Append this launch (rank 0 only) to the history beside the checkpoints, with what its
     checkpoints will look like (ckpt_layout.checkpoint_facts)."""
     if not save_dir:
@@ -105,5 +111,16 @@ def record_launch(save_dir: str | None, decisions: Mapping[str, Mapping[str, Any
     entry: dict[str, Any] = {"start_iteration": latest_iteration(save_dir) or 0, "precision": precision,
                              "decisions": {dest: d.get("value") for dest, d in decisions.items()},
                              **(checkpoint_facts or {})}
-    with open(os.path.join(save_dir, HISTORY_NAME), "a") as fh:
+    path = os.path.join(save_dir, HISTORY_NAME)
+    if launch_id:
+        entry["launch"] = launch_id
+        marker = f'"launch": "{launch_id}"'
+        if os.path.exists(path):
+            # This launch wrote its line already (the safety net changed a decision since): replace it.
+            with open(path) as fh:
+                lines = fh.readlines()
+            if any(marker in line for line in lines):
+                with open(path, "w") as fh:
+                    fh.writelines(line for line in lines if marker not in line)
+    with open(path, "a") as fh:
         fh.write(json.dumps(entry, sort_keys=True) + "\n")

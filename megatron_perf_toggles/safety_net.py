@@ -13,7 +13,8 @@ The rules of the net:
   well, and Megatron's original error surfaces unchanged;
 - trial runs print nothing and leave nothing behind (environment, torch's determinism switch,
   warnings and logging state are restored);
-- the success path costs one copy of the namespace, nothing more.
+- the success path costs one copy of the namespace; Megatron's output of the call is held until it
+  returns, so that a re-run never shows it twice.
 
 ``NET`` owns the wrappers: ``install(arguments_module)`` / ``uninstall()``.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import io
 import os
 import sys
 import weakref
@@ -36,7 +38,7 @@ PREFIX = "[perf-toggles]"
 FOUND_AT_RUN_TIME = "a rule found at run time"
 BACKED_OFF_SOURCES = ("default",)  # only values nobody asked for are backed off
 ORIGINAL_ATTR = "__perf_toggles_original__"
-# What each Megatron function is called, and the toggles that can matter to it.
+# The Megatron functions the net wraps (in megatron.training.arguments, and wherever imported by name).
 TARGETS = ("validate_args", "core_transformer_config_from_args")
 
 
@@ -47,6 +49,11 @@ class _Entry:
         self.ref = weakref.ref(ns)
         self.stock = stock
         self.on_backoff = on_backoff
+        # The namespace as parsed and how validate_args was called on it: a back-off found while
+        # building the TransformerConfig re-validates from here, so what Megatron derives from a
+        # toggle follows the backed-off value.
+        self.pre_validate: dict[str, Any] | None = None
+        self.validate: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
 
 
 class SafetyNet:
@@ -101,7 +108,8 @@ class SafetyNet:
     # -- the net --------------------------------------------------------------------------------
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        stage = "validation" if name == "validate_args" else "TransformerConfig"
+        validating = name == "validate_args"
+        stage = "validation" if validating else "TransformerConfig"
 
         @functools.wraps(original)
         def wrapper(args: Any, *rest: Any, **kwargs: Any) -> Any:
@@ -109,17 +117,34 @@ class SafetyNet:
             if entry is None:
                 return original(args, *rest, **kwargs)
             snapshot = _copy(vars(args))
+            if validating:
+                entry.pre_validate, entry.validate = snapshot, (original, rest, kwargs)
+            # Megatron's output of this first call is held back: if the net re-runs the call, only
+            # the final run's output is shown (nothing twice); otherwise it is shown as it was.
+            held_out, held_err = io.StringIO(), io.StringIO()
             try:
-                return original(args, *rest, **kwargs)
+                with contextlib.redirect_stdout(held_out), contextlib.redirect_stderr(held_err):
+                    result = original(args, *rest, **kwargs)
             except Exception as error:
-                dests = self._find(original, snapshot, entry, rest, kwargs)
+                trial = self._trial(validating, original, snapshot, entry, rest, kwargs)
+                dests = self._find(trial, snapshot, entry)
                 if not dests:
+                    _release(held_out, held_err)
                     raise
                 message = _first_line(error)
-            vars(args).clear()
-            vars(args).update(_copy(snapshot))
-            for dest in dests:
-                setattr(args, dest, entry.stock.get(dest))
+            else:
+                _release(held_out, held_err)
+                return result
+            if validating:
+                vars(args).clear()
+                vars(args).update(_copy(snapshot))
+                for dest in dests:
+                    setattr(args, dest, entry.stock.get(dest))
+            else:
+                settled = trial(dests)  # re-validated with the back-off, so derived settings follow it
+                if settled is not None:
+                    vars(args).clear()
+                    vars(args).update(vars(settled))
             entry.on_backoff(args, dests, f"Megatron's {stage} rejected the plugin default, {FOUND_AT_RUN_TIME}: "
                                           f"{message}")
             return original(args, *rest, **kwargs)
@@ -127,40 +152,49 @@ class SafetyNet:
         setattr(wrapper, ORIGINAL_ATTR, original)
         return wrapper
 
-    def _find(self, fn: Callable[..., Any], snapshot: dict[str, Any], entry: _Entry,
-              rest: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-        """The smallest set of plugin defaults whose stock values make ``fn`` pass, or []."""
+    @staticmethod
+    def _trial(validating: bool, original: Callable[..., Any], snapshot: dict[str, Any], entry: _Entry,
+               rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[list[str]], Namespace | None]:
+        """A quiet, side-effect-free re-run with ``dests`` at Megatron's values: the resulting
+        namespace, or None where Megatron still rejects it."""
+        revalidate = not validating and entry.pre_validate is not None and entry.validate is not None
+
+        def trial(dests: list[str]) -> Namespace | None:
+            ns = Namespace(**_copy(entry.pre_validate if revalidate else snapshot))  # type: ignore[arg-type]
+            for dest in dests:
+                setattr(ns, dest, entry.stock[dest])
+            with _quiet_and_undone():
+                try:
+                    if revalidate:
+                        validate, vrest, vkwargs = entry.validate  # type: ignore[misc]
+                        validate(ns, *_copy_args(vrest), **_copy(vkwargs))
+                    original(ns, *_copy_args(rest), **_copy(kwargs))
+                except Exception:  # noqa: BLE001 - a failed trial is an answer
+                    return None
+            return ns
+
+        return trial
+
+    @staticmethod
+    def _find(trial: Callable[[list[str]], Namespace | None], snapshot: dict[str, Any], entry: _Entry) -> list[str]:
+        """The smallest set of plugin defaults whose stock values make the call pass, or []."""
         records = snapshot.get("perf_toggles") or {}
         candidates = [dest for dest, rec in records.items()
                       if rec.get("source") in BACKED_OFF_SOURCES and dest in entry.stock
                       and rec.get("value") != entry.stock[dest]]
-        if not candidates:
-            return []
-
-        def passes(dests: list[str]) -> bool:
-            trial = Namespace(**_copy(snapshot))
-            for dest in dests:
-                setattr(trial, dest, entry.stock[dest])
-            with _quiet_and_undone():
-                try:
-                    fn(trial, *copy.deepcopy(rest), **copy.deepcopy(kwargs))
-                except Exception:  # noqa: BLE001 - a failed trial is an answer
-                    return False
-            return True
-
-        if not passes(candidates):
-            return []  # stock values fail too: not ours to fix
+        if not candidates or trial(candidates) is None:
+            return []  # no default in play, or stock values fail too: not ours to fix
         for dest in candidates:
-            if passes([dest]):
+            if trial([dest]) is not None:
                 return [dest]
         chosen: list[str] = []
         for dest in candidates:
             chosen.append(dest)
-            if passes(chosen):
+            if trial(chosen) is not None:
                 break
         for dest in list(chosen):
             smaller = [d for d in chosen if d != dest]
-            if smaller and passes(smaller):
+            if smaller and trial(smaller) is not None:
                 chosen = smaller
         return chosen
 
@@ -169,10 +203,28 @@ NET = SafetyNet()
 
 
 def _copy(values: dict[str, Any]) -> dict[str, Any]:
-    try:
-        return copy.deepcopy(values)
-    except Exception:  # noqa: BLE001 - an uncopyable value: a shallow copy is the best we can do
-        return dict(values)
+    """A deep copy, value by value: one value that cannot be copied is shared, the others are not."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            out[key] = copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - an uncopyable value (a lock, a module) is shared as it is
+            out[key] = value
+    return out
+
+
+def _copy_args(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(_copy(dict(enumerate(values))).values())
+
+
+def _release(out: io.StringIO, err: io.StringIO) -> None:
+    """Show output that was held back, on the streams the caller has now."""
+    if out.getvalue():
+        sys.stdout.write(out.getvalue())
+        sys.stdout.flush()
+    if err.getvalue():
+        sys.stderr.write(err.getvalue())
+        sys.stderr.flush()
 
 
 def _first_line(error: BaseException) -> str:
@@ -184,8 +236,7 @@ def _first_line(error: BaseException) -> str:
 @contextlib.contextmanager
 def _quiet_and_undone() -> Iterator[None]:
     """Run a trial validation with no output and no lasting effect on process state."""
-    import io  # only when a validation failed: nothing on the success path
-    import logging
+    import logging  # only when a validation failed: nothing on the success path
     import warnings
 
     environ = dict(os.environ)

@@ -442,6 +442,13 @@ def plugin_refusal(result: dict[str, Any]) -> bool:
     return result.get("exit_code") == 2 and str(result.get("error", "")).startswith("SystemExit(2): [perf-toggles]")
 
 
+def _explicit_flag_words(argv: list[str]) -> list[str]:
+    """The toggle flags a sample sets explicitly, as a refusal of one of them would name it."""
+    from megatron_perf_toggles.registry import BY_DEST
+
+    return [" ".join(BY_DEST[dest].flag_for(value)) for dest, value in requested_toggles(argv).items()]
+
+
 def judge_fuzz(payload: dict[str, Any]) -> dict[str, Any]:
     samples = {c["id"]: c for c in payload["cases"]}
     stats: dict[str, Any] = {"samples": len(payload["results"]), "accepted": 0, "held": 0, "refused": 0, "net": 0,
@@ -455,14 +462,15 @@ def judge_fuzz(payload: dict[str, Any]) -> dict[str, Any]:
         if not a["ok"]:
             continue
         stats["accepted"] += 1
-        explicit_toggle = bool(requested_toggles(sample["argv"]))
+        explicit_flags = _explicit_flag_words(sample["argv"])
         errors, refused, net = [], False, False
         for mode in ("B", "C1", "C2"):
             r = res["modes"].get(mode)
             if r is None:
                 continue
             if not r["ok"]:
-                if (explicit_toggle and plugin_refusal(r)) or capability_refusal(res, mode):
+                refusing_explicit = plugin_refusal(r) and any(w in str(r.get("error", "")) for w in explicit_flags)
+                if refusing_explicit or capability_refusal(res, mode):
                     refused = True
                     continue
                 errors.append(f"[{mode}] rejected at {r['stage']}: {r['error']}")

@@ -634,3 +634,26 @@ def test_mislabelled_log_dir_is_warned_and_tagged_with_the_true_precision(env):
     assert [m.level for m in plan.messages] == ["warning"] and "'bf16'" in plan.messages[0].text
     untagged = run(args=args, env_settings=env(MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0))
     assert untagged.log_dirs == {} and untagged.messages == []
+
+
+def test_a_guard_that_takes_back_room_made_for_an_explicit_request_refuses():
+    # --accumulate-allreduce-grads-in-fp32 moved the bf16 default off; the checkpoint needs bf16 back.
+    with pytest.raises(CannotHonourError, match="--accumulate-allreduce-grads-in-fp32 was requested"):
+        resume(args={"accumulate_allreduce_grads_in_fp32": True})
+
+
+def test_mxfp4_taking_back_room_made_for_fp32_accumulation_says_so():
+    plan = run(args={**MXFP4, "accumulate_allreduce_grads_in_fp32": True})
+    assert plan.decisions["grad_reduce_in_bf16"].value is True
+    assert any("--accumulate-allreduce-grads-in-fp32 was requested" in m.text for m in plan.messages)
+
+
+def test_dependency_error_hint_never_suggests_turning_the_needed_toggle_off():
+    with pytest.raises(DependencyError) as e:
+        run(args={"defer_embedding_wgrad_compute": True}, caps=full_caps(apex_fused_wgrad=False))
+    assert "--no-gradient-accumulation-fusion" not in str(e.value.hint)
+
+
+def test_an_unreadable_te_version_is_not_blamed_for_a_minimum():
+    d = run(args={"use_megatron_fsdp": True}, caps=full_caps(te_version="unknown")).decisions
+    assert d["gradient_accumulation_fusion"].value is True

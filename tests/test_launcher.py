@@ -462,12 +462,24 @@ def _decided(record: dict) -> dict:
             "wgrad_path": record["wgrad_path"]}
 
 
-@pytest.mark.skipif(not runs.trees(), reason=runs.SKIP_REASON)
-def test_explain_decides_as_the_launcher_dry_run_on_the_same_tree(tmp_path: Path) -> None:
-    tree = runs.trees()[-1]
-    layout = LAYOUTS["llama3-70b-tp8-pp4"]
+def _spread(trees: list[str]) -> list[str]:
+    """The oldest, a middle and the newest tree: both parse paths, at three points in time."""
+    picked = [trees[0], trees[len(trees) // 2], trees[-1]] if trees else []
+    return list(dict.fromkeys(picked))
+
+
+EXPLAIN_MATRIX = [pytest.param(t, name, gpu, id=f"{runs.tree_id(t)}-{name}-{gpu}")
+                  for t in _spread(runs.trees()) for name, gpu in (
+                      ("gpt3-175b-tp8-pp16", "h100"), ("llama3-8b-fp8", "h200"), ("llama3-70b-tp8-pp4", "mi355x"))] or [
+    pytest.param(None, None, None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))]
+
+
+@pytest.mark.parametrize(("tree", "name", "gpu"), EXPLAIN_MATRIX)
+def test_explain_decides_as_the_launcher_dry_run_on_the_same_tree(tmp_path: Path, tree: str, name: str,
+                                                                 gpu: str) -> None:
+    layout = LAYOUTS[name]
     argv = [a.replace("/unused", str(tmp_path)) for a in layout.argv]
-    plan = ["--world-size", str(layout.world_size), "--gpu", "mi355x"]
+    plan = ["--world-size", str(layout.world_size), "--gpu", gpu]
     dry = _subprocess(["megatron_perf_toggles.run", "--dry-run", *plan, f"{tree}/pretrain_gpt.py", *argv], tmp_path)
     assert dry.returncode == 0, dry.stderr[-3000:]
     explain = _subprocess(["megatron_perf_toggles", "explain", "--megatron", tree, "--json", *plan, "--", *argv],

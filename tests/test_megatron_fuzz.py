@@ -45,3 +45,20 @@ def test_generator_is_seeded_and_uses_known_flags_only() -> None:
     for sample in first:
         flags = {w for w in sample["argv"] if w.startswith("--")} - base
         assert flags <= set(known), flags - set(known)
+
+
+def test_a_refusal_counts_as_held_only_when_it_names_the_samples_explicit_flag():
+    from megatron_corpus import judge_fuzz
+
+    stock = {"ok": True, "perf_toggles": None, "explicit": {}, "final": {}}
+    ok = {"ok": True, "perf_toggles": {"cross_entropy_loss_fusion": {"value": False, "source": "cli"}},
+          "explicit": {}, "final": {}}
+    refused = {"ok": False, "stage": "parse", "exit_code": 2,
+               "error": "SystemExit(2): [perf-toggles] error: --defer-embedding-wgrad-compute needs ..."}
+    sample = {"id": "s1", "argv": ["--no-cross-entropy-loss-fusion"], "env": {}}
+    payload = {"cases": [sample], "results": [{"id": "s1", "modes": {"A": stock, "B": ok, "C1": refused}}]}
+    assert len(judge_fuzz(payload)["failures"]) == 1  # refused for something the sample did not ask
+    refused_own = dict(refused, error="SystemExit(2): [perf-toggles] error: --no-cross-entropy-loss-fusion was "
+                                      "requested, but ...")
+    payload["results"][0]["modes"]["C1"] = refused_own
+    assert judge_fuzz(payload)["failures"] == []

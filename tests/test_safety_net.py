@@ -173,9 +173,11 @@ def test_injected_rule_is_backed_off_through_the_provider_path(tree):
     found = json.loads(line.split(" ", 1)[1])
     assert found["ddp_average_in_collective"] is False
     assert runs.INJECTED_RULE in found["perf_toggles"]["ddp_average_in_collective"]["reason"]
-    # The table was printed at parse time; the net adds the changed line and one warning, once each.
+    # The table was printed at parse time; the net adds the changed line and one warning, once each,
+    # and Megatron's own output of the rejected first validation is not shown a second time.
     warnings = [ln for ln in r["stdout"].splitlines() if safety_net.FOUND_AT_RUN_TIME in ln and "warning" in ln]
     assert len(warnings) == 1, r["stdout"]
+    assert r["stdout"].count(runs.INJECTED_CHATTER) == 1, r["stdout"]
 
 
 @pytest.mark.parametrize("tree", TREE_PARAMS)
@@ -188,5 +190,64 @@ def test_injected_rule_against_an_explicit_value_surfaces_megatrons_error(tree, 
 
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_master_switch_off_is_stock_and_the_net_has_nothing_to_do(tree):
-    d = _decisions(runs.results(tree)["net-stock-off"])["ddp_average_in_collective"]
-    assert (d["value"], d["source"]) == (False, "default")
+    r = runs.results(tree)["net-stock-off"]
+    decisions = _decisions(r)
+    assert (decisions["ddp_average_in_collective"]["value"], decisions["ddp_average_in_collective"]["source"]) \
+        == (False, "default")
+    assert not any(safety_net.FOUND_AT_RUN_TIME in d["reason"] for d in decisions.values())
+    assert r["stderr"].count(runs.INJECTED_CHATTER) == 1  # validated once: no trials
+
+
+def test_output_before_the_failing_rule_is_shown_once(capsys):
+    def chatty(args):
+        print("using world size: 1")  # Megatron prints before most of its asserts
+        reject_bf16_reduce(args)
+
+    with FakeMegatron(chatty) as fake:
+        args = parse(["--bf16"])
+        capsys.readouterr()
+        fake.module.validate_args(args, {})
+        assert capsys.readouterr().out.count("using world size: 1") == 1
+
+
+def test_stock_rejection_still_shows_megatrons_output(capsys):
+    def chatty_always(args):
+        print("using world size: 1")
+        raise ValueError("stock says no")
+
+    with FakeMegatron(chatty_always) as fake:
+        args = parse(["--bf16"])
+        capsys.readouterr()
+        with pytest.raises(ValueError):
+            fake.module.validate_args(args, {})
+        assert capsys.readouterr().out.count("using world size: 1") == 1
+
+
+def test_a_back_off_at_transformer_config_redoes_what_validation_derived():
+    def derive(args):  # like validate_args: fp32 accumulation follows the bf16 reduction toggle
+        args.accumulate_allreduce_grads_in_fp32 = bool(args.bf16 and not args.grad_reduce_in_bf16)
+
+    with FakeMegatron(derive) as fake:
+        def config_from_args(args, config_class=None):
+            assert not args.grad_reduce_in_bf16, "config-time rule: no bf16 reduction"
+            return "config"
+
+        fake.module.core_transformer_config_from_args = config_from_args
+        args = parse(["--bf16"])  # the provider wraps both functions as it installs
+        fake.module.validate_args(args, {})
+        assert args.accumulate_allreduce_grads_in_fp32 is False
+        assert fake.module.core_transformer_config_from_args(args) == "config"
+        assert args.grad_reduce_in_bf16 is False
+        assert args.accumulate_allreduce_grads_in_fp32 is True  # re-derived, not stale
+        assert "config-time rule" in args.perf_toggles["grad_reduce_in_bf16"]["reason"]
+
+
+def test_a_launch_rewrites_its_own_history_line(tmp_path):
+    from megatron_perf_toggles import resume
+
+    first = {"grad_reduce_in_bf16": {"value": True}}
+    resume.record_launch(str(tmp_path), first, "bf16", launch_id="a")
+    resume.record_launch(str(tmp_path), {"grad_reduce_in_bf16": {"value": False}}, "bf16", launch_id="a")
+    resume.record_launch(str(tmp_path), first, "bf16", launch_id="b")
+    lines = [json.loads(x) for x in (tmp_path / resume.HISTORY_NAME).read_text().splitlines()]
+    assert [(e["launch"], e["decisions"]["grad_reduce_in_bf16"]) for e in lines] == [("a", False), ("b", True)]

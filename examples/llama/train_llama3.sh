@@ -225,23 +225,27 @@ if [ -n "${WANDB_API_KEY:-}" ]; then
   LOGGING_ARGS=(--wandb-project LLama --wandb-exp-name "LLama_${MODEL_SIZE}B" --wandb-save-dir logs/wandb)
 fi
 
+# ${a[@]+"${a[@]}"}: an empty array under set -u on bash < 4.4 (macOS) is not an error.
 MEGATRON_ARGS=("${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${EXTRA_ARGS[@]}" "${TRAIN_ARGS[@]}"
-               "${LOGGING_ARGS[@]}" "${CKPT_LOAD_ARGS[@]}")
+               ${LOGGING_ARGS[@]+"${LOGGING_ARGS[@]}"} ${CKPT_LOAD_ARGS[@]+"${CKPT_LOAD_ARGS[@]}"})
 LAUNCH=(torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
         --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
 PLAN=()
-if [ "${DRY_RUN:-0}" = 1 ]; then
+# A misspelt DRY_RUN must never start a real launch: 0 or 1 only.
+on DRY_RUN "${DRY_RUN:-0}" && DRY_RUN=1 || DRY_RUN=0
+on PRINT_ONLY "${PRINT_ONLY:-0}" && PRINT_ONLY=1 || PRINT_ONLY=0
+if [ "$DRY_RUN" = 1 ]; then
   LAUNCH=("$PYTHON")   # a dry run parses and validates once, on any machine, for the whole job
   PLAN=(--dry-run --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" ${GPU:+--gpu "$GPU"})
 fi
-CMD=("${LAUNCH[@]}" -m megatron_perf_toggles.run "${PLAN[@]}" "$MEGATRON_LM/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")
+CMD=("${LAUNCH[@]}" -m megatron_perf_toggles.run ${PLAN[@]+"${PLAN[@]}"} "$MEGATRON_LM/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")
 export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
 
-if [ "${PRINT_ONLY:-0}" = 1 ]; then
+if [ "$PRINT_ONLY" = 1 ]; then
   printf '%q ' "${CMD[@]}"; echo
   exit 0
 fi
-if [ "${DRY_RUN:-0}" = 1 ]; then
+if [ "$DRY_RUN" = 1 ]; then
   exec "${CMD[@]}"
 fi
 
