@@ -131,6 +131,11 @@ def stock_cases(tree: str, work: Path) -> list[dict[str, Any]]:
     base = [*BASE_ARGS, *TOKENIZER]
     return [*layout_cases(tree, work),
         {"name": "plain", "mode": "launcher", "argv": ["--dry-run", script, *base]},
+        # The same command line as a real launch and as a dry run, both planning for one machine (ASSUME).
+        {"name": "real-launch", "mode": "launcher", "env": {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20,cuda"},
+         "argv": [str(work / "real_launch.py"), *base]},
+        {"name": "real-launch-dry", "mode": "launcher", "env": {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20,cuda"},
+         "argv": ["--dry-run", script, *base]},
         {"name": "provider", "mode": "launcher",
          "env": {"MEGATRON_PERF_TOGGLES_DRY_RUN": "1", "GRAD_REDUCE_IN_BF16": "0"},
          "argv": ["--extra-args-provider", f"{PROVIDER_MODULE}:add_my_flag", script, *base, "--my-flag", "7",
@@ -222,10 +227,26 @@ _lock = threading.Lock()
 _cache: dict[str, dict[str, dict[str, Any]]] = {}
 
 
+# A real launch, as far as a CPU machine can take one: Megatron's own parse and validate with the
+# launcher's hooks in place and no dry run, then the decisions the run would train with, as JSON.
+REAL_LAUNCH_SOURCE = '''\
+import json
+
+from megatron.training import arguments
+
+args = arguments.parse_args()
+arguments.validate_args(args, {})
+keep = ("tensor_model_parallel_size", "data_parallel_size", "accumulate_allreduce_grads_in_fp32", "world_size")
+print("REAL-LAUNCH " + json.dumps({"decisions": args.perf_toggles, "precision": args.perf_toggles_precision,
+                                   "derived": {k: getattr(args, k, None) for k in keep}}, default=str))
+'''
+
+
 def _prepare(work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     (work / f"{PROVIDER_MODULE}.py").write_text(PROVIDER_SOURCE)
     (work / "mimic_script.py").write_text(MIMIC_SOURCE)
+    (work / "real_launch.py").write_text(REAL_LAUNCH_SOURCE)
 
 
 def patch_copy(tree: str, dest: Path) -> Path:

@@ -381,6 +381,21 @@ def test_real_pretrain_gpt_dry_run(tree: str) -> None:
 
 
 @pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_dry_run_decides_as_a_real_launch(tree: str) -> None:
+    """The launcher without --dry-run (Megatron's own parse and validate, then the namespace the run
+    would train with) against the dry run of the same command line: same guards, same derived settings."""
+    dry = runs.payload(runs.results(tree)["real-launch-dry"])
+    real = runs.results(tree)["real-launch"]
+    assert real["error"] is None and real["code"] == 0, (real["error"], real["stderr"][-2000:])
+    line = next(ln for ln in real["stdout"].splitlines() if ln.startswith("REAL-LAUNCH "))
+    launched = json.loads(line.split(" ", 1)[1])
+    assert launched["decisions"] == dry["decisions"]
+    assert launched["precision"] == dry["precision"]
+    for key, value in launched["derived"].items():
+        assert str(dry["effective_args"].get(key)) == str(value), key
+
+
+@pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_real_pretrain_gpt_dry_run_with_extra_providers(tree: str) -> None:
     payload = runs.payload(runs.results(tree)["provider"])  # dry run from the environment variable
     names = _names(payload)
