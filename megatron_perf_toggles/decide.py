@@ -346,6 +346,20 @@ def gradient_accumulation_fusion_apex(ctx: Context) -> Iterator[Change]:
     )
 
 
+# Settings that take Megatron off the fused single-QKV RoPE path (its first-forward assertion, or a
+# silent difference), in the order they are reported: (dest, why).
+FUSED_QKV_ROPE_BLOCKERS: tuple[tuple[str, str], ...] = (
+    ("qk_layernorm", ": q/k are normalised after the split, so QKV cannot stay packed"),
+    ("attention_output_gate", " is not supported by the fused QKV RoPE path"),
+    ("flash_decode", " takes its own RoPE path"),
+    ("qk_l2_norm", ": q/k are normalised after the split, so QKV cannot stay packed"),
+    ("no_rope_freq", ": layers without RoPE get no rotary embedding, which the fused path requires"),
+    ("rotary_interleaved", ": the fused kernel is not told about interleaving, so results would differ"),
+    ("perform_rl_step", ": rollouts run with an inference context, which the fused path does not take"),
+    *((dest, " uses packed (THD) sequences, which the fused path does not take") for dest in PACKED_SEQUENCE_DESTS),
+)
+
+
 def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
     if not _on(ctx.values, "fused_single_qkv_rope"):
         return
@@ -363,24 +377,8 @@ def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
         capability = "te_fused_qkv_rope"
     elif not rope:
         reason = f"position embedding {a.get('position_embedding_type')!r} is not RoPE"
-    elif a.get("qk_layernorm"):
-        reason = "--qk-layernorm: q/k are normalised after the split, so QKV cannot stay packed"
-    elif a.get("attention_output_gate"):
-        reason = "--attention-output-gate is not supported by the fused QKV RoPE path"
-    elif a.get("flash_decode"):
-        reason = "--flash-decode takes its own RoPE path"
-    elif a.get("qk_l2_norm"):
-        reason = "--qk-l2-norm: q/k are normalised after the split, so QKV cannot stay packed"
-    elif a.get("no_rope_freq"):
-        reason = "--no-rope-freq: layers without RoPE get no rotary embedding, which the fused path requires"
-    elif a.get("rotary_interleaved"):
-        reason = "--rotary-interleaved: the fused kernel is not told about interleaving, so results would differ"
-    elif a.get("perform_rl_step"):
-        reason = "--perform-rl-step: rollouts run with an inference context, which the fused path does not take"
     else:
-        packed = [d for d in PACKED_SEQUENCE_DESTS if a.get(d)]
-        if packed:
-            reason = f"--{packed[0].replace('_', '-')} uses packed (THD) sequences, which the fused path does not take"
+        reason = next((f"--{dest.replace('_', '-')}{why}" for dest, why in FUSED_QKV_ROPE_BLOCKERS if a.get(dest)), "")
     if reason:
         yield Change(
             "fused_single_qkv_rope",
