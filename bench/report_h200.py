@@ -1,9 +1,9 @@
 """Turn the raw H200 run summaries (docs/benchmarks/raw/) into the committed benchmark results.
 
 Writes docs/benchmarks/{summary.json, wgrad.json, e2e_h200.md, e2e_h200.png, convergence_h200.png}.
-Every number comes from the raw files, which bench/e2e_llama.py, bench/wgrad_gpu.py and
-bench/gpu_multi.py wrote on the GPU machines, and from the NCCL collective logs kept as test
-fixtures (tests/fixtures/nccl).
+Every number comes from the raw files, which the 0.1.0 bench script bench/e2e_llama.py (since
+replaced by bench/h200_ablate.py), bench/wgrad_gpu.py and bench/gpu_multi.py wrote on the GPU
+machines, and from the NCCL collective logs kept as test fixtures (tests/fixtures/nccl).
 
     python bench/report_h200.py
 """
@@ -33,7 +33,8 @@ RUN = {
     "python": "3.12",
     "model": "Llama-3-8B-shaped layers: hidden 4096, ffn 14336, 32 heads, 8 KV groups, 4 layers, seq 4096, "
              "micro-batch 2, global batch 16, vocab 128256, mock data, distributed optimizer, bf16, TE",
-    "command": "python bench/e2e_llama.py --megatron /path/to/Megatron-LM --arms ARMS --iters 20 "
+    "command": "(0.1.0, since replaced by bench/h200_ablate.py) "
+               "python bench/e2e_llama.py --megatron /path/to/Megatron-LM --arms ARMS --iters 20 "
                "[--fp8 delayed|tensorwise] --out DIR  (each arm: python -m megatron_perf_toggles.run "
                "pretrain_gpt.py <bench/e2e_llama.py MODEL args>)",
     "medians": "iterations 10-20 (warm-up 9 skipped); spread is min-max over those iterations",
@@ -279,6 +280,7 @@ def main() -> int:
         "te_version": RUN["te_version"],
         "megatron_commit": RUN["megatron_commit"],
         "commands": ["python bench/wgrad_gpu.py",
+                     "(0.1.0, since replaced by bench/h200_ablate.py) "
                      "python bench/e2e_llama.py --megatron /path/to/Megatron-LM --arms all-off,"
                      "only:gradient_accumulation_fusion --iters 20 --out DIR"],
     }
