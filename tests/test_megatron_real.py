@@ -394,6 +394,14 @@ def test_resume_keeps_the_grad_dtype_the_optimizer_checkpoint_is_keyed_by(tree):
 # --- plugin defaults against Megatron's rules (issue cases; each failed before its guard) -------
 
 
+def _stock_why(tree, case: str) -> str:
+    r = tree[2][f"stock:{case}"]
+    if r.get("error"):
+        return r["error"]
+    lines = [ln for ln in r.get("stderr", "").splitlines() if "error" in ln.lower()]
+    return lines[-1] if lines else f"exit {r.get('exit')}"
+
+
 def _stock_accepts(tree, case: str) -> bool:
     r = tree[2][f"stock:{case}"]
     return bool(r.get("validated")) and "error" not in r
@@ -414,7 +422,7 @@ def test_deterministic_mode_with_explicit_fusion_is_one_plugin_line(tree):
 
 def test_megatron_fsdp_keeps_fusion_where_megatron_allows_it(tree):
     if not _stock_accepts(tree, "mfsdp_defer"):
-        pytest.skip(f"stock {tree[0]} rejects this Megatron-FSDP layout: {tree[2]['stock:mfsdp_defer'].get('error')}")
+        pytest.skip(f"stock {tree[0].name} rejects this Megatron-FSDP layout: {_stock_why(tree, 'mfsdp_defer')}")
     r = ok(tree[2]["mfsdp_defer"])
     assert r["values"]["gradient_accumulation_fusion"] is True
 
@@ -429,7 +437,7 @@ def test_deferred_embedding_wgrad_without_a_wgrad_kernel_is_one_plugin_line(tree
 
 def test_delay_wgrad_under_cuda_graphs_keeps_fusion_or_says_why_not(tree):
     if not _stock_accepts(tree, "delay_graph_fallback"):
-        pytest.skip(f"stock {tree[0]} rejects this layout: {tree[2]['stock:delay_graph_fallback'].get('error')}")
+        pytest.skip(f"stock {tree[0].name} rejects this layout: {_stock_why(tree, 'delay_graph_fallback')}")
     assert ok(tree[2]["delay_graph_fallback"])["values"]["gradient_accumulation_fusion"] is True
     r = tree[2]["delay_graph_no_wgrad_kernel"]
     if "delay_wgrad_cuda_graph_needs_fusion" not in (megatron_rules.detect(tree[0]) or ()):
