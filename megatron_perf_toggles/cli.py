@@ -165,9 +165,7 @@ def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
 
 
 def target_from(ns: argparse.Namespace) -> planned.Target:
-    from .capabilities import assumed_device
-
-    return planned.make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
+    return planned.from_options(ns)
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:
@@ -361,12 +359,7 @@ def _env_epilog() -> str:
 
 
 def _target_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("what to plan for (as the launcher's --dry-run)")
-    group.add_argument("--world-size", type=int, metavar="N", help="ranks in the job (with --megatron)")
-    group.add_argument("--nnodes", type=int, metavar="N", help="nodes; with --nproc-per-node, instead of --world-size")
-    group.add_argument("--nproc-per-node", type=int, metavar="N", help="GPUs per node")
-    group.add_argument("--gpu", metavar="NAME", help=f"{', '.join(planned.GPUS)}, or an arch (sm_90, gfx942, ...); "
-                       "default: the visible GPU, else h100 (mi300x with MEGATRON_PERF_TOGGLES_ASSUME=rocm)")
+    planned.add_options(parser.add_argument_group("what to plan for (as the launcher's --dry-run)"))
 
 
 def build_parser() -> argparse.ArgumentParser:

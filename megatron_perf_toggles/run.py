@@ -76,12 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help=f"parse and validate only, print the decisions as JSON, exit 0 "
                              f"(also {hooks.DRY_RUN_ENV}=1)")
-    plan = parser.add_argument_group("what a dry run plans for (dry runs only)")
-    plan.add_argument("--world-size", type=int, metavar="N", help="ranks in the job (default: WORLD_SIZE, else 1)")
-    plan.add_argument("--nnodes", type=int, metavar="N", help="nodes; with --nproc-per-node, instead of --world-size")
-    plan.add_argument("--nproc-per-node", type=int, metavar="N", help="GPUs per node")
-    plan.add_argument("--gpu", metavar="NAME", help=f"the GPU: {', '.join(planned.GPUS)}, or an arch "
-                      "(sm_90, sm_100, gfx942, gfx950); default: the visible one")
+    planned.add_options(parser.add_argument_group("what a dry run plans for (dry runs only)"))
     parser.add_argument("script", metavar="SCRIPT", help="the training script, e.g. pretrain_gpt.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="MEGATRON ARGS",
                         help="the script's arguments, passed on unchanged")
@@ -108,16 +103,13 @@ def check_python_script(script: Path) -> None:
 
 def plan_target(ns: argparse.Namespace, dry_run: bool) -> planned.Target | None:
     """The world and GPU a dry run plans for; these options mean nothing to a real launch."""
-    given = [f"--{name.replace('_', '-')}" for name in ("world_size", "nnodes", "nproc_per_node", "gpu")
-             if getattr(ns, name) is not None]
+    given = [f"--{name.replace('_', '-')}" for name in planned.OPTION_DESTS if getattr(ns, name) is not None]
     if not dry_run:
         if given:
             raise PerfTogglesError(f"{given[0]} plans a dry run: add --dry-run",
                                    "a real launch takes its world from torchrun and its GPU from the machine")
         return None
-    from .capabilities import assumed_device
-
-    return planned.make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
+    return planned.from_options(ns)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -153,6 +153,26 @@ def make_target(world_size: int | None = None, nnodes: int | None = None, nproc_
     return Target(world_size=size, per_node=per_node, gpu=chosen, gpu_source=gpu_source, world_source=world_source)
 
 
+OPTION_DESTS = ("world_size", "nnodes", "nproc_per_node", "gpu")
+
+
+def add_options(group: Any) -> None:
+    """The planning options, declared once for the launcher's dry run and for ``explain``."""
+    group.add_argument("--world-size", type=int, metavar="N", help="ranks in the job (default: WORLD_SIZE, else 1)")
+    group.add_argument("--nnodes", type=int, metavar="N", help="nodes; with --nproc-per-node, instead of --world-size")
+    group.add_argument("--nproc-per-node", type=int, metavar="N", help="GPUs per node")
+    group.add_argument("--gpu", metavar="NAME", help=f"{', '.join(GPUS)}, or an arch (sm_90, sm_100, gfx942, gfx950); "
+                       f"default: the visible GPU, else {DEFAULT_GPU['cuda']} ({DEFAULT_GPU['rocm']} with "
+                       "MEGATRON_PERF_TOGGLES_ASSUME=rocm)")
+
+
+def from_options(ns: Any) -> Target:
+    """The target the parsed planning options (``add_options``) ask for."""
+    from .capabilities import assumed_device
+
+    return make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
+
+
 _ACTIVE: Target | None = None
 
 
