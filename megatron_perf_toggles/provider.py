@@ -218,15 +218,11 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
             wgrad_fallback.install()
     for dest, path in plan.log_dirs.items():
         setattr(ns, dest, path)
-    ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
     ns.perf_toggles_precision = plan.precision
     state.last_plan = plan
     state.last_caps = caps
+    _publish(ns, state, plan, caps)
     if state.capabilities is None:  # a real run on this machine, not a plan for another one
-        from . import rank_check
-
-        rank_check.arm(rank_check.fingerprint(ns.perf_toggles, caps.to_record(), plan.wgrad_path),
-                       enabled=state.env.rank_check)
         plan.messages.extend(resume.compare_with_checkpoint(writer, ns.perf_toggles))
     if state.announce and state.env.rank == 0 and not state.announced:
         state.announced = True
@@ -237,6 +233,16 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
     if net is not None and net.NET.installed:
         net.NET.watch(ns, state.stock, functools.partial(_backed_off, state=state, plan=plan, caps=caps))
     return plan
+
+
+def _publish(ns: argparse.Namespace, state: ProviderState, plan: Plan, caps: Capabilities) -> None:
+    """The decisions onto ``args.perf_toggles``, and (a real run) into the cross-rank check."""
+    ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+    if state.capabilities is None:  # a real run on this machine, not a plan for another one
+        from . import rank_check
+
+        rank_check.arm(rank_check.fingerprint(ns.perf_toggles, caps.to_record(), plan.wgrad_path),
+                       enabled=state.env.rank_check)
 
 
 def _persist(ns: argparse.Namespace, state: ProviderState, plan: Plan, caps: Capabilities) -> None:
@@ -266,18 +272,13 @@ def _backed_off(ns: argparse.Namespace, dests: list[str], reason: str, *, state:
     changed = {}
     for dest in dests:
         changed[dest] = plan.decisions[dest] = Decision(getattr(ns, dest), "guard", reason)
-    ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+    _publish(ns, state, plan, caps)
     from .safety_net import FOUND_AT_RUN_TIME
 
     warning = Message("warning", f"Megatron rejected the plugin default of {', '.join(dests)}, {FOUND_AT_RUN_TIME}; "
                                  "it was turned back to Megatron's default for this run. Please report it to "
                                  "megatron-perf-toggles so a guard can cover it.")
     plan.messages.append(warning)
-    if state.capabilities is None:
-        from . import rank_check
-
-        rank_check.arm(rank_check.fingerprint(ns.perf_toggles, caps.to_record(), plan.wgrad_path),
-                       enabled=state.env.rank_check)
     if state.env.rank == 0 and not state.quiet:
         # The table went out at parse time (from this parse or an earlier one): print what changed,
         # once, and rewrite the record and this launch's history line. A dry run prints the plan itself.

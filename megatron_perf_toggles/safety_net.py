@@ -202,19 +202,20 @@ class SafetyNet:
 NET = SafetyNet()
 
 
+def _copy_one(value: Any) -> Any:
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an uncopyable value (a lock, a module) is shared as it is
+        return value
+
+
 def _copy(values: dict[str, Any]) -> dict[str, Any]:
     """A deep copy, value by value: one value that cannot be copied is shared, the others are not."""
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        try:
-            out[key] = copy.deepcopy(value)
-        except Exception:  # noqa: BLE001 - an uncopyable value (a lock, a module) is shared as it is
-            out[key] = value
-    return out
+    return {key: _copy_one(value) for key, value in values.items()}
 
 
 def _copy_args(values: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(_copy(dict(enumerate(values))).values())
+    return tuple(_copy_one(value) for value in values)
 
 
 def _release(out: io.StringIO, err: io.StringIO) -> None:
