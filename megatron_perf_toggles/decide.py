@@ -247,22 +247,25 @@ def cross_entropy_fusion_deterministic(ctx: Context) -> Iterator[Change]:
         )
 
 
-def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
-    if not (
-        _on(ctx.values, "cross_entropy_loss_fusion")
-        and ctx.values.get("cross_entropy_fusion_impl") == "te"
-        and ctx.caps.megatron.asserts_te_cross_entropy
-    ):
-        return
-    reason = (f"Megatron {ctx.caps.megatron.version or ''} rejects the te impl with "
-              "--cross-entropy-loss-fusion (stability assertion in validate_args)").replace("  ", " ")
+def _te_fused_cross_entropy_on(ctx: Context) -> bool:
+    return _on(ctx.values, "cross_entropy_loss_fusion") and ctx.values.get("cross_entropy_fusion_impl") == "te"
+
+
+def _te_impl_cannot_stay(ctx: Context, reason: str, hint: str, capability: str = "") -> Change:
+    """Fused te cross-entropy cannot run: the impl goes native, unless te was asked for by name and
+    the fusion only by default. Stock Megatron (fusion off by default) accepts that command line,
+    so then the fusion default yields instead."""
     if ctx.sources.get("cross_entropy_fusion_impl") == "cli" and ctx.sources.get("cross_entropy_loss_fusion") != "cli":
-        # The impl was asked for by name; the fusion only by default: stock Megatron (fusion off by
-        # default) accepts this command line, so the fusion default yields.
-        yield Change("cross_entropy_loss_fusion", False, f"{reason}, and --cross-entropy-fusion-impl te was "
-                     "given explicitly", hint="pass --cross-entropy-fusion-impl native")
-        return
-    yield Change("cross_entropy_fusion_impl", "native", reason, hint="use --cross-entropy-fusion-impl native")
+        return Change("cross_entropy_loss_fusion", False, f"{reason}, and --cross-entropy-fusion-impl te was "
+                      "given explicitly", hint="pass --cross-entropy-fusion-impl native", capability=capability)
+    return Change("cross_entropy_fusion_impl", "native", reason, hint=hint, capability=capability)
+
+
+def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
+    if _te_fused_cross_entropy_on(ctx) and ctx.caps.megatron.asserts_te_cross_entropy:
+        reason = (f"Megatron {ctx.caps.megatron.version or ''} rejects the te impl with "
+                  "--cross-entropy-loss-fusion (stability assertion in validate_args)").replace("  ", " ")
+        yield _te_impl_cannot_stay(ctx, reason, hint="use --cross-entropy-fusion-impl native")
 
 
 def cross_entropy_te_distillation(ctx: Context) -> Iterator[Change]:
@@ -276,8 +279,7 @@ def cross_entropy_te_distillation(ctx: Context) -> Iterator[Change]:
 def cross_entropy_te_full_iteration_graph(ctx: Context) -> Iterator[Change]:
     a = ctx.args
     full = a.get("cuda_graph_impl") == "full_iteration" or "full_iteration" in _graph_modules(a)
-    if full and _on(ctx.values, "cross_entropy_loss_fusion") and ctx.values.get("cross_entropy_fusion_impl") == "te" \
-            and not _te_at_least(ctx.caps, CE_TE_FULL_GRAPH_MIN_TE) \
+    if full and _te_fused_cross_entropy_on(ctx) and not _te_at_least(ctx.caps, CE_TE_FULL_GRAPH_MIN_TE) \
             and ctx.caps.megatron.has_rule("ce_te_full_iteration_graph_old_te"):
         have = f"Transformer Engine {ctx.caps.te_version}" if ctx.caps.te_version else "no Transformer Engine"
         yield Change("cross_entropy_fusion_impl", "native",
@@ -286,26 +288,12 @@ def cross_entropy_te_full_iteration_graph(ctx: Context) -> Iterator[Change]:
 
 
 def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
-    if (
-        _on(ctx.values, "cross_entropy_loss_fusion")
-        and ctx.values.get("cross_entropy_fusion_impl") == "te"
-        and not ctx.caps.te_cross_entropy
-    ):
+    if _te_fused_cross_entropy_on(ctx) and not ctx.caps.te_cross_entropy:
         why = ctx.caps.notes.get("te_cross_entropy") or ctx.caps.notes.get("te") or (
             "Transformer Engine's parallel cross-entropy kernel is not available"
         )
-        if ctx.sources.get("cross_entropy_fusion_impl") == "cli" and ctx.sources.get("cross_entropy_loss_fusion") != "cli":
-            # te asked for by name, the fusion only by default: stock (fusion off) runs, so the default yields.
-            yield Change("cross_entropy_loss_fusion", False, f"{why}, and --cross-entropy-fusion-impl te was given "
-                         "explicitly", capability="te_cross_entropy")
-            return
-        yield Change(
-            "cross_entropy_fusion_impl",
-            "native",
-            why,
-            hint="install Transformer Engine or use --cross-entropy-fusion-impl native",
-            capability="te_cross_entropy",
-        )
+        yield _te_impl_cannot_stay(ctx, why, hint="install Transformer Engine or use --cross-entropy-fusion-impl "
+                                   "native", capability="te_cross_entropy")
 
 
 def cross_entropy_impl_unused(ctx: Context) -> Iterator[Change]:
