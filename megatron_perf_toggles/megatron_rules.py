@@ -16,6 +16,7 @@ Pure data plus one file-reading function; no Megatron import.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -372,7 +373,13 @@ BY_ID: dict[str, MegatronRule] = {r.id: r for r in RULES}
 
 
 def detect(root: str | os.PathLike[str] | None) -> tuple[str, ...] | None:
-    """The ids of the rules present in the Megatron-LM checkout at ``root`` (None: unknown)."""
+    """The ids of the rules present in the Megatron-LM checkout at ``root`` (None: unknown).
+    Read once per checkout and process: every parse in a launch asks again."""
+    return _detect(os.fspath(root) if root else None)
+
+
+@functools.cache
+def _detect(root: str | None) -> tuple[str, ...] | None:
     if not root or not os.path.isfile(os.path.join(root, "megatron", "training", "arguments.py")):
         return None
     texts: dict[str, str] = {}
