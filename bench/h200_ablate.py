@@ -16,6 +16,12 @@ directory under --out):
 
     python bench/h200_ablate.py --megatron PATH --out DIR --parts headline,noop --budget 20
     python bench/h200_ablate.py --megatron PATH --out DIR --smoke     # CPU: stand-in runs, real dry runs
+    python bench/h200_ablate.py --megatron PATH --out DIR --devices 0,1 --parts one-at-a-time,leave-one-out,dp2
+
+With --devices, one-GPU parts run side by side, one per listed GPU (each with its own port and log
+OUT/PART.log); a part that needs several GPUs waits until the parts before it are done and then runs
+alone. Arms are only ever compared inside one part, so a neighbour on another GPU cannot favour one
+arm. Running the same command again with the same --out resumes: finished runs are skipped.
 
 It prints the expected run time first. --smoke runs the same parts on CPU: the arms' dry runs go
 through the given Megatron tree's real parser, the runs themselves through tests/fake_megatron_run.py.
@@ -24,6 +30,7 @@ through the given Megatron tree's real parser, the runs themselves through tests
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shlex
 import subprocess
@@ -100,18 +107,25 @@ def base_env(megatron: Path, smoke: bool) -> dict[str, str]:
     return env
 
 
+def part_port(ns: argparse.Namespace, part: str) -> int:
+    """A fixed port per part: parts that run side by side do not collide, and a resumed part gets
+    the same command it had (the ablate resume compares commands)."""
+    return ns.port + list(PARTS).index(part)
+
+
 def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: float | None) -> tuple[list[str], dict]:
     design, extra, gpus = PARTS[part]
     megatron = Path(ns.megatron).resolve()
     env = base_env(megatron, ns.smoke)
+    port = part_port(ns, part)
     if ns.smoke:
         launch = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
     elif gpus > 1:
-        launch = f"{sys.executable} -m torch.distributed.run --nproc-per-node {gpus} --master-port {ns.port}"
+        launch = f"{sys.executable} -m torch.distributed.run --nproc-per-node {gpus} --master-port {port}"
     else:
         launch = sys.executable
         # a plain `python` launch: torchrun would set these
-        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(ns.port)), ("WORLD_SIZE", "1"),
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("WORLD_SIZE", "1"),
                            ("RANK", "0"), ("LOCAL_RANK", "0")):
             env.setdefault(key, value)
     cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *design, "--out", str(out / part),
@@ -136,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time for all parts together: no block starts that would end after it")
     ap.add_argument("--shape", choices=("llama3-8b-4l", "small"), default="llama3-8b-4l")
     ap.add_argument("--data", metavar="PREFIX", help="a real-text indexed dataset instead of mock data")
-    ap.add_argument("--port", type=int, default=29511)
+    ap.add_argument("--port", type=int, default=29511, help="first port; each part uses its own (default 29511)")
+    ap.add_argument("--devices", metavar="LIST",
+                    help="comma list of GPU indices: one-GPU parts run side by side, one per GPU")
     ap.add_argument("--smoke", action="store_true", help="CPU: stand-in runs (tests/fake_megatron_run.py)")
     ap.add_argument("--print-only", action="store_true", help="print the plan and the commands, run nothing")
     ns = ap.parse_args(argv)
@@ -155,26 +171,80 @@ def main(argv: list[str] | None = None) -> int:
         est = estimate_s(part, ns.repeats, ns.iters)
         total += est
         print(f"  {part:<15} {1 + ns.repeats * ARMS[part]:>3} runs  ~{est / 60:5.1f} min  -> {out / part}")
-    print(f"expected: ~{total / 60:.1f} min on the H200" + (f" (budget {ns.budget:g} min)" if ns.budget else ""),
-          flush=True)
+    devices = [d.strip() for d in ns.devices.split(",") if d.strip()] if ns.devices else []
+    if devices:  # side by side: a phase takes about as long as its parts spread over the devices
+        total = sum(max(max(estimate_s(p, ns.repeats, ns.iters) for p in ph),
+                        sum(estimate_s(p, ns.repeats, ns.iters) for p in ph) / len(devices))
+                    for ph in phases(parts, devices))
+    print(f"expected: ~{total / 60:.1f} min on the H200" + (f" on GPUs {','.join(devices)}" if devices else "")
+          + (f" (budget {ns.budget:g} min)" if ns.budget else ""), flush=True)
+    if ns.devices is not None and not devices:
+        ap.error("--devices: expected a comma list of GPU indices, e.g. 0,1")
+    for part in parts:
+        if devices and PARTS[part][2] > len(devices):
+            ap.error(f"--devices {ns.devices}: part {part} needs {PARTS[part][2]} GPUs")
     start = time.monotonic()
     worst = 0
-    for part in parts:
-        left = None if ns.budget is None else ns.budget - (time.monotonic() - start) / 60
-        if left is not None and left <= 0:
-            print(f"[{part}] skipped: the budget is spent", flush=True)
-            worst = max(worst, 1)
-            continue
-        cmd, env = ablate_command(part, ns, out, left)
-        print(f"[{part}] {shlex.join(cmd)}", flush=True)
-        if ns.print_only:
-            continue
-        code = subprocess.call(cmd, env=env)
-        print(f"[{part}] exit {code} after {(time.monotonic() - start) / 60:.1f} min; results in {out / part}",
-              flush=True)
-        worst = max(worst, code)
+    for phase in phases(parts, devices):
+        worst = max(worst, run_phase(phase, ns, out, start, devices))
     return worst
 
+
+def phases(parts: list[str], devices: list[str]) -> list[list[str]]:
+    """Groups that run together: with several devices, consecutive one-GPU parts share a phase; a
+    multi-GPU part is a phase of its own. Without devices, every part is its own phase."""
+    if len(devices) < 2:
+        return [[p] for p in parts]
+    groups: list[list[str]] = []
+    for multi, run in itertools.groupby(parts, key=lambda p: PARTS[p][2] > 1):
+        members = list(run)
+        groups += [[p] for p in members] if multi else [members]
+    return groups
+
+
+def run_phase(phase: list[str], ns: argparse.Namespace, out: Path, start: float, devices: list[str]) -> int:
+    """Start each part of the phase (at most one per device at a time), wait for all of them."""
+    worst, pending, active = 0, list(phase), {}
+    free = list(devices) if len(phase) > 1 else []
+    while pending or active:
+        while pending and (free or not active):
+            part = pending.pop(0)
+            left = None if ns.budget is None else ns.budget - (time.monotonic() - start) / 60
+            if left is not None and left <= 0:
+                print(f"[{part}] skipped: the budget is spent", flush=True)
+                worst = max(worst, 1)
+                continue
+            cmd, env = ablate_command(part, ns, out, left)
+            print(f"[{part}] {shlex.join(cmd)}", flush=True)
+            if ns.print_only:
+                continue
+            if free:  # side by side: one GPU each, output to OUT/PART.log
+                device = free.pop(0)
+                out.mkdir(parents=True, exist_ok=True)
+                log = open(out / f"{part}.log", "a")  # closed when the part ends
+                proc = subprocess.Popen(cmd, env={**env, "CUDA_VISIBLE_DEVICES": device}, stdout=log,
+                                        stderr=subprocess.STDOUT)
+                print(f"[{part}] started on GPU {device}; log {out / f'{part}.log'}", flush=True)
+                active[part] = (proc, device, log)
+            else:
+                if devices:
+                    env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(devices[:PARTS[part][2]])}
+                worst = max(worst, _finished(part, subprocess.call(cmd, env=env), start, out))
+        for part, (proc, device, log) in list(active.items()):
+            if proc.poll() is not None:
+                log.close()
+                worst = max(worst, _finished(part, proc.returncode, start, out))
+                del active[part]
+                free.append(device)
+        if active:
+            time.sleep(2)
+    return worst
+
+
+def _finished(part: str, code: int, start: float, out: Path) -> int:
+    print(f"[{part}] exit {code} after {(time.monotonic() - start) / 60:.1f} min; results in {out / part}",
+          flush=True)
+    return code
 
 if __name__ == "__main__":
     raise SystemExit(main())
