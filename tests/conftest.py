@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_perf_toggles.capabilities import Capabilities, MegatronFacts
-from megatron_perf_toggles.env import read_env
+from megatron_perf_toggles.core.env import read_env
+from megatron_perf_toggles.core.facts import Capabilities, MegatronFacts
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 from conftest import REPO
 
-from megatron_perf_toggles import ablate
-from megatron_perf_toggles.ablate_design import DEFAULT_TOGGLES, DesignError, expand, parse_toggles, parse_vary
-from megatron_perf_toggles.registry import BY_DEST
+from megatron_perf_toggles.core.registry import BY_DEST
+from megatron_perf_toggles.tools.ablate import runner as ablate
+from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, DesignError, expand, parse_toggles, parse_vary
 
 
 def test_one_at_a_time():

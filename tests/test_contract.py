@@ -1,6 +1,6 @@
 """Contract tests: the plugin against the recorded argparse surface of every supported Megatron.
 
-The surfaces are facts recorded from real trees by ``python -m megatron_perf_toggles.surface``
+The surfaces are facts recorded from real trees by ``python -m megatron_perf_toggles.tools.surfaces.record``
 (plus the ROCm fork's recorded delta). Expectations below are derived from those facts, so a new
 Megatron release that adds, moves or removes a flag shows up here as a deliberate diff.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_perf_toggles import provider, replay
-from megatron_perf_toggles.registry import TOGGLES
+from megatron_perf_toggles.core.registry import TOGGLES
+from megatron_perf_toggles.runtime import provider
+from megatron_perf_toggles.tools.surfaces import replay
 
 SURFACES = replay.available()
 UPSTREAM_REQUIRED = ["core_v0.13.0", "core_v0.15.0", "core_v0.16.0", "core_v0.17.0", "core_v0.18.2",
@@ -29,8 +30,8 @@ def _by_flag(surface):
 
 def _installed(name, environ=None):
     surface = replay.load_surface(name)
-    parser = replay.build_parser(surface)
-    provider.install(parser, environ={**ASSUME_ALL, **(environ or {})}, announce=False)
+    parser = replay.parser_from_surface(surface)
+    provider.attach(parser, environ={**ASSUME_ALL, **(environ or {})}, announce=False)
     return surface, parser
 
 
@@ -75,9 +76,10 @@ def test_defaults_and_version_guards_follow_recorded_facts(name):
     assert args.cross_entropy_loss_fusion is True
     # Planning with recorded facts: the replayed parser has no Megatron behind it, so the
     # capabilities come from the record (as `explain --megatron-version` does).
-    from megatron_perf_toggles.capabilities import megatron_facts_from_surface, resolve
-    from megatron_perf_toggles.decide import decide
-    from megatron_perf_toggles.env import read_env
+    from megatron_perf_toggles.core.decide import decide
+    from megatron_perf_toggles.core.env import read_env
+    from megatron_perf_toggles.core.facts import megatron_facts_from_surface
+    from megatron_perf_toggles.runtime.capabilities import resolve
 
     caps = resolve("apex,te=2.20")
     caps = type(caps)(**{**caps.__dict__, "megatron": megatron_facts_from_surface(surface)})

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_perf_toggles import registry
+from megatron_perf_toggles.core import registry
 from megatron_perf_toggles.errors import RegistryError
 
 # The product specification, written out independently of the code under test.

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .capabilities import Capabilities, version_tuple
+from ..errors import CannotHonourError, DependencyError
 from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
 from .env import EnvSettings
-from .errors import CannotHonourError, DependencyError
+from .facts import Capabilities, version_tuple
 from .precision import log_dir_warnings, precision_tag, tagged_log_dirs
 from .registry import BY_DEST, TOGGLES
 

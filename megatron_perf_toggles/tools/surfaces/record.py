@@ -114,15 +114,15 @@ def code_facts() -> dict[str, Any]:
 
     import megatron.training.training  # noqa: F401 - so pretrain()'s signature is inspected
 
-    from .capabilities import megatron_facts
+    from ...runtime.capabilities import megatron_facts
 
     facts = dataclasses.asdict(megatron_facts())
     facts.pop("path", None)
     return facts
 
 
-def record(tree: str) -> dict[str, Any]:
-    from .megatron_env import megatron_importable
+def record_surface(tree: str) -> dict[str, Any]:
+    from ...launcher.import_shims import megatron_importable
 
     with megatron_importable(tree):
         parser = megatron_parser()
@@ -138,10 +138,10 @@ def dumps_record(rec: dict[str, Any]) -> str:
     return json.dumps(head, indent=1, sort_keys=True)[:-2] + ',\n "actions": [\n  ' + body + "\n ]\n}\n"
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m megatron_perf_toggles.surface") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m megatron_perf_toggles.tools.surfaces.record") -> int:
     """Record one tree; errors are one ``[perf-toggles]`` line and exit 2."""
-    from .errors import OneLineArgumentParser, PerfTogglesError, fail
-    from .megatron_env import import_failure
+    from ...errors import OneLineArgumentParser, PerfTogglesError, fail
+    from ...launcher.import_shims import import_failure
 
     ap = OneLineArgumentParser(
         prog=prog,
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m megatron_perf_tog
     if not (Path(ns.tree) / "megatron" / "training" / "arguments.py").is_file():
         fail(PerfTogglesError(f"{ns.tree} is not a Megatron-LM checkout (no megatron/training/arguments.py)"))
     try:
-        rec = {"name": ns.name or Path(ns.tree).resolve().name, **record(ns.tree)}
+        rec = {"name": ns.name or Path(ns.tree).resolve().name, **record_surface(ns.tree)}
     except Exception as error:  # noqa: BLE001 - a tree that does not import is one line
         what, hint = import_failure(error)
         fail(PerfTogglesError(f"cannot record {ns.tree}: {what}", hint))

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from . import ablate_stats as stats
-from .ablate_design import DESIGNS, OTHERS, Arm, DesignError, expand, parse_toggles, parse_vary
-from .errors import PerfTogglesError, fail
+from ..._version import __version__
+from ...errors import PerfTogglesError, fail
+from . import stats
+from .design import DESIGNS, OTHERS, Arm, DesignError, expand, parse_toggles, parse_vary
 from .megatron_log import parse_file
 
 # Arguments that legitimately differ between arms, or are bookkeeping, not the experiment.
@@ -646,7 +646,7 @@ def _check_out(out: Path) -> None:
         raise DesignError(f"--out {out}: not writable ({error.strerror or error})") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_ablate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-perf-toggles ablate",
         description="Run a controlled toggle experiment: every arm is resolved through Megatron's real "
@@ -709,7 +709,7 @@ def _validate(ns: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, Any]] = resolve_arm,
          clock: Callable[[], float] = time.monotonic) -> int:
-    ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    ns = build_ablate_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     args = [a for a in ns.megatron_args if a != "--"] if ns.megatron_args[:1] == ["--"] else list(ns.megatron_args)
     try:
         _validate(ns)
@@ -825,7 +825,7 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
 
 def _known_args() -> set[str] | None:
     """Megatron argument dests, from the recorded main surface: catches typos before any run."""
-    from . import replay
+    from ..surfaces import replay
 
     try:
         return {a["dest"] for a in replay.load_surface("main")["actions"]}

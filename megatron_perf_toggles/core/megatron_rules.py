@@ -6,18 +6,17 @@ toggles and for what Megatron derives from them.
 
 Every rule found by reading Megatron's sources (validate_args, determinism.py, the config
 dataclasses, the DDP/FSDP wrappers) that can reject, rewrite or depend on one of the toggles is
-declared here once, with the phrase that identifies it in Megatron's source. ``detect(root)``
-reads those files of a checkout and answers which rules this Megatron has, so a guard fires only
+declared here once, with the phrase that identifies it in Megatron's source.
+``runtime.capabilities.detect_rules(root)`` reads those files of a checkout and answers which
+rules this Megatron has, so a guard fires only
 on the versions that carry its rule, and a Megatron release that drops a rule frees the toggle
 again without a code change. The README's guard list is generated from this table.
 
-Pure data plus one file-reading function; no Megatron import.
+Pure data: no file is read and nothing is imported here.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -370,34 +369,6 @@ RULES: tuple[MegatronRule, ...] = (
 )
 
 BY_ID: dict[str, MegatronRule] = {r.id: r for r in RULES}
-
-
-def detect(root: str | os.PathLike[str] | None) -> tuple[str, ...] | None:
-    """The ids of the rules present in the Megatron-LM checkout at ``root`` (None: unknown).
-    Read once per checkout and process: every parse in a launch asks again."""
-    return _detect(os.fspath(root) if root else None)
-
-
-@functools.cache
-def _detect(root: str | None) -> tuple[str, ...] | None:
-    if not root or not os.path.isfile(os.path.join(root, "megatron", "training", "arguments.py")):
-        return None
-    texts: dict[str, str] = {}
-    found: list[str] = []
-    for rule in RULES:
-        if not rule.phrase:
-            continue
-        for rel in rule.where:
-            if rel not in texts:
-                try:
-                    with open(os.path.join(root, rel), encoding="utf-8") as fh:
-                        texts[rel] = fh.read()
-                except OSError:
-                    texts[rel] = ""
-            if rule.phrase in texts[rel]:
-                found.append(rule.id)
-                break
-    return tuple(found)
 
 
 def rules_table() -> str:

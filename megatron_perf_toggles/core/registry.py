@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import RegistryError
+from ..errors import RegistryError
 
 Kind = Literal["bool", "choice"]
 Bucket = Literal["gpt", "extra"]

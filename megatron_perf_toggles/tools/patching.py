@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PREFIX, PerfTogglesError
+from ..errors import PREFIX, PerfTogglesError
 
 PROG = "megatron-perf-toggles patch"
 PATCHES_ENV = "MEGATRON_PERF_TOGGLES_PATCHES"
@@ -114,9 +114,9 @@ def patch_set_for(tree: Tree) -> str:
 
 def patches_dir() -> Path:
     """Where the patch sets live: $MEGATRON_PERF_TOGGLES_PATCHES, the package data, or the repository."""
-    here = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # megatron_perf_toggles/
     candidates = [Path(p) for p in [os.environ.get(PATCHES_ENV)] if p]
-    candidates += [here / "data" / "patches", here.parent / "patches"]
+    candidates += [package / "data" / "patches", package.parent / "patches"]
     for candidate in candidates:
         if candidate.is_dir():
             return candidate
@@ -194,7 +194,7 @@ def apply(root: Path, files: list[Path], *, check: bool = False, reverse: bool =
     raise PatchError("neither git nor patch is installed", "install git")
 
 
-def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+def build_patch_parser(prog: str = PROG) -> argparse.ArgumentParser:
     class _Parser(argparse.ArgumentParser):
         def error(self, message: str) -> argparse.Namespace:
             raise PatchError(message, f"see {prog} --help")
@@ -242,7 +242,7 @@ def run(ns: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """The ``patch`` subcommand; 0 when the tree ends up (or would end up) as asked, 2 otherwise."""
     try:
-        ns = build_parser(prog).parse_args(sys.argv[1:] if argv is None else list(argv))
+        ns = build_patch_parser(prog).parse_args(sys.argv[1:] if argv is None else list(argv))
         return run(ns)
     except SystemExit as done:  # --help
         return int(done.code or 0)
@@ -252,4 +252,4 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(prog="python -m megatron_perf_toggles.patching"))
+    raise SystemExit(main(prog="python -m megatron_perf_toggles.tools.patching"))

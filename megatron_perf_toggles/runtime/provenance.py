@@ -6,10 +6,10 @@ import json
 import os
 from typing import Any
 
-from . import __version__
-from .capabilities import Capabilities
-from .decide import Plan
-from .errors import PREFIX
+from .._version import __version__
+from ..core.decide import Plan
+from ..core.facts import Capabilities
+from ..errors import PREFIX
 
 RECORD_NAME = "perf_toggles.json"
 
@@ -30,7 +30,7 @@ def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
     return out
 
 
-def record(plan: Plan, caps: Capabilities, environ: dict[str, str], command: list[str] | None = None) -> dict[str, Any]:
+def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], command: list[str] | None = None) -> dict[str, Any]:
     return {
         "package": "megatron-perf-toggles",
         "version": __version__,

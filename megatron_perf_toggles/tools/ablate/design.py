@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from .errors import PerfTogglesError
-from .registry import BY_DEST, TOGGLES
+from ...core.registry import BY_DEST, TOGGLES
+from ...errors import PerfTogglesError
 
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline")
 OTHERS = ("inherit", "off", "on")

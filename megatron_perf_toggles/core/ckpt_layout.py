@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .capabilities import version_tuple
+from .facts import version_tuple
 
 GRAD_DTYPE_KEYED = "grad-dtype-keyed"
 MODEL_SPACE = "model-space"

@@ -13,23 +13,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from . import __version__, provenance, replay
-from . import target as planned
-from .capabilities import (
-    Capabilities,
-    MegatronFacts,
-    detect,
-    megatron_facts,
-    megatron_facts_from_surface,
-    resolve,
-    with_assumptions,
-)
-from .decide import Plan, decide
-from .embedded import LLAMA3_8B_BF16
-from .env import read_env
-from .errors import OneLineArgumentParser, PerfTogglesError, fail
-from .provenance import format_value
-from .registry import SETTINGS, TOGGLES
+from .._version import __version__
+from ..core.decide import Plan, decide
+from ..core.env import read_env
+from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, with_assumptions
+from ..core.registry import SETTINGS, TOGGLES
+from ..errors import OneLineArgumentParser, PerfTogglesError, fail
+from ..runtime import provenance
+from ..runtime import target as planned
+from ..runtime.capabilities import detect, megatron_facts, resolve
+from ..runtime.provenance import format_value
+from .llama3_8b import LLAMA3_8B_BF16
+from .surfaces import replay
 
 DEFAULT_SURFACE = "main"
 WGRAD_WORDS = {
@@ -53,16 +48,16 @@ def _cannot_import(tree: str | None, error: ImportError) -> PerfTogglesError:
 
 def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None,
                   ) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
-    """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (hooks.py): the same
+    """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (launcher/megatron_hooks.py): the same
     providers, parse, validate_args, planned world and GPU; the record is handed back, not printed."""
     import contextlib
     import io
     import runpy
     from pathlib import Path
 
-    from . import hooks
-    from .megatron_env import megatron_importable
-    from .provider import extra_args_provider
+    from ..launcher import megatron_hooks as hooks
+    from ..launcher.import_shims import megatron_importable
+    from ..runtime.provider import extra_args_provider
 
     root = Path(tree)
     script = root / "pretrain_gpt.py"
@@ -73,7 +68,7 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     chatter = io.StringIO()  # Megatron's own printing and warnings; the explanation is ours
     try:
         with megatron_importable(tree), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-            installed = hooks.install([extra_args_provider], dry_run=True, target=target, capture=True)
+            installed = hooks.hook_parse_path([extra_args_provider], dry_run=True, target=target, capture=True)
             sys.argv = [str(script), *megatron_args]
             sys.path.insert(0, str(script.resolve().parent))
             runpy.run_path(str(script), run_name="__main__")
@@ -90,7 +85,7 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
-        hooks.uninstall()
+        hooks.unhook_parse_path()
     raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments")
 
 
@@ -102,7 +97,7 @@ def plan_command_line(
 
     With ``tree``: the launcher's dry run of its pretrain_gpt.py. Without: the recorded surface,
     with the same capability detection as that dry run (torch and TE imported where installed)."""
-    from .provider import install
+    from ..runtime.provider import attach
 
     if tree:
         return _megatron_run(tree, megatron_args, target)
@@ -112,13 +107,13 @@ def plan_command_line(
         recorded = replay.load_surface(name)
     except KeyError as error:
         raise PerfTogglesError(str(error.args[0])) from None
-    parser = replay.build_parser(recorded)
+    parser = replay.parser_from_surface(recorded)
     env = read_env(environ)
     with planned.stand_ins(target):
         caps = replace(detect(deep=True), megatron=megatron_facts_from_surface(recorded))
     caps = with_assumptions(caps, env.assume)
     label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
-    install(parser, environ=environ, announce=False, capabilities=caps)
+    attach(parser, environ=environ, announce=False, capabilities=caps)
     ns = parser.parse_args(list(megatron_args))
     plan = parser._perf_toggles_state.last_plan  # type: ignore[attr-defined]
     return plan, caps, label, vars(ns)
@@ -179,7 +174,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     megatron_source = (f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
     if ns.json:
-        payload = provenance.record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
+        payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
         payload["megatron"] = label
         payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
         payload["sources"] = fact_sources(caps, megatron_source)
@@ -214,8 +209,8 @@ def cmd_explain(ns: argparse.Namespace) -> int:
 def _stock_flags(tree: str | None, surface: str | None) -> tuple[set[str], dict[str, Any]]:
     """The option strings the target Megatron has by itself (without the plugin), and its defaults."""
     if tree:
-        from .megatron_env import megatron_importable
-        from .surface import describe_parser, megatron_parser
+        from ..launcher.import_shims import megatron_importable
+        from .surfaces.record import describe_parser, megatron_parser
 
         with megatron_importable(tree):
             actions = describe_parser(megatron_parser())
@@ -272,7 +267,7 @@ def _doctor_megatron(tree: str | None) -> tuple[MegatronFacts | None, str | None
     with none named, "not importable" is part of the report."""
     import importlib.util
 
-    from .megatron_env import import_failure, megatron_importable
+    from ..launcher.import_shims import import_failure, megatron_importable
 
     if tree is not None and not os.path.isfile(os.path.join(tree, "megatron", "training", "arguments.py")):
         raise PerfTogglesError(f"--megatron {tree}: not a Megatron-LM checkout (no megatron/training/arguments.py)",
@@ -362,7 +357,7 @@ def _target_options(parser: argparse.ArgumentParser) -> None:
     planned.add_options(parser.add_argument_group("what to plan for (as the launcher's --dry-run)"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_cli_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="megatron-perf-toggles",
         description="Default-on Megatron-LM performance toggles: see what they decide, where they can "
@@ -430,14 +425,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return patch_main(argv[1:])
     if argv and argv[0] == "ablate":
-        from .ablate import main as ablate_main
+        from .ablate.runner import main as ablate_main
 
         return ablate_main(argv[1:])
     if argv and argv[0] == "surface":
-        from .surface import main as surface_main
+        from .surfaces.record import main as surface_main
 
         return surface_main(argv[1:], prog="megatron-perf-toggles surface")
-    parser = build_parser()
+    parser = build_cli_parser()
     ns = parser.parse_args(argv)
     if getattr(ns, "megatron_args", None) and ns.megatron_args[0] == "--":
         ns.megatron_args = ns.megatron_args[1:]

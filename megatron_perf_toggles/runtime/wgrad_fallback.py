@@ -105,7 +105,7 @@ def is_fallback(module: object) -> bool:
     return bool(getattr(module, "__megatron_perf_toggles_fallback__", False))
 
 
-def install() -> list[str]:
+def activate() -> list[str]:
     """Put the fallback where Megatron looks for APEX's module. Never replaces a real APEX.
 
     Returns the places patched (for the provenance record).

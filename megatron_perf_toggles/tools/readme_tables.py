@@ -1,13 +1,13 @@
 """README tables generated from the registry and the recorded surfaces (a test keeps them equal).
 
-``python -m megatron_perf_toggles.docs`` prints them.
+``python -m megatron_perf_toggles.tools.readme_tables`` prints them.
 """
 
 from __future__ import annotations
 
-from . import replay
-from .megatron_rules import rules_table
-from .registry import SETTINGS, TOGGLES
+from ..core.megatron_rules import rules_table
+from ..core.registry import SETTINGS, TOGGLES
+from .surfaces import replay
 
 BEGIN = "<!-- generated:{name} begin -->"
 END = "<!-- generated:{name} end -->"

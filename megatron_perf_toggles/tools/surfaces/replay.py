@@ -67,7 +67,7 @@ def load_surface(name: str) -> dict[str, Any]:
     return copy.deepcopy(_load(name))
 
 
-def build_parser(surface: dict[str, Any]) -> argparse.ArgumentParser:
+def parser_from_surface(surface: dict[str, Any]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=f"Megatron-LM arguments (recorded: {surface['name']})",
                                      allow_abbrev=False)
     groups: dict[str, argparse._ArgumentGroup] = {g.title: g for g in parser._action_groups if g.title}

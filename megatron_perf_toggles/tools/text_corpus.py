@@ -6,7 +6,7 @@ token ids = byte values 0..255, each document ended by the end-of-document id 25
 NullTokenizer's EOD for ``--vocab-size 257``. Train with
 ``--tokenizer-type NullTokenizer --vocab-size 257 --data-path PREFIX --split 100,0,0``.
 
-    python -m megatron_perf_toggles.text_corpus --out /data/stdlib_bytes [--max-mb 64]
+    python -m megatron_perf_toggles.tools.text_corpus --out /data/stdlib_bytes [--max-mb 64]
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PerfTogglesError
+from ..errors import PerfTogglesError
 
 _MISSING = object()
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from .registry import BY_DEST
+from ..core.registry import BY_DEST
 
 OPT_OUT_ENV = "MEGATRON_PERF_TOGGLES_RANK_CHECK"
 CAPABILITY_KEYS = ("te_version", "apex_fused_wgrad", "wgrad_fallback", "aiter_version", "device")

@@ -16,14 +16,14 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..core.ckpt_layout import checkpoint_facts
+from ..core.decide import FP4_LAYER_DESTS, Decision, Message, Plan, decide
+from ..core.env import EnvSettings, read_env
+from ..core.registry import GROUPS, TOGGLES, Toggle
+from ..errors import PerfTogglesError, fail
 from . import provenance
 from .capabilities import Capabilities, resolve
-from .ckpt_layout import checkpoint_facts
-from .decide import FP4_LAYER_DESTS, Decision, Message, Plan, decide
-from .env import EnvSettings, read_env
-from .errors import PerfTogglesError, fail
 from .provenance import format_value
-from .registry import GROUPS, TOGGLES, Toggle
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 PLUGIN_GROUP_TITLE = "perf toggles (megatron-perf-toggles)"
@@ -140,7 +140,7 @@ def refuse_contradictions(words: Any) -> None:
                                   f"keep one; {toggle.env}=0/1 sets it from the environment instead"))
 
 
-def install(
+def attach(
     parser: argparse.ArgumentParser,
     environ: Mapping[str, str] | None = None,
     announce: bool = True,
@@ -215,7 +215,7 @@ def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
         # A real run on this machine, not a plan for another one; a fallback that is only assumed
         # (MEGATRON_PERF_TOGGLES_ASSUME) is installed only where it can really run.
         if not caps.is_assumed("wgrad_fallback") or wgrad_fallback.usable()[0]:
-            wgrad_fallback.install()
+            wgrad_fallback.activate()
     for dest, path in plan.log_dirs.items():
         setattr(ns, dest, path)
     ns.perf_toggles_precision = plan.precision
@@ -247,7 +247,7 @@ def _publish(ns: argparse.Namespace, state: ProviderState, plan: Plan, caps: Cap
 
 def _persist(ns: argparse.Namespace, state: ProviderState, plan: Plan, caps: Capabilities) -> None:
     """Rank 0 of a real run: the JSON record beside the logs, and the launch history in --save."""
-    payload = provenance.record(plan, caps, state.env.raw_for_record(state.environ), sys.argv)
+    payload = provenance.build_record(plan, caps, state.env.raw_for_record(state.environ), sys.argv)
     directory = provenance.record_dir(plan, vars(ns))
     try:
         if directory:
@@ -289,7 +289,7 @@ def _backed_off(ns: argparse.Namespace, dests: list[str], reason: str, *, state:
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider`` hook: register the toggles on ``parser`` and return it."""
-    return install(parser)
+    return attach(parser)
 
 
 def chain_providers(*providers: Provider | None) -> Provider:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .errors import EnvValueError
+from ..errors import EnvValueError
 from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTINGS, TOGGLES, Toggle
 
 
