@@ -45,7 +45,7 @@ def test_registration_adds_exactly_the_missing_forms(name):
     surface, parser = _installed(name)
     recorded = _by_flag(surface)
     expected_added = [f for t in TOGGLES for f in t.flags if f not in recorded]
-    assert parser._perf_toggles_state.added_flags == expected_added
+    assert provider.registration(parser).added_flags == expected_added
     for t in TOGGLES:
         for flag in t.flags:
             assert parser._option_string_actions[flag].dest == t.dest, (name, flag)
@@ -118,8 +118,8 @@ def test_rocm_fork_delta():
     surface, parser = _installed("rocm_fork")
     recorded = _by_flag(surface)
     assert recorded["--fused-single-qkv-rope"]["dest"] == "fused_single_qkv_rope"
-    assert "--fused-single-qkv-rope" not in parser._perf_toggles_state.added_flags
-    assert "--no-fused-single-qkv-rope" in parser._perf_toggles_state.added_flags
+    assert "--fused-single-qkv-rope" not in provider.registration(parser).added_flags
+    assert "--no-fused-single-qkv-rope" in provider.registration(parser).added_flags
     assert "mxfp4" in recorded["--fp4-recipe"]["choices"]
     assert recorded["--cross-entropy-fusion-impl"]["default"] == "te"
     assert replay.surface_facts(surface)["asserts_te_cross_entropy"] is False

@@ -9,6 +9,7 @@ torch's optional-triton probes must keep seeing "not installed".
 from __future__ import annotations
 
 import builtins
+import functools
 import importlib.util
 import os
 import sys
@@ -18,6 +19,8 @@ import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from ..runtime.patches import PATCHES
 
 STAND_IN_PACKAGES = ("triton",)
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
@@ -62,6 +65,16 @@ class _StandInModule(types.ModuleType):
         return _Anything(f"{self.__name__}.{attr}")
 
 
+def _override(fn: Callable[..., object]) -> Callable[..., object]:
+    """``typing.override`` as Python 3.12 has it, for Megatron 0.18.2+ on older Pythons."""
+    return fn
+
+
+def _remove_path(entry: str) -> None:
+    if entry in sys.path:
+        sys.path.remove(entry)
+
+
 def _is_megatron_module(name: str) -> bool:
     return name == "megatron" or name.startswith("megatron.")
 
@@ -95,9 +108,11 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
     see a missing triton as missing, not get a stand-in whose kernels would fail later.
     """
     if tree is not None:
-        sys.path.insert(0, str(Path(tree).resolve()))
+        entry = str(Path(tree).resolve())
+        sys.path.insert(0, entry)
+        PATCHES.on_uninstall(f"sys.path entry {entry}", functools.partial(_remove_path, entry))
     if not hasattr(typing, "override"):
-        typing.override = lambda fn: fn  # type: ignore[attr-defined]
+        PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
     real_import = builtins.__import__
     if stand_ins and any(not _really_installed(name) for name in STAND_IN_PACKAGES):
         builtins.__import__ = _stand_in_import(real_import)

@@ -37,6 +37,8 @@ from ..errors import PerfTogglesError, fail
 from ..runtime import provenance
 from ..runtime import provider as plugin
 from ..runtime import target as planned
+from ..runtime.controller import Controller, Outcome, use_for_process
+from ..runtime.patches import PATCHES
 from ..runtime.rebinding import megatron_root, rebind
 from .import_shims import import_failure
 
@@ -175,13 +177,14 @@ class Chain:
 
     def __call__(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         self.runs = []
+        if self.includes_plugin:
+            self.hooks.controller_for_parse()
         for p in self.providers:
             before = {id(a) for a in parser._actions}
             if p is plugin.extra_args_provider:
-                # Announce the decision table (and write the provenance record) once per process,
-                # not once per parse; a dry run writes nothing and prints the table itself.
-                result = plugin.attach(parser, announce=not (self.hooks.announced or self.hooks.dry_run),
-                                        quiet=self.hooks.dry_run)
+                # One controller for every parse of the process: the table is announced once, not
+                # once per parse; a dry run's controller applies nothing and the dry run prints.
+                result = plugin.attach(parser, controller=self.hooks.controller_for_parse())
             else:
                 result = p(parser)
             parser = parser if result is None else result
@@ -207,11 +210,25 @@ class Hooks:
     root: str | None = None
     originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
     wrappers: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    announced: bool = False
+    controller: Controller | None = None  # made at the first parse that includes the plugin
     last_chain: Chain | None = None
     out: TextIO | None = None  # where a dry run prints its JSON: stdout as it was at install time
     target: planned.Target | None = None  # the world and GPU a dry run plans for (runtime/target.py)
     capture: bool = False  # a dry run hands its record to the caller (explain) instead of printing it
+
+    def controller_for_parse(self) -> Controller:
+        """The process's controller (made on first use, so a bad variable is reported at the parse)."""
+        if self.controller is None:
+            self.controller = plugin.new_controller(mode="dry-run" if self.dry_run else "run")
+        use_for_process(self.controller)  # for a provider that calls extra_args_provider itself
+        return self.controller
+
+    def outcome(self) -> Outcome | None:
+        """The plan of the last parse, if the plugin was in its provider chain."""
+        chain = self.last_chain
+        if chain is None or not chain.includes_plugin or self.controller is None:
+            return None
+        return self.controller.last
 
     def chain(self, caller: Provider | None) -> Chain:
         own = list(caller.providers) if isinstance(caller, Chain) else [caller]  # never nest our own chain
@@ -277,10 +294,7 @@ def _wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
         chain = hooks.chain(caller)
         bound.arguments["extra_args_provider"] = chain
         hooks.last_chain = chain
-        result = original(*bound.args, **bound.kwargs)
-        if chain.includes_plugin:
-            hooks.announced = True
-        return result
+        return original(*bound.args, **bound.kwargs)
 
     setattr(parse_args, ORIGINAL_ATTR, original)
     return parse_args
@@ -328,8 +342,13 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
     global _ACTIVE
     arguments, initialize, _training = import_megatron()
     root = megatron_root(arguments)
+    if _ACTIVE is None:
+        PATCHES.on_uninstall("Megatron's parse path (parse_args and its callers)", unhook_parse_path)
     hooks = _ACTIVE or Hooks(providers=[])
     hooks.providers = flatten(providers)
+    if hooks.dry_run != dry_run:
+        hooks.controller = None  # a controller's mode is fixed: the next parse makes the right one
+        use_for_process(None)
     hooks.dry_run = dry_run
     hooks.out = sys.stdout if dry_run else None
     hooks.root = root
@@ -356,6 +375,7 @@ def unhook_parse_path() -> None:
         return
     for key, wrapper in hooks.wrappers.items():
         rebind(wrapper, hooks.originals[key], hooks.root)
+    use_for_process(None)
     _ACTIVE = None
 
 
@@ -373,7 +393,8 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
     except PerfTogglesError as error:
         fail(error)
     if dry:
-        sys.stdout = sys.stderr  # the process ends in the dry run; hooks.out keeps the real stdout
+        # The process ends in the dry run; hooks.out keeps the real stdout for the JSON.
+        PATCHES.set_attr(sys, "stdout", sys.stderr, "sys.stdout -> sys.stderr (dry run)")
     return rest
 
 
@@ -400,24 +421,14 @@ def _megatron_version() -> str | None:
     return getattr(info, "__version__", None)
 
 
-def _state(hooks: Hooks) -> Any:
-    chain = hooks.last_chain
-    return getattr(chain.parser if chain is not None else None, "_perf_toggles_state", None)
-
-
-def _plan(hooks: Hooks) -> Any:
-    state = _state(hooks)
-    return None if state is None else state.last_plan
-
-
 def dry_run_record(hooks: Hooks, args: argparse.Namespace, args_defaults: Mapping[str, Any], via: str,
                    notes: list[str]) -> dict[str, Any]:
     """The decisions (provenance.record) plus where they were made and what Megatron kept."""
     chain = hooks.last_chain
-    state = _state(hooks)
-    if state is not None and state.last_plan is not None and state.last_caps is not None:
-        payload = provenance.build_record(state.last_plan, state.last_caps,
-                                    state.env.raw_for_record(state.environ), list(sys.argv))
+    outcome, controller = hooks.outcome(), hooks.controller
+    if outcome is not None and controller is not None:
+        payload = provenance.build_record(outcome.plan, outcome.capabilities,
+                                          controller.env.raw_for_record(controller.environ), list(sys.argv))
     else:
         payload = {"precision": None, "decisions": {}, "log_dirs": {}, "messages": [], "command": list(sys.argv)}
         notes.append("megatron_perf_toggles.extra_args_provider is not in the provider chain: no decisions")
@@ -496,7 +507,8 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     payload = dry_run_record(hooks, args, args_defaults, via, notes)
     payload["target"] = {**(hooks.target or planned.Target()).to_record(),
                          "summary": planned.describe(hooks.target)}
-    plan = _plan(hooks)
+    outcome = hooks.outcome()
+    plan = outcome.plan if outcome is not None else None
     if hooks.capture:
         raise DryRunDone(payload, plan)
     if os.environ.get("RANK", "0").strip() in ("", "0"):  # one report per job, from rank 0

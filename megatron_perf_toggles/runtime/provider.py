@@ -3,58 +3,29 @@
 Megatron calls ``extra_args_provider(parser)`` before it parses. We add only the flag forms the
 live parser lacks (so no "conflicting option string" on any version), give every toggle a
 sentinel default so we can tell what the command line set, and wrap this parser's
-``parse_known_args`` (which ``parse_args`` also goes through) so the decisions are on ``args``
-by the time Megatron's ``parse_args`` returns, before ``validate_args``.
+``parse_known_args`` (which ``parse_args`` also goes through) so that the controller
+(``controller.py``) has planned and applied the decisions by the time Megatron's ``parse_args``
+returns, before ``validate_args``. Nothing else happens here.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..core.ckpt_layout import checkpoint_facts
-from ..core.decide import FP4_LAYER_DESTS, Decision, Message, Plan, decide
-from ..core.env import EnvSettings, read_env
+from ..core.decide import FP4_LAYER_DESTS
+from ..core.env import EnvSettings
+from ..core.facts import Capabilities
 from ..core.registry import GROUPS, TOGGLES, Toggle
 from ..errors import PerfTogglesError, fail
-from . import provenance
-from .capabilities import Capabilities, resolve
+from .controller import UNSET, Controller, Registration, process_controller
 from .provenance import format_value
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 PLUGIN_GROUP_TITLE = "perf toggles (megatron-perf-toggles)"
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<decided after parsing>"
-
-
-UNSET: Any = _Unset()
-
-
-class ProviderState:
-    """What the provider learned at registration, and what the post-parse step decided."""
-
-    def __init__(self, env: EnvSettings, environ: Mapping[str, str], stock: dict[str, Any],
-                 watched: tuple[str, ...], added_flags: list[str], announce: bool = True,
-                 capabilities: Capabilities | None = None, quiet: bool = False) -> None:
-        self.env = env
-        self.environ = environ
-        self.stock = stock
-        self.watched = watched
-        self.added_flags = added_flags
-        self.announce = announce
-        self.quiet = quiet  # a dry run: its caller prints the decisions, nothing is written
-        self.launch_id: str | None = None  # this launch's line in perf_toggles_history.jsonl
-        self.capabilities = capabilities
-        self.last_plan: Plan | None = None
-        self.last_caps: Capabilities | None = None
-        self.announced = False
+PARSER_ATTR = "_perf_toggles_registration"
 
 
 def _group_of(parser: argparse.ArgumentParser, flag: str) -> argparse._ArgumentGroup | None:
@@ -140,41 +111,53 @@ def refuse_contradictions(words: Any) -> None:
                                   f"keep one; {toggle.env}=0/1 sets it from the environment instead"))
 
 
+def new_controller(environ: Mapping[str, str] | None = None, **kwargs: Any) -> Controller:
+    """A controller for ``environ``; a bad environment variable ends the run with one line."""
+    try:
+        return Controller(environ, **kwargs)
+    except PerfTogglesError as error:
+        fail(error)
+        raise  # fail() does not return
+
+
 def attach(
     parser: argparse.ArgumentParser,
     environ: Mapping[str, str] | None = None,
     announce: bool = True,
     capabilities: Capabilities | None = None,
-    quiet: bool = False,
+    controller: Controller | None = None,
 ) -> argparse.ArgumentParser:
-    """Make ``parser`` decide the toggles after parsing. Idempotent: a second call is a no-op.
+    """Register the toggles on ``parser`` and hand each of its parses to a controller, which plans
+    (and, in a real run, applies) the decisions before ``parse_args`` returns. Idempotent.
 
-    ``capabilities`` fixes what the machine can do (planning); by default it is detected when
-    the arguments are parsed, honouring MEGATRON_PERF_TOGGLES_ASSUME.
+    ``controller`` is the process's controller (the launcher keeps one across parses); without
+    one, a new one is made: a real run on this machine, or, given ``capabilities``, a plan for
+    the machine they describe.
     """
-    if getattr(parser, "_perf_toggles_state", None) is not None:
+    if getattr(parser, PARSER_ATTR, None) is not None:
         return parser
-    environ = os.environ if environ is None else environ
-    try:
-        env = read_env(environ)
-    except PerfTogglesError as error:
-        fail(error)
+    if controller is None:
+        controller = new_controller(environ, mode="plan" if capabilities is not None else "run",
+                                    capabilities=capabilities, announce=announce)
     toggle_dests = [t.dest for t in TOGGLES]
     stock = _stock_defaults(parser, toggle_dests + list(FP4_LAYER_DESTS))
     for t in TOGGLES:
         stock.setdefault(t.dest, t.stock_default)
-    added = register_flags(parser, env)
+    added = register_flags(parser, controller.env)
     present = {a.dest for a in parser._actions}
     watched = tuple(d for d in [*toggle_dests, *FP4_LAYER_DESTS] if d in present)
     parser.set_defaults(**{dest: UNSET for dest in watched})
-    state = ProviderState(env=env, environ=dict(environ), stock=stock, watched=watched,
-                          added_flags=added, announce=announce, capabilities=capabilities, quiet=quiet)
+    reg = Registration(controller, stock, watched, added)
     original = parser.parse_known_args
 
     def parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
         refuse_contradictions(sys.argv[1:] if args is None else args)
         ns, extras = original(args, namespace)
-        post_parse(ns, state)
+        try:
+            controller.plan(ns, reg)
+        except PerfTogglesError as error:
+            fail(error)
+        controller.apply(ns, reg)
         return ns, extras
 
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
@@ -183,113 +166,18 @@ def attach(
         from . import safety_net  # only where Megatron itself is parsing
 
         safety_net.NET.install(arguments)  # guard its validation too
-    parser._perf_toggles_state = state  # type: ignore[attr-defined]
+    setattr(parser, PARSER_ATTR, reg)  # the one reference on the parser: to its registration
     return parser
 
 
-def post_parse(ns: argparse.Namespace, state: ProviderState) -> Plan:
-    explicit: dict[str, Any] = {}
-    for dest in state.watched:
-        value = getattr(ns, dest, UNSET)
-        if value is UNSET:
-            setattr(ns, dest, state.stock.get(dest))
-        else:
-            explicit[dest] = value
-    from . import resume  # reading the resumed checkpoint's history is safe when planning too
-
-    writer = resume.checkpoint_writer(vars(ns))
-    try:
-        caps = state.capabilities or resolve(state.env.assume)
-        plan = decide(vars(ns), explicit, state.env, caps, state.stock, checkpoint=writer)
-    except PerfTogglesError as error:
-        fail(error)
-    original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
-    for dest, decision in plan.decisions.items():
-        setattr(ns, dest, decision.value)
-    if caps.assumed and state.capabilities is None:
-        plan.messages.append(Message("warning", "MEGATRON_PERF_TOGGLES_ASSUME is set: these decisions rest on "
-                                     "planned capabilities, not on this machine's"))
-    if plan.wgrad_path == "fallback" and state.capabilities is None:
-        from . import wgrad_fallback
-
-        # A real run on this machine, not a plan for another one; a fallback that is only assumed
-        # (MEGATRON_PERF_TOGGLES_ASSUME) is installed only where it can really run.
-        if not caps.is_assumed("wgrad_fallback") or wgrad_fallback.usable()[0]:
-            wgrad_fallback.activate()
-    for dest, path in plan.log_dirs.items():
-        setattr(ns, dest, path)
-    ns.perf_toggles_precision = plan.precision
-    state.last_plan = plan
-    state.last_caps = caps
-    _publish(ns, state, plan, caps)
-    if state.capabilities is None:  # a real run on this machine, not a plan for another one
-        plan.messages.extend(resume.compare_with_checkpoint(writer, ns.perf_toggles))
-    if state.announce and state.env.rank == 0 and not state.announced:
-        state.announced = True
-        for line in provenance.lines(plan, original_dirs):
-            print(line, flush=True)
-        _persist(ns, state, plan, caps)
-    net = sys.modules.get(f"{__package__}.safety_net")
-    if net is not None and net.NET.installed:
-        net.NET.watch(ns, state.stock, functools.partial(_backed_off, state=state, plan=plan, caps=caps))
-    return plan
-
-
-def _publish(ns: argparse.Namespace, state: ProviderState, plan: Plan, caps: Capabilities) -> None:
-    """The decisions onto ``args.perf_toggles``, and (a real run) into the cross-rank check."""
-    ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
-    if state.capabilities is None:  # a real run on this machine, not a plan for another one
-        from . import rank_check
-
-        rank_check.arm(rank_check.fingerprint(ns.perf_toggles, caps.to_record(), plan.wgrad_path),
-                       enabled=state.env.rank_check)
-
-
-def _persist(ns: argparse.Namespace, state: ProviderState, plan: Plan, caps: Capabilities) -> None:
-    """Rank 0 of a real run: the JSON record beside the logs, and the launch history in --save."""
-    payload = provenance.build_record(plan, caps, state.env.raw_for_record(state.environ), sys.argv)
-    directory = provenance.record_dir(plan, vars(ns))
-    try:
-        if directory:
-            provenance.write_atomic(directory, payload)
-        if state.capabilities is None:
-            from . import resume
-
-            facts = checkpoint_facts(vars(ns), bool(ns.grad_reduce_in_bf16), caps.megatron.version,
-                                     caps.torch_version)
-            state.launch_id = state.launch_id or resume.new_launch_id()
-            resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, facts,
-                                 launch_id=state.launch_id)
-    except OSError as error:
-        print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",
-              file=sys.stderr, flush=True)
-
-
-def _backed_off(ns: argparse.Namespace, dests: list[str], reason: str, *, state: ProviderState, plan: Plan,
-                caps: Capabilities) -> None:
-    """The safety net turned plugin defaults back to Megatron's values: record it everywhere the
-    first decision went (the plan, ``args.perf_toggles``, the record, the history, the rank check)."""
-    changed = {}
-    for dest in dests:
-        changed[dest] = plan.decisions[dest] = Decision(getattr(ns, dest), "guard", reason)
-    _publish(ns, state, plan, caps)
-    from .safety_net import FOUND_AT_RUN_TIME
-
-    warning = Message("warning", f"Megatron rejected the plugin default of {', '.join(dests)}, {FOUND_AT_RUN_TIME}; "
-                                 "it was turned back to Megatron's default for this run. Please report it to "
-                                 "megatron-perf-toggles so a guard can cover it.")
-    plan.messages.append(warning)
-    if state.env.rank == 0 and not state.quiet:
-        # The table went out at parse time (from this parse or an earlier one): print what changed,
-        # once, and rewrite the record and this launch's history line. A dry run prints the plan itself.
-        for line in provenance.lines(Plan(changed, plan.precision, {}, [warning], plan.wgrad_path)):
-            print(line, flush=True)
-        _persist(ns, state, plan, caps)
+def registration(parser: argparse.ArgumentParser) -> Registration | None:
+    """What :func:`attach` registered on ``parser`` (its controller, flags added, defaults)."""
+    return getattr(parser, PARSER_ATTR, None)
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider`` hook: register the toggles on ``parser`` and return it."""
-    return attach(parser)
+    return attach(parser, controller=process_controller())
 
 
 def chain_providers(*providers: Provider | None) -> Provider:

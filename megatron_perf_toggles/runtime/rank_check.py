@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.registry import BY_DEST
+from .patches import PATCHES
 
 OPT_OUT_ENV = "MEGATRON_PERF_TOGGLES_RANK_CHECK"
 CAPABILITY_KEYS = ("te_version", "apex_fused_wgrad", "wgrad_fallback", "aiter_version", "device")
@@ -35,6 +36,8 @@ def fingerprint(decisions: Mapping[str, Any], capabilities: Mapping[str, Any], w
 
 def arm(fp: dict[str, Any], enabled: bool = True) -> None:
     """Remember this rank's fingerprint and check it as soon as the process group exists."""
+    if not _armed:
+        PATCHES.on_uninstall("the rank check's fingerprint", _armed.clear)
     _armed.clear()
     _armed.update(fp)
     dist = _dist()
@@ -44,7 +47,7 @@ def arm(fp: dict[str, Any], enabled: bool = True) -> None:
     if not enabled:
         # An earlier parse in this process (or a forked parent) may have armed the check.
         if getattr(current, "_perf_toggles_wrapped", False):
-            dist.init_process_group = current.__wrapped__
+            PATCHES.set_attr(dist, "init_process_group", current.__wrapped__)
         return
     if dist.is_available() and dist.is_initialized():
         check_ranks()
@@ -62,7 +65,7 @@ def arm(fp: dict[str, Any], enabled: bool = True) -> None:
         return result
 
     init_process_group._perf_toggles_wrapped = True  # type: ignore[attr-defined]
-    dist.init_process_group = init_process_group
+    PATCHES.set_attr(dist, "init_process_group", init_process_group, "torch.distributed.init_process_group (rank check)")
 
 
 def _dist() -> Any:

@@ -16,7 +16,8 @@ The rules of the net:
 - the success path costs one copy of the namespace; Megatron's output of the call is held until it
   returns, so that a re-run never shows it twice.
 
-``NET`` owns the wrappers: ``install(arguments_module)`` / ``uninstall()``.
+``NET`` owns the wrappers: ``install(arguments_module)`` / ``uninstall()``; ``install`` registers
+the undo with ``patches.PATCHES``, the owner of every process-wide change.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from argparse import Namespace
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .patches import PATCHES
 from .rebinding import megatron_root, rebind
 
 PREFIX = "[perf-toggles]"
@@ -74,6 +76,7 @@ class SafetyNet:
             return
         if self.wrappers:
             self.uninstall()
+        PATCHES.on_uninstall("the safety net (validate_args and the TransformerConfig builder)", self.uninstall)
         self.module, self.root = arguments, megatron_root(arguments)
         for name in TARGETS:
             current = getattr(arguments, name, None)

@@ -9,9 +9,9 @@ plans for (``--world-size`` or ``--nnodes`` x ``--nproc-per-node``, ``--gpu h100
 and answers those questions from the small table below for the length of Megatron's parse and
 validate, and no longer.
 
-One owner undoes everything: :class:`StandIns` records each attribute and environment variable it
-replaces and puts every one back, in reverse order, when its ``with`` block ends, however it ends
-(a dry run ends in ``SystemExit``). Nothing here imports torch or Megatron at module import time.
+One owner undoes everything: a scoped :class:`~.patches.ProcessPatches` records each attribute and
+environment variable replaced and puts every one back, in reverse order, when the ``with`` block
+ends, however it ends (a dry run ends in ``SystemExit``). Nothing here imports torch or Megatron at module import time.
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ import difflib
 import os
 import re
 import sys
-import types
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PerfTogglesError
-
-_MISSING = object()
+from .patches import ProcessPatches
 
 
 @dataclass(frozen=True)
@@ -196,68 +194,32 @@ class _Properties:
         return f"_Properties(name={self.name!r}, major={self.major}, minor={self.minor}, planned)"
 
 
-class StandIns:
-    """Replace attributes and environment variables for one ``with`` block, then put each back.
-
-    The only owner of every stand-in a dry run installs: ``replace``/``setenv`` record the old
-    value, ``undo`` restores them in reverse order (and is idempotent).
-    """
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def replace(self, owner: Any, attr: str, value: Any) -> None:
-        self._undo.append((owner, attr, owner.__dict__.get(attr, _MISSING) if isinstance(owner, types.ModuleType)
-                           else getattr(owner, attr, _MISSING)))
-        setattr(owner, attr, value)
-
-    def setenv(self, name: str, value: str) -> None:
-        self._undo.append((os.environ, name, os.environ.get(name, _MISSING)))
-        os.environ[name] = value
-
-    def undo(self) -> None:
-        while self._undo:
-            owner, name, old = self._undo.pop()
-            if owner is os.environ:
-                if old is _MISSING:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = old
-            elif old is _MISSING:
-                try:
-                    delattr(owner, name)
-                except AttributeError:
-                    pass
-            else:
-                setattr(owner, name, old)
-
-
-def _world(stand: StandIns, target: Target) -> None:
+def _world(stand: ProcessPatches, target: Target) -> None:
     if target.world_size is None:
         return
-    stand.setenv("WORLD_SIZE", str(target.world_size))
-    stand.setenv("RANK", "0")  # rank 0 plans (and prints) for the job
-    stand.setenv("LOCAL_RANK", "0")
-    stand.setenv("LOCAL_WORLD_SIZE", str(target.per_node or min(target.world_size, 8)))
+    stand.set_item(os.environ, "WORLD_SIZE", str(target.world_size))
+    stand.set_item(os.environ, "RANK", "0")  # rank 0 plans (and prints) for the job
+    stand.set_item(os.environ, "LOCAL_RANK", "0")
+    stand.set_item(os.environ, "LOCAL_WORLD_SIZE", str(target.per_node or min(target.world_size, 8)))
 
 
-def _device(stand: StandIns, gpu: Gpu, count: int) -> None:
+def _device(stand: ProcessPatches, gpu: Gpu, count: int) -> None:
     import torch
 
     props = _Properties(gpu)
     cuda = torch.cuda
-    stand.replace(cuda, "is_available", lambda: True)
-    stand.replace(cuda, "device_count", lambda: count)
-    stand.replace(cuda, "current_device", lambda: 0)
-    stand.replace(cuda, "get_device_capability", lambda device=None: gpu.capability)
-    stand.replace(cuda, "get_device_properties", lambda device=None: props)
-    stand.replace(cuda, "get_device_name", lambda device=None: gpu.product)
+    stand.set_attr(cuda, "is_available", lambda: True)
+    stand.set_attr(cuda, "device_count", lambda: count)
+    stand.set_attr(cuda, "current_device", lambda: 0)
+    stand.set_attr(cuda, "get_device_capability", lambda device=None: gpu.capability)
+    stand.set_attr(cuda, "get_device_properties", lambda device=None: props)
+    stand.set_attr(cuda, "get_device_name", lambda device=None: gpu.product)
     # torch.version tells CUDA from ROCm builds (Megatron's and TE's ROCm probes read .hip).
-    stand.replace(torch.version, "hip", "6.4.0-planned" if gpu.vendor == "rocm" else None)
-    stand.replace(torch.version, "cuda", "12.8-planned" if gpu.vendor == "cuda" else None)
+    stand.set_attr(torch.version, "hip", "6.4.0-planned" if gpu.vendor == "rocm" else None)
+    stand.set_attr(torch.version, "cuda", "12.8-planned" if gpu.vendor == "cuda" else None)
 
 
-def _te_version(stand: StandIns, te_version: str | None) -> None:
+def _te_version(stand: ProcessPatches, te_version: str | None) -> None:
     """Megatron caches Transformer Engine's version in ``megatron.core.utils._te_version``; a
     planned TE (``MEGATRON_PERF_TOGGLES_ASSUME=te=VERSION``) answers its ``is_te_min_version``."""
     utils = sys.modules.get("megatron.core.utils")
@@ -266,7 +228,7 @@ def _te_version(stand: StandIns, te_version: str | None) -> None:
     try:
         from packaging.version import Version
 
-        stand.replace(utils, "_te_version", Version(te_version))
+        stand.set_attr(utils, "_te_version", Version(te_version))
     except Exception:  # noqa: BLE001 - packaging absent or an odd version: Megatron's own answer stands
         return
 
@@ -275,7 +237,7 @@ def _te_version(stand: StandIns, te_version: str | None) -> None:
 def stand_ins(target: Target | None, te_version: str | None = None) -> Iterator[Target | None]:
     """Within this block Megatron sees ``target``'s world and GPU; afterwards, this machine again."""
     global _ACTIVE
-    stand = StandIns()
+    stand = ProcessPatches()  # scoped: undone when the block ends, however it ends
     previous = _ACTIVE
     try:
         if target is not None:
@@ -287,7 +249,7 @@ def stand_ins(target: Target | None, te_version: str | None = None) -> Iterator[
         yield target
     finally:
         _ACTIVE = previous
-        stand.undo()
+        stand.uninstall()
 
 
 def describe(target: Target | None, environ: Mapping[str, str] | None = None) -> str:

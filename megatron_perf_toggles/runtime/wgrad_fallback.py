@@ -14,6 +14,8 @@ import sys
 import types
 from typing import Any
 
+from .patches import PATCHES
+
 MODULE_NAME = "fused_weight_gradient_mlp_cuda"
 OPT_OUT_ENV = "MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK"
 # Where Megatron looks: module attribute + availability flag, and lazy importers (core.utils).
@@ -119,13 +121,13 @@ def activate() -> list[str]:
         if importlib.util.find_spec(MODULE_NAME) is not None:  # a real APEX, not imported yet
             return []
     module = existing or make_module()
-    sys.modules[MODULE_NAME] = module
+    PATCHES.set_item(sys.modules, MODULE_NAME, module, f"sys.modules[{MODULE_NAME!r}] (wgrad fallback)")
     patched = [f"sys.modules[{MODULE_NAME!r}]"]
     for name in MEGATRON_SITES:
         site = sys.modules.get(name)
         if site is None:
             continue
-        site.fused_weight_gradient_mlp_cuda = module  # type: ignore[attr-defined]
-        site._grad_accum_fusion_available = True  # type: ignore[attr-defined]
+        PATCHES.set_attr(site, "fused_weight_gradient_mlp_cuda", module)
+        PATCHES.set_attr(site, "_grad_accum_fusion_available", True)
         patched.append(f"{name}.fused_weight_gradient_mlp_cuda")
     return patched

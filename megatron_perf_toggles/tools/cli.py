@@ -73,8 +73,8 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
             sys.path.insert(0, str(script.resolve().parent))
             runpy.run_path(str(script), run_name="__main__")
     except hooks.DryRunDone as done:
-        state = hooks._state(installed)
-        caps = state.last_caps if state is not None else None
+        outcome = installed.outcome()
+        caps = outcome.capabilities if outcome is not None else None
         if done.plan is None or caps is None:
             raise PerfTogglesError(f"{script} did not reach the plugin", "is it Megatron's pretrain_gpt.py?") from None
         label = f"Megatron-LM {caps.megatron.version} at {caps.megatron.path} (its pretrain_gpt.py, parse and validate)"
@@ -97,6 +97,7 @@ def plan_command_line(
 
     With ``tree``: the launcher's dry run of its pretrain_gpt.py. Without: the recorded surface,
     with the same capability detection as that dry run (torch and TE imported where installed)."""
+    from ..runtime.controller import Controller
     from ..runtime.provider import attach
 
     if tree:
@@ -113,10 +114,11 @@ def plan_command_line(
         caps = replace(detect(deep=True), megatron=megatron_facts_from_surface(recorded))
     caps = with_assumptions(caps, env.assume)
     label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
-    attach(parser, environ=environ, announce=False, capabilities=caps)
+    controller = Controller(environ, mode="plan", capabilities=caps)
+    attach(parser, controller=controller)
     ns = parser.parse_args(list(megatron_args))
-    plan = parser._perf_toggles_state.last_plan  # type: ignore[attr-defined]
-    return plan, caps, label, vars(ns)
+    assert controller.last is not None  # the parse went through the controller
+    return controller.last.plan, caps, label, vars(ns)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
