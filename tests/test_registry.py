@@ -49,7 +49,7 @@ def _validate_with(monkeypatch, toggles):
         ({"group": "nowhere"}, "unknown group"),
         ({"needs": ("warp_drive",)}, "unknown capability"),
         ({"default": "yes"}, "bool defaults"),
-        ({"off_flag": ""}, "needs flag and off_flag"),
+        ({"choices": ("on", "off")}, "needs flag and off_flag, no choices"),
         ({"flag": "grad-reduce"}, "malformed"),
         ({"help": "two\nlines"}, "one line"),
     ],

@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CannotHonourError, DependencyError
+from ..errors import CannotHonourError, DependencyError, RegistryError
 from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
 from .env import EnvSettings
 from .facts import Capabilities, version_tuple
 from .precision import log_dir_warnings, precision_tag, tagged_log_dirs
-from .registry import BY_DEST, TOGGLES
+from .registry import BY_DEST, CAPABILITIES, TOGGLES, flag_of
 
 FP4_LAYER_DESTS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
 FP4_RECIPE_SELECTION = {"nvfp4": (True, 2, 8), "mxfp4": (False, 2, 8)}  # (selective, start, end)
@@ -77,6 +77,8 @@ class Change:
 
     def __init__(self, dest: str, value: Any, reason: str, hint: str = "", capability: str = "",
                  over_cli: bool = False, yields_to_cli: bool = False, requested_by: str = "") -> None:
+        if capability and capability not in CAPABILITIES:
+            raise RegistryError(f"a guard of {dest!r} rests on {capability!r}, which is not in registry.CAPABILITIES")
         self.dest, self.value, self.reason, self.hint = dest, value, reason, hint
         self.capability = capability  # the capability the change rests on, if any
         self.over_cli = over_cli  # applies even over an explicit command-line value (with a warning)
@@ -155,6 +157,12 @@ def _fsdp_blocks_fusion(ctx: Context) -> str | None:
         have = f"Transformer Engine {ctx.caps.te_version}" if ctx.caps.te_version else "no Transformer Engine"
         return f"{flag}: Megatron-FSDP needs Transformer Engine >= 2.10 for gradient accumulation fusion ({have})"
     return None
+
+
+def lacking(ctx: Context, dest: str) -> str | None:
+    """The first capability that the toggle's fast value needs (``Toggle.needs`` in the registry)
+    and that this machine lacks: ``False``, not merely unknown (``None``)."""
+    return next((need for need in BY_DEST[dest].needs if getattr(ctx.caps, need) is False), None)
 
 
 def _wgrad_kernel_available(ctx: Context) -> bool:
@@ -288,12 +296,13 @@ def cross_entropy_te_full_iteration_graph(ctx: Context) -> Iterator[Change]:
 
 
 def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
-    if _te_fused_cross_entropy_on(ctx) and not ctx.caps.te_cross_entropy:
-        why = ctx.caps.notes.get("te_cross_entropy") or ctx.caps.notes.get("te") or (
+    need = lacking(ctx, "cross_entropy_fusion_impl") if _te_fused_cross_entropy_on(ctx) else None
+    if need:
+        why = ctx.caps.notes.get(need) or ctx.caps.notes.get("te") or (
             "Transformer Engine's parallel cross-entropy kernel is not available"
         )
         yield _te_impl_cannot_stay(ctx, why, hint="install Transformer Engine or use --cross-entropy-fusion-impl "
-                                   "native", capability="te_cross_entropy")
+                                   "native", capability=need)
 
 
 def cross_entropy_impl_unused(ctx: Context) -> Iterator[Change]:
@@ -313,7 +322,7 @@ def gradient_accumulation_fusion_fsdp(ctx: Context) -> Iterator[Change]:
 
 
 def gradient_accumulation_fusion_apex(ctx: Context) -> Iterator[Change]:
-    if not _on(ctx.values, "gradient_accumulation_fusion") or ctx.caps.apex_fused_wgrad:
+    if not _on(ctx.values, "gradient_accumulation_fusion") or not lacking(ctx, "gradient_accumulation_fusion"):
         return
     missing = ctx.caps.notes.get("apex_fused_wgrad") or "APEX's fused_weight_gradient_mlp_cuda is not available"
     if _wgrad_kernel_available(ctx):
@@ -356,17 +365,18 @@ def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
     rope = a.get("position_embedding_type") == "rope" or (
         a.get("use_rotary_position_embeddings") and a.get("position_embedding_type") in (None, "learned_absolute")
     )
-    if caps.megatron.fused_single_qkv_rope_field is False:
+    need = lacking(ctx, "fused_single_qkv_rope")
+    if need == "megatron_fused_single_qkv_rope_field":
         reason = f"Megatron {caps.megatron.version or ''} TransformerConfig has no fused_single_qkv_rope field (added in core 0.15)"
-    elif not caps.te_fused_qkv_rope:
-        reason = caps.notes.get("te_fused_qkv_rope") or caps.notes.get("te") or (
+    elif need:
+        reason = caps.notes.get(need) or caps.notes.get("te") or (
             "Transformer Engine's fused QKV RoPE kernel is not available"
         )
-        capability = "te_fused_qkv_rope"
+        capability = need
     elif not rope:
         reason = f"position embedding {a.get('position_embedding_type')!r} is not RoPE"
     else:
-        reason = next((f"--{dest.replace('_', '-')}{why}" for dest, why in FUSED_QKV_ROPE_BLOCKERS if a.get(dest)), "")
+        reason = next((f"{flag_of(dest)}{why}" for dest, why in FUSED_QKV_ROPE_BLOCKERS if a.get(dest)), "")
     if reason:
         yield Change(
             "fused_single_qkv_rope",
@@ -394,7 +404,7 @@ def ddp_average_unsupported(ctx: Context) -> Iterator[Change]:
         yield Change(
             "ddp_average_in_collective",
             False,
-            f"--{shards[0].replace('_', '-')} > 1 enables GTP, which rejects averaging in the collective",
+            f"{flag_of(shards[0])} > 1 enables GTP, which rejects averaging in the collective",
             hint="pass --no-ddp-average-in-collective",
         )
 
@@ -477,7 +487,7 @@ def _flag_words(dest: str, value: Any) -> str:
     toggle = BY_DEST.get(dest)
     if toggle is not None:
         return " ".join(toggle.flag_for(value))
-    return f"--{dest.replace('_', '-')}"
+    return flag_of(dest)
 
 
 def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any]) -> Decision:
@@ -526,7 +536,7 @@ def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: En
         out["first_last_layers_bf16"] = defaults["first_last_layers_bf16"]
     selection = out["first_last_layers_bf16"]
     if not selection.value:
-        given = [f"--{d.replace('_', '-')}" for d in FP4_LAYER_DESTS[1:] if d in explicit]
+        given = [flag_of(d) for d in FP4_LAYER_DESTS[1:] if d in explicit]
         given += [var for var, value in (("FP4_BF16_START", env.fp4_bf16_start), ("FP4_BF16_END", env.fp4_bf16_end))
                   if value is not None]
         if not given:
@@ -542,7 +552,7 @@ def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: En
         ("num_layers_at_end_in_bf16", env.fp4_bf16_end, "FP4_BF16_END"),
     ):
         if dest in explicit:
-            out[dest] = Decision(explicit[dest], "cli", f"set on the command line (--{dest.replace('_', '-')})")
+            out[dest] = Decision(explicit[dest], "cli", f"set on the command line ({flag_of(dest)})")
         elif env_value is not None:
             out[dest] = Decision(env_value, "env", f"{var}={env_value}")
         else:

@@ -1,12 +1,17 @@
-"""Read the plugin's environment variables against the registry: values, or one clear error."""
+"""Read the plugin's environment variables against the registry: values, or one clear error.
+
+One generic parse covers every registered variable: each toggle by its kind (bool or choice) and
+each ``Setting`` by its kind into the ``EnvSettings`` field it names. A variable added to the
+registry is read, validated and documented with no code here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 
-from ..errors import EnvValueError
-from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTINGS, TOGGLES, Toggle
+from ..errors import EnvValueError, RegistryError
+from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTING_BY_ENV, SETTINGS, TOGGLES, Toggle
 
 
 def parse_bool(var: str, raw: str | None) -> bool | None:
@@ -42,15 +47,35 @@ def parse_count(var: str, raw: str | None) -> int | None:
     return value
 
 
+def parse_text(var: str, raw: str | None) -> str | None:
+    """Free text (a list or a path) that the reader checks itself; blank is unset."""
+    return raw if raw is not None and raw.strip() else None
+
+
+PARSE_BY_KIND: dict[str, Callable[[str, str | None], object]] = {
+    "bool": parse_bool, "int": parse_count, "text": parse_text,
+}
+
+
 def parse_toggle(toggle: Toggle, raw: str | None) -> bool | str | None:
     if toggle.kind == "bool":
         return parse_bool(toggle.env, raw)
     return parse_choice(toggle.env, raw, toggle.choices)
 
 
+def read_setting(var: str, environ: Mapping[str, str]) -> object:
+    """One registered setting, parsed by its kind (``None`` when unset): for readers that need a
+    single switch before the rest (the launcher's dry-run switch, the patch tool's directory)."""
+    setting = SETTING_BY_ENV[var]
+    return PARSE_BY_KIND[setting.kind](var, environ.get(var))
+
+
 @dataclass(frozen=True)
 class EnvSettings:
-    """Everything the plugin takes from the environment, validated. ``None`` means unset."""
+    """Everything the plugin takes from the environment, validated. ``None`` means unset.
+
+    One field per ``registry.SETTINGS`` entry (its ``field``), with the value an unset variable
+    means; ``rank`` is torchrun's, not ours, and only decides who prints."""
 
     toggles: dict[str, bool | str] = field(default_factory=dict)  # dest -> value, set ones only
     plugin_enabled: bool = True
@@ -62,12 +87,28 @@ class EnvSettings:
     rank: int = 0
     wgrad_fallback: bool = True
     rank_check: bool = True
+    dry_run: bool = False
+    patches_dir: str | None = None
 
     def raw_for_record(self, environ: Mapping[str, str]) -> dict[str, str]:
         """The plugin's variables as they were set, for the provenance record."""
 
         names = [t.env for t in TOGGLES] + [s.env for s in SETTINGS]
         return {n: environ[n] for n in names if n in environ}
+
+
+_FIELDS = {f.name for f in fields(EnvSettings)}
+for _setting in SETTINGS:  # a registry entry without a home here is a bug in this package: say so at import
+    if _setting.field not in _FIELDS or _setting.kind not in PARSE_BY_KIND:
+        raise RegistryError(f"setting {_setting.env!r}: no EnvSettings field {_setting.field!r} "
+                            f"or no parser for kind {_setting.kind!r}")
+
+
+def _rank(environ: Mapping[str, str]) -> int:
+    try:
+        return int(environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
 
 
 def read_env(environ: Mapping[str, str]) -> EnvSettings:
@@ -77,24 +118,6 @@ def read_env(environ: Mapping[str, str]) -> EnvSettings:
         value = parse_toggle(t, environ.get(t.env))
         if value is not None:
             toggles[t.dest] = value
-    enabled = parse_bool("MEGATRON_PERF_TOGGLES", environ.get("MEGATRON_PERF_TOGGLES"))
-    tag = parse_bool("MEGATRON_PERF_TOGGLES_TAG_LOG_DIR", environ.get("MEGATRON_PERF_TOGGLES_TAG_LOG_DIR"))
-    assume = environ.get("MEGATRON_PERF_TOGGLES_ASSUME")
-    try:
-        rank = int(environ.get("RANK", "0") or 0)
-    except ValueError:
-        rank = 0
-    return EnvSettings(
-        toggles=toggles,
-        plugin_enabled=enabled is not False,
-        tag_log_dir=tag is not False,
-        assume=assume if assume and assume.strip() else None,
-        fp4_selective_bf16=parse_bool("FP4_SELECTIVE_BF16", environ.get("FP4_SELECTIVE_BF16")),
-        fp4_bf16_start=parse_count("FP4_BF16_START", environ.get("FP4_BF16_START")),
-        fp4_bf16_end=parse_count("FP4_BF16_END", environ.get("FP4_BF16_END")),
-        rank=rank,
-        rank_check=parse_bool(
-            "MEGATRON_PERF_TOGGLES_RANK_CHECK", environ.get("MEGATRON_PERF_TOGGLES_RANK_CHECK")) is not False,
-        wgrad_fallback=parse_bool(
-            "MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK", environ.get("MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK")) is not False,
-    )
+    settings = {s.field: PARSE_BY_KIND[s.kind](s.env, environ.get(s.env)) for s in SETTINGS}
+    return EnvSettings(toggles=toggles, rank=_rank(environ),
+                       **{name: value for name, value in settings.items() if value is not None})

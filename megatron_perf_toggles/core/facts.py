@@ -58,9 +58,6 @@ class Capabilities:
     def megatron_fused_single_qkv_rope_field(self) -> bool | None:
         return self.megatron.fused_single_qkv_rope_field
 
-    def has(self, name: str) -> bool | None:
-        return getattr(self, name)
-
     def is_assumed(self, name: str) -> bool:
         return name in self.assumed
 

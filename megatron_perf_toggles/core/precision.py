@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .registry import flag_of
+
 FP8_RECIPE_TAGS = {
     "delayed": "fp8",
     "tensorwise": "fp8_tensorwise",
@@ -70,6 +72,6 @@ def log_dir_warnings(args: Mapping[str, Any], tag: str) -> list[str]:
         path = args.get(dest)
         other = mislabelled(str(path), tag) if path else None
         if other:
-            out.append(f"--{dest.replace('_', '-')} {path} names precision {other!r}, but this run trains in "
+            out.append(f"{flag_of(dest)} {path} names precision {other!r}, but this run trains in "
                        f"{tag}: logging to {tag_dir(str(path), tag)} instead")
     return out

@@ -15,15 +15,13 @@ Kind = Literal["bool", "choice"]
 Bucket = Literal["gpt", "extra"]
 
 
+@dataclass(frozen=True)
 class Group:
     """Where Megatron keeps a kind of setting: a new flag joins the group of its neighbours."""
 
-    __slots__ = ("bucket", "key", "titles")
-
-    def __init__(self, key: str, titles: tuple[str, ...], bucket: Bucket) -> None:
-        self.key = key
-        self.titles = titles  # argparse group titles across Megatron versions, preferred first
-        self.bucket = bucket  # the launch-script argument bucket this group's flags belong to
+    key: str
+    titles: tuple[str, ...]  # argparse group titles across Megatron versions, preferred first
+    bucket: Bucket  # the launch-script argument bucket this group's flags belong to
 
 
 GROUPS: dict[str, Group] = {
@@ -36,17 +34,27 @@ GROUPS: dict[str, Group] = {
     )
 }
 
-# Capabilities a toggle can need; capabilities.Capabilities answers each by name.
+# Capabilities a toggle can need (``Toggle.needs``) or a guard can rest on (``decide.Change``);
+# ``core.facts.Capabilities`` answers each by name: False is missing, None unknown.
 CAPABILITIES = (
     "apex_fused_wgrad",
+    "wgrad_fallback",  # the torch stand-in for apex_fused_wgrad (runtime/wgrad_fallback.py)
     "te_fused_qkv_rope",
     "te_cross_entropy",
     "megatron_fused_single_qkv_rope_field",
 )
 
 
+def flag_of(dest: str) -> str:
+    """Megatron's spelling of the flag for an argparse dest: ``grad_reduce_in_bf16`` -> ``--grad-reduce-in-bf16``."""
+    return "--" + dest.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class Toggle:
+    """One Megatron setting the plugin turns on by default. ``flag`` and ``off_flag`` follow from
+    ``dest`` (``--x`` / ``--no-x``, as Megatron spells them) unless declared."""
+
     dest: str  # Megatron's argparse dest, also the TransformerConfig / DDP config field
     env: str
     title: str
@@ -54,13 +62,19 @@ class Toggle:
     default: bool | str  # the plugin default: the fast setting
     group: str  # key into GROUPS
     help: str  # one line: what it does and why it is fast
-    flag: str = ""  # the positive flag (bool) or the valued flag (choice)
-    off_flag: str = ""  # the negative flag of a bool toggle
+    flag: str = ""  # the positive flag (bool) or the valued flag (choice); derived from dest if empty
+    off_flag: str = ""  # the negative flag of a bool toggle; derived from dest if empty
     choices: tuple[str, ...] = ()
     stock_default: bool | str = False  # Megatron's default where its parser has no flag for it
     needs: tuple[str, ...] = ()  # capability names from CAPABILITIES
     anchors: tuple[str, ...] = ()  # Megatron flags whose group a new flag should join, in order
     bucket: Bucket | None = None  # launch-script bucket, where the originating scripts differ from the group's
+
+    def __post_init__(self) -> None:
+        if not self.flag:
+            object.__setattr__(self, "flag", flag_of(self.dest))
+        if not self.off_flag and self.kind == "bool":
+            object.__setattr__(self, "off_flag", flag_of("no_" + self.dest))
 
     @property
     def script_bucket(self) -> Bucket:
@@ -77,13 +91,17 @@ class Toggle:
         return [self.flag if value else self.off_flag]
 
 
+@dataclass(frozen=True)
 class Setting:
-    """A plugin-wide environment variable that is not a Megatron toggle."""
+    """A plugin-wide environment variable that is not a Megatron toggle. ``core.env`` parses every
+    one by its ``kind`` into the ``EnvSettings`` attribute ``field``; unset keeps that attribute's
+    default, which ``default`` states for people (the README table)."""
 
-    __slots__ = ("default", "env", "help", "kind")
-
-    def __init__(self, env: str, kind: Literal["bool", "int", "list"], default: str, help: str) -> None:
-        self.env, self.kind, self.default, self.help = env, kind, default, help
+    env: str
+    kind: Literal["bool", "int", "text"]
+    default: str
+    help: str
+    field: str
 
 
 TOGGLES: tuple[Toggle, ...] = (
@@ -95,8 +113,6 @@ TOGGLES: tuple[Toggle, ...] = (
         default=True,
         stock_default=True,
         group="training",
-        flag="--gradient-accumulation-fusion",
-        off_flag="--no-gradient-accumulation-fusion",
         needs=("apex_fused_wgrad",),
         anchors=("--no-gradient-accumulation-fusion",),
         bucket="gpt",  # the originating train_llama3.sh put it with the model (GPT_ARGS) flags
@@ -122,8 +138,6 @@ TOGGLES: tuple[Toggle, ...] = (
         kind="bool",
         default=True,
         group="distributed",
-        flag="--ddp-average-in-collective",
-        off_flag="--no-ddp-average-in-collective",
         anchors=("--ddp-average-in-collective", "--overlap-grad-reduce"),
         help="Divide by the data-parallel size inside the reduction collective, not before it.",
     ),
@@ -134,8 +148,6 @@ TOGGLES: tuple[Toggle, ...] = (
         kind="bool",
         default=True,
         group="transformer",
-        flag="--cross-entropy-loss-fusion",
-        off_flag="--no-cross-entropy-loss-fusion",
         anchors=("--cross-entropy-loss-fusion",),
         help="Fused vocab-parallel cross entropy (implementation chosen by "
         "--cross-entropy-fusion-impl).",
@@ -149,7 +161,6 @@ TOGGLES: tuple[Toggle, ...] = (
         stock_default="native",
         choices=("te", "native"),
         group="transformer",
-        flag="--cross-entropy-fusion-impl",
         needs=("te_cross_entropy",),
         anchors=("--cross-entropy-fusion-impl", "--cross-entropy-loss-fusion"),
         help="Which fused cross-entropy kernel to use: Transformer Engine's (te) or Megatron's "
@@ -162,8 +173,6 @@ TOGGLES: tuple[Toggle, ...] = (
         kind="bool",
         default=True,
         group="transformer",
-        flag="--fused-single-qkv-rope",
-        off_flag="--no-fused-single-qkv-rope",
         needs=("megatron_fused_single_qkv_rope_field", "te_fused_qkv_rope"),
         anchors=("--fused-single-qkv-rope", "--qk-layernorm", "--no-rope-fusion"),
         help="Apply RoPE to the packed QKV tensor in one TE kernel, with no split and concat.",
@@ -174,37 +183,47 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEGATRON_PERF_TOGGLES", "bool", "1",
             "0 is stock Megatron: every plugin default is off (the FP4 layer selection by recipe too) and "
             "Megatron's own values stand; the flags stay registered, variables that are set still apply, "
-            "and guards act only on those."),
+            "and guards act only on those.",
+            field="plugin_enabled"),
     Setting("MEGATRON_PERF_TOGGLES_TAG_LOG_DIR", "bool", "1",
-            "0 leaves --tensorboard-dir and --wandb-save-dir untagged."),
-    Setting("MEGATRON_PERF_TOGGLES_ASSUME", "list", "",
+            "0 leaves --tensorboard-dir and --wandb-save-dir untagged.",
+            field="tag_log_dir"),
+    Setting("MEGATRON_PERF_TOGGLES_ASSUME", "text", "",
             "Plan for another machine: comma list of apex, aiter, rocm, cuda, te=VERSION, none. "
-            "Replaces detection of those packages."),
+            "Replaces detection of those packages.",
+            field="assume"),
     Setting("MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK", "bool", "1",
             "Without APEX, keep gradient accumulation fusion on through a torch GEMM stand-in for APEX's "
-            "fused wgrad kernels (CUDA/ROCm, torch with addmm out_dtype); 0 turns fusion off instead."),
+            "fused wgrad kernels (CUDA/ROCm, torch with addmm out_dtype); 0 turns fusion off instead.",
+            field="wgrad_fallback"),
     Setting("MEGATRON_PERF_TOGGLES_RANK_CHECK", "bool", "1",
-            "0 skips the start-up check that every rank decided the same toggles and capabilities."),
+            "0 skips the start-up check that every rank decided the same toggles and capabilities.",
+            field="rank_check"),
     Setting("MEGATRON_PERF_TOGGLES_DRY_RUN", "bool", "0",
             "1 makes the launcher stop after Megatron's parse and validate and print the decisions as JSON "
-            "(a patched pretrain_gpt.py does so when given --extra-args-provider)."),
+            "(a patched pretrain_gpt.py does so when given --extra-args-provider).",
+            field="dry_run"),
     Setting("FP4_SELECTIVE_BF16", "bool", "",
             "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
-            "(default by recipe: nvfp4 1, mxfp4 0; with MEGATRON_PERF_TOGGLES=0, Megatron's own: 0)."),
+            "(default by recipe: nvfp4 1, mxfp4 0; with MEGATRON_PERF_TOGGLES=0, Megatron's own: 0).",
+            field="fp4_selective_bf16"),
     Setting("FP4_BF16_START", "int", "2",
             "With FP4 selective bf16: how many layers at the start stay in bf16 (alone it does not switch "
-            "selection on)."),
+            "selection on).",
+            field="fp4_bf16_start"),
     Setting("FP4_BF16_END", "int", "8",
             "With FP4 selective bf16: how many layers at the end stay in bf16, counted over the whole "
-            "model, not per pipeline stage."),
+            "model, not per pipeline stage.",
+            field="fp4_bf16_end"),
+    Setting("MEGATRON_PERF_TOGGLES_PATCHES", "text", "",
+            "Where `megatron-perf-toggles patch` finds its patch sets: a directory laid out like the "
+            "repository's patches/ (default: the copy installed with the package, else the source tree's).",
+            field="patches_dir"),
 )
 
 BOOL_TRUE = ("1", "true", "yes", "on")
 BOOL_FALSE = ("0", "false", "no", "off")
 BOOL_ACCEPTED = "1/0, true/false, yes/no, on/off (any case), or unset for the default"
-
-SOURCES = ("cli", "env", "default", "guard", "assumed")
-
 
 def _validate() -> None:
     seen_dest: set[str] = set()
@@ -235,13 +254,15 @@ def _validate() -> None:
             seen_flags.add(f)
         if not t.help or "\n" in t.help:
             raise RegistryError(f"{where}: help must be one line")
+    fields: set[str] = set()
     for s in SETTINGS:
-        if s.env in seen_env:
-            raise RegistryError(f"setting {s.env!r}: env var declared twice")
+        if s.env in seen_env or s.field in fields:
+            raise RegistryError(f"setting {s.env!r}: env var or field declared twice")
         seen_env.add(s.env)
+        fields.add(s.field)
 
 
 _validate()
 
 BY_DEST: dict[str, Toggle] = {t.dest: t for t in TOGGLES}
-BY_ENV: dict[str, Toggle] = {t.env: t for t in TOGGLES}
+SETTING_BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}

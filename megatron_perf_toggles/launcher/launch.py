@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..core.registry import flag_of
 from ..errors import PREFIX, PerfTogglesError
 from ..runtime import target as planned
 from ..runtime.provider import extra_args_provider
@@ -103,7 +104,7 @@ def check_python_script(script: Path) -> None:
 
 def plan_target(ns: argparse.Namespace, dry_run: bool) -> planned.Target | None:
     """The world and GPU a dry run plans for; these options mean nothing to a real launch."""
-    given = [f"--{name.replace('_', '-')}" for name in planned.OPTION_DESTS if getattr(ns, name) is not None]
+    given = [flag_of(name) for name in planned.OPTION_DESTS if getattr(ns, name) is not None]
     if not dry_run:
         if given:
             raise PerfTogglesError(f"{given[0]} plans a dry run: add --dry-run",

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ..core.env import parse_bool
+from ..core.env import read_setting
 from ..core.registry import TOGGLES
 from ..errors import PerfTogglesError, fail
 from ..runtime import provenance
@@ -45,7 +45,7 @@ from .import_shims import import_failure
 Provider = plugin.Provider
 
 PROVIDER_FLAG = "--extra-args-provider"
-DRY_RUN_ENV = "MEGATRON_PERF_TOGGLES_DRY_RUN"
+DRY_RUN_ENV = "MEGATRON_PERF_TOGGLES_DRY_RUN"  # registered in core.registry.SETTINGS
 DEFAULT_PROVIDER_ATTR = "extra_args_provider"
 MEGATRON_HINT = "put the Megatron-LM checkout on PYTHONPATH, e.g. PYTHONPATH=/path/to/Megatron-LM"
 ORIGINAL_ATTR = "__perf_toggles_original__"
@@ -133,7 +133,7 @@ def pull_provider_specs(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def dry_run_requested(environ: Mapping[str, str] | None = None) -> bool:
     """``MEGATRON_PERF_TOGGLES_DRY_RUN`` as a boolean (EnvValueError on a bad spelling)."""
     environ = os.environ if environ is None else environ
-    return bool(parse_bool(DRY_RUN_ENV, environ.get(DRY_RUN_ENV)))
+    return bool(read_setting(DRY_RUN_ENV, environ))
 
 
 def flatten(providers: Iterable[Provider | None]) -> list[Provider]:

@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.env import read_setting
 from ..errors import PREFIX, PerfTogglesError
 
 PROG = "megatron-perf-toggles patch"
-PATCHES_ENV = "MEGATRON_PERF_TOGGLES_PATCHES"
+PATCHES_ENV = "MEGATRON_PERF_TOGGLES_PATCHES"  # registered in core.registry.SETTINGS
 
 # (first version it covers, patch set); a tree gets the last set whose version is <= its own.
 # Tags report other numbers than their names: core_v0.17.0 says 0.17.0rc0, core_v0.19.0 says
@@ -115,7 +116,8 @@ def patch_set_for(tree: Tree) -> str:
 def patches_dir() -> Path:
     """Where the patch sets live: $MEGATRON_PERF_TOGGLES_PATCHES, the package data, or the repository."""
     package = Path(__file__).resolve().parent.parent  # megatron_perf_toggles/
-    candidates = [Path(p) for p in [os.environ.get(PATCHES_ENV)] if p]
+    configured = read_setting(PATCHES_ENV, os.environ)
+    candidates = [Path(str(configured))] if configured else []
     candidates += [package / "data" / "patches", package.parent / "patches"]
     for candidate in candidates:
         if candidate.is_dir():

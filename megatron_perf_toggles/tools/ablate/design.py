@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from ...core.registry import BY_DEST, TOGGLES
+from ...core.registry import BY_DEST, TOGGLES, flag_of
 from ...errors import PerfTogglesError
 
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline")
@@ -30,7 +30,7 @@ class Vary:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return flag_of(self.name)
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Arm:
     def extra_args(self) -> list[str]:
         out: list[str] = []
         for name, value in self.settings.items():
-            out += ["--" + name.replace("_", "-"), value]
+            out += [flag_of(name), value]
         return out
 
     def intended(self) -> dict[str, object]:
