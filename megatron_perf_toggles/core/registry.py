@@ -45,6 +45,13 @@ CAPABILITIES = (
 )
 
 
+def format_value(value: object) -> str:
+    """A toggle value as people read it: on/off for a bool, the word itself for a choice."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 def flag_of(dest: str) -> str:
     """Megatron's spelling of the flag for an argparse dest: ``grad_reduce_in_bf16`` -> ``--grad-reduce-in-bf16``."""
     return "--" + dest.replace("_", "-")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..core.registry import flag_of
-from ..errors import PREFIX, PerfTogglesError
+from ..errors import OneLineArgumentParser, PerfTogglesError, report
 from ..runtime import target as planned
 from ..runtime.provider import extra_args_provider
 from . import megatron_hooks as hooks
@@ -63,14 +63,10 @@ class NotAPythonScriptError(PerfTogglesError):
     """SCRIPT is a file, but not Python source (a shell script, a binary)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> argparse.Namespace:
-        raise PerfTogglesError(message, f"usage: {PROG} [OPTIONS] SCRIPT [MEGATRON ARGS]; see --help")
-
-
 def build_launcher_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, message_prefix="",
+                                   usage_hint=f"usage: {PROG} [OPTIONS] SCRIPT [MEGATRON ARGS]; see --help")
     parser.add_argument(hooks.PROVIDER_FLAG, action="append", default=[], metavar="MOD:FUNC", dest="providers",
                         help="another extra_args_provider to chain (repeatable), after the script's own and "
                              "before the plugin")
@@ -82,11 +78,6 @@ def build_launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="MEGATRON ARGS",
                         help="the script's arguments, passed on unchanged")
     return parser
-
-
-def _report(error: PerfTogglesError) -> int:
-    print(f"{PREFIX} error: {error}", file=sys.stderr, flush=True)
-    return error.exit_code
 
 
 def check_python_script(script: Path) -> None:
@@ -120,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as done:  # --help
         return int(done.code or 0)
     except PerfTogglesError as error:
-        return _report(error)
+        return report(error)
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:
         dry_run = ns.dry_run or hooks.dry_run_requested()
@@ -144,14 +135,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runpy.run_path(str(script), run_name="__main__")
         return 0
     except PerfTogglesError as error:
-        return _report(error)
+        return report(error)
     except Exception as error:
         if not dry_run:
             raise  # a real run's failure keeps its traceback
         from .import_shims import import_failure
 
         what, hint = import_failure(error)  # e.g. a tree that builds GPU code at import, on a GPU-less torch
-        return _report(PerfTogglesError(f"{ns.script} failed before Megatron parsed its arguments: {what}", hint))
+        return report(PerfTogglesError(f"{ns.script} failed before Megatron parsed its arguments: {what}", hint))
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path

@@ -27,18 +27,20 @@ import json
 import os
 import sys
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..core.env import read_setting
 from ..core.registry import TOGGLES
-from ..errors import PerfTogglesError, fail
+from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import provenance
 from ..runtime import provider as plugin
 from ..runtime import target as planned
 from ..runtime.controller import Controller, Outcome, use_for_process
 from ..runtime.patches import PATCHES
+from ..runtime.provenance import jsonable
+from ..runtime.provider import flatten
 from ..runtime.rebinding import megatron_root, rebind
 from .import_shims import import_failure
 
@@ -111,20 +113,14 @@ def resolve_provider(spec: str) -> Provider:
     return target
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that raises instead of printing usage and exiting: every error is one line."""
-
-    def error(self, message: str) -> Any:
-        raise PerfTogglesError(message, f"use {PROVIDER_FLAG} MOD:FUNC, e.g. megatron_perf_toggles:extra_args_provider")
-
-
 def pull_provider_specs(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Split ``--extra-args-provider X`` / ``--extra-args-provider=X`` out of ``argv``.
 
     Returns (specs in order, the other words in their order). argparse does the splitting, so
     the ``=`` form and a missing value behave as everywhere else.
     """
-    parser = _OneLineParser(prog="megatron-perf-toggles", add_help=False, allow_abbrev=False)
+    parser = OneLineArgumentParser(prog="megatron-perf-toggles", add_help=False, allow_abbrev=False, message_prefix="",
+                                   usage_hint=f"use {PROVIDER_FLAG} MOD:FUNC, e.g. megatron_perf_toggles:extra_args_provider")
     parser.add_argument(PROVIDER_FLAG, action="append", default=[], dest="providers", metavar="MOD:FUNC")
     ns, rest = parser.parse_known_args(list(argv))
     return list(ns.providers), rest
@@ -134,25 +130,6 @@ def dry_run_requested(environ: Mapping[str, str] | None = None) -> bool:
     """``MEGATRON_PERF_TOGGLES_DRY_RUN`` as a boolean (EnvValueError on a bad spelling)."""
     environ = os.environ if environ is None else environ
     return bool(read_setting(DRY_RUN_ENV, environ))
-
-
-def flatten(providers: Iterable[Provider | None]) -> list[Provider]:
-    """Skip ``None``, expand ``chain_providers`` results, keep the first of any repeat."""
-    out: list[Provider] = []
-
-    def add(p: Provider | None) -> None:
-        if p is None:
-            return
-        inner = getattr(p, "providers", None)
-        if isinstance(inner, tuple):
-            for q in inner:
-                add(q)
-        elif p not in out:
-            out.append(p)
-
-    for p in providers:
-        add(p)
-    return out
 
 
 # --- the chain that runs inside Megatron's parse_args ---------------------------------------------
@@ -401,16 +378,6 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
 # --- dry run --------------------------------------------------------------------------------------
 
 
-def _jsonable(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return str(value)
-
-
 def _megatron_version() -> str | None:
     info = sys.modules.get("megatron.core.package_info")
     if info is None:
@@ -437,13 +404,13 @@ def dry_run_record(hooks: Hooks, args: argparse.Namespace, args_defaults: Mappin
         "dry_run": True,
         "megatron": {"version": _megatron_version(), "path": hooks.root, "parse_path": via},
         "providers": [
-            {"name": run.name, "added": {dest: _jsonable(names.get(dest)) for dest in run.added}}
+            {"name": run.name, "added": {dest: jsonable(names.get(dest)) for dest in run.added}}
             for run in (chain.runs if chain is not None else [])
         ],
-        "args_defaults": {k: _jsonable(v) for k, v in args_defaults.items()},
-        "after_validate": {t.dest: _jsonable(names[t.dest]) for t in TOGGLES if t.dest in names},
+        "args_defaults": {k: jsonable(v) for k, v in args_defaults.items()},
+        "after_validate": {t.dest: jsonable(names[t.dest]) for t in TOGGLES if t.dest in names},
         # Every argument as validate_args left it: what `ablate` compares between arms.
-        "effective_args": {k: _jsonable(v) for k, v in sorted(names.items()) if not k.startswith("_")},
+        "effective_args": {k: jsonable(v) for k, v in sorted(names.items()) if not k.startswith("_")},
         "notes": notes,
     })
     return payload

@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .._version import __version__
 from ..core.decide import Plan
 from ..core.facts import Capabilities
+from ..core.precision import LOG_DIR_DESTS
+from ..core.registry import format_value
 from ..errors import PREFIX
 
 RECORD_NAME = "perf_toggles.json"
 
 
-def format_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)
+def jsonable(value: Any, *, enum_name: bool = False, other: Callable[[Any], Any] = str) -> Any:
+    """``value`` as JSON data, for the records a dry run prints and the surfaces we record:
+    scalars as they are, sequences and mappings element by element, anything else through
+    ``other``. ``enum_name`` writes an enum member as its name (what a command line spells)."""
+    if enum_name and isinstance(value, enum.Enum):
+        return value.name
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v, enum_name=enum_name, other=other) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, enum_name=enum_name, other=other) for k, v in value.items()}
+    return other(value)
 
 
 def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
@@ -47,7 +60,7 @@ def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], comman
 
 def record_dir(plan: Plan, args: dict[str, Any]) -> str | None:
     """The tagged tensorboard dir, else the tagged wandb dir, else the untagged ones."""
-    for dest in ("tensorboard_dir", "wandb_save_dir"):
+    for dest in LOG_DIR_DESTS:
         path = plan.log_dirs.get(dest) or args.get(dest)
         if path:
             return str(path)

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..core.decide import FP4_LAYER_DESTS
 from ..core.env import EnvSettings
 from ..core.facts import Capabilities
-from ..core.registry import GROUPS, TOGGLES, Toggle
+from ..core.registry import GROUPS, TOGGLES, Toggle, format_value
 from ..errors import PerfTogglesError, fail
 from .controller import UNSET, Controller, Registration, process_controller
-from .provenance import format_value
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 PLUGIN_GROUP_TITLE = "perf toggles (megatron-perf-toggles)"
@@ -180,6 +179,25 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return attach(parser, controller=process_controller())
 
 
+def flatten(providers: Iterable[Provider | None]) -> list[Provider]:
+    """Skip ``None``, expand ``chain_providers`` results, keep the first of any repeat."""
+    out: list[Provider] = []
+
+    def add(p: Provider | None) -> None:
+        if p is None:
+            return
+        inner = getattr(p, "providers", None)
+        if isinstance(inner, tuple):
+            for q in inner:
+                add(q)
+        elif p not in out:
+            out.append(p)
+
+    for p in providers:
+        add(p)
+    return out
+
+
 def chain_providers(*providers: Provider | None) -> Provider:
     """One provider that runs each given provider in order (``None`` entries are skipped).
 
@@ -187,10 +205,7 @@ def chain_providers(*providers: Provider | None) -> Provider:
 
         pretrain(..., extra_args_provider=chain_providers(add_modelopt_args, extra_args_provider))
     """
-    chain: list[Provider] = []
-    for p in providers:
-        if p is not None and p not in chain:
-            chain.append(p)
+    chain = flatten(providers)
 
     def chained(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         for provider in chain:

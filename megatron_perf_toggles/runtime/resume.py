@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.decide import Message
-from .provenance import format_value
+from ..core.registry import format_value
 
 HISTORY_NAME = "perf_toggles_history.jsonl"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"  # written by Megatron next to its checkpoints

@@ -17,13 +17,13 @@ from .._version import __version__
 from ..core.decide import Plan, decide
 from ..core.env import read_env
 from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, with_assumptions
-from ..core.registry import SETTINGS, TOGGLES
+from ..core.precision import LOG_DIR_DESTS
+from ..core.registry import SETTINGS, TOGGLES, format_value
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import detect, megatron_facts, resolve
-from ..runtime.provenance import format_value
-from .llama3_8b import LLAMA3_8B_BF16
+from .llama3_8b import LLAMA3_8B_BF16, llama3_8b_args
 from .surfaces import replay
 
 DEFAULT_SURFACE = "main"
@@ -195,10 +195,10 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     print()
     print(f"precision tag: {plan.precision}")
     print(f"fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}")
-    for dest in ("tensorboard_dir", "wandb_save_dir"):
+    for dest in LOG_DIR_DESTS:
         if args.get(dest):
             print(f"{dest}: {args[dest]}")
-    if not plan.log_dirs and any(args.get(d) for d in ("tensorboard_dir", "wandb_save_dir")):
+    if not plan.log_dirs and any(args.get(d) for d in LOG_DIR_DESTS):
         print("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)")
     for m in plan.messages:
         print(f"{m.level}: {m.text}")
@@ -340,7 +340,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
 
 
 def _llama_view() -> dict[str, Any]:
-    return {"bf16": True, "position_embedding_type": "rope", "num_layers": 32, "optimizer": "adam"}
+    return llama3_8b_args("bf16", "position_embedding_type", "num_layers", "optimizer")
 
 
 # --- entry ------------------------------------------------------------------------------------
@@ -360,6 +360,7 @@ def _target_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_cli_parser() -> argparse.ArgumentParser:
+    """One parser with a real subparser per command; the offline tools bring their own options."""
     parser = OneLineArgumentParser(
         prog="megatron-perf-toggles",
         description="Default-on Megatron-LM performance toggles: see what they decide, where they can "
@@ -369,7 +370,14 @@ def build_cli_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_explain(sub)
+    _add_flags(sub)
+    _add_doctor(sub)
+    _add_tools(sub)
+    return parser
 
+
+def _add_explain(sub: Any) -> None:
     ex = sub.add_parser("explain", help="show what the toggles and guards decide for a command line",
                         description="Decide the toggles for a Megatron command line (default: a built-in "
                         "Llama-3-8B bf16 one) and print value, source and reason for each, the precision "
@@ -383,6 +391,8 @@ def build_cli_parser() -> argparse.ArgumentParser:
     ex.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
     ex.set_defaults(func=cmd_explain)
 
+
+def _add_flags(sub: Any) -> None:
     fl = sub.add_parser("flags", help="print the Megatron flags the environment implies, as the target accepts them",
                         description="Print the toggle flags that the current environment implies, for shell "
                         "scripts that keep GPT_ARGS / EXTRA_ARGS buckets and run Megatron without the plugin. "
@@ -401,6 +411,8 @@ def build_cli_parser() -> argparse.ArgumentParser:
     fl.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
     fl.set_defaults(func=cmd_flags)
 
+
+def _add_doctor(sub: Any) -> None:
     doc = sub.add_parser("doctor", help="report what this machine has and which toggles can be on here",
                          description="Report Megatron, torch (ROCm/CUDA), GPU architecture, Transformer Engine "
                          "and its kernels, APEX and aiter, then which toggles can be on here and why not.")
@@ -408,39 +420,43 @@ def build_cli_parser() -> argparse.ArgumentParser:
     doc.add_argument("--json", action="store_true", help="print the report as JSON")
     doc.set_defaults(func=cmd_doctor)
 
+
+def _add_tools(sub: Any) -> None:
+    """patch, ablate, surface: each tool declares its options once, for its own module's parser too."""
+    from . import patching
+    from .ablate import runner as ablate
+    from .surfaces import record
+
     pa = sub.add_parser("patch", help="apply the matching patch from patches/ to a Megatron-LM checkout",
-                        add_help=False)
-    pa.set_defaults(func=None)
-
-    ab = sub.add_parser("ablate", help="controlled toggle experiments that cannot be confounded", add_help=False)
-    ab.set_defaults(func=None)
-
-    su = sub.add_parser("surface", help="record a Megatron tree's argparse surface as JSON facts", add_help=False)
-    su.set_defaults(func=None)
-    return parser
+                        description=patching.DESCRIPTION, allow_abbrev=False, message_prefix="")
+    patching.add_arguments(pa)
+    pa.set_defaults(func=patching.run)
+    ab = sub.add_parser("ablate", help="controlled toggle experiments that cannot be confounded",
+                        description=ablate.DESCRIPTION, epilog=ablate.EPILOG)
+    ablate.add_arguments(ab)
+    ab.set_defaults(func=ablate.run_ablation)
+    su = sub.add_parser("surface", help="record a Megatron tree's argparse surface as JSON facts",
+                        description=record.DESCRIPTION)
+    record.add_arguments(su)
+    su.set_defaults(func=record.run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "patch":
-        from .patching import main as patch_main
-
-        return patch_main(argv[1:])
-    if argv and argv[0] == "ablate":
-        from .ablate.runner import main as ablate_main
-
-        return ablate_main(argv[1:])
-    if argv and argv[0] == "surface":
-        from .surfaces.record import main as surface_main
-
-        return surface_main(argv[1:], prog="megatron-perf-toggles surface")
+    """Parse, run the command; every PerfTogglesError, a usage error included, is one line and exit 2."""
     parser = build_cli_parser()
-    ns = parser.parse_args(argv)
-    if getattr(ns, "megatron_args", None) and ns.megatron_args[0] == "--":
-        ns.megatron_args = ns.megatron_args[1:]
-    if ns.command is None:
-        parser.print_help()
-        return 2
+    try:
+        ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        if ns.command is None:
+            parser.print_help()
+            return 2
+        if ns.command in ("explain", "flags") and ns.megatron_args[:1] == ["--"]:
+            ns.megatron_args = ns.megatron_args[1:]
+        return ns.func(ns)
+    except PerfTogglesError as error:
+        fail(error)
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
     try:
         return ns.func(ns)
     except PerfTogglesError as error:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.env import read_setting
-from ..errors import PREFIX, PerfTogglesError
+from ..errors import PREFIX, OneLineArgumentParser, PerfTogglesError, report
 
 PROG = "megatron-perf-toggles patch"
 PATCHES_ENV = "MEGATRON_PERF_TOGGLES_PATCHES"  # registered in core.registry.SETTINGS
@@ -196,20 +196,24 @@ def apply(root: Path, files: list[Path], *, check: bool = False, reverse: bool =
     raise PatchError("neither git nor patch is installed", "install git")
 
 
-def build_patch_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> argparse.Namespace:
-            raise PatchError(message, f"see {prog} --help")
+DESCRIPTION = (
+    "Patch a Megatron-LM checkout so that pretrain_gpt.py takes --extra-args-provider MOD:FUNC "
+    "(repeatable, chained with its own provider) and arguments.py exposes --fused-single-qkv-rope "
+    "(0.15+). Supported: " + ", ".join(name for _, name in PATCH_SETS) + ".")
 
-    parser = _Parser(prog=prog, allow_abbrev=False, description=(
-        "Patch a Megatron-LM checkout so that pretrain_gpt.py takes --extra-args-provider MOD:FUNC "
-        "(repeatable, chained with its own provider) and arguments.py exposes --fused-single-qkv-rope "
-        "(0.15+). Supported: " + ", ".join(name for _, name in PATCH_SETS) + "."))
+
+def build_patch_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(prog=prog, allow_abbrev=False, description=DESCRIPTION, message_prefix="")
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``patch`` options, for this module's own parser and the ``megatron-perf-toggles patch`` subcommand."""
     parser.add_argument("--megatron", required=True, metavar="PATH", help="the Megatron-LM checkout to patch")
     parser.add_argument("--check", action="store_true", help="only say whether the patch set applies; change nothing")
     parser.add_argument("--reverse", action="store_true", help="take the patch set out again")
     parser.add_argument("--patch-set", metavar="NAME", help="use this patch set instead of the detected one")
-    return parser
 
 
 def _say(text: str) -> None:
@@ -249,8 +253,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     except SystemExit as done:  # --help
         return int(done.code or 0)
     except PerfTogglesError as error:
-        print(f"{PREFIX} error: {error}", file=sys.stderr, flush=True)
-        return error.exit_code
+        return report(error)
 
 
 if __name__ == "__main__":

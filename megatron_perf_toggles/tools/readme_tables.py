@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ..core.megatron_rules import rules_table
-from ..core.registry import SETTINGS, TOGGLES
+from ..core.registry import SETTINGS, TOGGLES, format_value
 from .surfaces import replay
 
 BEGIN = "<!-- generated:{name} begin -->"
@@ -14,9 +14,7 @@ END = "<!-- generated:{name} end -->"
 
 
 def _default_words(value: object) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"`{value}`"
+    return format_value(value) if isinstance(value, bool) else f"`{format_value(value)}`"
 
 
 def toggles_table() -> str:

@@ -646,16 +646,23 @@ def _check_out(out: Path) -> None:
         raise DesignError(f"--out {out}: not writable ({error.strerror or error})") from None
 
 
+DESCRIPTION = (
+    "Run a controlled toggle experiment: every arm is resolved through Megatron's real "
+    "parser first, and the run is refused if arms differ in anything but the intended variables. "
+    "Arms run in blocks (each block every arm once, in a seeded shuffled order) after one unmeasured "
+    "warm-up run; each arm is compared with the baseline block by block, with a confidence interval.")
+EPILOG = ("example: megatron-perf-toggles ablate --design factorial --toggles grad_reduce_in_bf16 "
+          "--vary adam_eps=1e-8,1e-5 --out runs/2x2 -- pretrain_gpt.py <megatron args>")
+
+
 def build_ablate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="megatron-perf-toggles ablate",
-        description="Run a controlled toggle experiment: every arm is resolved through Megatron's real "
-        "parser first, and the run is refused if arms differ in anything but the intended variables. "
-        "Arms run in blocks (each block every arm once, in a seeded shuffled order) after one unmeasured "
-        "warm-up run; each arm is compared with the baseline block by block, with a confidence interval.",
-        epilog="example: megatron-perf-toggles ablate --design factorial --toggles grad_reduce_in_bf16 "
-        "--vary adam_eps=1e-8,1e-5 --out runs/2x2 -- pretrain_gpt.py <megatron args>",
-    )
+    p = argparse.ArgumentParser(prog="megatron-perf-toggles ablate", description=DESCRIPTION, epilog=EPILOG)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``ablate`` options, for :func:`main`'s parser and the ``megatron-perf-toggles ablate`` subcommand."""
     p.add_argument("--design", required=True, choices=DESIGNS,
                    help="one-at-a-time: all off, then each alone; leave-one-out: all on, then each off; "
                    "factorial: every combination (with --vary settings); headline: all off against all on")
@@ -685,7 +692,6 @@ def build_ablate_parser() -> argparse.ArgumentParser:
                    help="check confounds, print arms, block order and commands; run and write nothing")
     p.add_argument("script", help="the Megatron training script, e.g. pretrain_gpt.py")
     p.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments")
-    return p
 
 
 def _validate(ns: argparse.Namespace) -> None:
@@ -709,7 +715,12 @@ def _validate(ns: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, Any]] = resolve_arm,
          clock: Callable[[], float] = time.monotonic) -> int:
-    ns = build_ablate_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run_ablation(build_ablate_parser().parse_args(list(sys.argv[1:] if argv is None else argv)), resolver, clock)
+
+
+def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = resolve_arm,
+        clock: Callable[[], float] = time.monotonic) -> int:
+    """The experiment the parsed options ask for (``main``'s body; also the cli subcommand's)."""
     args = [a for a in ns.megatron_args if a != "--"] if ns.megatron_args[:1] == ["--"] else list(ns.megatron_args)
     try:
         _validate(ns)

@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ...errors import OneLineArgumentParser, PerfTogglesError, fail
+from ...runtime.provenance import jsonable
+
 SCHEMA = 1
 
 _ACTION_KINDS = {
@@ -35,16 +38,11 @@ _ACTION_KINDS = {
 def _jsonable(value: Any) -> Any:
     """A JSON fact for an argparse value. Enum members become their names: that is what the
     command line spells (Megatron's enum flags convert ``Enum[name]``), e.g. ``--attention-backend
-    fused``; the enum class is recorded once per action (``enum``)."""
-    if isinstance(value, enum.Enum):
-        return value.name
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is argparse.SUPPRESS:
-        return "==SUPPRESS=="
-    return {"repr_of_type": type(value).__name__}
+    fused``; the enum class is recorded once per action (``enum``). A value with no JSON form is
+    recorded by its type."""
+    if isinstance(value, dict):  # no argparse default is a dict; keep the recorded facts as they were
+        return {"repr_of_type": "dict"}
+    return jsonable(value, enum_name=True, other=lambda v: {"repr_of_type": type(v).__name__})
 
 
 def _enum_name(action: argparse.Action) -> str | None:
@@ -138,35 +136,46 @@ def dumps_record(rec: dict[str, Any]) -> str:
     return json.dumps(head, indent=1, sort_keys=True)[:-2] + ',\n "actions": [\n  ' + body + "\n ]\n}\n"
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m megatron_perf_toggles.tools.surfaces.record") -> int:
-    """Record one tree; errors are one ``[perf-toggles]`` line and exit 2."""
-    from ...errors import OneLineArgumentParser, PerfTogglesError, fail
+DESCRIPTION = "Write the argparse surface facts of one Megatron-LM tree as JSON."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options, for this module's own parser and the ``megatron-perf-toggles surface`` subcommand."""
+    parser.add_argument("tree", help="a Megatron-LM checkout (holds megatron/training/arguments.py)")
+    parser.add_argument("--name", help="the version label stored in the record (default: the tree's folder name)")
+    parser.add_argument("--out", help="write here instead of standard output")
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Record ``ns.tree``; a problem is a PerfTogglesError (one line, exit 2, where reported)."""
     from ...launcher.import_shims import import_failure
 
-    ap = OneLineArgumentParser(
-        prog=prog,
-        description="Write the argparse surface facts of one Megatron-LM tree as JSON.",
-    )
-    ap.add_argument("tree", help="a Megatron-LM checkout (holds megatron/training/arguments.py)")
-    ap.add_argument("--name", help="the version label stored in the record (default: the tree's folder name)")
-    ap.add_argument("--out", help="write here instead of standard output")
-    ns = ap.parse_args(argv)
     if not (Path(ns.tree) / "megatron" / "training" / "arguments.py").is_file():
-        fail(PerfTogglesError(f"{ns.tree} is not a Megatron-LM checkout (no megatron/training/arguments.py)"))
+        raise PerfTogglesError(f"{ns.tree} is not a Megatron-LM checkout (no megatron/training/arguments.py)")
     try:
         rec = {"name": ns.name or Path(ns.tree).resolve().name, **record_surface(ns.tree)}
     except Exception as error:  # noqa: BLE001 - a tree that does not import is one line
         what, hint = import_failure(error)
-        fail(PerfTogglesError(f"cannot record {ns.tree}: {what}", hint))
+        raise PerfTogglesError(f"cannot record {ns.tree}: {what}", hint) from None
     text = dumps_record(rec)
     if ns.out:
         try:
             Path(ns.out).write_text(text)
         except OSError as error:
-            fail(PerfTogglesError(f"--out {ns.out}: {error.strerror or error}"))
+            raise PerfTogglesError(f"--out {ns.out}: {error.strerror or error}") from None
     else:
         sys.stdout.write(text)
     return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m megatron_perf_toggles.tools.surfaces.record") -> int:
+    """Record one tree; errors are one ``[perf-toggles]`` line and exit 2."""
+    parser = OneLineArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except PerfTogglesError as error:
+        fail(error)
 
 
 if __name__ == "__main__":
