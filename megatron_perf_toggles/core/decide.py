@@ -8,7 +8,7 @@ layer selection, then the guards in order, then advice.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CannotHonourError, DependencyError, RegistryError
@@ -37,71 +37,62 @@ class Decision:
         return {"value": self.value, "source": self.source, "reason": self.reason}
 
 
+@dataclass
 class Message:
-    """A warning or advice line for the start-up table (plain class: cheap to define at import)."""
+    """A warning or advice line for the start-up table."""
 
-    __slots__ = ("level", "text")
-
-    def __init__(self, level: str, text: str) -> None:
-        self.level = level  # warning | advice
-        self.text = text
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Message) and (self.level, self.text) == (other.level, other.text)
-
-    def __repr__(self) -> str:
-        return f"Message({self.level!r}, {self.text!r})"
+    level: str  # warning | advice
+    text: str
 
 
+@dataclass
 class Plan:
     """Everything decided for one command line."""
 
-    __slots__ = ("decisions", "log_dirs", "messages", "precision", "wgrad_path")
-
-    def __init__(self, decisions: dict[str, Decision], precision: str, log_dirs: dict[str, str],
-                 messages: list[Message] | None = None, wgrad_path: str = "off") -> None:
-        self.decisions = decisions
-        self.precision = precision
-        self.log_dirs = log_dirs  # dest -> tagged path (only those that are set and tagged)
-        self.messages = messages if messages is not None else []
-        self.wgrad_path = wgrad_path  # apex | fallback | off: who computes fused weight gradients
+    decisions: dict[str, Decision]
+    precision: str
+    log_dirs: dict[str, str]  # dest -> tagged path (only those that are set and tagged)
+    messages: list[Message] = field(default_factory=list)
+    wgrad_path: str = "off"  # apex | fallback | off: who computes fused weight gradients
 
     def values(self) -> dict[str, Any]:
         return {dest: d.value for dest, d in self.decisions.items()}
 
 
+@dataclass
 class Change:
     """What a guard wants: ``dest`` becomes ``value`` because ``reason``."""
 
-    __slots__ = ("capability", "dest", "hint", "over_cli", "reason", "requested_by", "value", "yields_to_cli")
+    dest: str
+    value: Any
+    reason: str
+    hint: str = ""
+    capability: str = ""  # the capability the change rests on, if any (one of registry.CAPABILITIES)
+    over_cli: bool = False  # applies even over an explicit command-line value (with a warning)
+    # Only moves a value nobody asked for: an explicit command-line value is kept as it is
+    # (the guard resolves a conflict between two requests in favour of the one on the command line).
+    yields_to_cli: bool = False
+    # The explicit request (another setting's flag) this change makes room for: a later guard that
+    # takes the room back must say so, or refuse.
+    requested_by: str = ""
 
-    def __init__(self, dest: str, value: Any, reason: str, hint: str = "", capability: str = "",
-                 over_cli: bool = False, yields_to_cli: bool = False, requested_by: str = "") -> None:
-        if capability and capability not in CAPABILITIES:
-            raise RegistryError(f"a guard of {dest!r} rests on {capability!r}, which is not in registry.CAPABILITIES")
-        self.dest, self.value, self.reason, self.hint = dest, value, reason, hint
-        self.capability = capability  # the capability the change rests on, if any
-        self.over_cli = over_cli  # applies even over an explicit command-line value (with a warning)
-        # Only moves a value nobody asked for: an explicit command-line value is kept as it is
-        # (the guard resolves a conflict between two requests in favour of the one on the command line).
-        self.yields_to_cli = yields_to_cli
-        # The explicit request (another setting's flag) this change makes room for: a later guard that
-        # takes the room back must say so, or refuse.
-        self.requested_by = requested_by
+    def __post_init__(self) -> None:
+        if self.capability and self.capability not in CAPABILITIES:
+            raise RegistryError(f"a guard of {self.dest!r} rests on {self.capability!r}, "
+                                "which is not in registry.CAPABILITIES")
 
 
+@dataclass
 class Context:
     """What a guard may look at: parsed args, the decisions so far, capabilities, environment,
     and what is known of the checkpoint ``--load`` will resume from."""
 
-    __slots__ = ("args", "caps", "checkpoint", "env", "sources", "values")
-
-    def __init__(self, args: Mapping[str, Any], values: Mapping[str, Any], caps: Capabilities,
-                 env: EnvSettings, checkpoint: Mapping[str, Any] | None = None,
-                 sources: Mapping[str, str] | None = None) -> None:
-        self.args, self.values, self.caps, self.env = args, values, caps, env
-        self.checkpoint = checkpoint or {}
-        self.sources = sources or {}  # dest -> where its current value came from (cli, env, default, guard)
+    args: Mapping[str, Any]
+    values: Mapping[str, Any]
+    caps: Capabilities
+    env: EnvSettings
+    checkpoint: Mapping[str, Any] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict)  # dest -> where its current value came from
 
 
 Guard = Callable[[Context], Iterator[Change]]
@@ -506,6 +497,20 @@ def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mappi
                     if toggle.kind == "bool" else f"plugin default; set {toggle.env} to change it")
 
 
+def _fp4_defaults(args: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any]) -> dict[str, Decision]:
+    """The FP4 layer selection nobody asked for: the recipe's (or, switched off, Megatron's own)."""
+    recipe = str(args.get("fp4_recipe") or "nvfp4")
+    by_recipe, start, end = FP4_RECIPE_SELECTION.get(recipe, (False, 2, 8))
+    if env.plugin_enabled:
+        label = "first/last layers in bf16" if by_recipe else "every layer in FP4"
+        return {FP4_LAYER_DESTS[0]: Decision(by_recipe, "default", f"{recipe} recipe default: {label}"),
+                FP4_LAYER_DESTS[1]: Decision(start, "default", f"{recipe} recipe default"),
+                FP4_LAYER_DESTS[2]: Decision(end, "default", f"{recipe} recipe default")}
+    off = "MEGATRON_PERF_TOGGLES=0: Megatron's own default"
+    return {dest: Decision(stock.get(dest, value), "default", off)
+            for dest, value in zip(FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, strict=True)}
+
+
 def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: EnvSettings,
                    stock: Mapping[str, Any]) -> tuple[dict[str, Decision], list[Message]]:
     """FP4 layer selection: CLI > FP4_* environment > the recipe's default (with the master
@@ -514,17 +519,7 @@ def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: En
     trains every layer in FP4 unless selection is asked for."""
     if not args.get("fp4"):
         return {}, []
-    recipe = str(args.get("fp4_recipe") or "nvfp4")
-    by_recipe, start, end = FP4_RECIPE_SELECTION.get(recipe, (False, 2, 8))
-    if env.plugin_enabled:
-        label = "first/last layers in bf16" if by_recipe else "every layer in FP4"
-        defaults = {FP4_LAYER_DESTS[0]: Decision(by_recipe, "default", f"{recipe} recipe default: {label}"),
-                    FP4_LAYER_DESTS[1]: Decision(start, "default", f"{recipe} recipe default"),
-                    FP4_LAYER_DESTS[2]: Decision(end, "default", f"{recipe} recipe default")}
-    else:
-        off = "MEGATRON_PERF_TOGGLES=0: Megatron's own default"
-        defaults = {dest: Decision(stock.get(dest, value), "default", off)
-                    for dest, value in zip(FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, strict=True)}
+    defaults = _fp4_defaults(args, env, stock)
     out: dict[str, Decision] = {}
     if "first_last_layers_bf16" in explicit:
         value = explicit["first_last_layers_bf16"]
@@ -536,17 +531,7 @@ def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: En
         out["first_last_layers_bf16"] = defaults["first_last_layers_bf16"]
     selection = out["first_last_layers_bf16"]
     if not selection.value:
-        given = [flag_of(d) for d in FP4_LAYER_DESTS[1:] if d in explicit]
-        given += [var for var, value in (("FP4_BF16_START", env.fp4_bf16_start), ("FP4_BF16_END", env.fp4_bf16_end))
-                  if value is not None]
-        if not given:
-            return out, []
-        return out, [Message(
-            "warning",
-            f"{' and '.join(given)} set, but FP4 selective bf16 is off ({selection.reason}): every layer trains "
-            "in FP4 and the counts are unused; set FP4_SELECTIVE_BF16=1 (or pass --first-last-layers-bf16) "
-            "to keep those layers in bf16",
-        )]
+        return out, _fp4_counts_unused(explicit, env, selection)
     for dest, env_value, var in (
         ("num_layers_at_start_in_bf16", env.fp4_bf16_start, "FP4_BF16_START"),
         ("num_layers_at_end_in_bf16", env.fp4_bf16_end, "FP4_BF16_END"),
@@ -557,9 +542,30 @@ def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: En
             out[dest] = Decision(env_value, "env", f"{var}={env_value}")
         else:
             out[dest] = defaults[dest]
+    _fp4_counts_per_stage(args, out)
+    return out, []
+
+
+def _fp4_counts_unused(explicit: Mapping[str, Any], env: EnvSettings, selection: Decision) -> list[Message]:
+    """Layer counts given while selection is off: they do nothing, which is worth a warning."""
+    given = [flag_of(d) for d in FP4_LAYER_DESTS[1:] if d in explicit]
+    given += [var for var, value in (("FP4_BF16_START", env.fp4_bf16_start), ("FP4_BF16_END", env.fp4_bf16_end))
+              if value is not None]
+    if not given:
+        return []
+    return [Message(
+        "warning",
+        f"{' and '.join(given)} set, but FP4 selective bf16 is off ({selection.reason}): every layer trains "
+        "in FP4 and the counts are unused; set FP4_SELECTIVE_BF16=1 (or pass --first-last-layers-bf16) "
+        "to keep those layers in bf16",
+    )]
+
+
+def _fp4_counts_per_stage(args: Mapping[str, Any], out: dict[str, Decision]) -> None:
+    """With fp8 Megatron bounds each count by one pipeline stage's layers; without, it does not."""
     per_stage = _layers_per_stage(args)
     if per_stage is None:
-        return out, []
+        return
     for dest in FP4_LAYER_DESTS[1:]:
         d = out[dest]
         if d.value <= per_stage:
@@ -573,7 +579,6 @@ def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: En
             out[dest] = Decision(d.value, d.source, (
                 f"{d.reason}; FP4 picks its bf16 layers by global layer number, so the count is not bounded by "
                 f"a pipeline stage's {per_stage} layers (Megatron bounds it only with fp8)"))
-    return out, []
 
 
 def _layers_per_stage(args: Mapping[str, Any]) -> int | None:
@@ -609,6 +614,67 @@ def _advice(args: Mapping[str, Any]) -> list[Message]:
     return out
 
 
+class _Resolution:
+    """The decisions as the guards change them, with what each change must respect: the base
+    decisions (cli, env, default), the explicit values a guard overrode (warned about), and the
+    room one guard made for an explicit request that a later guard may not silently take back."""
+
+    def __init__(self, decisions: dict[str, Decision], env: EnvSettings, caps: Capabilities) -> None:
+        self.decisions = decisions
+        self.base = dict(decisions)
+        self.env, self.caps = env, caps
+        self.messages: list[Message] = []
+        self.overridden: dict[str, Message] = {}  # dest -> the warning that a cli/env value was overridden
+        self.made_room: dict[str, Change] = {}  # dest -> the change that moved it for another explicit request
+
+    def context(self, args: Mapping[str, Any], checkpoint: Mapping[str, Any] | None) -> Context:
+        return Context(args=args, values={k: d.value for k, d in self.decisions.items()}, caps=self.caps,
+                       env=self.env, checkpoint=checkpoint or {},
+                       sources={k: d.source for k, d in self.decisions.items()})
+
+    def apply(self, ctx: Context, change: Change) -> None:
+        """One guard's change, or the CannotHonourError an explicit request gets instead."""
+        current = self.decisions[change.dest]
+        if current.value == change.value:
+            # A guard that keeps the value still says how (e.g. which wgrad path runs).
+            self.decisions[change.dest] = Decision(current.value, current.source, f"{current.reason}; {change.reason}")
+            return
+        if current.source == "cli" and change.yields_to_cli:
+            return
+        if current.source == "cli" and not change.over_cli:
+            raise CannotHonourError(change.dest, _flag_words(change.dest, current.value), change.reason, change.hint)
+        if current.source == "default" and not self.env.plugin_enabled:
+            # MEGATRON_PERF_TOGGLES=0 means stock Megatron: its own defaults stand, guards only
+            # act on what the environment asked for.
+            self.decisions[change.dest] = Decision(current.value, current.source,
+                                                   f"{current.reason}; left as stock although {change.reason}")
+            return
+        _check_needs(ctx, change.dest, self.base[change.dest], change)
+        self._respect_room(change)
+        assumed = bool(change.capability) and self.caps.is_assumed(change.capability)
+        source = "assumed" if assumed else "guard"
+        reason = change.reason + (" (per MEGATRON_PERF_TOGGLES_ASSUME)" if assumed else "")
+        first = self.base[change.dest]
+        if change.value == first.value:  # a later guard gave back what the user or default asked for
+            self.overridden.pop(change.dest, None)
+            self.decisions[change.dest] = Decision(first.value, first.source, f"{first.reason}; {reason}")
+            return
+        if first.source in ("cli", "env"):
+            self.overridden[change.dest] = Message(
+                "warning", f"{change.dest}: {first.value} ({first.reason}) overridden to {change.value}: {reason}")
+        self.decisions[change.dest] = Decision(change.value, source, reason)
+
+    def _respect_room(self, change: Change) -> None:
+        room = self.made_room.get(change.dest)
+        if room is not None and change.value != room.value:
+            if not change.over_cli:
+                raise CannotHonourError(change.dest, room.requested_by, change.reason, change.hint)
+            self.messages.append(Message("warning", f"{room.requested_by} was requested, but {change.reason}; "
+                                                    f"{change.dest} goes back to {change.value}"))
+        if change.requested_by:
+            self.made_room[change.dest] = change
+
+
 def decide(
     args: Mapping[str, Any],
     explicit: Mapping[str, Any],
@@ -628,52 +694,13 @@ def decide(
     decisions = {t.dest: _base(t.dest, explicit, env, stock) for t in TOGGLES}
     fp4_decisions, messages = _fp4_selection(args, explicit, env, stock)
     decisions.update(fp4_decisions)
-    base = dict(decisions)
-    overridden: dict[str, Message] = {}  # dest -> the warning that a cli/env value was overridden
-    made_room: dict[str, Change] = {}  # dest -> the change that moved it for another explicit request
+    resolution = _Resolution(decisions, env, caps)
+    resolution.messages = messages
     for guard in GUARDS:
-        ctx = Context(args=args, values={k: d.value for k, d in decisions.items()}, caps=caps, env=env,
-                      checkpoint=checkpoint, sources={k: d.source for k, d in decisions.items()})
+        ctx = resolution.context(args, checkpoint)
         for change in guard(ctx):
-            current = decisions[change.dest]
-            if current.value == change.value:
-                # A guard that keeps the value still says how (e.g. which wgrad path runs).
-                decisions[change.dest] = Decision(current.value, current.source, f"{current.reason}; {change.reason}")
-                continue
-            if current.source == "cli" and change.yields_to_cli:
-                continue
-            if current.source == "cli" and not change.over_cli:
-                raise CannotHonourError(
-                    change.dest, _flag_words(change.dest, current.value), change.reason, change.hint
-                )
-            if current.source == "default" and not env.plugin_enabled:
-                # MEGATRON_PERF_TOGGLES=0 means stock Megatron: its own defaults stand, guards only
-                # act on what the environment asked for.
-                decisions[change.dest] = Decision(current.value, current.source,
-                                                  f"{current.reason}; left as stock although {change.reason}")
-                continue
-            _check_needs(ctx, change.dest, base[change.dest], change)
-            room = made_room.get(change.dest)
-            if room is not None and change.value != room.value:
-                if not change.over_cli:
-                    raise CannotHonourError(change.dest, room.requested_by, change.reason, change.hint)
-                messages.append(Message("warning", f"{room.requested_by} was requested, but {change.reason}; "
-                                                   f"{change.dest} goes back to {change.value}"))
-            if change.requested_by:
-                made_room[change.dest] = change
-            assumed = bool(change.capability) and caps.is_assumed(change.capability)
-            source = "assumed" if assumed else "guard"
-            reason = change.reason + (" (per MEGATRON_PERF_TOGGLES_ASSUME)" if assumed else "")
-            first = base[change.dest]
-            if change.value == first.value:  # a later guard gave back what the user or default asked for
-                overridden.pop(change.dest, None)
-                decisions[change.dest] = Decision(first.value, first.source, f"{first.reason}; {reason}")
-                continue
-            if first.source in ("cli", "env"):
-                overridden[change.dest] = Message(
-                    "warning", f"{change.dest}: {first.value} ({first.reason}) overridden to {change.value}: {reason}")
-            decisions[change.dest] = Decision(change.value, source, reason)
-    messages.extend(overridden.values())
+            resolution.apply(ctx, change)
+    messages.extend(resolution.overridden.values())
     messages.extend(_advice(args))
     tag = precision_tag(args)
     log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}

@@ -30,7 +30,6 @@ class MegatronFacts:
     asserts_te_cross_entropy: bool | None = None
     asserts_ddp_average_with_gtp: bool | None = None
     has_parse_and_validate_args: bool | None = None
-    pretrain_takes_extra_args_provider: bool | None = None
     rules: tuple[str, ...] | None = None  # ids from megatron_rules.RULES present in this Megatron
 
     def has_rule(self, rule_id: str) -> bool:

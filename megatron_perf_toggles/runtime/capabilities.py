@@ -100,10 +100,6 @@ def megatron_facts() -> MegatronFacts:
     except Exception:  # noqa: BLE001
         pass
     facts["rules"] = detect_rules(facts["path"])
-    training = sys.modules.get("megatron.training.training")
-    if training is not None and hasattr(training, "pretrain"):
-        params = inspect.signature(training.pretrain).parameters
-        facts["pretrain_takes_extra_args_provider"] = "extra_args_provider" in params
     return MegatronFacts(**facts)
 
 

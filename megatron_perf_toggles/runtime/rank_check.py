@@ -18,7 +18,6 @@ from typing import Any
 from ..core.registry import BY_DEST
 from .patches import PATCHES
 
-OPT_OUT_ENV = "MEGATRON_PERF_TOGGLES_RANK_CHECK"
 CAPABILITY_KEYS = ("te_version", "apex_fused_wgrad", "wgrad_fallback", "aiter_version", "device")
 
 _armed: dict[str, Any] = {}  # the fingerprint of this process's decisions, once decided

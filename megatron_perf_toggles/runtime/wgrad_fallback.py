@@ -17,7 +17,6 @@ from typing import Any
 from .patches import PATCHES
 
 MODULE_NAME = "fused_weight_gradient_mlp_cuda"
-OPT_OUT_ENV = "MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK"
 # Where Megatron looks: module attribute + availability flag, and lazy importers (core.utils).
 MEGATRON_SITES = ("megatron.core.tensor_parallel.layers",)
 

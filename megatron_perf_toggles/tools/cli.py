@@ -56,6 +56,7 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     from pathlib import Path
 
     from ..launcher import megatron_hooks as hooks
+    from ..launcher.dry_run import DryRunDone
     from ..launcher.import_shims import megatron_importable
     from ..runtime.provider import extra_args_provider
 
@@ -72,7 +73,7 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
             sys.argv = [str(script), *megatron_args]
             sys.path.insert(0, str(script.resolve().parent))
             runpy.run_path(str(script), run_name="__main__")
-    except hooks.DryRunDone as done:
+    except DryRunDone as done:
         outcome = installed.outcome()
         caps = outcome.capabilities if outcome is not None else None
         if done.plan is None or caps is None:

@@ -1,6 +1,6 @@
 """``megatron-perf-toggles ablate``: controlled toggle experiments that cannot be confounded.
 
-1. Expand the design into arms (ablate_design).
+1. Expand the design into arms (design.py).
 2. Confound check: resolve every arm's full effective Megatron arguments through the plugin's dry
    run (Megatron's real parser and validate_args). What each variable derives (settings Megatron
    changes along with it) is learnt on the live tree from a pair of dry runs that differ in that
@@ -11,7 +11,7 @@
    order shuffled by the seed, so drift and warm-up hit every arm alike. Each run has its own log
    and directories; resume skips finished runs; a crashed run is reported with its last lines.
 4. Measure from Megatron's own log lines; compare each arm with the baseline block by block
-   (ablate_stats: paired intervals, verdicts, loss band, sizing).
+   (stats.py: paired intervals, verdicts, loss band, sizing).
 """
 
 from __future__ import annotations
@@ -425,6 +425,8 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
             confidence: float = 0.95, effect: float = 0.01) -> list[dict[str, Any]]:
     """Per arm: the median of its runs' medians with their range; against the baseline, block by
     block: the speedup with its interval and verdict, the loss ratio with its band, and sizing."""
+    # Longer than 50 lines on purpose: one row per arm, built in the order the report reads it;
+    # the statistics themselves live in stats.py.
     measured = [r for r in runs if r.get("block", -1) >= 0]
     by: dict[tuple[str, int], dict[str, Any]] = {(r["arm"], r["block"]): r for r in measured}
     base = baseline_of(arms)
@@ -721,6 +723,8 @@ def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, An
 def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = resolve_arm,
         clock: Callable[[], float] = time.monotonic) -> int:
     """The experiment the parsed options ask for (``main``'s body; also the cli subcommand's)."""
+    # Longer than 50 lines on purpose: every check a run must pass before the first GPU minute is
+    # spent, in the order they are reported; the work itself is in experiment().
     args = [a for a in ns.megatron_args if a != "--"] if ns.megatron_args[:1] == ["--"] else list(ns.megatron_args)
     try:
         _validate(ns)
@@ -778,6 +782,8 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
                out: Path, environ: dict[str, str], runs_of_block: Callable[[int], list[Run]], iters: Any,
                derived: Mapping[str, set[str]], clock: Callable[[], float]) -> dict[str, Any]:
     """Warm-up run, then blocks until --repeats (and --target-ci) are met or --budget would be passed."""
+    # Longer than 50 lines on purpose: the stopping rules (repeats, target interval, budget) share
+    # the loop's state and read best in the order they are checked.
     start = clock()
     planned = ns.repeats * len(arms) + (1 if ns.warmup_run else 0)
     progress = Progress(planned)

@@ -110,8 +110,6 @@ def code_facts() -> dict[str, Any]:
     """The Megatron facts that decide guards (which asserts and hooks exist), as detected."""
     import dataclasses
 
-    import megatron.training.training  # noqa: F401 - so pretrain()'s signature is inspected
-
     from ...runtime.capabilities import megatron_facts
 
     facts = dataclasses.asdict(megatron_facts())

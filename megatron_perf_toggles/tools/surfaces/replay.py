@@ -16,15 +16,8 @@ from typing import Any
 
 _TYPES = {"int": int, "float": float, "str": str}
 _SKIP = {"help", "version"}
-_ACTIONS = {
-    "store_true": "store_true",
-    "store_false": "store_false",
-    "store_const": "store_const",
-    "append": "append",
-    "append_const": "append_const",
-    "count": "count",
-    "extend": "extend",
-}
+# argparse actions replayed by name, as recorded (the others are stores or BooleanOptionalAction).
+_ACTIONS = frozenset({"store_true", "store_false", "store_const", "append", "append_const", "count", "extend"})
 
 
 def _surfaces_dir() -> Any:
@@ -84,7 +77,7 @@ def parser_from_surface(surface: dict[str, Any]) -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
             flags = [f for f in flags if not f.startswith("--no-")] or flags
         elif kind in _ACTIONS:
-            kwargs["action"] = _ACTIONS[kind]
+            kwargs["action"] = kind
             if kind in ("store_const", "append_const"):
                 kwargs["const"] = a.get("const")
         else:  # store, and custom actions replayed as plain stores
