@@ -116,7 +116,6 @@ def new_controller(environ: Mapping[str, str] | None = None, **kwargs: Any) -> C
         return Controller(environ, **kwargs)
     except PerfTogglesError as error:
         fail(error)
-        raise  # fail() does not return
 
 
 def attach(
