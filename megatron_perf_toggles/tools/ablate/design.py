@@ -8,6 +8,7 @@ environment can differ between arms.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ...core.registry import BY_DEST, TOGGLES, flag_of
@@ -140,3 +141,8 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str 
         for arm in arms:
             arm.fixed = dict(pinned)
     return arms
+
+
+def baseline_of(arms: Sequence[Arm]) -> Arm:
+    """The arm the others are compared with (the first, where none is marked)."""
+    return next((a for a in arms if a.baseline), arms[0])
