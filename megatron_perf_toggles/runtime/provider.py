@@ -1,4 +1,4 @@
-"""The argparse adapter: register missing flags in Megatron's groups, then decide right after parsing.
+"""The argparse adapter: register missing flags in Megatron's groups, then hand each parse to the controller.
 
 Megatron calls ``extra_args_provider(parser)`` before it parses. We add only the flag forms the
 live parser lacks (so no "conflicting option string" on any version), give every toggle a

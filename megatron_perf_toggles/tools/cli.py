@@ -1,6 +1,6 @@
-"""``megatron-perf-toggles``: explain, flags, doctor, patch, surface.
+"""``megatron-perf-toggles``: explain, flags, doctor, patch, ablate, surface.
 
-Every command is ``main(argv) -> int``; errors are one line and exit status 2.
+Every command is a subparser of one parser; every error, a usage error included, is one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -110,12 +110,11 @@ def plan_command_line(
     except KeyError as error:
         raise PerfTogglesError(str(error.args[0])) from None
     parser = replay.parser_from_surface(recorded)
-    env = read_env(environ)
+    controller = Controller(environ, mode="plan")  # validates the environment first, as a run would
     with planned.stand_ins(target):
         caps = replace(detect(deep=True), megatron=megatron_facts_from_surface(recorded))
-    caps = with_assumptions(caps, env.assume)
+    controller.capabilities = caps = with_assumptions(caps, controller.env.assume)
     label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
-    controller = Controller(environ, mode="plan", capabilities=caps)
     attach(parser, controller=controller)
     ns = parser.parse_args(list(megatron_args))
     assert controller.last is not None  # the parse went through the controller
