@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 version = {}
-for line in Path("megatron_perf_toggles/__init__.py").read_text().splitlines():
+for line in Path("megatron_perf_toggles/_version.py").read_text().splitlines():
     if line.startswith("__version__"):
         exec(line, version)
 
@@ -42,7 +42,7 @@ setup(
         "megatron-cpu": ["numpy", "packaging", "six", "regex", "pyyaml", "pydantic"],
         "plot": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["megatron-perf-toggles=megatron_perf_toggles.cli:main"]},
+    entry_points={"console_scripts": ["megatron-perf-toggles=megatron_perf_toggles.tools.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3.10",

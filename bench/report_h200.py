@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 import wgrad_gpu  # noqa: E402
 
-from megatron_perf_toggles import nccl_log  # noqa: E402
+from megatron_perf_toggles.tools import nccl_log  # noqa: E402
 
 RAW = REPO / "docs" / "benchmarks" / "raw"
 OUT = REPO / "docs" / "benchmarks"

@@ -38,7 +38,7 @@ def import_ms(repeats: int) -> list[float]:
     compiled again on each import (about twice the time)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPATH"] = str(REPO)
-    subprocess.run([sys.executable, "-c", "import megatron_perf_toggles.provider"], env=env, check=True)  # warm caches
+    subprocess.run([sys.executable, "-c", "import megatron_perf_toggles.runtime.provider"], env=env, check=True)  # warm caches
     out = []
     for _ in range(repeats):
         proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, env=env, check=True)
@@ -48,21 +48,22 @@ def import_ms(repeats: int) -> list[float]:
 
 def provider_and_parse_ms(repeats: int, surface_name: str) -> tuple[list[float], list[float]]:
     sys.path.insert(0, str(REPO))
-    from megatron_perf_toggles import provider, replay
-    from megatron_perf_toggles.embedded import LLAMA3_8B_BF16
+    from megatron_perf_toggles.runtime import provider
+    from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_BF16
+    from megatron_perf_toggles.tools.surfaces import replay
 
     surface = replay.load_surface(surface_name)
     environ = {"RANK": "1"}  # a non-zero rank: no printing, no file, as on most ranks of a job
     install_ms, post_ms = [], []
     for _ in range(repeats):
-        plain = replay.build_parser(surface)
+        plain = replay.parser_from_surface(surface)
         t0 = time.perf_counter()
         plain.parse_args(LLAMA3_8B_BF16)
         base = time.perf_counter() - t0
 
-        parser = replay.build_parser(surface)
+        parser = replay.parser_from_surface(surface)
         t0 = time.perf_counter()
-        provider.install(parser, environ=environ)
+        provider.attach(parser, environ=environ)
         t1 = time.perf_counter()
         parser.parse_args(LLAMA3_8B_BF16)
         t2 = time.perf_counter()

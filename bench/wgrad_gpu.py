@@ -144,7 +144,7 @@ def main() -> int:
     ns = ap.parse_args()
     import torch
 
-    from megatron_perf_toggles import wgrad_fallback as fb
+    from megatron_perf_toggles.runtime import wgrad_fallback as fb
 
     ok, why = fb.usable()
     result = {"usable": ok, "why": why, "torch_version": torch.__version__,

@@ -6,8 +6,6 @@ Pass ``megatron_perf_toggles.extra_args_provider`` as Megatron's ``extra_args_pr
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 __all__ = [
     "PerfTogglesError",
     "RankMismatchError",
@@ -19,14 +17,15 @@ __all__ = [
 
 from typing import Any
 
+from ._version import __version__
 from .errors import PerfTogglesError
-from .provider import chain_providers, extra_args_provider
+from .runtime.provider import chain_providers, extra_args_provider
 
 
 def __getattr__(name: str) -> Any:
     # The rank check is for after process-group start; keep it off the import path until asked.
     if name in ("RankMismatchError", "check_ranks"):
-        from . import rank_check
+        from .runtime import rank_check
 
         return getattr(rank_check, name)
     raise AttributeError(f"module 'megatron_perf_toggles' has no attribute {name!r}")

@@ -6,7 +6,7 @@ import argparse
 import difflib
 import re
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 EXIT_USAGE = 2
 PREFIX = "[perf-toggles]"
@@ -64,22 +64,38 @@ class RegistryError(PerfTogglesError):
     """A toggle declaration is inconsistent: a bug in this package, caught at import."""
 
 
-def fail(error: PerfTogglesError) -> None:
-    """Print the error as one line on stderr and exit with its code (argparse's convention)."""
-    print(f"{PREFIX} error: {error}", file=sys.stderr)
-    raise SystemExit(error.exit_code)
+def report(error: PerfTogglesError) -> int:
+    """Print the error as one ``[perf-toggles] error:`` line on stderr; return its exit code."""
+    print(f"{PREFIX} error: {error}", file=sys.stderr, flush=True)
+    return error.exit_code
+
+
+def fail(error: PerfTogglesError) -> NoReturn:
+    """:func:`report`, then exit with the error's code (argparse's convention: 2 for usage)."""
+    raise SystemExit(report(error))
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one ``[perf-toggles] error:`` line and exit 2, not a usage
-    block; an invalid choice gets a "did you mean". Subparsers inherit the class."""
+    """The package's one argparse class: a usage error raises PerfTogglesError instead of printing a
+    usage block, so it reaches :func:`report` like every other error; an invalid choice gets a
+    "did you mean". Subparsers inherit the class.
+
+    ``usage_hint`` replaces the default "see PROG --help"; ``message_prefix`` (default: the prog)
+    starts the message, or nothing where the caller's own error line names the program."""
+
+    def __init__(self, *args: Any, usage_hint: str | None = None, message_prefix: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.usage_hint = usage_hint
+        self.message_prefix = message_prefix
 
     def error(self, message: str) -> NoReturn:
-        hint = f"see {self.prog} --help"
+        hint = self.usage_hint or f"see {self.prog} --help"
         match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if match:
             choices = re.findall(r"'([^']*)'", match.group(2)) or [c.strip() for c in match.group(2).split(",")]
             close = difflib.get_close_matches(match.group(1), choices, n=1)
             if close:
                 hint = f"did you mean {close[0]!r}? {hint}"
-        fail(PerfTogglesError(f"{self.prog}: {message}", hint))
+        prefix = self.prog if self.message_prefix is None else self.message_prefix
+        raise PerfTogglesError(f"{prefix}: {message}" if prefix else message, hint)

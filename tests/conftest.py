@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_perf_toggles.capabilities import Capabilities, MegatronFacts
-from megatron_perf_toggles.env import read_env
+from megatron_perf_toggles.core.env import read_env
+from megatron_perf_toggles.core.facts import Capabilities, MegatronFacts
+from megatron_perf_toggles.tools.llama3_8b import llama3_8b_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,15 +31,9 @@ def full_caps(**overrides) -> Capabilities:
     return Capabilities(**base)
 
 
-LLAMA_ARGS = {
-    "bf16": True,
-    "position_embedding_type": "rope",
-    "num_layers": 32,
-    "pipeline_model_parallel_size": 1,
-    "optimizer": "adam",
-    "lr": 3e-4,
-    "adam_eps": 1e-8,
-}
+# What the decision tests look at of the one Llama-3-8B definition (the one explain plans for).
+LLAMA_ARGS = llama3_8b_args("bf16", "position_embedding_type", "num_layers", "pipeline_model_parallel_size",
+                            "optimizer", "lr", "adam_eps")
 
 
 @pytest.fixture

@@ -156,7 +156,7 @@ def _global_restore(snapshot: dict[str, dict[str, Any]]) -> None:
 
 
 def _clean_environ(base: dict[str, str], extra: dict[str, str]) -> None:
-    from megatron_perf_toggles.registry import TOGGLES
+    from megatron_perf_toggles.core.registry import TOGGLES
 
     toggle_vars = {t.env for t in TOGGLES}
     os.environ.clear()
@@ -253,17 +253,17 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
         if dist is not None and init_pg is not None:
             dist.init_process_group = init_pg
         with contextlib.suppress(Exception):
-            from megatron_perf_toggles import hooks
+            from megatron_perf_toggles.launcher import megatron_hooks as hooks
 
-            hooks.uninstall()
+            hooks.unhook_parse_path()
     if args is not None and hasattr(args, "perf_toggles"):
         result["perf_toggles"] = args.perf_toggles
         result["net"] = sorted(d for d, rec in args.perf_toggles.items() if NET_WORDS in str(rec.get("reason", "")))
-        from megatron_perf_toggles.registry import TOGGLES
+        from megatron_perf_toggles.core.registry import TOGGLES
 
         result["final"] = {t.dest: getattr(args, t.dest, None) for t in TOGGLES}
     elif args is not None:
-        from megatron_perf_toggles.registry import TOGGLES
+        from megatron_perf_toggles.core.registry import TOGGLES
 
         result["final"] = {t.dest: getattr(args, t.dest, None) for t in TOGGLES}
     if args is not None:
@@ -294,7 +294,7 @@ def namespace_diff(a: Any, b: Any) -> list[str]:
     An attribute only B has is allowed when it is a toggle dest this Megatron's parser lacks
     (the plugin registers its flag) and B holds Megatron's own default for it.
     """
-    from megatron_perf_toggles.registry import TOGGLES
+    from megatron_perf_toggles.core.registry import TOGGLES
 
     stock_defaults = {t.dest: t.stock_default for t in TOGGLES}
     va, vb = vars(a), vars(b)
@@ -368,7 +368,7 @@ def cache_megatron_facts() -> None:
     parse (~0.1 s); they cannot change within this process, so they are read once."""
     import functools
 
-    from megatron_perf_toggles import capabilities
+    from megatron_perf_toggles.runtime import capabilities
 
     original = capabilities.megatron_facts
     if not getattr(original, "cache_info", None) and not inspect_params(original):
@@ -390,7 +390,7 @@ def main() -> int:
     saved_argv = list(sys.argv)
     base_env = dict(os.environ)
     started = time.perf_counter()
-    from megatron_perf_toggles.megatron_env import megatron_importable
+    from megatron_perf_toggles.launcher.import_shims import megatron_importable
 
     with megatron_importable(tree):
         from megatron.core import package_info

@@ -300,7 +300,7 @@ CORPUS = PerTree("ptt-corpus-", _corpus_job)
 
 def requested_toggles(argv: list[str]) -> dict[str, Any]:
     """Toggle values the command line sets explicitly (last word wins, as in argparse)."""
-    from megatron_perf_toggles.registry import TOGGLES
+    from megatron_perf_toggles.core.registry import TOGGLES
 
     out: dict[str, Any] = {}
     for i, word in enumerate(argv):
@@ -318,7 +318,7 @@ def requested_toggles(argv: list[str]) -> dict[str, Any]:
 def explicit_problems(case: dict[str, Any], a: dict[str, Any], result: dict[str, Any]) -> list[str]:
     """An explicit toggle flag keeps the command line's value, with source cli; any other setting
     the command line names ends as it ends in stock Megatron."""
-    from megatron_perf_toggles.registry import TOGGLES
+    from megatron_perf_toggles.core.registry import TOGGLES
 
     toggle_dests = {t.dest for t in TOGGLES}
     problems = []
@@ -444,7 +444,7 @@ def plugin_refusal(result: dict[str, Any]) -> bool:
 
 def _explicit_flag_words(argv: list[str]) -> list[str]:
     """The toggle flags a sample sets explicitly, as a refusal of one of them would name it."""
-    from megatron_perf_toggles.registry import BY_DEST
+    from megatron_perf_toggles.core.registry import BY_DEST
 
     return [" ".join(BY_DEST[dest].flag_for(value)) for dest, value in requested_toggles(argv).items()]
 

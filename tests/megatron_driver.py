@@ -25,7 +25,7 @@ PLUGIN_VARS_PREFIXES = ("MEGATRON_PERF_TOGGLES", "FP4_")
 
 
 def _clean_environ(extra: dict[str, str]) -> None:
-    from megatron_perf_toggles.registry import TOGGLES
+    from megatron_perf_toggles.core.registry import TOGGLES
 
     for name in list(os.environ):
         if name.startswith(PLUGIN_VARS_PREFIXES) or name in {t.env for t in TOGGLES} or name == "WORLD_SIZE":
@@ -59,7 +59,7 @@ def _planned_te_version(version: str | None) -> None:
 
 def _run_case(case: dict, api: dict) -> dict:
     from megatron_perf_toggles import extra_args_provider
-    from megatron_perf_toggles.registry import TOGGLES
+    from megatron_perf_toggles.core.registry import TOGGLES
 
     _clean_environ(case.get("env", {}))
     _planned_te_version(case.get("te_version"))
@@ -80,7 +80,7 @@ def _run_case(case: dict, api: dict) -> dict:
         from megatron.core import utils as core_utils
         from packaging.version import Version
 
-        from megatron_perf_toggles.rebinding import rebind
+        from megatron_perf_toggles.runtime.rebinding import rebind
 
         real = core_utils.is_te_min_version
         fake = lambda want, *a, **k: Version(case["te_version"]) >= Version(str(want))  # noqa: E731
@@ -116,7 +116,7 @@ def _run_case(case: dict, api: dict) -> dict:
         for name, fn in saved.items():
             setattr(module, name, fn)
         if te_swap is not None:
-            from megatron_perf_toggles.rebinding import rebind
+            from megatron_perf_toggles.runtime.rebinding import rebind
 
             rebind(te_swap[1], te_swap[0], None)
     result["stdout"] = "\n".join(ln for ln in out.getvalue().splitlines() if ln.startswith("[perf-toggles]"))
@@ -131,7 +131,7 @@ def wgrad_sites() -> dict:
     from megatron.core import utils as core_utils
     from megatron.core.tensor_parallel import layers
 
-    from megatron_perf_toggles import wgrad_fallback
+    from megatron_perf_toggles.runtime import wgrad_fallback
 
     src = inspect.getsource(layers)
     before = {
@@ -141,7 +141,7 @@ def wgrad_sites() -> dict:
         "calls_fp16": "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(" in src,
         "utils_imports_lazily": "import fused_weight_gradient_mlp_cuda" in inspect.getsource(core_utils),
     }
-    patched = wgrad_fallback.install()
+    patched = wgrad_fallback.activate()
     after = {
         "patched": patched,
         "flag": layers._grad_accum_fusion_available,
@@ -157,7 +157,7 @@ def main() -> int:
     tree = sys.argv[1]
     cases = json.load(sys.stdin)
     saved_argv = list(sys.argv)
-    from megatron_perf_toggles.megatron_env import megatron_importable
+    from megatron_perf_toggles.launcher.import_shims import megatron_importable
 
     with megatron_importable(tree):
         from megatron.core import package_info

@@ -200,7 +200,7 @@ def training(s: Sample) -> None:
 
 def explicit_toggles(s: Sample) -> None:
     """Explicit toggle flags, only in the forms stock Megatron's parser knows (so stock can parse)."""
-    from megatron_perf_toggles.registry import TOGGLES
+    from megatron_perf_toggles.core.registry import TOGGLES
 
     for toggle in TOGGLES:
         if not s.chance(0.12):

@@ -251,7 +251,7 @@ def _prepare(work: Path) -> None:
 
 def patch_copy(tree: str, dest: Path) -> Path:
     """A copy of ``tree`` with its patch set applied through the real CLI code."""
-    from megatron_perf_toggles import patching
+    from megatron_perf_toggles.tools import patching
 
     if dest.exists():
         shutil.rmtree(dest)
@@ -325,7 +325,7 @@ def _plan_te_version(version: str | None) -> None:
     does for the plugin. ``None`` goes back to detection."""
     if version is None and "megatron.core.utils" not in sys.modules:
         return
-    from megatron_perf_toggles.megatron_env import megatron_importable
+    from megatron_perf_toggles.launcher.import_shims import megatron_importable
 
     with megatron_importable():
         from megatron.core import utils
@@ -348,7 +348,7 @@ def _plan_device_arch(major: int | None) -> None:
         if arguments is not None and "fn" in _ARCH_ORIGINAL:
             arguments.get_device_arch_version = _ARCH_ORIGINAL.pop("fn")
         return
-    from megatron_perf_toggles.megatron_env import megatron_importable
+    from megatron_perf_toggles.launcher.import_shims import megatron_importable
 
     with megatron_importable():
         from megatron.training import arguments
@@ -359,8 +359,10 @@ def _plan_device_arch(major: int | None) -> None:
 def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from megatron_perf_toggles import hooks, run, safety_net, target
-    from megatron_perf_toggles.megatron_env import megatron_importable
+    from megatron_perf_toggles.launcher import launch as run
+    from megatron_perf_toggles.launcher import megatron_hooks as hooks
+    from megatron_perf_toggles.launcher.import_shims import megatron_importable
+    from megatron_perf_toggles.runtime import safety_net, target
 
     device_queries = {name: getattr(torch.cuda, name) for name in (
         "is_available", "device_count", "get_device_capability", "get_device_properties")}
@@ -407,7 +409,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module  # type: ignore[assignment]
-        hooks.uninstall()
+        hooks.unhook_parse_path()
         safety_net.NET.uninstall()
         _plan_te_version(None)
         _plan_device_arch(None)

@@ -9,9 +9,10 @@ import sys
 import pytest
 from conftest import REPO
 
-from megatron_perf_toggles import ablate
-from megatron_perf_toggles.ablate_design import DEFAULT_TOGGLES, DesignError, expand, parse_toggles, parse_vary
-from megatron_perf_toggles.registry import BY_DEST
+from megatron_perf_toggles.core.registry import BY_DEST
+from megatron_perf_toggles.tools.ablate import report
+from megatron_perf_toggles.tools.ablate import runner as ablate
+from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, DesignError, expand, parse_toggles, parse_vary
 
 
 def test_one_at_a_time():
@@ -368,7 +369,7 @@ def test_budget_stops_before_a_block_that_would_not_fit(tmp_path):
 def test_plot_or_clear_note(tmp_path):
     assert _run_main(tmp_path, "--repeats", "2") == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
-    note = ablate.plot(result, tmp_path / "p.png")
+    note = report.plot(result, tmp_path / "p.png")
     try:
         import matplotlib  # noqa: F401
     except ImportError:

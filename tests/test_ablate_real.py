@@ -7,8 +7,8 @@ import os
 import pytest
 from conftest import REPO, megatron_trees
 
-from megatron_perf_toggles import ablate
-from megatron_perf_toggles.ablate_design import DEFAULT_TOGGLES, expand
+from megatron_perf_toggles.tools.ablate import runner as ablate
+from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, expand
 
 TREES = megatron_trees()
 pytestmark = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron suite skipped")

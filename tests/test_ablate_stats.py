@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from megatron_perf_toggles import ablate_stats as st
+from megatron_perf_toggles.tools.ablate import stats as st
 
 # Two-sided 95 % (p = 0.975) and other quantiles of Student's t, from printed tables.
 T_TABLE = [(0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 3, 3.182), (0.975, 4, 2.776), (0.975, 5, 2.571),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_perf_toggles.ckpt_layout import (
+from megatron_perf_toggles.core.ckpt_layout import (
     GRAD_DTYPE_KEYED,
     MODEL_SPACE,
     NO_OPTIMIZER_BUFFERS,

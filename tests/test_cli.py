@@ -10,9 +10,9 @@ import sys
 import pytest
 from conftest import REPO, megatron_trees
 
-from megatron_perf_toggles import cli
-from megatron_perf_toggles.capabilities import Capabilities
-from megatron_perf_toggles.registry import TOGGLES
+from megatron_perf_toggles.core.facts import Capabilities
+from megatron_perf_toggles.core.registry import TOGGLES
+from megatron_perf_toggles.tools import cli
 
 PLUGIN_VARS = {t.env for t in TOGGLES} | {"MEGATRON_PERF_TOGGLES", "MEGATRON_PERF_TOGGLES_ASSUME"}
 
@@ -167,7 +167,7 @@ def test_doctor_reports_every_section():
 def test_doctor_with_nothing_installed(monkeypatch, capsys):
     import importlib.util
 
-    from megatron_perf_toggles import capabilities
+    from megatron_perf_toggles.runtime import capabilities
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
     monkeypatch.setattr(capabilities, "_dist_version", lambda *names: None)
@@ -207,7 +207,7 @@ def test_explain_on_the_fork_surface_takes_an_enum_flag():
 def test_recorded_surfaces_match_the_trees(tmp_path):
     # The packaged surface of each tree is what `surface TREE` records from it now, enum choices
     # included (by the names Megatron's own enum flags accept).
-    from megatron_perf_toggles import replay
+    from megatron_perf_toggles.tools.surfaces import replay
 
     for tree in megatron_trees():
         if tree.name not in replay.available():

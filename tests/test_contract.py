@@ -1,6 +1,6 @@
 """Contract tests: the plugin against the recorded argparse surface of every supported Megatron.
 
-The surfaces are facts recorded from real trees by ``python -m megatron_perf_toggles.surface``
+The surfaces are facts recorded from real trees by ``python -m megatron_perf_toggles.tools.surfaces.record``
 (plus the ROCm fork's recorded delta). Expectations below are derived from those facts, so a new
 Megatron release that adds, moves or removes a flag shows up here as a deliberate diff.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_perf_toggles import provider, replay
-from megatron_perf_toggles.registry import TOGGLES
+from megatron_perf_toggles.core.registry import TOGGLES
+from megatron_perf_toggles.runtime import provider
+from megatron_perf_toggles.tools.surfaces import replay
 
 SURFACES = replay.available()
 UPSTREAM_REQUIRED = ["core_v0.13.0", "core_v0.15.0", "core_v0.16.0", "core_v0.17.0", "core_v0.18.2",
@@ -29,8 +30,8 @@ def _by_flag(surface):
 
 def _installed(name, environ=None):
     surface = replay.load_surface(name)
-    parser = replay.build_parser(surface)
-    provider.install(parser, environ={**ASSUME_ALL, **(environ or {})}, announce=False)
+    parser = replay.parser_from_surface(surface)
+    provider.attach(parser, environ={**ASSUME_ALL, **(environ or {})}, announce=False)
     return surface, parser
 
 
@@ -44,7 +45,7 @@ def test_registration_adds_exactly_the_missing_forms(name):
     surface, parser = _installed(name)
     recorded = _by_flag(surface)
     expected_added = [f for t in TOGGLES for f in t.flags if f not in recorded]
-    assert parser._perf_toggles_state.added_flags == expected_added
+    assert provider.registration(parser).added_flags == expected_added
     for t in TOGGLES:
         for flag in t.flags:
             assert parser._option_string_actions[flag].dest == t.dest, (name, flag)
@@ -75,9 +76,10 @@ def test_defaults_and_version_guards_follow_recorded_facts(name):
     assert args.cross_entropy_loss_fusion is True
     # Planning with recorded facts: the replayed parser has no Megatron behind it, so the
     # capabilities come from the record (as `explain --megatron-version` does).
-    from megatron_perf_toggles.capabilities import megatron_facts_from_surface, resolve
-    from megatron_perf_toggles.decide import decide
-    from megatron_perf_toggles.env import read_env
+    from megatron_perf_toggles.core.decide import decide
+    from megatron_perf_toggles.core.env import read_env
+    from megatron_perf_toggles.core.facts import megatron_facts_from_surface
+    from megatron_perf_toggles.runtime.capabilities import resolve
 
     caps = resolve("apex,te=2.20")
     caps = type(caps)(**{**caps.__dict__, "megatron": megatron_facts_from_surface(surface)})
@@ -116,8 +118,8 @@ def test_rocm_fork_delta():
     surface, parser = _installed("rocm_fork")
     recorded = _by_flag(surface)
     assert recorded["--fused-single-qkv-rope"]["dest"] == "fused_single_qkv_rope"
-    assert "--fused-single-qkv-rope" not in parser._perf_toggles_state.added_flags
-    assert "--no-fused-single-qkv-rope" in parser._perf_toggles_state.added_flags
+    assert "--fused-single-qkv-rope" not in provider.registration(parser).added_flags
+    assert "--no-fused-single-qkv-rope" in provider.registration(parser).added_flags
     assert "mxfp4" in recorded["--fp4-recipe"]["choices"]
     assert recorded["--cross-entropy-fusion-impl"]["default"] == "te"
     assert replay.surface_facts(surface)["asserts_te_cross_entropy"] is False

@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 from conftest import LLAMA_ARGS, full_caps
 
-from megatron_perf_toggles.capabilities import MegatronFacts, resolve, with_assumptions
-from megatron_perf_toggles.decide import decide
+from megatron_perf_toggles.core.decide import decide
+from megatron_perf_toggles.core.facts import MegatronFacts, with_assumptions
+from megatron_perf_toggles.core.megatron_rules import RULES
+from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.errors import CannotHonourError, DependencyError
-from megatron_perf_toggles.megatron_rules import RULES
-from megatron_perf_toggles.registry import TOGGLES
+from megatron_perf_toggles.runtime.capabilities import resolve
 
 
 def run(args=None, explicit=None, env_settings=None, caps=None, stock=None):
-    from megatron_perf_toggles.env import read_env
+    from megatron_perf_toggles.core.env import read_env
 
     merged = {**LLAMA_ARGS, **(args or {})}
     return decide(merged, explicit or {}, env_settings or read_env({}), caps or full_caps(), stock)
@@ -512,7 +513,7 @@ RESUMING = {"use_distributed_optimizer": True, "load": "/ck"}
 
 
 def resume(args=None, explicit=None, env_settings=None, checkpoint=SAVED_BF16):
-    from megatron_perf_toggles.env import read_env
+    from megatron_perf_toggles.core.env import read_env
 
     merged = {**LLAMA_ARGS, **RESUMING, **(args or {})}
     return decide(merged, explicit or {}, env_settings or read_env({}), full_caps(), None, checkpoint=checkpoint)

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from megatron_perf_toggles.env import parse_bool, read_env
+from megatron_perf_toggles.core.env import parse_bool, read_env
+from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.errors import EnvValueError
-from megatron_perf_toggles.registry import TOGGLES
 
 BOOL_TOGGLES = [t for t in TOGGLES if t.kind == "bool"]
 

@@ -19,13 +19,14 @@ import megatron_runs as runs
 import pytest
 from example_layouts import all_layouts
 
-from megatron_perf_toggles import chain_providers, extra_args_provider, hooks
+from megatron_perf_toggles import chain_providers, extra_args_provider
+from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.errors import PerfTogglesError
-from megatron_perf_toggles.patching import inspect_tree
-from megatron_perf_toggles.registry import TOGGLES
+from megatron_perf_toggles.launcher import megatron_hooks as hooks
+from megatron_perf_toggles.tools.patching import inspect_tree
 
 REPO = runs.REPO
-PLUGIN = "megatron_perf_toggles.provider:extra_args_provider"
+PLUGIN = "megatron_perf_toggles.runtime.provider:extra_args_provider"
 TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
     pytest.param(None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))
 ]
@@ -68,7 +69,7 @@ def test_pull_provider_specs_missing_value_is_one_error() -> None:
 
 def test_resolve_provider_module_alone_means_extra_args_provider() -> None:
     assert hooks.resolve_provider("megatron_perf_toggles") is extra_args_provider
-    assert hooks.resolve_provider("megatron_perf_toggles.provider:extra_args_provider") is extra_args_provider
+    assert hooks.resolve_provider("megatron_perf_toggles.runtime.provider:extra_args_provider") is extra_args_provider
 
 
 @pytest.mark.parametrize(("spec", "needle"), [
@@ -340,17 +341,17 @@ def test_install_rebinds_stale_references_and_uninstall_restores(tmp_path: Path,
     for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
         monkeypatch.delitem(sys.modules, name)
     try:
-        installed = hooks.install([extra_args_provider])
+        installed = hooks.hook_parse_path([extra_args_provider])
         from megatron.training import arguments, initialize, training
 
         original = installed.originals["parse_args"]
         assert arguments.parse_args is initialize.parse_args is installed.wrappers["parse_args"]
         assert training.initialize_megatron is initialize.initialize_megatron is installed.wrappers[
             "initialize_megatron"]
-        assert hooks.install([]) is installed  # a second install updates, never wraps twice
+        assert hooks.hook_parse_path([]) is installed  # a second install updates, never wraps twice
         assert getattr(arguments.parse_args, hooks.ORIGINAL_ATTR) is original
     finally:
-        hooks.uninstall()
+        hooks.unhook_parse_path()
         for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
             del sys.modules[name]
     assert initialize.parse_args is original

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, megatron_trees
 
-from megatron_perf_toggles import megatron_rules
-from megatron_perf_toggles.registry import TOGGLES
+from megatron_perf_toggles.core.registry import TOGGLES
+from megatron_perf_toggles.runtime.capabilities import detect_rules
 
 TREES = megatron_trees()
 pytestmark = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron suite skipped")
@@ -440,7 +440,7 @@ def test_delay_wgrad_under_cuda_graphs_keeps_fusion_or_says_why_not(tree):
         pytest.skip(f"stock {tree[0].name} rejects this layout: {_stock_why(tree, 'delay_graph_fallback')}")
     assert ok(tree[2]["delay_graph_fallback"])["values"]["gradient_accumulation_fusion"] is True
     r = tree[2]["delay_graph_no_wgrad_kernel"]
-    if "delay_wgrad_cuda_graph_needs_fusion" not in (megatron_rules.detect(tree[0]) or ()):
+    if "delay_wgrad_cuda_graph_needs_fusion" not in (detect_rules(tree[0]) or ()):
         assert ok(r)["values"]["gradient_accumulation_fusion"] is False  # no such rule here: fusion may go
         return
     assert r.get("exit") == 2, r.get("error")

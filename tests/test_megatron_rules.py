@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, megatron_trees
 
-from megatron_perf_toggles import megatron_rules
-from megatron_perf_toggles.registry import BY_DEST
+from megatron_perf_toggles.core import megatron_rules
+from megatron_perf_toggles.core.registry import BY_DEST
+from megatron_perf_toggles.runtime.capabilities import detect_rules
 
 PLUGIN_DESTS = set(BY_DEST) | {"first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"}
 
@@ -25,7 +26,7 @@ def test_rule_ids_are_unique_and_name_known_toggles():
 
 
 def test_every_rule_a_guard_consults_is_declared():
-    source = (REPO / "megatron_perf_toggles" / "decide.py").read_text()
+    source = (REPO / "megatron_perf_toggles" / "core" / "decide.py").read_text()
     consulted = set(re.findall(r'has_rule\("([a-z0-9_]+)"\)', source))
     consulted |= set(re.findall(r'^\s*\("[a-z_]+", (?:True|False), "([a-z0-9_]+)",', source, re.M))
     assert consulted, "the guards consult no rule: the pattern above no longer matches decide.py"
@@ -36,8 +37,8 @@ def test_every_rule_a_guard_consults_is_declared():
 
 
 def test_unknown_checkout_is_unknown_not_empty(tmp_path: Path):
-    assert megatron_rules.detect(tmp_path) is None
-    assert megatron_rules.detect(None) is None
+    assert detect_rules(tmp_path) is None
+    assert detect_rules(None) is None
 
 
 def _label(tree: Path) -> str:
@@ -58,4 +59,4 @@ TREES = megatron_trees()
 def test_detected_rules_match_the_recorded_versions(tree: Path):
     label = _label(tree)
     expected = {r.id for r in megatron_rules.RULES if r.phrase and label in r.versions}
-    assert set(megatron_rules.detect(tree) or ()) == expected
+    assert set(detect_rules(tree) or ()) == expected

@@ -1,4 +1,4 @@
-"""Gradient-reduction bytes read from NCCL's collective log (megatron_perf_toggles.nccl_log), on the real
+"""Gradient-reduction bytes read from NCCL's collective log (megatron_perf_toggles.tools.nccl_log), on the real
 COLL lines of two 6-iteration DP=2 runs of Megatron main on 2x H200 (local layers)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import REPO
 
-from megatron_perf_toggles import nccl_log
+from megatron_perf_toggles.tools import nccl_log
 
 FIXTURES = REPO / "tests" / "fixtures" / "nccl"
 PARAMS = 2023788544  # "number of parameters" Megatron printed in both runs (hidden 4096, ffn 14336, 4 layers)

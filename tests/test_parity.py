@@ -35,9 +35,9 @@ import megatron_runs as runs
 import pytest
 from conftest import REPO
 
-from megatron_perf_toggles.decide import FP4_RECIPE_SELECTION
+from megatron_perf_toggles.core.decide import FP4_RECIPE_SELECTION
+from megatron_perf_toggles.core.registry import SETTINGS, TOGGLES
 from megatron_perf_toggles.errors import PREFIX, PerfTogglesError
-from megatron_perf_toggles.registry import SETTINGS, TOGGLES
 
 FACTS = json.loads((REPO / "tests" / "fixtures" / "originating_script_parity.json").read_text())
 CASES = FACTS["cases"]
@@ -223,7 +223,7 @@ def compare(case: dict[str, Any], want: dict[str, Any], code: int, args: dict[st
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c["id"])
 def test_parity_on_the_fork_surface(case, capsys):
-    from megatron_perf_toggles import cli
+    from megatron_perf_toggles.tools import cli
 
     argv, err = example_command(case["id"])
     want = expected(case, None)

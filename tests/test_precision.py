@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_perf_toggles.precision import log_dir_warnings, mislabelled, precision_tag, tag_dir, tagged_log_dirs
+from megatron_perf_toggles.core.precision import log_dir_warnings, mislabelled, precision_tag, tag_dir, tagged_log_dirs
 
 
 @pytest.mark.parametrize(

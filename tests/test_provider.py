@@ -8,15 +8,17 @@ import os
 
 import pytest
 
-from megatron_perf_toggles import chain_providers, extra_args_provider, provider, replay
+from megatron_perf_toggles import chain_providers, extra_args_provider
+from megatron_perf_toggles.runtime import provider
+from megatron_perf_toggles.tools.surfaces import replay
 
 ASSUME_ALL = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20"}
 BASE = ["--bf16", "--position-embedding-type", "rope", "--num-layers", "4"]
 
 
 def parse(argv, environ=None, surface="main", announce=False):
-    parser = replay.build_parser(replay.load_surface(surface))
-    provider.install(parser, environ={**ASSUME_ALL, **(environ or {})}, announce=announce)
+    parser = replay.parser_from_surface(replay.load_surface(surface))
+    provider.attach(parser, environ={**ASSUME_ALL, **(environ or {})}, announce=announce)
     return parser.parse_args([*BASE, *argv]), parser
 
 
@@ -48,7 +50,7 @@ def test_env_sets_defaults():
 
 
 def test_plugin_disabled_restores_megatron_defaults():
-    stock = replay.build_parser(replay.load_surface("main")).parse_args([])
+    stock = replay.parser_from_surface(replay.load_surface("main")).parse_args([])
     args, _ = parse([], environ={"MEGATRON_PERF_TOGGLES": "0"})
     for dest in ("grad_reduce_in_bf16", "ddp_average_in_collective", "cross_entropy_loss_fusion",
                  "cross_entropy_fusion_impl", "gradient_accumulation_fusion"):
@@ -61,7 +63,7 @@ def test_no_sentinel_leaks_into_args():
 
 
 def test_install_is_idempotent_and_chain_dedupes():
-    parser = replay.build_parser(replay.load_surface("main"))
+    parser = replay.parser_from_surface(replay.load_surface("main"))
     chained = chain_providers(extra_args_provider, None, extra_args_provider)
     assert chained.providers == (extra_args_provider,)
     chained(parser)
@@ -85,8 +87,8 @@ def test_chain_runs_other_providers_in_order():
 
 
 def test_help_lists_env_var_and_default(capsys):
-    parser = replay.build_parser(replay.load_surface("main"))
-    provider.install(parser, environ={"GRAD_REDUCE_IN_BF16": "0"}, announce=False)
+    parser = replay.parser_from_surface(replay.load_surface("main"))
+    provider.attach(parser, environ={"GRAD_REDUCE_IN_BF16": "0"}, announce=False)
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
@@ -96,8 +98,8 @@ def test_help_lists_env_var_and_default(capsys):
 
 
 def test_announce_prints_once_on_rank0_and_writes_record(tmp_path, capsys):
-    parser = replay.build_parser(replay.load_surface("main"))
-    provider.install(parser, environ={**ASSUME_ALL, "RANK": "0"}, announce=True)
+    parser = replay.parser_from_surface(replay.load_surface("main"))
+    provider.attach(parser, environ={**ASSUME_ALL, "RANK": "0"}, announce=True)
     args = parser.parse_args([*BASE, "--tensorboard-dir", str(tmp_path / "tb")])
     out = capsys.readouterr().out.splitlines()
     lines = [ln for ln in out if ln.startswith("[perf-toggles] grad_reduce_in_bf16:")]
@@ -111,8 +113,8 @@ def test_announce_prints_once_on_rank0_and_writes_record(tmp_path, capsys):
 
 
 def test_other_ranks_stay_quiet(tmp_path, capsys):
-    parser = replay.build_parser(replay.load_surface("main"))
-    provider.install(parser, environ={**ASSUME_ALL, "RANK": "3"}, announce=True)
+    parser = replay.parser_from_surface(replay.load_surface("main"))
+    provider.attach(parser, environ={**ASSUME_ALL, "RANK": "3"}, announce=True)
     args = parser.parse_args([*BASE, "--tensorboard-dir", str(tmp_path / "tb")])
     assert capsys.readouterr().out == ""
     assert args.tensorboard_dir == str(tmp_path / "tb" / "bf16")  # every rank computes the same path
@@ -148,14 +150,14 @@ def test_unknown_assume_entry_exits_2(capsys):
 
 
 def test_parse_known_args_path_also_decides():
-    parser = replay.build_parser(replay.load_surface("main"))
-    provider.install(parser, environ=ASSUME_ALL, announce=False)
+    parser = replay.parser_from_surface(replay.load_surface("main"))
+    provider.attach(parser, environ=ASSUME_ALL, announce=False)
     args, extra = parser.parse_known_args([*BASE, "--not-a-megatron-flag"])
     assert extra == ["--not-a-megatron-flag"] and "fused_single_qkv_rope" in args.perf_toggles
 
 
 def test_record_write_is_atomic(tmp_path, monkeypatch):
-    from megatron_perf_toggles import provenance
+    from megatron_perf_toggles.runtime import provenance
 
     def boom(*a, **k):
         raise OSError("disk full")
@@ -170,8 +172,8 @@ def test_resume_compares_with_the_run_that_saved_the_checkpoint(tmp_path, capsys
     ck = tmp_path / "ck"
 
     def launch(environ):
-        parser = replay.build_parser(replay.load_surface("main"))
-        provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+        parser = replay.parser_from_surface(replay.load_surface("main"))
+        provider.attach(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
         args = parser.parse_args([*BASE, "--save", str(ck), "--load", str(ck)])
         return args, capsys.readouterr().out
 
@@ -203,8 +205,8 @@ def _resume_pair(tmp_path, capsys, first_env, then_env, extra=(), surface="main"
     ck = tmp_path / "ck"
 
     def launch(environ, more):
-        parser = replay.build_parser(replay.load_surface(surface))
-        provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+        parser = replay.parser_from_surface(replay.load_surface(surface))
+        provider.attach(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
         args = parser.parse_args([*BASE, *extra, *more, "--save", str(ck), "--load", str(ck)])
         captured = capsys.readouterr()
         return args, captured.out + captured.err
@@ -243,8 +245,8 @@ def test_resume_honours_the_change_where_the_layout_allows_it(tmp_path, capsys, 
     ck = tmp_path / "ck"
 
     def launch(environ, more):
-        parser = replay.build_parser(replay.load_surface(surface))
-        provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+        parser = replay.parser_from_surface(replay.load_surface(surface))
+        provider.attach(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
         args = parser.parse_args([*BASE, *DISTOPT, *more, "--save", str(ck), "--load", str(ck)])
         return args, capsys.readouterr().out
 
@@ -261,8 +263,8 @@ def test_resume_uses_the_layout_the_saving_run_recorded(tmp_path, capsys):
     ck = tmp_path / "ck"
 
     def launch(environ, more):
-        parser = replay.build_parser(replay.load_surface("main"))
-        provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+        parser = replay.parser_from_surface(replay.load_surface("main"))
+        provider.attach(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
         return parser.parse_args([*BASE, *DISTOPT, *more, "--save", str(ck), "--load", str(ck)])
 
     launch({}, ["--dist-ckpt-optim-fully-reshardable"])
@@ -278,8 +280,8 @@ def test_resume_on_0_13_without_fully_parallel_save_is_keyed(tmp_path, capsys):
 
 
 def _launch_on(ck, capsys, environ, more=(), surface="main"):
-    parser = replay.build_parser(replay.load_surface(surface))
-    provider.install(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
+    parser = replay.parser_from_surface(replay.load_surface(surface))
+    provider.attach(parser, environ={**ASSUME_ALL, "RANK": "0", **environ}, announce=True)
     args = parser.parse_args([*BASE, *DISTOPT, *more, "--save", str(ck), "--load", str(ck)])
     captured = capsys.readouterr()
     return args, captured.out + captured.err

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megatron_perf_toggles.rank_check import describe_mismatch, fingerprint
+from megatron_perf_toggles.runtime.rank_check import describe_mismatch, fingerprint
 
 torch = pytest.importorskip("torch", reason="torch is not installed: multi-rank checks need torch.distributed")
 
@@ -58,10 +58,11 @@ def _worker(rank, world, port, environ, direct, queue):
     try:
         import torch.distributed as dist
 
-        from megatron_perf_toggles import provider, replay
+        from megatron_perf_toggles.runtime import provider
+        from megatron_perf_toggles.tools.surfaces import replay
 
-        parser = replay.build_parser(replay.load_surface("main"))
-        provider.install(parser, environ={**environ, "RANK": str(rank)}, announce=False)
+        parser = replay.parser_from_surface(replay.load_surface("main"))
+        provider.attach(parser, environ={**environ, "RANK": str(rank)}, announce=False)
         parser.parse_args(["--bf16", "--position-embedding-type", "rope"])
         start = time.monotonic()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -134,7 +135,7 @@ def test_opt_out_skips_the_automatic_check():
 def test_opt_out_never_unwraps_torchs_own_function():
     import torch.distributed as dist
 
-    from megatron_perf_toggles import rank_check
+    from megatron_perf_toggles.runtime import rank_check
 
     rank_check.arm({"toggles": {}}, enabled=False)  # clears a wrapper left by an earlier parse here
     before = dist.init_process_group

@@ -16,8 +16,8 @@ import types
 import megatron_runs as runs
 import pytest
 
-from megatron_perf_toggles import provider, safety_net
-from megatron_perf_toggles.capabilities import Capabilities
+from megatron_perf_toggles.core.facts import Capabilities
+from megatron_perf_toggles.runtime import provider, safety_net
 
 TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
     pytest.param(None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))
@@ -63,7 +63,7 @@ def parse(argv, environ=None):
     parser.add_argument("--grad-reduce-in-bf16", action="store_true")
     parser.add_argument("--cross-entropy-loss-fusion", action="store_true")
     parser.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
-    provider.install(parser, environ=environ or {}, announce=False, capabilities=CAPS)
+    provider.attach(parser, environ=environ or {}, announce=False, capabilities=CAPS)
     return parser.parse_args(argv)
 
 
@@ -243,7 +243,7 @@ def test_a_back_off_at_transformer_config_redoes_what_validation_derived():
 
 
 def test_a_launch_rewrites_its_own_history_line(tmp_path):
-    from megatron_perf_toggles import resume
+    from megatron_perf_toggles.runtime import resume
 
     first = {"grad_reduce_in_bf16": {"value": True}}
     resume.record_launch(str(tmp_path), first, "bf16", launch_id="a")

@@ -9,8 +9,8 @@ import sys
 import pytest
 from conftest import REPO
 
-from megatron_perf_toggles import target
 from megatron_perf_toggles.errors import PerfTogglesError
+from megatron_perf_toggles.runtime import target
 
 torch = pytest.importorskip("torch", reason="torch is not installed: device stand-ins not testable")
 

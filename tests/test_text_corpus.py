@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import REPO, megatron_trees
 
-from megatron_perf_toggles import text_corpus
+from megatron_perf_toggles.tools import text_corpus
 
 DOCS = [b"def f():\n    return 1\n", "caf\u00e9 = 'ok'\n".encode(), b"x" * 300]
 
@@ -41,7 +41,7 @@ def test_megatron_reads_it(tmp_path):
     tree = megatron_trees()[-1]
     code = (
         "import json, sys\n"
-        "from megatron_perf_toggles.megatron_env import megatron_importable\n"
+        "from megatron_perf_toggles.launcher.import_shims import megatron_importable\n"
         f"with megatron_importable({str(tree)!r}):\n"
         "    from megatron.core.datasets.indexed_dataset import IndexedDataset\n"
         f"ds = IndexedDataset({str(tmp_path / 'c')!r})\n"

@@ -8,9 +8,9 @@ import types
 import pytest
 from conftest import LLAMA_ARGS, full_caps
 
-from megatron_perf_toggles import wgrad_fallback
-from megatron_perf_toggles.decide import decide
-from megatron_perf_toggles.env import read_env
+from megatron_perf_toggles.core.decide import decide
+from megatron_perf_toggles.core.env import read_env
+from megatron_perf_toggles.runtime import wgrad_fallback
 
 torch = pytest.importorskip("torch", reason="torch is not installed: the CPU GEMM checks need it")
 
@@ -68,7 +68,7 @@ def test_every_element_written():
 def test_install_never_replaces_real_apex(monkeypatch):
     real = types.ModuleType(wgrad_fallback.MODULE_NAME)
     monkeypatch.setitem(sys.modules, wgrad_fallback.MODULE_NAME, real)
-    assert wgrad_fallback.install() == []
+    assert wgrad_fallback.activate() == []
     assert sys.modules[wgrad_fallback.MODULE_NAME] is real
 
 
@@ -77,7 +77,7 @@ def test_install_patches_megatron_sites(monkeypatch):
     site._grad_accum_fusion_available = False
     monkeypatch.setitem(sys.modules, "megatron.core.tensor_parallel.layers", site)
     monkeypatch.delitem(sys.modules, wgrad_fallback.MODULE_NAME, raising=False)
-    patched = wgrad_fallback.install()
+    patched = wgrad_fallback.activate()
     assert site._grad_accum_fusion_available is True
     assert wgrad_fallback.is_fallback(site.fused_weight_gradient_mlp_cuda)
     assert "megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda" in patched

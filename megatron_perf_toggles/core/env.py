@@ -1,0 +1,123 @@
+"""Read the plugin's environment variables against the registry: values, or one clear error.
+
+One generic parse covers every registered variable: each toggle by its kind (bool or choice) and
+each ``Setting`` by its kind into the ``EnvSettings`` field it names. A variable added to the
+registry is read, validated and documented with no code here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+
+from ..errors import EnvValueError, RegistryError
+from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTING_BY_ENV, SETTINGS, TOGGLES, Toggle
+
+
+def parse_bool(var: str, raw: str | None) -> bool | None:
+    """``None`` for unset or empty; otherwise the boolean, or EnvValueError naming ``var``."""
+    if raw is None or raw.strip() == "":
+        return None
+    word = raw.strip().lower()
+    if word in BOOL_TRUE:
+        return True
+    if word in BOOL_FALSE:
+        return False
+    raise EnvValueError(var, raw, BOOL_ACCEPTED)
+
+
+def parse_choice(var: str, raw: str | None, choices: tuple[str, ...]) -> str | None:
+    if raw is None or raw.strip() == "":
+        return None
+    word = raw.strip().lower()
+    if word in choices:
+        return word
+    raise EnvValueError(var, raw, " or ".join(choices) + " (or unset for the default)")
+
+
+def parse_count(var: str, raw: str | None) -> int | None:
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise EnvValueError(var, raw, "a whole number of layers, 0 or more (or unset)")
+    return value
+
+
+def parse_text(var: str, raw: str | None) -> str | None:
+    """Free text (a list or a path) that the reader checks itself; blank is unset."""
+    return raw if raw is not None and raw.strip() else None
+
+
+PARSE_BY_KIND: dict[str, Callable[[str, str | None], object]] = {
+    "bool": parse_bool, "int": parse_count, "text": parse_text,
+}
+
+
+def parse_toggle(toggle: Toggle, raw: str | None) -> bool | str | None:
+    if toggle.kind == "bool":
+        return parse_bool(toggle.env, raw)
+    return parse_choice(toggle.env, raw, toggle.choices)
+
+
+def read_setting(var: str, environ: Mapping[str, str]) -> object:
+    """One registered setting, parsed by its kind (``None`` when unset): for readers that need a
+    single switch before the rest (the launcher's dry-run switch, the patch tool's directory)."""
+    setting = SETTING_BY_ENV[var]
+    return PARSE_BY_KIND[setting.kind](var, environ.get(var))
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """Everything the plugin takes from the environment, validated. ``None`` means unset.
+
+    One field per ``registry.SETTINGS`` entry (its ``field``), with the value an unset variable
+    means; ``rank`` is torchrun's, not ours, and only decides who prints."""
+
+    toggles: dict[str, bool | str] = field(default_factory=dict)  # dest -> value, set ones only
+    plugin_enabled: bool = True
+    tag_log_dir: bool = True
+    assume: str | None = None
+    fp4_selective_bf16: bool | None = None
+    fp4_bf16_start: int | None = None
+    fp4_bf16_end: int | None = None
+    rank: int = 0
+    wgrad_fallback: bool = True
+    rank_check: bool = True
+    dry_run: bool = False
+    patches_dir: str | None = None
+
+    def raw_for_record(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """The plugin's variables as they were set, for the provenance record."""
+
+        names = [t.env for t in TOGGLES] + [s.env for s in SETTINGS]
+        return {n: environ[n] for n in names if n in environ}
+
+
+_FIELDS = {f.name for f in fields(EnvSettings)}
+for _setting in SETTINGS:  # a registry entry without a home here is a bug in this package: say so at import
+    if _setting.field not in _FIELDS or _setting.kind not in PARSE_BY_KIND:
+        raise RegistryError(f"setting {_setting.env!r}: no EnvSettings field {_setting.field!r} "
+                            f"or no parser for kind {_setting.kind!r}")
+
+
+def _rank(environ: Mapping[str, str]) -> int:
+    try:
+        return int(environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def read_env(environ: Mapping[str, str]) -> EnvSettings:
+    """Validate every variable first, so one bad value is reported before anything happens."""
+    toggles: dict[str, bool | str] = {}
+    for t in TOGGLES:
+        value = parse_toggle(t, environ.get(t.env))
+        if value is not None:
+            toggles[t.dest] = value
+    settings = {s.field: PARSE_BY_KIND[s.kind](s.env, environ.get(s.env)) for s in SETTINGS}
+    return EnvSettings(toggles=toggles, rank=_rank(environ),
+                       **{name: value for name, value in settings.items() if value is not None})

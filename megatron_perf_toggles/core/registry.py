@@ -1,0 +1,275 @@
+"""The single source of truth: every toggle and plugin setting, declared once.
+
+Flags, env parsing, ``--help`` text, the README reference tables, the ``flags`` command and the
+provenance schema are all derived from these records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import RegistryError
+
+Kind = Literal["bool", "choice"]
+Bucket = Literal["gpt", "extra"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where Megatron keeps a kind of setting: a new flag joins the group of its neighbours."""
+
+    key: str
+    titles: tuple[str, ...]  # argparse group titles across Megatron versions, preferred first
+    bucket: Bucket  # the launch-script argument bucket this group's flags belong to
+
+
+GROUPS: dict[str, Group] = {
+    g.key: g
+    for g in (
+        Group("transformer", ("transformer configuration",), "gpt"),
+        Group("mixed_precision", ("mixed precision",), "gpt"),
+        Group("distributed", ("distributed init", "distributed"), "extra"),
+        Group("training", ("training",), "extra"),
+    )
+}
+
+# Capabilities a toggle can need (``Toggle.needs``) or a guard can rest on (``decide.Change``);
+# ``core.facts.Capabilities`` answers each by name: False is missing, None unknown.
+CAPABILITIES = (
+    "apex_fused_wgrad",
+    "wgrad_fallback",  # the torch stand-in for apex_fused_wgrad (runtime/wgrad_fallback.py)
+    "te_fused_qkv_rope",
+    "te_cross_entropy",
+    "megatron_fused_single_qkv_rope_field",
+)
+
+
+def format_value(value: object) -> str:
+    """A toggle value as people read it: on/off for a bool, the word itself for a choice."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def flag_of(dest: str) -> str:
+    """Megatron's spelling of the flag for an argparse dest: ``grad_reduce_in_bf16`` -> ``--grad-reduce-in-bf16``."""
+    return "--" + dest.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Toggle:
+    """One Megatron setting the plugin turns on by default. ``flag`` and ``off_flag`` follow from
+    ``dest`` (``--x`` / ``--no-x``, as Megatron spells them) unless declared."""
+
+    dest: str  # Megatron's argparse dest, also the TransformerConfig / DDP config field
+    env: str
+    title: str
+    kind: Kind
+    default: bool | str  # the plugin default: the fast setting
+    group: str  # key into GROUPS
+    help: str  # one line: what it does and why it is fast
+    flag: str = ""  # the positive flag (bool) or the valued flag (choice); derived from dest if empty
+    off_flag: str = ""  # the negative flag of a bool toggle; derived from dest if empty
+    choices: tuple[str, ...] = ()
+    stock_default: bool | str = False  # Megatron's default where its parser has no flag for it
+    needs: tuple[str, ...] = ()  # capability names from CAPABILITIES
+    anchors: tuple[str, ...] = ()  # Megatron flags whose group a new flag should join, in order
+    bucket: Bucket | None = None  # launch-script bucket, where the originating scripts differ from the group's
+
+    def __post_init__(self) -> None:
+        if not self.flag:
+            object.__setattr__(self, "flag", flag_of(self.dest))
+        if not self.off_flag and self.kind == "bool":
+            object.__setattr__(self, "off_flag", flag_of("no_" + self.dest))
+
+    @property
+    def script_bucket(self) -> Bucket:
+        return self.bucket or GROUPS[self.group].bucket
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple(f for f in (self.flag, self.off_flag) if f)
+
+    def flag_for(self, value: bool | str) -> list[str]:
+        """The command-line words that request ``value`` explicitly."""
+        if self.kind == "choice":
+            return [self.flag, str(value)]
+        return [self.flag if value else self.off_flag]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A plugin-wide environment variable that is not a Megatron toggle. ``core.env`` parses every
+    one by its ``kind`` into the ``EnvSettings`` attribute ``field``; unset keeps that attribute's
+    default, which ``default`` states for people (the README table)."""
+
+    env: str
+    kind: Literal["bool", "int", "text"]
+    default: str
+    help: str
+    field: str
+
+
+TOGGLES: tuple[Toggle, ...] = (
+    Toggle(
+        dest="gradient_accumulation_fusion",
+        env="GRADIENT_ACCUMULATION_FUSION",
+        title="gradient accumulation fusion",
+        kind="bool",
+        default=True,
+        stock_default=True,
+        group="training",
+        needs=("apex_fused_wgrad",),
+        anchors=("--no-gradient-accumulation-fusion",),
+        bucket="gpt",  # the originating train_llama3.sh put it with the model (GPT_ARGS) flags
+        help="Weight-gradient GEMMs accumulate straight into the main_grad buffer (needs APEX's "
+        "fused_weight_gradient_mlp_cuda).",
+    ),
+    Toggle(
+        dest="grad_reduce_in_bf16",
+        env="GRAD_REDUCE_IN_BF16",
+        title="gradient reduce in bf16",
+        kind="bool",
+        default=True,
+        group="mixed_precision",
+        flag="--grad-reduce-in-bf16",
+        off_flag="--no-grad-reduce-in-bf16",
+        anchors=("--grad-reduce-in-bf16", "--bf16"),
+        help="Keep the gradient buffer and the data-parallel reduction in bf16 instead of fp32.",
+    ),
+    Toggle(
+        dest="ddp_average_in_collective",
+        env="DDP_AVERAGE_IN_COLLECTIVE",
+        title="DDP average in collective",
+        kind="bool",
+        default=True,
+        group="distributed",
+        anchors=("--ddp-average-in-collective", "--overlap-grad-reduce"),
+        help="Divide by the data-parallel size inside the reduction collective, not before it.",
+    ),
+    Toggle(
+        dest="cross_entropy_loss_fusion",
+        env="CROSS_ENTROPY_LOSS_FUSION",
+        title="cross-entropy loss fusion",
+        kind="bool",
+        default=True,
+        group="transformer",
+        anchors=("--cross-entropy-loss-fusion",),
+        help="Fused vocab-parallel cross entropy (implementation chosen by "
+        "--cross-entropy-fusion-impl).",
+    ),
+    Toggle(
+        dest="cross_entropy_fusion_impl",
+        env="CROSS_ENTROPY_FUSION_IMPL",
+        title="cross-entropy fusion implementation",
+        kind="choice",
+        default="te",
+        stock_default="native",
+        choices=("te", "native"),
+        group="transformer",
+        needs=("te_cross_entropy",),
+        anchors=("--cross-entropy-fusion-impl", "--cross-entropy-loss-fusion"),
+        help="Which fused cross-entropy kernel to use: Transformer Engine's (te) or Megatron's "
+        "own (native).",
+    ),
+    Toggle(
+        dest="fused_single_qkv_rope",
+        env="FUSED_SINGLE_QKV_ROPE",
+        title="fused single-QKV RoPE",
+        kind="bool",
+        default=True,
+        group="transformer",
+        needs=("megatron_fused_single_qkv_rope_field", "te_fused_qkv_rope"),
+        anchors=("--fused-single-qkv-rope", "--qk-layernorm", "--no-rope-fusion"),
+        help="Apply RoPE to the packed QKV tensor in one TE kernel, with no split and concat.",
+    ),
+)
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("MEGATRON_PERF_TOGGLES", "bool", "1",
+            "0 is stock Megatron: every plugin default is off (the FP4 layer selection by recipe too) and "
+            "Megatron's own values stand; the flags stay registered, variables that are set still apply, "
+            "and guards act only on those.",
+            field="plugin_enabled"),
+    Setting("MEGATRON_PERF_TOGGLES_TAG_LOG_DIR", "bool", "1",
+            "0 leaves --tensorboard-dir and --wandb-save-dir untagged.",
+            field="tag_log_dir"),
+    Setting("MEGATRON_PERF_TOGGLES_ASSUME", "text", "",
+            "Plan for another machine: comma list of apex, aiter, rocm, cuda, te=VERSION, none. "
+            "Replaces detection of those packages.",
+            field="assume"),
+    Setting("MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK", "bool", "1",
+            "Without APEX, keep gradient accumulation fusion on through a torch GEMM stand-in for APEX's "
+            "fused wgrad kernels (CUDA/ROCm, torch with addmm out_dtype); 0 turns fusion off instead.",
+            field="wgrad_fallback"),
+    Setting("MEGATRON_PERF_TOGGLES_RANK_CHECK", "bool", "1",
+            "0 skips the start-up check that every rank decided the same toggles and capabilities.",
+            field="rank_check"),
+    Setting("MEGATRON_PERF_TOGGLES_DRY_RUN", "bool", "0",
+            "1 makes the launcher stop after Megatron's parse and validate and print the decisions as JSON "
+            "(a patched pretrain_gpt.py does so when given --extra-args-provider).",
+            field="dry_run"),
+    Setting("FP4_SELECTIVE_BF16", "bool", "",
+            "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
+            "(default by recipe: nvfp4 1, mxfp4 0; with MEGATRON_PERF_TOGGLES=0, Megatron's own: 0).",
+            field="fp4_selective_bf16"),
+    Setting("FP4_BF16_START", "int", "2",
+            "With FP4 selective bf16: how many layers at the start stay in bf16 (alone it does not switch "
+            "selection on).",
+            field="fp4_bf16_start"),
+    Setting("FP4_BF16_END", "int", "8",
+            "With FP4 selective bf16: how many layers at the end stay in bf16, counted over the whole "
+            "model, not per pipeline stage.",
+            field="fp4_bf16_end"),
+    Setting("MEGATRON_PERF_TOGGLES_PATCHES", "text", "",
+            "Where `megatron-perf-toggles patch` finds its patch sets: a directory laid out like the "
+            "repository's patches/ (default: the copy installed with the package, else the source tree's).",
+            field="patches_dir"),
+)
+
+BOOL_TRUE = ("1", "true", "yes", "on")
+BOOL_FALSE = ("0", "false", "no", "off")
+BOOL_ACCEPTED = "1/0, true/false, yes/no, on/off (any case), or unset for the default"
+
+def _validate() -> None:
+    seen_dest: set[str] = set()
+    seen_env: set[str] = set()
+    seen_flags: set[str] = set()
+    for t in TOGGLES:
+        where = f"toggle {t.dest!r}"
+        if t.dest in seen_dest or t.env in seen_env:
+            raise RegistryError(f"{where}: duplicate dest or env var")
+        seen_dest.add(t.dest)
+        seen_env.add(t.env)
+        if t.group not in GROUPS:
+            raise RegistryError(f"{where}: unknown group {t.group!r}")
+        for need in t.needs:
+            if need not in CAPABILITIES:
+                raise RegistryError(f"{where}: unknown capability {need!r}")
+        if t.kind == "bool":
+            if not (isinstance(t.default, bool) and isinstance(t.stock_default, bool)):
+                raise RegistryError(f"{where}: a bool toggle needs bool defaults")
+            if not (t.flag and t.off_flag) or t.choices:
+                raise RegistryError(f"{where}: a bool toggle needs flag and off_flag, no choices")
+        else:
+            if t.default not in t.choices or t.stock_default not in t.choices or t.off_flag:
+                raise RegistryError(f"{where}: choice defaults must be among its choices")
+        for f in t.flags:
+            if not f.startswith("--") or f in seen_flags:
+                raise RegistryError(f"{where}: flag {f!r} is malformed or declared twice")
+            seen_flags.add(f)
+        if not t.help or "\n" in t.help:
+            raise RegistryError(f"{where}: help must be one line")
+    fields: set[str] = set()
+    for s in SETTINGS:
+        if s.env in seen_env or s.field in fields:
+            raise RegistryError(f"setting {s.env!r}: env var or field declared twice")
+        seen_env.add(s.env)
+        fields.add(s.field)
+
+
+_validate()
+
+BY_DEST: dict[str, Toggle] = {t.dest: t for t in TOGGLES}
+SETTING_BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}

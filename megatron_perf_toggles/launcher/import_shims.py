@@ -1,0 +1,152 @@
+"""Make a Megatron-LM checkout importable for argument parsing on machines without a GPU stack.
+
+Megatron 0.16+ imports ``triton`` at module level in places that argument parsing pulls in, and
+0.18.2+ uses ``typing.override`` (Python 3.12+). Neither matters for parsing, so on machines that
+lack them Megatron's own modules get a stand-in. The stand-in never enters ``sys.modules``:
+torch's optional-triton probes must keep seeing "not installed".
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import importlib.util
+import os
+import sys
+import traceback
+import types
+import typing
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..runtime.patches import PATCHES
+
+STAND_IN_PACKAGES = ("triton",)
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+class _Anything:
+    """A value that tolerates whatever module-level Megatron code does with a triton symbol."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> _Anything:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        return _Anything(f"{self._name}.{attr}")
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        # Decorator use (@triton.jit, @triton.autotune(...)(fn)) must hand the function back.
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return _Anything(f"{self._name}()")
+
+    def __getitem__(self, item: object) -> _Anything:
+        return self
+
+    def __iter__(self) -> Iterator[object]:
+        return iter(())
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<stand-in {self._name}>"
+
+
+class _StandInModule(types.ModuleType):
+    __version__ = "0.0.0+stand-in"
+
+    def __getattr__(self, attr: str) -> object:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        return _Anything(f"{self.__name__}.{attr}")
+
+
+def _override(fn: Callable[..., object]) -> Callable[..., object]:
+    """``typing.override`` as Python 3.12 has it, for Megatron 0.18.2+ on older Pythons."""
+    return fn
+
+
+def _remove_path(entry: str) -> None:
+    if entry in sys.path:
+        sys.path.remove(entry)
+
+
+def _is_megatron_module(name: str) -> bool:
+    return name == "megatron" or name.startswith("megatron.")
+
+
+def _stand_in_import(real_import: Callable[..., types.ModuleType]) -> Callable[..., types.ModuleType]:
+    def importer(name, globals=None, locals=None, fromlist=(), level=0):  # type: ignore[no-untyped-def]
+        if (
+            level == 0
+            and name.partition(".")[0] in STAND_IN_PACKAGES
+            and _is_megatron_module((globals or {}).get("__name__", ""))
+        ):
+            # "import a.b" binds the top package; "from a.b import c" reads c off a.b.
+            return _StandInModule(name if fromlist else name.partition(".")[0])
+        return real_import(name, globals, locals, fromlist, level)
+
+    return importer
+
+
+def _really_installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@contextmanager
+def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: bool = True) -> Iterator[None]:
+    """Within this block, ``import megatron.training.arguments`` works from ``tree`` on a CPU box.
+
+    ``stand_ins=False`` keeps only the harmless ``typing.override`` shim: a real training run must
+    see a missing triton as missing, not get a stand-in whose kernels would fail later.
+    """
+    if tree is not None:
+        entry = str(Path(tree).resolve())
+        sys.path.insert(0, entry)
+        PATCHES.on_uninstall(f"sys.path entry {entry}", functools.partial(_remove_path, entry))
+    if not hasattr(typing, "override"):
+        PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
+    real_import = builtins.__import__
+    if stand_ins and any(not _really_installed(name) for name in STAND_IN_PACKAGES):
+        builtins.__import__ = _stand_in_import(real_import)
+    try:
+        yield
+    finally:
+        builtins.__import__ = real_import
+
+
+def _gpu_build_without_gpu() -> bool:
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "version", None)
+    if torch is None or not (getattr(version, "cuda", None) or getattr(version, "hip", None)):
+        return False
+    try:
+        return not torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a torch that cannot even ask has no usable GPU
+        return True
+
+
+def import_failure(error: BaseException) -> tuple[str, str | None]:
+    """(what broke, and in which of Megatron's files; a hint) for an import of Megatron that raised.
+
+    Some trees build GPU extensions while being imported (core 0.15's inference/unified_memory.py
+    compiles a CUDA allocator): with a CUDA or ROCm build of torch and no GPU that raises. Planning
+    needs no GPU code at all, so the hint is PyTorch's CPU build."""
+    frames = traceback.extract_tb(error.__traceback__)
+    site = next((f for f in reversed(frames) if f"{os.sep}megatron{os.sep}" in f.filename), None)
+    where = ""
+    if site is not None:
+        where = f" (in megatron{os.sep}{site.filename.rsplit(os.sep + 'megatron' + os.sep, 1)[1]}:{site.lineno})"
+    text = " ".join(str(error).split()) or "no message"
+    what = f"{type(error).__name__}: {text}{where}"
+    if _gpu_build_without_gpu():
+        return what, ("this torch is a GPU build and no GPU is visible, and this Megatron runs GPU code at import; "
+                      f"to plan on this machine use PyTorch's CPU build: {CPU_TORCH}")
+    return what, "install Megatron-LM's requirements (see the README: 'Plan on a CPU-only machine')"

@@ -1,0 +1,368 @@
+"""Put extra_args_providers into Megatron's own parse path, on every version, without editing Megatron.
+
+Megatron parses in ``megatron.training.arguments.parse_args(extra_args_provider, ...)``. Up to core
+0.17 it is reached through ``pretrain() -> initialize_megatron()``, whose module imported
+``parse_args`` by name; from 0.18 the script calls ``parse_and_validate_args()`` itself, which looks
+``parse_args`` up in its own module. So we replace ``parse_args`` in its module *and* every stale
+reference to the original that an already-imported module holds, with a wrapper that chains the
+caller's provider (ModelOpt's, a fork's combined one) with ours. The caller's provider always runs
+first and is never replaced; a provider named twice runs once.
+
+Dry run: ``initialize_megatron`` (up to 0.17) and ``parse_and_validate_args`` (0.18+) are wrapped
+too, only to learn the ``args_defaults`` the script passed. In a dry run they hand over to
+``dry_run.py``, which parses and validates exactly as Megatron would, prints the decisions as JSON
+on stdout (Megatron's own chatter goes to stderr) and exits 0, before anything touches CUDA.
+
+Nothing here imports Megatron or torch at module import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import inspect
+import os
+import sys
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ..core.env import read_setting
+from ..errors import OneLineArgumentParser, PerfTogglesError, fail
+from ..runtime import provider as plugin
+from ..runtime import target as planned
+from ..runtime.controller import Controller, Outcome, use_for_process
+from ..runtime.patches import PATCHES
+from ..runtime.provider import flatten
+from ..runtime.rebinding import megatron_root, rebind
+from .import_shims import import_failure
+
+Provider = plugin.Provider
+
+PROVIDER_FLAG = "--extra-args-provider"
+DRY_RUN_ENV = "MEGATRON_PERF_TOGGLES_DRY_RUN"  # registered in core.registry.SETTINGS
+DEFAULT_PROVIDER_ATTR = "extra_args_provider"
+MEGATRON_HINT = "put the Megatron-LM checkout on PYTHONPATH, e.g. PYTHONPATH=/path/to/Megatron-LM"
+ORIGINAL_ATTR = "__perf_toggles_original__"
+
+
+class ProviderSpecError(PerfTogglesError):
+    """A ``--extra-args-provider MOD:FUNC`` that cannot be imported or is not a provider."""
+
+    def __init__(self, spec: str, problem: str, hint: str | None = None) -> None:
+        super().__init__(f"{PROVIDER_FLAG} {spec}: {problem}", hint)
+        self.spec = spec
+
+
+class MegatronImportError(PerfTogglesError):
+    """Megatron-LM's ``megatron.training`` cannot be imported."""
+
+
+class HookError(PerfTogglesError):
+    """This Megatron's parse path does not have the shape the hooks rely on."""
+
+
+# --- naming and resolving providers ---------------------------------------------------------------
+
+
+def provider_name(p: Callable[..., Any]) -> str:
+    """``module:qualname`` of a provider, as a user would name it on the command line."""
+    module = getattr(p, "__module__", None) or "?"
+    name = getattr(p, "__qualname__", None) or getattr(p, "__name__", None) or repr(p)
+    return f"{module}:{name}"
+
+
+def resolve_provider(spec: str) -> Provider:
+    """``MOD:FUNC`` (``MOD`` alone means ``MOD:extra_args_provider``) -> the callable, or a
+    ProviderSpecError naming what could not be found."""
+    module_name, _, attr = spec.strip().partition(":")
+    attr = attr.strip() or DEFAULT_PROVIDER_ATTR
+    if not module_name or any(not part.isidentifier() for part in module_name.split(".")):
+        raise ProviderSpecError(spec, "expected MODULE:FUNCTION", "e.g. megatron_perf_toggles:extra_args_provider")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        missing = error.name or module_name
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise ProviderSpecError(spec, f"cannot import module {module_name!r} (no module named {missing!r})",
+                                    "is it installed, or on PYTHONPATH?") from None
+        raise ProviderSpecError(spec, f"importing module {module_name!r} failed: {error}") from None
+    except Exception as error:  # noqa: BLE001 - any failure of a user module is one clear line
+        raise ProviderSpecError(spec, f"importing module {module_name!r} failed: "
+                                      f"{type(error).__name__}: {error}") from None
+    target: Any = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ProviderSpecError(spec, f"module {module_name!r} has no function {attr!r}") from None
+    if not callable(target):
+        raise ProviderSpecError(spec, f"{module_name}:{attr} is a {type(target).__name__}, not a function "
+                                      "taking the parser")
+    return target
+
+
+def pull_provider_specs(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``--extra-args-provider X`` / ``--extra-args-provider=X`` out of ``argv``.
+
+    Returns (specs in order, the other words in their order). argparse does the splitting, so
+    the ``=`` form and a missing value behave as everywhere else.
+    """
+    parser = OneLineArgumentParser(prog="megatron-perf-toggles", add_help=False, allow_abbrev=False, message_prefix="",
+                                   usage_hint=f"use {PROVIDER_FLAG} MOD:FUNC, e.g. megatron_perf_toggles:extra_args_provider")
+    parser.add_argument(PROVIDER_FLAG, action="append", default=[], dest="providers", metavar="MOD:FUNC")
+    ns, rest = parser.parse_known_args(list(argv))
+    return list(ns.providers), rest
+
+
+def dry_run_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """``MEGATRON_PERF_TOGGLES_DRY_RUN`` as a boolean (EnvValueError on a bad spelling)."""
+    environ = os.environ if environ is None else environ
+    return bool(read_setting(DRY_RUN_ENV, environ))
+
+
+# --- the chain that runs inside Megatron's parse_args ---------------------------------------------
+
+
+@dataclass
+class ProviderRun:
+    """One provider as it ran on one parser: the argument dests it added."""
+
+    name: str
+    added: list[str]
+
+
+class Chain:
+    """The provider Megatron receives: the caller's, then ours; remembers what each one added."""
+
+    def __init__(self, providers: Sequence[Provider], hooks: Hooks) -> None:
+        self.providers = tuple(providers)
+        self.hooks = hooks
+        self.runs: list[ProviderRun] = []
+        self.parser: argparse.ArgumentParser | None = None
+
+    def __call__(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        self.runs = []
+        if self.includes_plugin:
+            self.hooks.controller_for_parse()
+        for p in self.providers:
+            before = {id(a) for a in parser._actions}
+            if p is plugin.extra_args_provider:
+                # One controller for every parse of the process: the table is announced once, not
+                # once per parse; a dry run's controller applies nothing and the dry run prints.
+                result = plugin.attach(parser, controller=self.hooks.controller_for_parse())
+            else:
+                result = p(parser)
+            parser = parser if result is None else result
+            added = [a.dest for a in parser._actions if id(a) not in before and a.dest != argparse.SUPPRESS]
+            self.runs.append(ProviderRun(provider_name(p), list(dict.fromkeys(added))))
+        self.parser = parser
+        return parser
+
+    @property
+    def includes_plugin(self) -> bool:
+        return plugin.extra_args_provider in self.providers
+
+
+# --- installing into Megatron ---------------------------------------------------------------------
+
+
+@dataclass
+class Hooks:
+    """What is installed: our providers, dry-run or not, and the Megatron functions we replaced."""
+
+    providers: list[Provider]
+    dry_run: bool = False
+    root: str | None = None
+    originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    wrappers: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    controller: Controller | None = None  # made at the first parse that includes the plugin
+    last_chain: Chain | None = None
+    out: TextIO | None = None  # where a dry run prints its JSON: stdout as it was at install time
+    target: planned.Target | None = None  # the world and GPU a dry run plans for (runtime/target.py)
+    capture: bool = False  # a dry run hands its record to the caller (explain) instead of printing it
+
+    def controller_for_parse(self) -> Controller:
+        """The process's controller (made on first use, so a bad variable is reported at the parse)."""
+        if self.controller is None:
+            self.controller = plugin.new_controller(mode="dry-run" if self.dry_run else "run")
+        use_for_process(self.controller)  # for a provider that calls extra_args_provider itself
+        return self.controller
+
+    def outcome(self) -> Outcome | None:
+        """The plan of the last parse, if the plugin was in its provider chain."""
+        chain = self.last_chain
+        if chain is None or not chain.includes_plugin or self.controller is None:
+            return None
+        return self.controller.last
+
+    def chain(self, caller: Provider | None) -> Chain:
+        own = list(caller.providers) if isinstance(caller, Chain) else [caller]  # never nest our own chain
+        return Chain(flatten([*own, *self.providers]), self)
+
+
+_ACTIVE: Hooks | None = None
+
+
+def active() -> Hooks | None:
+    """The installed hooks, if any."""
+    return _ACTIVE
+
+
+def import_megatron() -> tuple[types.ModuleType, ...]:
+    """Import ``megatron.training.{arguments,initialize,training}``, or one clear error."""
+    try:
+        arguments = importlib.import_module("megatron.training.arguments")
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if missing in ("megatron", "megatron.training", "megatron.training.arguments"):
+            found = "" if missing == "megatron" else " (a megatron package without megatron.training: " \
+                "PyPI's megatron-core has only megatron.core)"
+            raise MegatronImportError(f"cannot import Megatron-LM's megatron.training{found}",
+                                      MEGATRON_HINT) from None
+        raise MegatronImportError(f"importing megatron.training.arguments failed: {error}",
+                                  "install Megatron-LM's requirements") from None
+    except Exception as error:  # noqa: BLE001 - a broken checkout is one clear line
+        what, hint = import_failure(error)
+        raise MegatronImportError(f"importing megatron.training.arguments failed: {what}", hint) from None
+    modules = [arguments]
+    for name in ("megatron.training.initialize", "megatron.training.training"):
+        try:
+            modules.append(importlib.import_module(name))
+        except Exception as error:  # noqa: BLE001
+            what, hint = import_failure(error)
+            raise MegatronImportError(f"importing {name} failed: {what}", hint) from None
+    return tuple(modules)
+
+
+def _signature(fn: Callable[..., Any], needs: tuple[str, ...]) -> inspect.Signature:
+    sig = inspect.signature(fn)
+    missing = [n for n in needs if n not in sig.parameters]
+    if missing:
+        raise HookError(f"{provider_name(fn)} takes no {', '.join(missing)}: this Megatron's parse path is "
+                        "not one megatron-perf-toggles knows", "pass the plugin as extra_args_provider by hand")
+    return sig
+
+
+def _wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    sig = _signature(original, ("extra_args_provider",))
+
+    @functools.wraps(original)
+    def parse_args(*args: Any, **kwargs: Any) -> Any:
+        hooks = _ACTIVE
+        if hooks is None:
+            return original(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        caller = bound.arguments.get("extra_args_provider")
+        if caller is None and bound.arguments.get("ignore_unknown_args"):
+            # Megatron's own peeks (in-process restart, fault tolerance) parse without any provider.
+            return original(*args, **kwargs)
+        chain = hooks.chain(caller)
+        bound.arguments["extra_args_provider"] = chain
+        hooks.last_chain = chain
+        return original(*bound.args, **bound.kwargs)
+
+    setattr(parse_args, ORIGINAL_ATTR, original)
+    return parse_args
+
+
+def _wrap_entry(original: Callable[..., Any], via: str) -> Callable[..., Any]:
+    """``initialize_megatron`` (<= 0.17) / ``parse_and_validate_args`` (0.18+): pass through,
+    except in a dry run, where they parse and validate, report, and exit."""
+    sig = _signature(original, ("extra_args_provider", "args_defaults"))
+
+    @functools.wraps(original)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        hooks = _ACTIVE
+        if hooks is None or not hooks.dry_run:
+            return original(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        from .dry_run import dry_run  # the dry run's report lives beside the hooks
+
+        dry_run(hooks, a.get("extra_args_provider"), bool(a.get("ignore_unknown_args")),
+                dict(a.get("args_defaults") or {}), a.get("parsed_args"), via)
+
+    setattr(entry, ORIGINAL_ATTR, original)
+    return entry
+
+
+def _targets(arguments: types.ModuleType, initialize: types.ModuleType) -> list[tuple[str, types.ModuleType, str]]:
+    """(key, module, attribute) of each Megatron function to wrap on this version."""
+    out = [("parse_args", arguments, "parse_args")]
+    if hasattr(arguments, "parse_and_validate_args"):
+        out.append(("parse_and_validate_args", arguments, "parse_and_validate_args"))
+    init = getattr(initialize, "initialize_megatron", None)
+    if init is not None and "args_defaults" in inspect.signature(getattr(init, ORIGINAL_ATTR, init)).parameters:
+        out.append(("initialize_megatron", initialize, "initialize_megatron"))
+    return out
+
+
+def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = False,
+            target: planned.Target | None = None, capture: bool = False) -> Hooks:
+    """Chain ``providers`` into every parse Megatron makes from now on (importing Megatron).
+
+    A second call updates the providers and the dry-run switch; it never wraps twice. ``target``
+    is the world and GPU a dry run's parse and validate see; ``capture`` makes a dry run raise
+    :class:`DryRunDone` with its record instead of printing it and exiting.
+    """
+    global _ACTIVE
+    arguments, initialize, _training = import_megatron()
+    root = megatron_root(arguments)
+    if _ACTIVE is None:
+        PATCHES.on_uninstall("Megatron's parse path (parse_args and its callers)", unhook_parse_path)
+    hooks = _ACTIVE or Hooks(providers=[])
+    hooks.providers = flatten(providers)
+    if hooks.dry_run != dry_run:
+        hooks.controller = None  # a controller's mode is fixed: the next parse makes the right one
+        use_for_process(None)
+    hooks.dry_run = dry_run
+    hooks.out = sys.stdout if dry_run else None
+    hooks.root = root
+    hooks.target = target
+    hooks.capture = capture
+    for key, module, attr in _targets(arguments, initialize):
+        current = getattr(module, attr)
+        original = getattr(current, ORIGINAL_ATTR, current)
+        wrapper = current if current is not original else (
+            _wrap_parse_args(original) if key == "parse_args" else _wrap_entry(original, key)
+        )
+        hooks.originals[key] = original
+        hooks.wrappers[key] = wrapper
+        rebind(original, wrapper, root)
+    _ACTIVE = hooks
+    return hooks
+
+
+def unhook_parse_path() -> None:
+    """Put Megatron's own functions back wherever a wrapper was bound."""
+    global _ACTIVE
+    hooks = _ACTIVE
+    if hooks is None:
+        return
+    for key, wrapper in hooks.wrappers.items():
+        rebind(wrapper, hooks.originals[key], hooks.root)
+    use_for_process(None)
+    _ACTIVE = None
+
+
+def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """For scripts (the in-tree pretrain_gpt.py patch): install every ``--extra-args-provider``
+    named in ``argv`` and return ``argv`` without them. ``MEGATRON_PERF_TOGGLES_DRY_RUN=1`` makes
+    it a dry run, in which the script's own output moves to stderr so that stdout carries the JSON
+    alone. Errors end the process with one line and exit status 2."""
+    try:
+        specs, rest = pull_provider_specs(argv)
+        dry = dry_run_requested(environ)
+        if not specs and not dry:
+            return list(argv)
+        hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry)
+    except PerfTogglesError as error:
+        fail(error)
+    if dry:
+        # The process ends in the dry run; hooks.out keeps the real stdout for the JSON.
+        PATCHES.set_attr(sys, "stdout", sys.stderr, "sys.stdout -> sys.stderr (dry run)")
+    return rest

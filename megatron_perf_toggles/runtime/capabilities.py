@@ -1,0 +1,225 @@
+"""What this machine and this Megatron can honour. The one module that probes packages.
+
+Nothing here raises because a package is missing: an absent package is a capability that is
+``False`` (or a version that is ``None``), with a note saying why. Probes use import specs and
+package metadata where they can, so asking is cheap; kernels are only imported where the package
+itself is already there.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from ..core.facts import (
+    TE_MIN_CROSS_ENTROPY,
+    TE_MIN_FUSED_QKV_ROPE,
+    Capabilities,
+    MegatronFacts,
+    parse_assume,
+    version_tuple,
+    with_assumptions,
+)
+from ..errors import AssumeError
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _dist_version(*names: str) -> str | None:
+    import importlib.metadata  # lazy: ~50 ms, and only needed when a package is actually there
+
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _te_version() -> str | None:
+    module = sys.modules.get("transformer_engine")
+    version = getattr(module, "__version__", None) if module is not None else None
+    return version or _dist_version("transformer_engine", "transformer-engine", "transformer_engine_torch") or (
+        "unknown" if module is not None else None)
+
+
+def _fallback_installed() -> bool:
+    from .wgrad_fallback import MODULE_NAME, is_fallback
+
+    return is_fallback(sys.modules.get(MODULE_NAME))
+
+
+def _try_import(path: str, attr: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(path), attr)
+    except Exception:  # noqa: BLE001 - a broken optional package counts as absent
+        return False
+
+
+def megatron_facts() -> MegatronFacts:
+    """Facts about the Megatron whose ``megatron.training.arguments`` is imported (or importable)."""
+    if "megatron.training.arguments" not in sys.modules and not _installed("megatron.training"):
+        return MegatronFacts()
+    try:
+        from megatron.core import package_info
+        from megatron.training import arguments
+    except Exception:  # noqa: BLE001 - report "unknown" rather than fail the caller
+        return MegatronFacts()
+    facts: dict[str, Any] = {
+        "version": getattr(package_info, "__version__", None),
+        "path": str(getattr(arguments, "__file__", "") or "").rsplit("/megatron/training/", 1)[0] or None,
+        "has_parse_and_validate_args": hasattr(arguments, "parse_and_validate_args"),
+    }
+    import inspect
+
+    try:
+        source = inspect.getsource(arguments.validate_args)
+        facts["asserts_te_cross_entropy"] = "cross_entropy_fusion_impl == 'te'" in source
+        facts["asserts_ddp_average_with_gtp"] = (
+            "ddp_average_in_collective" in source and "gtp" in source.lower()
+        )
+    except (OSError, TypeError):
+        pass
+    try:
+        import dataclasses
+
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        names = {f.name for f in dataclasses.fields(TransformerConfig)}
+        facts["fused_single_qkv_rope_field"] = "fused_single_qkv_rope" in names
+    except Exception:  # noqa: BLE001
+        pass
+    facts["rules"] = detect_rules(facts["path"])
+    return MegatronFacts(**facts)
+
+
+def detect_rules(root: str | os.PathLike[str] | None) -> tuple[str, ...] | None:
+    """The ids of the rules present in the Megatron-LM checkout at ``root`` (None: unknown).
+    Read once per checkout and process: every parse in a launch asks again."""
+    return _detect(os.fspath(root) if root else None)
+
+
+@functools.cache
+def _detect(root: str | None) -> tuple[str, ...] | None:
+    if not root or not os.path.isfile(os.path.join(root, "megatron", "training", "arguments.py")):
+        return None
+    from ..core.megatron_rules import RULES  # only where a checkout is read: ~1 ms of import otherwise
+
+    texts: dict[str, str] = {}
+    found: list[str] = []
+    for rule in RULES:
+        if not rule.phrase:
+            continue
+        for rel in rule.where:
+            if rel not in texts:
+                try:
+                    with open(os.path.join(root, rel), encoding="utf-8") as fh:
+                        texts[rel] = fh.read()
+                except OSError:
+                    texts[rel] = ""
+            if rule.phrase in texts[rel]:
+                found.append(rule.id)
+                break
+    return tuple(found)
+
+
+def _detect_torch(deep: bool) -> dict[str, Any]:
+    torch = sys.modules.get("torch")
+    if torch is None and deep and _installed("torch"):
+        try:
+            import torch
+        except Exception:  # noqa: BLE001
+            torch = None
+    if torch is None:
+        return {"torch_version": _dist_version("torch") if deep else None}
+    version = getattr(torch, "version", None)
+    device = "rocm" if getattr(version, "hip", None) else ("cuda" if getattr(version, "cuda", None) else "cpu")
+    out: dict[str, Any] = {"torch_version": getattr(torch, "__version__", None), "device": device}
+    from .target import active
+
+    planned = active()
+    if planned is not None and planned.gpu is not None:  # a dry run's planned GPU (runtime/target.py)
+        out.update(device=planned.gpu.vendor, gpu_arch=planned.gpu.arch, gpu_source=planned.gpu_source)
+        return out
+    if deep:
+        try:
+            if torch.cuda.is_available():
+                props = torch.cuda.get_device_properties(0)
+                arch = getattr(props, "gcnArchName", None)
+                out["gpu_arch"] = arch or f"sm_{props.major}{props.minor}"
+                out["gpu_source"] = "detected"
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def detect(deep: bool = False) -> Capabilities:
+    """Probe this machine. ``deep`` also imports torch/TE kernels when they are installed."""
+    notes: dict[str, str] = {}
+    te_imported = "transformer_engine" in sys.modules
+    te_version = _te_version() if te_imported or _installed("transformer_engine") else None
+    te_rope = te_ce = False
+    if te_version is None:
+        notes["te"] = "Transformer Engine is not installed"
+    elif deep or te_imported:
+        te_rope = _try_import("transformer_engine.pytorch.attention.rope", "apply_fused_qkv_rotary_pos_emb")
+        te_ce = _try_import("transformer_engine.pytorch.cross_entropy", "parallel_cross_entropy")
+    else:
+        # Installed but not imported yet: judge by version rather than pay for the import here.
+        vt = version_tuple(te_version or "0")
+        te_rope, te_ce = vt >= TE_MIN_FUSED_QKV_ROPE, vt >= TE_MIN_CROSS_ENTROPY
+    if te_version is not None and not te_rope:
+        notes["te_fused_qkv_rope"] = f"TE {te_version} has no fused QKV RoPE kernel"
+    if te_version is not None and not te_ce:
+        notes["te_cross_entropy"] = f"TE {te_version} has no parallel cross-entropy kernel"
+    apex = _installed("fused_weight_gradient_mlp_cuda") and not _fallback_installed()
+    fallback = False
+    if not apex:
+        notes["apex_fused_wgrad"] = "APEX's fused_weight_gradient_mlp_cuda is not importable"
+        if deep or "torch" in sys.modules:
+            from .wgrad_fallback import usable
+
+            fallback, why = usable()
+        else:
+            why = "torch is not imported"
+        if not fallback:
+            notes["wgrad_fallback"] = why
+    aiter_version = None
+    if _installed("aiter"):  # AMD's amd-aiter and PyPI's unrelated async 'aiter' share the module name
+        aiter_version = _dist_version("amd-aiter", "amd_aiter")
+        if aiter_version is None and _dist_version("aiter") is not None:
+            notes["aiter"] = "the installed 'aiter' is the PyPI async library, not AMD's amd-aiter"
+    return Capabilities(
+        megatron=megatron_facts(),
+        te_version=te_version,
+        te_fused_qkv_rope=te_rope,
+        te_cross_entropy=te_ce,
+        apex_fused_wgrad=apex,
+        wgrad_fallback=fallback,
+        aiter_version=aiter_version,
+        notes=notes,
+        **_detect_torch(deep),
+    )
+
+
+def assumed_device(spec: str | None = None) -> str | None:
+    """``cuda`` or ``rocm`` where MEGATRON_PERF_TOGGLES_ASSUME names one (a bad spelling: None;
+    the provider reports it)."""
+    spec = os.environ.get("MEGATRON_PERF_TOGGLES_ASSUME") if spec is None else spec
+    try:
+        return parse_assume(spec).get("device") if spec else None
+    except AssumeError:
+        return None
+
+
+def resolve(spec: str | None, deep: bool = False) -> Capabilities:
+    return with_assumptions(detect(deep=deep), spec)

@@ -1,0 +1,208 @@
+"""One owner of the toggles in a process: environment, capabilities, plan, and applying the plan.
+
+The argparse adapter (``provider``) hands every parse here. :meth:`Controller.plan` decides and
+writes the decisions onto the parsed namespace, and changes nothing else in the process; it is all
+that ``explain`` and the dry run need. :meth:`Controller.apply` does what a real run needs on top:
+the wgrad fallback, the cross-rank check, the start-up table and the provenance record. Every
+process-wide change made there goes through ``patches.PATCHES``, which can undo it.
+
+What a controller is for is said once, by its ``mode``:
+
+- ``run``: a training run on this machine. Plans, then applies.
+- ``dry-run``: the launcher's dry run on this machine. Plans (capabilities detected here, the
+  resumed checkpoint compared) and lets the safety net watch Megatron's validation; applies nothing.
+- ``plan``: planning for another machine (``explain`` on a recorded surface): the capabilities
+  are given, nothing of this machine is consulted and nothing is applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..core.ckpt_layout import checkpoint_facts
+from ..core.decide import Decision, Message, Plan, decide
+from ..core.env import EnvSettings, read_env
+from ..core.facts import Capabilities
+from . import provenance, resume
+from .capabilities import resolve
+
+Mode = Literal["run", "dry-run", "plan"]
+MODES: tuple[Mode, ...] = ("run", "dry-run", "plan")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<decided after parsing>"
+
+
+UNSET: Any = _Unset()  # the default of every watched dest: "the command line did not say"
+
+
+@dataclass
+class Registration:
+    """What the argparse adapter learned from one parser: enough to plan each of its parses."""
+
+    controller: Controller
+    stock: dict[str, Any]  # Megatron's own defaults of the watched dests
+    watched: tuple[str, ...]  # the dests whose command-line value we must tell from a default
+    added_flags: list[str] = field(default_factory=list)  # the flag forms this parser lacked
+
+
+@dataclass
+class Outcome:
+    """One parse's plan, what it rests on, and what it changed on the namespace."""
+
+    plan: Plan
+    capabilities: Capabilities
+    writer: dict[str, Any] | None  # the launch that wrote the checkpoint being resumed, if known
+    original_dirs: dict[str, str]  # log directories as given, before the precision tag
+
+
+_PROCESS: Controller | None = None
+
+
+def process_controller() -> Controller | None:
+    """The controller the launcher runs this process with, if any: a provider that calls
+    ``extra_args_provider`` itself (the ROCm fork's combined provider) joins it."""
+    return _PROCESS
+
+
+def use_for_process(controller: Controller | None) -> None:
+    """Set (or, with ``None``, clear) :func:`process_controller`; the launcher's hooks own it."""
+    global _PROCESS
+    _PROCESS = controller
+
+
+class Controller:
+    """The plugin's state in one process: what the environment asked, what was decided, whether
+    the decisions were announced, and which launch this is in the checkpoint's history."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None, *, mode: Mode = "run",
+                 capabilities: Capabilities | None = None, announce: bool = True) -> None:
+        """``read_env`` validates every variable here, so a bad value is one error before any parse."""
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        environ = os.environ if environ is None else environ
+        self.env: EnvSettings = read_env(environ)
+        self.environ = dict(environ)
+        self.mode = mode
+        self.capabilities = capabilities  # fixed for a plan; detected per parse otherwise
+        self.announce = announce and mode == "run"
+        self.announced = False  # the start-up table went out (once per process, not per parse)
+        self.launch_id: str | None = None  # this launch's line in perf_toggles_history.jsonl
+        self.last: Outcome | None = None
+
+    @property
+    def here(self) -> bool:
+        """Whether the decisions are for this machine (not a plan for another one)."""
+        return self.mode != "plan"
+
+    # -- planning: decisions onto the namespace, nothing else ------------------------------------
+
+    def plan(self, ns: argparse.Namespace, reg: Registration) -> Plan:
+        """Decide for this parse and write the decisions onto ``ns``. No other side effect; a
+        PerfTogglesError (a request that cannot be honoured) propagates."""
+        explicit: dict[str, Any] = {}
+        for dest in reg.watched:
+            value = getattr(ns, dest, UNSET)
+            if value is UNSET:
+                setattr(ns, dest, reg.stock.get(dest))
+            else:
+                explicit[dest] = value
+        writer = resume.checkpoint_writer(vars(ns))  # reading the resumed run's history is safe
+        caps = self.capabilities or resolve(self.env.assume)
+        plan = decide(vars(ns), explicit, self.env, caps, reg.stock, checkpoint=writer)
+        original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
+        for dest, decision in plan.decisions.items():
+            setattr(ns, dest, decision.value)
+        for dest, path in plan.log_dirs.items():
+            setattr(ns, dest, path)
+        ns.perf_toggles_precision = plan.precision
+        ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+        if self.here:
+            if caps.assumed:
+                plan.messages.append(Message("warning", "MEGATRON_PERF_TOGGLES_ASSUME is set: these decisions rest "
+                                             "on planned capabilities, not on this machine's"))
+            plan.messages.extend(resume.compare_with_checkpoint(writer, ns.perf_toggles))
+        self.last = Outcome(plan, caps, writer, original_dirs)
+        return plan
+
+    # -- applying: what a real run needs beyond the namespace -------------------------------------
+
+    def apply(self, ns: argparse.Namespace, reg: Registration) -> None:
+        """After :meth:`plan`: put the plan into effect for this process (``run`` mode only), and
+        let the safety net watch Megatron's validation of ``ns`` (wherever the net is installed)."""
+        outcome = self.last
+        assert outcome is not None, "apply() follows plan()"
+        if self.mode == "run":
+            self._install_wgrad_fallback(outcome)
+            self._arm_rank_check(ns, outcome)
+            if self.announce and self.env.rank == 0 and not self.announced:
+                self.announced = True
+                for line in provenance.lines(outcome.plan, outcome.original_dirs):
+                    print(line, flush=True)
+                self._persist(ns, outcome)
+        net = sys.modules.get(f"{__package__}.safety_net")
+        if net is not None and net.NET.installed:
+            net.NET.watch(ns, reg.stock, functools.partial(self._backed_off, outcome=outcome))
+
+    def _install_wgrad_fallback(self, outcome: Outcome) -> None:
+        if outcome.plan.wgrad_path != "fallback":
+            return
+        from . import wgrad_fallback
+
+        # A fallback that is only assumed (MEGATRON_PERF_TOGGLES_ASSUME) goes in only where it can run.
+        if not outcome.capabilities.is_assumed("wgrad_fallback") or wgrad_fallback.usable()[0]:
+            wgrad_fallback.activate()
+
+    def _arm_rank_check(self, ns: argparse.Namespace, outcome: Outcome) -> None:
+        from . import rank_check
+
+        fp = rank_check.fingerprint(ns.perf_toggles, outcome.capabilities.to_record(), outcome.plan.wgrad_path)
+        rank_check.arm(fp, enabled=self.env.rank_check)
+
+    def _persist(self, ns: argparse.Namespace, outcome: Outcome) -> None:
+        """Rank 0 of a real run: the JSON record beside the logs, and the launch history in --save."""
+        plan, caps = outcome.plan, outcome.capabilities
+        payload = provenance.build_record(plan, caps, self.env.raw_for_record(self.environ), sys.argv)
+        directory = provenance.record_dir(plan, vars(ns))
+        try:
+            if directory:
+                provenance.write_atomic(directory, payload)
+            facts = checkpoint_facts(vars(ns), bool(ns.grad_reduce_in_bf16), caps.megatron.version, caps.torch_version)
+            self.launch_id = self.launch_id or resume.new_launch_id()
+            resume.record_launch(getattr(ns, "save", None), ns.perf_toggles, plan.precision, facts,
+                                 launch_id=self.launch_id)
+        except OSError as error:
+            print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",
+                  file=sys.stderr, flush=True)
+
+    def _backed_off(self, ns: argparse.Namespace, dests: list[str], reason: str, *, outcome: Outcome) -> None:
+        """The safety net turned plugin defaults back to Megatron's values: record it everywhere the
+        first decision went (the plan, ``args.perf_toggles``, the record, the history, the rank check)."""
+        from .safety_net import FOUND_AT_RUN_TIME
+
+        plan = outcome.plan
+        changed = {}
+        for dest in dests:
+            changed[dest] = plan.decisions[dest] = Decision(getattr(ns, dest), "guard", reason)
+        ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+        warning = Message("warning", f"Megatron rejected the plugin default of {', '.join(dests)}, {FOUND_AT_RUN_TIME}; "
+                                     "it was turned back to Megatron's default for this run. Please report it to "
+                                     "megatron-perf-toggles so a guard can cover it.")
+        plan.messages.append(warning)
+        if self.mode != "run":
+            return  # a dry run prints the plan itself; a plan for another machine prints nothing
+        self._arm_rank_check(ns, outcome)
+        if self.env.rank == 0:
+            # The table went out at parse time (from this parse or an earlier one): print what
+            # changed, once, and rewrite the record and this launch's history line.
+            for line in provenance.lines(Plan(changed, plan.precision, {}, [warning], plan.wgrad_path)):
+                print(line, flush=True)
+            self._persist(ns, outcome)

@@ -1,0 +1,91 @@
+"""The one owner of every process-wide change the plugin makes, and of its undo.
+
+Not editing Megatron means changing the process around it: a module in ``sys.modules`` and
+attributes of Megatron's layers (the wgrad fallback), Megatron functions rebound across every
+module that imported them (the parse hooks, the safety net), ``torch.distributed``'s
+``init_process_group`` (the rank check), ``sys.stdout`` in a dry run, ``typing.override`` on
+Pythons before 3.12. Each of those goes through :data:`PATCHES`, which records what was there
+before; ``PATCHES.uninstall()`` puts every change back, newest first, so that a test, ``explain``
+or an application embedding Megatron can return the process to where it was.
+
+A :class:`ProcessPatches` of one's own is a scoped owner: the dry run's stand-ins for the planned
+world and GPU use one for the length of Megatron's parse and validate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+_MISSING: Any = object()
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change to the process: what it was (for people) and how to take it back."""
+
+    label: str
+    undo: Callable[[], None]
+
+
+def _current(owner: Any, name: str) -> Any:
+    # The owner's own namespace, not a module's __getattr__ (Megatron and our stand-ins define
+    # one); an inherited class attribute counts as absent, so undo deletes the copy set here.
+    try:
+        return vars(owner).get(name, _MISSING)
+    except TypeError:  # no __dict__ (slots)
+        return getattr(owner, name, _MISSING)
+
+
+class ProcessPatches:
+    """Records changes as they are made; :meth:`uninstall` undoes them in reverse order."""
+
+    def __init__(self) -> None:
+        self._changes: list[Change] = []
+
+    def set_attr(self, owner: Any, name: str, value: Any, label: str | None = None) -> None:
+        """``setattr(owner, name, value)``, remembering the old value (or its absence)."""
+        old = _current(owner, name)
+
+        def undo() -> None:
+            if old is _MISSING:
+                try:
+                    delattr(owner, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(owner, name, old)
+
+        setattr(owner, name, value)
+        self._changes.append(Change(label or f"{getattr(owner, '__name__', type(owner).__name__)}.{name}", undo))
+
+    def set_item(self, mapping: MutableMapping[str, Any], key: str, value: Any, label: str | None = None) -> None:
+        """``mapping[key] = value`` (``sys.modules``, ``os.environ``), remembering the old entry."""
+        old = mapping.get(key, _MISSING)
+
+        def undo() -> None:
+            if old is _MISSING:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = old
+
+        mapping[key] = value
+        self._changes.append(Change(label or f"[{key!r}]", undo))
+
+    def on_uninstall(self, label: str, undo: Callable[[], None]) -> None:
+        """A change made elsewhere (rebinding a function across modules) with its own undo."""
+        self._changes.append(Change(label, undo))
+
+    def uninstall(self) -> None:
+        """Undo every recorded change, newest first. Idempotent."""
+        while self._changes:
+            self._changes.pop().undo()
+
+    @property
+    def labels(self) -> list[str]:
+        """What is changed right now, oldest first."""
+        return [c.label for c in self._changes]
+
+
+PATCHES = ProcessPatches()

@@ -1,0 +1,86 @@
+"""The startup table (one line per decision, rank 0) and the atomic JSON record."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .._version import __version__
+from ..core.decide import Plan
+from ..core.facts import Capabilities
+from ..core.precision import LOG_DIR_DESTS
+from ..core.registry import format_value
+from ..errors import PREFIX
+
+RECORD_NAME = "perf_toggles.json"
+
+
+def jsonable(value: Any, *, enum_name: bool = False, other: Callable[[Any], Any] = str) -> Any:
+    """``value`` as JSON data, for the records a dry run prints and the surfaces we record:
+    scalars as they are, sequences and mappings element by element, anything else through
+    ``other``. ``enum_name`` writes an enum member as its name (what a command line spells)."""
+    if enum_name and isinstance(value, enum.Enum):
+        return value.name
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v, enum_name=enum_name, other=other) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, enum_name=enum_name, other=other) for k, v in value.items()}
+    return other(value)
+
+
+def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
+    out = [f"{PREFIX} {dest}: {format_value(d.value)} ({d.source}; {d.reason})" for dest, d in plan.decisions.items()]
+    for dest, path in plan.log_dirs.items():
+        before = (original_dirs or {}).get(dest)
+        note = "already tagged" if before == path else f"tagged by precision {plan.precision}"
+        out.append(f"{PREFIX} {dest}: {path} ({note})")
+    out.extend(f"{PREFIX} {m.level}: {m.text}" for m in plan.messages)
+    return out
+
+
+def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], command: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "package": "megatron-perf-toggles",
+        "version": __version__,
+        "precision": plan.precision,
+        "decisions": {dest: d.to_record() for dest, d in plan.decisions.items()},
+        "log_dirs": plan.log_dirs,
+        "wgrad_path": plan.wgrad_path,
+        "messages": [{"level": m.level, "text": m.text} for m in plan.messages],
+        "capabilities": caps.to_record(),
+        "environment": environ,
+        "command": command,
+    }
+
+
+def record_dir(plan: Plan, args: dict[str, Any]) -> str | None:
+    """The tagged tensorboard dir, else the tagged wandb dir, else the untagged ones."""
+    for dest in LOG_DIR_DESTS:
+        path = plan.log_dirs.get(dest) or args.get(dest)
+        if path:
+            return str(path)
+    return None
+
+
+def write_atomic(directory: str, payload: dict[str, Any], name: str = RECORD_NAME) -> str:
+    """Temp file in the same directory + rename: readers never see a half-written record."""
+    import tempfile
+
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(payload, fh, indent=1, sort_keys=True, default=str)
+            fh.write("\n")
+        target = os.path.join(directory, name)
+        os.replace(tmp, target)
+        return target
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,126 @@
+"""Resume safety: warn when a resumed run's toggles differ from those of the run that wrote the checkpoint.
+
+Each launch appends one line to ``perf_toggles_history.jsonl`` in ``--save``: the checkpoint
+iteration it started from and its decisions. The checkpoint a resume loads (iteration L, from
+Megatron's ``latest_checkpointed_iteration.txt``) was written by the last launch that started
+before L, so a launch that crashed before saving never masks the real one. Most toggles change
+numerics only, so a difference is a warning that names it. GRAD_REDUCE_IN_BF16 can also change
+the optimizer checkpoint's layout (ckpt_layout.py): the entry records that layout, and a guard in
+decide.py keeps the saved value where the other one could not load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..core.decide import Message
+from ..core.registry import format_value
+
+HISTORY_NAME = "perf_toggles_history.jsonl"
+TRACKER_NAME = "latest_checkpointed_iteration.txt"  # written by Megatron next to its checkpoints
+
+
+def latest_iteration(directory: str | None) -> int | None:
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, TRACKER_NAME)) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "release" checkpoints carry no iteration
+
+
+def _history(directory: str) -> list[dict[str, Any]]:
+    entries = []
+    try:
+        with open(os.path.join(directory, HISTORY_NAME)) as fh:
+            for line in fh:
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue  # a torn line from a killed launch
+                if isinstance(entry, dict) and isinstance(entry.get("decisions", {}), dict):
+                    entries.append(entry)
+    except OSError:
+        return []
+    return entries
+
+
+def loaded_iteration(args: Mapping[str, Any]) -> int | None:
+    """The iteration Megatron will resume from: ``--ckpt-step`` if given, else the newer of the
+    persistent tracker in ``--load`` and a global non-persistent one. (A local non-persistent
+    checkpoint is found by Megatron's checkpoint manager at run time; it is not looked at here.)"""
+    load_dir = args.get("load")
+    if not load_dir:
+        return None
+    if args.get("ckpt_step"):
+        return int(args["ckpt_step"])
+    found = [latest_iteration(load_dir)]
+    if args.get("non_persistent_ckpt_type") == "global":
+        found.append(latest_iteration(args.get("non_persistent_global_ckpt_dir")
+                                      or os.path.join(load_dir, "non_persistent")))
+    known = [i for i in found if i]
+    return max(known) if known else None
+
+
+def checkpoint_writer(args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the launch that wrote the checkpoint this run resumes recorded, or None. The history
+    lives beside ``--load`` (the run that saved there appended to it)."""
+    loaded = loaded_iteration(args)
+    if not loaded:
+        return None
+    writers = [e for e in _history(str(args["load"])) if int(e.get("start_iteration") or 0) < loaded]
+    if not writers:
+        return None
+    return {**writers[-1], "iteration": loaded, "load_dir": args["load"]}
+
+
+def compare_with_checkpoint(writer: Mapping[str, Any] | None,
+                            decisions: Mapping[str, Mapping[str, Any]]) -> list[Message]:
+    """A warning naming each toggle that differs from the checkpoint writer's (after the guards,
+    which already restored any value the checkpoint layout depends on)."""
+    if not writer:
+        return []
+    before_values = writer.get("decisions", {})
+    diffs = [f"{dest} {format_value(before_values[dest])} -> {format_value(now.get('value'))}"
+             for dest, now in decisions.items() if dest in before_values and before_values[dest] != now.get("value")]
+    if not diffs:
+        return []
+    return [Message("warning", f"resuming from {writer.get('load_dir')} (iteration {writer.get('iteration')}) with "
+                    "different toggles than the run that saved it: " + ", ".join(diffs)
+                    + " (numerics change; the checkpoint layout does not)")]
+
+
+def new_launch_id() -> str:
+    """An id for one launch's history line, so the same launch can rewrite it."""
+    return f"{os.getpid()}-{time.time_ns()}"
+
+
+def record_launch(save_dir: str | None, decisions: Mapping[str, Mapping[str, Any]], precision: str,
+                  checkpoint_facts: Mapping[str, Any] | None = None, launch_id: str | None = None) -> None:
+    """Append this launch (rank 0 only) to the history beside the checkpoints, with what its
+    checkpoints will look like (ckpt_layout.checkpoint_facts)."""
+    if not save_dir:
+        return
+    os.makedirs(save_dir, exist_ok=True)
+    entry: dict[str, Any] = {"start_iteration": latest_iteration(save_dir) or 0, "precision": precision,
+                             "decisions": {dest: d.get("value") for dest, d in decisions.items()},
+                             **(checkpoint_facts or {})}
+    path = os.path.join(save_dir, HISTORY_NAME)
+    if launch_id:
+        entry["launch"] = launch_id
+        marker = f'"launch": "{launch_id}"'
+        if os.path.exists(path):
+            # This launch wrote its line already (the safety net changed a decision since): replace it.
+            with open(path) as fh:
+                lines = fh.readlines()
+            if any(marker in line for line in lines):
+                with open(path, "w") as fh:
+                    fh.writelines(line for line in lines if marker not in line)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(entry, sort_keys=True) + "\n")

@@ -1,0 +1,1 @@
+"""``megatron-perf-toggles ablate``: experiment designs, the runner, its statistics and the log parser."""

@@ -1,0 +1,148 @@
+"""Arms of a controlled toggle experiment: which toggles and settings each arm sets.
+
+Every arm sets every design variable explicitly (toggles through their environment variables,
+other settings through their Megatron flags), so nothing an arm inherits from the caller's
+environment can differ between arms.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ...core.registry import BY_DEST, TOGGLES, flag_of
+from ...errors import PerfTogglesError
+
+DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline")
+OTHERS = ("inherit", "off", "on")
+DEFAULT_TOGGLES = tuple(t.dest for t in TOGGLES if t.kind == "bool")
+
+
+class DesignError(PerfTogglesError):
+    """The experiment is ill-specified (unknown design, toggle or setting, or no arms)."""
+
+
+@dataclass(frozen=True)
+class Vary:
+    name: str  # a toggle dest or a Megatron argument dest
+    values: tuple[str, ...]
+
+
+    @property
+    def flag(self) -> str:
+        return flag_of(self.name)
+
+
+@dataclass
+class Arm:
+    name: str
+    toggles: dict[str, bool]  # dest -> intended value
+    settings: dict[str, str] = field(default_factory=dict)  # Megatron dest -> value (from --vary)
+    baseline: bool = False
+    # Toggles that take no part but are pinned to one value in every arm (--others off|on).
+    fixed: dict[str, bool] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        return {BY_DEST[d].env: "1" if v else "0" for d, v in {**self.fixed, **self.toggles}.items()}
+
+    def extra_args(self) -> list[str]:
+        out: list[str] = []
+        for name, value in self.settings.items():
+            out += [flag_of(name), value]
+        return out
+
+    def intended(self) -> dict[str, object]:
+        return {**self.toggles, **self.settings}
+
+    def pinned(self) -> dict[str, bool]:
+        """Every toggle value this arm sets: the design's toggles and the pinned others."""
+        return {**self.fixed, **self.toggles}
+
+    def signature(self) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+        """What the arm's process gets (environment and extra arguments): equal means the same run."""
+        return tuple(sorted(self.env().items())), tuple(self.extra_args())
+
+
+def parse_toggles(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return DEFAULT_TOGGLES
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise DesignError("--toggles is empty", f"choose from: {', '.join(DEFAULT_TOGGLES)}")
+    for n in names:
+        if n not in DEFAULT_TOGGLES:
+            raise DesignError(f"--toggles: unknown toggle {n!r}", f"choose from: {', '.join(DEFAULT_TOGGLES)}")
+    if len(set(names)) != len(names):
+        raise DesignError("--toggles names a toggle twice")
+    return names
+
+
+def parse_vary(items: list[str] | None, known_args: set[str] | None = None) -> list[Vary]:
+    """``NAME=V1,V2``. NAME is a toggle dest or, if ``known_args`` is given, one of those dests."""
+    out: list[Vary] = []
+    for item in items or []:
+        name, sep, values = item.partition("=")
+        name = name.strip().replace("-", "_").lstrip("_")
+        vals = tuple(v.strip() for v in values.split(",") if v.strip())
+        if not sep or not name or len(vals) < 2:
+            raise DesignError(f"--vary {item!r}: expected NAME=V1,V2[,...] with at least two values")
+        if name in BY_DEST and BY_DEST[name].kind == "bool":
+            raise DesignError(f"--vary {name}: on/off toggles take part through --toggles, not --vary")
+        if name not in BY_DEST and known_args is not None and name not in known_args:
+            raise DesignError(f"--vary {item!r}: unknown name {name!r}: neither a toggle nor a Megatron argument",
+                              f"toggles: {', '.join(DEFAULT_TOGGLES)}")
+        if len(set(vals)) != len(vals):
+            raise DesignError(f"--vary {item!r}: a value is listed twice")
+        out.append(Vary(name, vals))
+    return out
+
+
+def _label(toggles: dict[str, bool], settings: dict[str, str]) -> str:
+    on = [d for d, v in toggles.items() if v]
+    parts = ["+".join(on) if on else "all-off"]
+    parts += [f"{k}={v}" for k, v in settings.items()]
+    return ",".join(parts)
+
+
+def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str = "inherit") -> list[Arm]:
+    """The design's arms, baseline first. ``others``: what the toggles outside ``toggles`` get in
+    every arm: ``inherit`` (the caller's environment, else the plugin default), ``off`` or ``on``."""
+    if design not in DESIGNS:
+        raise DesignError(f"unknown design {design!r}", f"choose from: {', '.join(DESIGNS)}")
+    if others not in OTHERS:
+        raise DesignError(f"--others {others!r}: choose from {', '.join(OTHERS)}")
+    settings_grid = [dict(zip([v.name for v in vary], combo, strict=True))
+                     for combo in itertools.product(*[v.values for v in vary])] or [{}]
+    if design != "factorial" and len(settings_grid) > 1:
+        raise DesignError(f"--vary needs --design factorial (a {design} design varies one toggle at a time)")
+    arms: list[Arm] = []
+    if design == "one-at-a-time":
+        base = dict.fromkeys(toggles, False)
+        arms.append(Arm("all-off", base, baseline=True))
+        arms += [Arm(f"only:{d}", {**base, d: True}) for d in toggles]
+    elif design == "headline":
+        arms.append(Arm("all-off", dict.fromkeys(toggles, False), baseline=True))
+        arms.append(Arm("all-on", dict.fromkeys(toggles, True)))
+    elif design == "leave-one-out":
+        base = dict.fromkeys(toggles, True)
+        arms.append(Arm("all-on", base, baseline=True))
+        arms += [Arm(f"without:{d}", {**base, d: False}) for d in toggles]
+    else:
+        for settings in settings_grid:
+            for combo in itertools.product((False, True), repeat=len(toggles)):
+                values = dict(zip(toggles, combo, strict=True))
+                arms.append(Arm(_label(values, settings), values, dict(settings)))
+        arms[0].baseline = True
+    if len(arms) < 2 or (not toggles and design == "headline"):
+        raise DesignError(f"design {design!r} with these toggles gives {len(arms)} arm(s); nothing to compare")
+    if others != "inherit":
+        pinned = {d: others == "on" for d in DEFAULT_TOGGLES if d not in toggles}
+        for arm in arms:
+            arm.fixed = dict(pinned)
+    return arms
+
+
+def baseline_of(arms: Sequence[Arm]) -> Arm:
+    """The arm the others are compared with (the first, where none is marked)."""
+    return next((a for a in arms if a.baseline), arms[0])

@@ -1,0 +1,467 @@
+"""``megatron-perf-toggles``: explain, flags, doctor, patch, ablate, surface.
+
+Every command is a subparser of one parser; every error, a usage error included, is one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from typing import Any
+
+from .._version import __version__
+from ..core.decide import Plan, decide
+from ..core.env import read_env
+from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, with_assumptions
+from ..core.precision import LOG_DIR_DESTS
+from ..core.registry import SETTINGS, TOGGLES, format_value
+from ..errors import OneLineArgumentParser, PerfTogglesError, fail
+from ..runtime import provenance
+from ..runtime import target as planned
+from ..runtime.capabilities import detect, megatron_facts, resolve
+from .llama3_8b import LLAMA3_8B_BF16, llama3_8b_args
+from .surfaces import replay
+
+DEFAULT_SURFACE = "main"
+WGRAD_WORDS = {
+    "apex": "APEX fused_weight_gradient_mlp_cuda",
+    "fallback": "torch fallback (addmm, fp32 accumulation) in place of APEX",
+    "off": "off (gradient accumulation fusion is off)",
+    "missing": "none: fusion is on as Megatron's own default (MEGATRON_PERF_TOGGLES=0), and Megatron will need "
+               "APEX's fused_weight_gradient_mlp_cuda at the first backward",
+}
+
+
+# --- explain ----------------------------------------------------------------------------------
+
+
+def _cannot_import(tree: str | None, error: ImportError) -> PerfTogglesError:
+    return PerfTogglesError(
+        f"cannot import Megatron-LM from {tree or 'PYTHONPATH'}: {error}",
+        "pass --megatron /path/to/Megatron-LM (the checkout holding megatron/training)",
+    )
+
+
+def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None,
+                  ) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
+    """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (launcher/megatron_hooks.py): the same
+    providers, parse, validate_args, planned world and GPU; the record is handed back, not printed."""
+    import contextlib
+    import io
+    import runpy
+    from pathlib import Path
+
+    from ..launcher import megatron_hooks as hooks
+    from ..launcher.dry_run import DryRunDone
+    from ..launcher.import_shims import megatron_importable
+    from ..runtime.provider import extra_args_provider
+
+    root = Path(tree)
+    script = root / "pretrain_gpt.py"
+    if not (root / "megatron" / "training" / "arguments.py").is_file() or not script.is_file():
+        raise PerfTogglesError(f"{tree} is not a Megatron-LM checkout (no pretrain_gpt.py and "
+                               "megatron/training/arguments.py there)", "pass --megatron /path/to/Megatron-LM")
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    chatter = io.StringIO()  # Megatron's own printing and warnings; the explanation is ours
+    try:
+        with megatron_importable(tree), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            installed = hooks.hook_parse_path([extra_args_provider], dry_run=True, target=target, capture=True)
+            sys.argv = [str(script), *megatron_args]
+            sys.path.insert(0, str(script.resolve().parent))
+            runpy.run_path(str(script), run_name="__main__")
+    except DryRunDone as done:
+        outcome = installed.outcome()
+        caps = outcome.capabilities if outcome is not None else None
+        if done.plan is None or caps is None:
+            raise PerfTogglesError(f"{script} did not reach the plugin", "is it Megatron's pretrain_gpt.py?") from None
+        label = f"Megatron-LM {caps.megatron.version} at {caps.megatron.path} (its pretrain_gpt.py, parse and validate)"
+        return done.plan, caps, label, done.payload["effective_args"]
+    except SystemExit as done:  # Megatron's argparse refused the command line (its message is the last line)
+        said = [line for line in chatter.getvalue().splitlines() if line.strip()]
+        raise PerfTogglesError(f"Megatron's parser: {said[-1] if said else f'exit {done.code}'}") from None
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        hooks.unhook_parse_path()
+    raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments")
+
+
+def plan_command_line(
+    megatron_args: Sequence[str], tree: str | None = None, surface: str | None = None,
+    environ: dict[str, str] | None = None, target: planned.Target | None = None,
+) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
+    """Decide the toggles for ``megatron_args`` without announcing or writing anything.
+
+    With ``tree``: the launcher's dry run of its pretrain_gpt.py. Without: the recorded surface,
+    with the same capability detection as that dry run (torch and TE imported where installed)."""
+    from ..runtime.controller import Controller
+    from ..runtime.provider import attach
+
+    if tree:
+        return _megatron_run(tree, megatron_args, target)
+    environ = dict(os.environ if environ is None else environ)
+    name = surface or DEFAULT_SURFACE
+    try:
+        recorded = replay.load_surface(name)
+    except KeyError as error:
+        raise PerfTogglesError(str(error.args[0])) from None
+    parser = replay.parser_from_surface(recorded)
+    controller = Controller(environ, mode="plan")  # validates the environment first, as a run would
+    with planned.stand_ins(target):
+        caps = replace(detect(deep=True), megatron=megatron_facts_from_surface(recorded))
+    controller.capabilities = caps = with_assumptions(caps, controller.env.assume)
+    label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
+    attach(parser, controller=controller)
+    ns = parser.parse_args(list(megatron_args))
+    assert controller.last is not None  # the parse went through the controller
+    return controller.last.plan, caps, label, vars(ns)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _caps_summary(caps: Capabilities) -> str:
+    bits = [
+        f"TE {caps.te_version}" if caps.te_version else "no TE",
+        "APEX fused wgrad" if caps.apex_fused_wgrad else "no APEX fused wgrad",
+        f"aiter {caps.aiter_version}" if caps.aiter_version else "no aiter",
+        f"torch {caps.torch_version}" if caps.torch_version else "no torch",
+        f"{caps.device} {caps.gpu_arch}" if caps.gpu_arch else (caps.device or "no device"),
+    ]
+    return ", ".join(bits)
+
+
+FACT_NAMES = (("te_version", "Transformer Engine"), ("apex_fused_wgrad", "APEX fused wgrad"),
+              ("wgrad_fallback", "torch wgrad fallback"), ("aiter_version", "aiter"), ("device", "device"))
+
+
+def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
+    """Where each fact the guards rest on came from: detected here, assumed (ASSUME), planned
+    (--gpu), or the recorded surface / the checkout for Megatron's own."""
+    out = [f"Megatron facts: {megatron_source}"]
+    for name, words in FACT_NAMES:
+        value = getattr(caps, name)
+        if caps.is_assumed(name):
+            source = "assumed (MEGATRON_PERF_TOGGLES_ASSUME)"
+        elif name == "device" and caps.gpu_source and caps.gpu_source != "detected":
+            source = f"planned: {caps.gpu_source}"
+        else:
+            source = "detected"
+        shown = ("yes" if value else "no") if isinstance(value, bool) else (value or "none")
+        out.append(f"{words}: {shown} ({source})")
+    return out
+
+
+def target_from(ns: argparse.Namespace) -> planned.Target:
+    return planned.from_options(ns)
+
+
+def cmd_explain(ns: argparse.Namespace) -> int:
+    megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
+    target = target_from(ns)
+    if not ns.megatron and target.world_size is not None:
+        raise PerfTogglesError("--world-size / --nnodes plan Megatron's validate_args, which needs a checkout",
+                               "add --megatron /path/to/Megatron-LM")
+    plan, caps, label, args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
+                                                target=target)
+    megatron_source = (f"detected in the checkout {caps.megatron.path}" if ns.megatron
+                       else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
+    if ns.json:
+        payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
+        payload["megatron"] = label
+        payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
+        payload["sources"] = fact_sources(caps, megatron_source)
+        print(json.dumps(payload, indent=1, sort_keys=True, default=str))
+        return 0
+    print(f"Megatron: {label}")
+    print(f"Machine:  {_caps_summary(caps)}")
+    print(f"Plan for: {planned.describe(target)}")
+    for line in fact_sources(caps, megatron_source):
+        print(f"  {line}")
+    if not ns.megatron_args:
+        print("Command:  built-in Llama-3-8B bf16 command line (pass your own after --)")
+    print()
+    rows = [[dest, format_value(d.value), d.source, d.reason] for dest, d in plan.decisions.items()]
+    print(_table(rows, ["toggle", "value", "source", "reason"]))
+    print()
+    print(f"precision tag: {plan.precision}")
+    print(f"fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}")
+    for dest in LOG_DIR_DESTS:
+        if args.get(dest):
+            print(f"{dest}: {args[dest]}")
+    if not plan.log_dirs and any(args.get(d) for d in LOG_DIR_DESTS):
+        print("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)")
+    for m in plan.messages:
+        print(f"{m.level}: {m.text}")
+    return 0
+
+
+# --- flags ------------------------------------------------------------------------------------
+
+
+def _stock_flags(tree: str | None, surface: str | None) -> tuple[set[str], dict[str, Any]]:
+    """The option strings the target Megatron has by itself (without the plugin), and its defaults."""
+    if tree:
+        from ..launcher.import_shims import megatron_importable
+        from .surfaces.record import describe_parser, megatron_parser
+
+        with megatron_importable(tree):
+            actions = describe_parser(megatron_parser())
+    else:
+        actions = replay.load_surface(surface or DEFAULT_SURFACE)["actions"]
+    return ({flag for a in actions for flag in a["flags"]},
+            {a["dest"]: a["default"] for a in actions})
+
+
+def cmd_flags(ns: argparse.Namespace) -> int:
+    """The flags the environment implies, decided against the target Megatron: what its guards
+    would turn off is left out (a ``#`` line on stderr says why), so pasting the output into a
+    launch never turns a guarded default into a refused explicit request."""
+    env = read_env(os.environ)
+    megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
+    plan, _caps, _label, _args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
+                                                  target=target_from(ns))
+    stock, defaults = _stock_flags(ns.megatron, ns.megatron_version)
+    words: list[str] = []
+    why_not: list[str] = []
+    for t in TOGGLES:
+        if ns.group != "all" and t.script_bucket != ns.group:
+            continue
+        decision = plan.decisions[t.dest]
+        if t.dest in env.toggles:
+            value = env.toggles[t.dest]
+        elif env.plugin_enabled:
+            value = t.default
+        else:
+            continue  # MEGATRON_PERF_TOGGLES=0: Megatron's defaults, so no flag
+        flag = t.flag_for(value)
+        if decision.value != value:
+            why_not.append(f"# {' '.join(flag)} left out: {decision.reason}")
+        elif flag[0] not in stock and defaults.get(t.dest) == value:
+            why_not.append(f"# {' '.join(flag)} left out: already this Megatron's default")
+        elif flag[0] not in stock:
+            why_not.append(f"# {' '.join(flag)} left out: this Megatron has no {flag[0]} by itself "
+                           "(the launcher or the provider adds it)")
+        else:
+            words.extend(flag)
+    for line in why_not:
+        print(line, file=sys.stderr)
+    print(" ".join(words))
+    return 0
+
+
+# --- doctor -----------------------------------------------------------------------------------
+
+
+def _doctor_megatron(tree: str | None) -> tuple[MegatronFacts | None, str | None]:
+    """The facts of the Megatron in use (importing it, no parser built), or why there is none.
+
+    A checkout named with --megatron that is missing or does not import is an error (exit 2);
+    with none named, "not importable" is part of the report."""
+    import importlib.util
+
+    from ..launcher.import_shims import import_failure, megatron_importable
+
+    if tree is not None and not os.path.isfile(os.path.join(tree, "megatron", "training", "arguments.py")):
+        raise PerfTogglesError(f"--megatron {tree}: not a Megatron-LM checkout (no megatron/training/arguments.py)",
+                               "pass the directory that holds pretrain_gpt.py")
+    if tree is None and importlib.util.find_spec("megatron") is None:
+        return None, "not importable (put the Megatron-LM checkout on PYTHONPATH, or pass --megatron PATH)"
+    try:
+        with megatron_importable(tree):
+            import megatron.training.arguments  # noqa: F401 - what megatron_facts() inspects
+    except Exception as error:  # noqa: BLE001 - any import failure is one line
+        what, hint = import_failure(error)
+        if tree is not None:
+            raise PerfTogglesError(f"cannot import Megatron-LM from {tree}: {what}", hint) from None
+        return None, f"cannot import Megatron-LM from PYTHONPATH: {what}"
+    return megatron_facts(), None
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    caps = detect(deep=True)
+    facts, why_not = _doctor_megatron(ns.megatron)
+    if facts is not None:
+        caps = replace(caps, megatron=facts)
+    env = read_env(os.environ)
+    planned = resolve(env.assume) if env.assume else None
+    effective = replace(planned, megatron=caps.megatron) if planned else caps
+    plan = decide(_llama_view(), {}, env, effective)
+    report = {
+        "megatron": asdict(facts) if facts is not None else {"error": why_not},
+        "torch": {"version": caps.torch_version, "device": caps.device},
+        "gpu_arch": caps.gpu_arch,
+        "transformer_engine": {"version": caps.te_version, "fused_qkv_rope_kernel": caps.te_fused_qkv_rope,
+                               "cross_entropy_kernel": caps.te_cross_entropy},
+        "apex_fused_wgrad": caps.apex_fused_wgrad,
+        "aiter": caps.aiter_version,
+        "notes": caps.notes,
+        "toggles_here": {dest: d.to_record() for dest, d in plan.decisions.items()},
+        "assumed": list(effective.assumed),
+        "wgrad_path": plan.wgrad_path,
+    }
+    if ns.json:
+        print(json.dumps(report, indent=1, sort_keys=True, default=str))
+        return 0
+    yes = {True: "yes", False: "no", None: "unknown"}
+    print(f"megatron-perf-toggles {__version__}, Python {sys.version.split()[0]}")
+    if facts is not None:
+        print(f"Megatron-LM:        {facts.version} at {facts.path}")
+        print(f"  fused_single_qkv_rope field: {yes[facts.fused_single_qkv_rope_field]}; "
+              f"asserts te cross entropy: {yes[facts.asserts_te_cross_entropy]}")
+    else:
+        print(f"Megatron-LM:        {why_not}")
+    backend = {"rocm": "ROCm/HIP", "cuda": "CUDA", "cpu": "CPU only"}.get(caps.device or "", "")
+    print(f"torch:              {caps.torch_version or 'not installed'} {backend}".rstrip())
+    print(f"GPU architecture:   {caps.gpu_arch or 'none visible'}")
+    print(f"Transformer Engine: {caps.te_version or 'not installed'}"
+          + (f" (fused QKV RoPE kernel: {yes[caps.te_fused_qkv_rope]}, "
+             f"cross-entropy kernel: {yes[caps.te_cross_entropy]})" if caps.te_version else ""))
+    print(f"APEX fused wgrad:   {yes[caps.apex_fused_wgrad]}")
+    print(f"aiter (AMD):        {caps.aiter_version or 'not installed'}")
+    print(f"fused wgrad path:   {WGRAD_WORDS[plan.wgrad_path]}")
+    for note in caps.notes.values():
+        print(f"  note: {note}")
+    print()
+    label = "Toggles on this machine" + (" (planned via MEGATRON_PERF_TOGGLES_ASSUME)" if env.assume else "")
+    print(f"{label}, for a Llama-style bf16 run:")
+    rows = [[dest, format_value(d.value), d.reason] for dest, d in plan.decisions.items()]
+    print(_table(rows, ["toggle", "value", "why"]))
+    return 0
+
+
+def _llama_view() -> dict[str, Any]:
+    return llama3_8b_args("bf16", "position_embedding_type", "num_layers", "optimizer")
+
+
+# --- entry ------------------------------------------------------------------------------------
+
+
+def _env_epilog() -> str:
+    lines = ["environment variables:"]
+    for t in TOGGLES:
+        lines.append(f"  {t.env:<34} {t.help}")
+    for s in SETTINGS:
+        lines.append(f"  {s.env:<34} {s.help}")
+    return "\n".join(lines)
+
+
+def _target_options(parser: argparse.ArgumentParser) -> None:
+    planned.add_options(parser.add_argument_group("what to plan for (as the launcher's --dry-run)"))
+
+
+def build_cli_parser() -> argparse.ArgumentParser:
+    """One parser with a real subparser per command; the offline tools bring their own options."""
+    parser = OneLineArgumentParser(
+        prog="megatron-perf-toggles",
+        description="Default-on Megatron-LM performance toggles: see what they decide, where they can "
+        "run, and wire them into a checkout.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_env_epilog(),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_explain(sub)
+    _add_flags(sub)
+    _add_doctor(sub)
+    _add_tools(sub)
+    return parser
+
+
+def _add_explain(sub: Any) -> None:
+    ex = sub.add_parser("explain", help="show what the toggles and guards decide for a command line",
+                        description="Decide the toggles for a Megatron command line (default: a built-in "
+                        "Llama-3-8B bf16 one) and print value, source and reason for each, the precision "
+                        "tag and the log directories. Nothing runs.")
+    where = ex.add_mutually_exclusive_group()
+    where.add_argument("--megatron", metavar="PATH", help="a Megatron-LM checkout: use its real parser")
+    where.add_argument("--megatron-version", metavar="NAME", choices=replay.available(),
+                       help="plan against a recorded Megatron surface instead (default: main)")
+    ex.add_argument("--json", action="store_true", help="print the provenance record as JSON")
+    _target_options(ex)
+    ex.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
+    ex.set_defaults(func=cmd_explain)
+
+
+def _add_flags(sub: Any) -> None:
+    fl = sub.add_parser("flags", help="print the Megatron flags the environment implies, as the target accepts them",
+                        description="Print the toggle flags that the current environment implies, for shell "
+                        "scripts that keep GPT_ARGS / EXTRA_ARGS buckets and run Megatron without the plugin. "
+                        "The flags are decided against the target Megatron (recorded surface 'main' by default, "
+                        "or --megatron PATH) for a command line (the built-in Llama-3-8B one, or yours after --): "
+                        "a flag whose default a guard turns off, or that the target lacks without the plugin, "
+                        "is left out, with a '#' line on stderr saying why. stdout holds the flags alone.")
+    fl.add_argument("--group", choices=("gpt", "extra", "all"), default="all",
+                    help="gpt: transformer and mixed-precision flags, plus gradient accumulation fusion (as the "
+                    "originating train_llama3.sh routed it); extra: distributed and training flags")
+    where = fl.add_mutually_exclusive_group()
+    where.add_argument("--megatron", metavar="PATH", help="a Megatron-LM checkout to decide against")
+    where.add_argument("--megatron-version", metavar="NAME", choices=replay.available(),
+                       help="a recorded Megatron surface to decide against (default: main)")
+    _target_options(fl)
+    fl.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
+    fl.set_defaults(func=cmd_flags)
+
+
+def _add_doctor(sub: Any) -> None:
+    doc = sub.add_parser("doctor", help="report what this machine has and which toggles can be on here",
+                         description="Report Megatron, torch (ROCm/CUDA), GPU architecture, Transformer Engine "
+                         "and its kernels, APEX and aiter, then which toggles can be on here and why not.")
+    doc.add_argument("--megatron", metavar="PATH", help="a Megatron-LM checkout (default: whatever is importable)")
+    doc.add_argument("--json", action="store_true", help="print the report as JSON")
+    doc.set_defaults(func=cmd_doctor)
+
+
+def _add_tools(sub: Any) -> None:
+    """patch, ablate, surface: each tool declares its options once, for its own module's parser too."""
+    from . import patching
+    from .ablate import runner as ablate
+    from .surfaces import record
+
+    pa = sub.add_parser("patch", help="apply the matching patch from patches/ to a Megatron-LM checkout",
+                        description=patching.DESCRIPTION, allow_abbrev=False, message_prefix="")
+    patching.add_arguments(pa)
+    pa.set_defaults(func=patching.run)
+    ab = sub.add_parser("ablate", help="controlled toggle experiments that cannot be confounded",
+                        description=ablate.DESCRIPTION, epilog=ablate.EPILOG)
+    ablate.add_arguments(ab)
+    ab.set_defaults(func=ablate.run_ablation)
+    su = sub.add_parser("surface", help="record a Megatron tree's argparse surface as JSON facts",
+                        description=record.DESCRIPTION)
+    record.add_arguments(su)
+    su.set_defaults(func=record.run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, run the command; every PerfTogglesError, a usage error included, is one line and exit 2."""
+    parser = build_cli_parser()
+    try:
+        ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        if ns.command is None:
+            parser.print_help()
+            return 2
+        if ns.command in ("explain", "flags") and ns.megatron_args[:1] == ["--"]:
+            ns.megatron_args = ns.megatron_args[1:]
+        return ns.func(ns)
+    except PerfTogglesError as error:
+        fail(error)
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
+    try:
+        return ns.func(ns)
+    except PerfTogglesError as error:
+        fail(error)
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
+    return 2

@@ -1,0 +1,103 @@
+"""README tables generated from the registry and the recorded surfaces (a test keeps them equal).
+
+``python -m megatron_perf_toggles.tools.readme_tables`` prints them.
+"""
+
+from __future__ import annotations
+
+from ..core.megatron_rules import rules_table
+from ..core.registry import SETTINGS, TOGGLES, format_value
+from .surfaces import replay
+
+BEGIN = "<!-- generated:{name} begin -->"
+END = "<!-- generated:{name} end -->"
+
+
+def _default_words(value: object) -> str:
+    return format_value(value) if isinstance(value, bool) else f"`{format_value(value)}`"
+
+
+def toggles_table() -> str:
+    rows = ["| env var | Megatron dest | default | flags | group | script bucket | what it does |",
+            "|---|---|---|---|---|---|---|"]
+    for t in TOGGLES:
+        flags = " / ".join(f"`{f}`" for f in t.flags)
+        if t.kind == "choice":
+            flags = f"`{t.flag} {{{','.join(t.choices)}}}`"
+        rows.append(f"| `{t.env}` | `{t.dest}` | {_default_words(t.default)} | {flags} | {t.group} | "
+                    f"{t.script_bucket} | {t.help} |")
+    return "\n".join(rows)
+
+
+def settings_table() -> str:
+    rows = ["| env var | default | meaning |", "|---|---|---|"]
+    for s in SETTINGS:
+        rows.append(f"| `{s.env}` | {('`' + s.default + '`') if s.default else 'unset'} | {s.help} |")
+    return "\n".join(rows)
+
+
+def _cell(surface: dict, t) -> str:
+    flags = {f for a in surface["actions"] for f in a["flags"]}
+    facts = replay.surface_facts(surface)
+    native = [f for f in t.flags if f in flags]
+    if t.dest == "fused_single_qkv_rope" and facts.get("fused_single_qkv_rope_field") is False:
+        return "guard: off (no field)"
+    if t.dest == "cross_entropy_fusion_impl" and facts.get("asserts_te_cross_entropy"):
+        return "guard: te→native"
+    if len(native) == len(t.flags):
+        return "native"
+    if not native:
+        return "+on/off flags"
+    return "+on flag" if t.flag not in flags else "+off flag"
+
+
+def compatibility_table() -> str:
+    """Per recorded Megatron: what the plugin adds or guards for each toggle, and its parse hook."""
+    header = "| Megatron | " + " | ".join(f"`{t.dest}`" for t in TOGGLES) + " | parses via |"
+    rows = [header, "|---|" + "---|" * (len(TOGGLES) + 1)]
+    for name in replay.available():
+        surface = replay.load_surface(name)
+        facts = replay.surface_facts(surface)
+        hook = "`parse_and_validate_args`" if facts.get("has_parse_and_validate_args") else "`pretrain(extra_args_provider=)`"
+        cells = " | ".join(_cell(surface, t) for t in TOGGLES)
+        rows.append(f"| {name.replace('core_v', '')} | {cells} | {hook} |")
+    return "\n".join(rows)
+
+
+TABLES = {"toggles": toggles_table, "settings": settings_table, "compatibility": compatibility_table,
+          "megatron-rules": rules_table}
+
+
+def render_block(name: str) -> str:
+    return f"{BEGIN.format(name=name)}\n{TABLES[name]()}\n{END.format(name=name)}"
+
+
+def update(text: str) -> str:
+    """``text`` with every generated block replaced by its current rendering."""
+    import re
+
+    for name in TABLES:
+        pattern = re.escape(BEGIN.format(name=name)) + r".*?" + re.escape(END.format(name=name))
+        text = re.sub(pattern, lambda _m, n=name: render_block(n), text, flags=re.S)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="Print the generated README tables, or rewrite them in place.")
+    ap.add_argument("--write", metavar="FILE", help="rewrite the generated blocks inside FILE (e.g. README.md)")
+    ns = ap.parse_args(argv)
+    if ns.write:
+        path = Path(ns.write)
+        path.write_text(update(path.read_text()))
+        return 0
+    for table in TABLES:
+        print(render_block(table))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

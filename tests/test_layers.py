@@ -1,0 +1,95 @@
+"""The package's layers import one way: tools -> launcher -> runtime -> core, errors at the bottom.
+
+Every import statement counts, the ones inside functions too: a lazy import back up is still a
+cycle waiting to happen, and the reason the layering is worth having is that it can be read off
+the folders.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+PACKAGE = "megatron_perf_toggles"
+ROOT = REPO / PACKAGE
+# Lower rank = lower layer. The entry points at the top (the public face, ``python -m`` names and
+# the name patched checkouts import) may import anything.
+RANKS = {"_version": 0, "errors": 0, "core": 1, "runtime": 2, "launcher": 3, "tools": 4}
+ENTRY_RANK = 5
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _rank(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:  # the package's own __init__
+        return ENTRY_RANK
+    return RANKS.get(parts[1], ENTRY_RANK)
+
+
+def _imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import of this package in ``path`` (or ``source``, as if
+    it were that file)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source, str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == PACKAGE]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != PACKAGE:
+                continue
+            for alias in node.names:  # ``from . import x`` imports the module x, if there is one
+                sub = f"{module}.{alias.name}"
+                is_module = (REPO / sub.replace(".", "/")).with_suffix(".py").is_file() or \
+                    (REPO / sub.replace(".", "/") / "__init__.py").is_file()
+                out.append((node.lineno, sub if is_module else module))
+    return out
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_import_goes_up_a_layer(path: Path) -> None:
+    here = _module_name(path)
+    upward = [f"line {line}: {module}" for line, module in _imports(path) if _rank(module) > _rank(here)]
+    assert not upward, f"{here} imports from a higher layer: {upward}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "core").rglob("*.py")), ids=lambda p: p.name)
+def test_core_imports_only_the_standard_library(path: Path) -> None:
+    """The policy stays pure: no torch, Megatron or Transformer Engine, not even lazily."""
+    allowed = set(sys.stdlib_module_names) | {PACKAGE}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append(node.module or "")
+    assert {m.split(".")[0] for m in found} <= allowed, found
+
+
+def test_the_layering_test_sees_an_upward_import() -> None:
+    """A test that cannot fail proves nothing: upward imports in a core module are caught, the
+    package's ``__init__`` (``from .. import __version__``) included."""
+    probe = ROOT / "core" / "decide.py"
+    source = "def f():\n    from ..runtime import provider\n    from .. import __version__\n"
+    found = [(m, _rank(m)) for _, m in _imports(probe, source)]
+    assert found == [(f"{PACKAGE}.runtime.provider", 2), (PACKAGE, ENTRY_RANK)]
+    assert all(rank > _rank(_module_name(probe)) for _, rank in found)

@@ -1,0 +1,127 @@
+"""Every process-wide change has one owner, and after ``PATCHES.uninstall()`` the process is as it was.
+
+The Megatron and torch modules here are small fakes put into ``sys.modules``: the point is what
+the plugin changes around them, not what they do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+import typing
+
+import pytest
+
+from megatron_perf_toggles.launcher import megatron_hooks
+from megatron_perf_toggles.launcher.import_shims import megatron_importable
+from megatron_perf_toggles.runtime import rank_check, safety_net, wgrad_fallback
+from megatron_perf_toggles.runtime.controller import Controller
+from megatron_perf_toggles.runtime.patches import PATCHES, ProcessPatches
+
+
+def test_set_attr_and_set_item_are_undone_newest_first() -> None:
+    owner = types.SimpleNamespace(kept=1)
+    table: dict[str, int] = {"a": 1}
+    patches = ProcessPatches()
+    patches.set_attr(owner, "kept", 2)
+    patches.set_attr(owner, "kept", 3)
+    patches.set_attr(owner, "added", 4)
+    patches.set_item(table, "a", 5)
+    patches.set_item(table, "b", 6)
+    undone: list[str] = []
+    patches.on_uninstall("custom", lambda: undone.append("custom"))
+    assert (owner.kept, owner.added, table) == (3, 4, {"a": 5, "b": 6})
+    patches.uninstall()
+    assert vars(owner) == {"kept": 1} and table == {"a": 1} and undone == ["custom"]
+    patches.uninstall()  # idempotent
+    assert patches.labels == []
+
+
+def _fake_megatron(monkeypatch: pytest.MonkeyPatch) -> dict[str, types.ModuleType]:
+    """megatron.training.{arguments,initialize,training}, the tensor-parallel layers, torch.distributed."""
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--bf16", action="store_true")
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser) or parser
+        return parser.parse_args([])
+
+    def validate_args(args, defaults=None):
+        return args
+
+    def initialize_megatron(extra_args_provider=None, args_defaults=None):
+        return parse_args(extra_args_provider)
+
+    modules = {name: types.ModuleType(name) for name in (
+        "megatron", "megatron.training", "megatron.training.arguments", "megatron.training.initialize",
+        "megatron.training.training", "megatron.core.tensor_parallel.layers", "torch", "torch.distributed")}
+    modules["megatron.training.arguments"].parse_args = parse_args  # type: ignore[attr-defined]
+    modules["megatron.training.arguments"].validate_args = validate_args  # type: ignore[attr-defined]
+    modules["megatron.training.initialize"].initialize_megatron = initialize_megatron  # type: ignore[attr-defined]
+    modules["megatron.training.initialize"].parse_args = parse_args  # imported by name, as Megatron does
+    dist = modules["torch.distributed"]
+    dist.init_process_group = lambda *a, **k: None  # type: ignore[attr-defined]
+    dist.is_available = lambda: True  # type: ignore[attr-defined]
+    dist.is_initialized = lambda: False  # type: ignore[attr-defined]
+    modules["torch"].distributed = dist  # type: ignore[attr-defined]
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delitem(sys.modules, wgrad_fallback.MODULE_NAME, raising=False)
+    return modules
+
+
+def test_after_uninstall_the_process_is_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    PATCHES.uninstall()  # start from a process that carries nothing of an earlier test
+    modules = _fake_megatron(monkeypatch)
+    monkeypatch.delattr(typing, "override", raising=False)  # as on Python < 3.12
+    arguments, initialize = modules["megatron.training.arguments"], modules["megatron.training.initialize"]
+    layers, dist = modules["megatron.core.tensor_parallel.layers"], modules["torch.distributed"]
+    before = {
+        "modules": set(sys.modules), "stdout": sys.stdout, "path": list(sys.path),
+        "override": hasattr(typing, "override"), "parse_args": arguments.parse_args,
+        "parse_args_by_name": initialize.parse_args, "initialize_megatron": initialize.initialize_megatron,
+        "validate_args": arguments.validate_args, "init_process_group": dist.init_process_group,
+        "layers": dict(vars(layers)),
+    }
+
+    with megatron_importable(os.getcwd()):  # typing.override, and the tree on sys.path
+        pass
+    megatron_hooks.hook_parse_path([], dry_run=False)  # parse_args rebound everywhere
+    megatron_hooks.install_from_argv([], environ={"MEGATRON_PERF_TOGGLES_DRY_RUN": "1"})  # stdout -> stderr
+    safety_net.NET.install(arguments)  # validate_args wrapped
+    wgrad_fallback.activate()  # sys.modules entry and the layers' attributes
+    rank_check.arm({"toggles": {}})  # torch.distributed.init_process_group wrapped
+    assert sys.stdout is sys.stderr and hasattr(typing, "override")
+    assert arguments.parse_args is not before["parse_args"] and initialize.parse_args is arguments.parse_args
+    assert arguments.validate_args is not before["validate_args"]
+    assert dist.init_process_group is not before["init_process_group"]
+    assert wgrad_fallback.MODULE_NAME in sys.modules and layers._grad_accum_fusion_available is True
+    assert len(PATCHES.labels) >= 7, PATCHES.labels
+
+    PATCHES.uninstall()
+
+    after = {
+        "modules": set(sys.modules), "stdout": sys.stdout, "path": list(sys.path),
+        "override": hasattr(typing, "override"), "parse_args": arguments.parse_args,
+        "parse_args_by_name": initialize.parse_args, "initialize_megatron": initialize.initialize_megatron,
+        "validate_args": arguments.validate_args, "init_process_group": dist.init_process_group,
+        "layers": dict(vars(layers)),
+    }
+    assert after == before
+    assert megatron_hooks.active() is None and not safety_net.NET.installed and not rank_check._armed
+
+
+def test_a_dry_run_controller_plans_without_touching_the_process() -> None:
+    """plan() writes the decisions onto the namespace and nothing else; a dry run applies nothing."""
+    from megatron_perf_toggles.runtime import provider
+
+    PATCHES.uninstall()
+    controller = Controller({"MEGATRON_PERF_TOGGLES_ASSUME": "cuda,te=2.8"}, mode="dry-run")
+    parser = provider.attach(argparse.ArgumentParser(), controller=controller)
+    args = parser.parse_args([])
+    assert controller.last is not None and controller.last.plan.wgrad_path == "fallback"
+    assert args.perf_toggles == {dest: d.to_record() for dest, d in controller.last.plan.decisions.items()}
+    assert PATCHES.labels == [] and not rank_check._armed and wgrad_fallback.MODULE_NAME not in sys.modules
