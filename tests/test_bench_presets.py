@@ -63,3 +63,31 @@ def test_smoke_path_runs_the_noop_preset_end_to_end(tmp_path):
                                                                             "only:ddp_average_in_collective"]
     assert data["rows"][1]["speedup"]["verdict"] == "no detectable difference"
     assert not list((tmp_path / "out").rglob("checkpoints"))
+
+
+def test_devices_put_one_gpu_parts_side_by_side_and_multi_gpu_parts_alone():
+    parts = ["one-at-a-time", "leave-one-out", "dp2", "fp8-delayed", "fp8-tensorwise"]
+    assert h200_ablate.phases(parts, ["0", "1"]) == [["one-at-a-time", "leave-one-out"], ["dp2"],
+                                                     ["fp8-delayed", "fp8-tensorwise"]]
+    assert h200_ablate.phases(parts, ["0"]) == [[p] for p in parts]  # one GPU: one part at a time
+    assert h200_ablate.phases(parts, []) == [[p] for p in parts]
+
+
+def test_each_part_has_its_own_port_and_keeps_it_across_calls(tmp_path):
+    _, first = _commands(tmp_path, "--parts", "noop,headline,dp2", "--devices", "0,1")
+    _, again = _commands(tmp_path, "--parts", "headline,noop,dp2", "--devices", "0,1")
+    assert first == again  # a resumed part gets the same command (ablate skips runs by command)
+    ns = h200_ablate.argparse.Namespace(port=29511)
+    ports = {p: h200_ablate.part_port(ns, p) for p in h200_ablate.PARTS}
+    assert len(set(ports.values())) == len(ports)
+    assert f"--master-port {ports['dp2']}" in first["dp2"][first["dp2"].index("--launch") + 1]
+
+
+def test_devices_must_cover_a_multi_gpu_part(tmp_path):
+    tree = tmp_path / "Megatron-LM"
+    tree.mkdir()
+    (tree / "pretrain_gpt.py").write_text("")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "h200_ablate.py"), "--megatron", str(tree),
+                           "--out", str(tmp_path / "out"), "--print-only", "--parts", "dp2", "--devices", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs 2 GPUs" in proc.stderr
