@@ -21,6 +21,7 @@ from ..core.registry import TOGGLES
 from ..errors import PerfTogglesError
 from ..runtime import provenance
 from ..runtime import target as planned
+from ..runtime.capabilities import assumed
 from ..runtime.provenance import jsonable
 from .megatron_hooks import Hooks, Provider
 
@@ -76,17 +77,6 @@ class DryRunDone(Exception):
         self.plan = plan
 
 
-def _assumed_te(hooks: Hooks) -> str | None:
-    """The Transformer Engine version MEGATRON_PERF_TOGGLES_ASSUME plans for, if it names one."""
-    from ..core.facts import parse_assume
-
-    spec = os.environ.get("MEGATRON_PERF_TOGGLES_ASSUME")
-    try:
-        return parse_assume(spec).get("te_version") if spec else None
-    except PerfTogglesError:
-        return None  # the provider reports a bad spelling as its one line
-
-
 def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, args_defaults: dict[str, Any],
             parsed_args: argparse.Namespace | None, via: str) -> None:
     """Parse and validate as Megatron's ``via`` would, print the record as JSON, exit 0.
@@ -98,7 +88,7 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     out = hooks.out or sys.stdout
     notes: list[str] = []
     arguments = sys.modules["megatron.training.arguments"]
-    with contextlib.redirect_stdout(sys.stderr), planned.stand_ins(hooks.target, _assumed_te(hooks)):
+    with contextlib.redirect_stdout(sys.stderr), planned.stand_ins(hooks.target, assumed("te_version")):
         if parsed_args is None:
             # Chain explicitly: a provider-less parse that ignores unknown arguments looks like one
             # of Megatron's peeks to the parse_args wrapper, which would leave our providers out.

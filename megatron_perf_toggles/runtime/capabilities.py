@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from ..core.facts import (
@@ -211,14 +212,21 @@ def detect(deep: bool = False) -> Capabilities:
     )
 
 
-def assumed_device(spec: str | None = None) -> str | None:
-    """``cuda`` or ``rocm`` where MEGATRON_PERF_TOGGLES_ASSUME names one (a bad spelling: None;
-    the provider reports it)."""
-    spec = os.environ.get("MEGATRON_PERF_TOGGLES_ASSUME") if spec is None else spec
+def assumed(key: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """One fact MEGATRON_PERF_TOGGLES_ASSUME plans for (``device``, ``te_version``), read through the
+    registry. A bad spelling gives None here: the provider reports it as its one line."""
+    from ..core.env import read_setting
+
+    spec = read_setting("MEGATRON_PERF_TOGGLES_ASSUME", os.environ if environ is None else environ)
     try:
-        return parse_assume(spec).get("device") if spec else None
+        return parse_assume(spec).get(key) if spec else None
     except AssumeError:
         return None
+
+
+def assumed_device() -> str | None:
+    """``cuda`` or ``rocm`` where MEGATRON_PERF_TOGGLES_ASSUME names one."""
+    return assumed("device")
 
 
 def resolve(spec: str | None, deep: bool = False) -> Capabilities:
