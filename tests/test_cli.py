@@ -196,6 +196,32 @@ def test_explain_with_a_real_tree():
     assert str(tree.resolve()) in data["megatron"] and data["precision"] == "bf16"
 
 
+SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+               "--max-position-embeddings", "32", "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer",
+               "--vocab-size", "128", "--mock-data", "--bf16"]
+PLAN_IN_PROCESS = """
+import sys, typing
+from megatron_perf_toggles.runtime.patches import PATCHES
+from megatron_perf_toggles.tools import cli
+override, path = getattr(typing, "override", None), list(sys.path)
+cli.plan_command_line(sys.argv[2:], tree=sys.argv[1])
+import megatron.training.arguments as arguments
+print(PATCHES.labels, hasattr(arguments.validate_args, "__wrapped__"), getattr(typing, "override", None) is override,
+      sys.path == path)
+"""
+
+
+@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: planning on a real tree skipped")
+def test_planning_on_a_real_tree_leaves_the_process_as_it_was():
+    """explain/flags --megatron hook Megatron's parse path and install the safety net as a launch
+    does; afterwards nothing of it is left: no recorded change, validate_args unwrapped, shims gone."""
+    tree = megatron_trees()[-1]
+    proc = subprocess.run([sys.executable, "-c", PLAN_IN_PROCESS, str(tree), *SMALL_MODEL], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.12.0,cuda"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "[] False True True"
+
+
 def test_explain_on_the_fork_surface_takes_an_enum_flag():
     proc = run_cli("explain", "--megatron-version", "rocm_fork", "--json", "--", "--bf16", "--attention-backend",
                    "fused", "--fp4-format", "e2m1", "--fp4-recipe", "mxfp4")

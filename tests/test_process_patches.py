@@ -39,6 +39,19 @@ def test_set_attr_and_set_item_are_undone_newest_first() -> None:
     assert patches.labels == []
 
 
+def test_a_scope_undoes_only_what_was_changed_inside_it() -> None:
+    owner = types.SimpleNamespace(before=1)
+    patches = ProcessPatches()
+    patches.set_attr(owner, "before", 2, "older")
+    with pytest.raises(RuntimeError), patches.scope():
+        patches.set_attr(owner, "inside", 3, "inner")
+        patches.set_attr(owner, "before", 4, "inner again")
+        raise RuntimeError("the block failed: its changes are undone all the same")
+    assert vars(owner) == {"before": 2} and patches.labels == ["older"]
+    patches.uninstall()
+    assert vars(owner) == {"before": 1}
+
+
 def _fake_megatron(monkeypatch: pytest.MonkeyPatch) -> dict[str, types.ModuleType]:
     """megatron.training.{arguments,initialize,training}, the tensor-parallel layers, torch.distributed."""
 

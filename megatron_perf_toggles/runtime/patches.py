@@ -9,12 +9,15 @@ before; ``PATCHES.uninstall()`` puts every change back, newest first, so that a 
 or an application embedding Megatron can return the process to where it was.
 
 A :class:`ProcessPatches` of one's own is a scoped owner: the dry run's stand-ins for the planned
-world and GPU use one for the length of Megatron's parse and validate.
+world and GPU use one for the length of Megatron's parse and validate. :meth:`ProcessPatches.scope`
+does the same for the shared owner: planning in-process (``explain --megatron``) hooks Megatron's
+parse path and installs the safety net like a launch does, and leaves none of it behind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +82,19 @@ class ProcessPatches:
 
     def uninstall(self) -> None:
         """Undo every recorded change, newest first. Idempotent."""
-        while self._changes:
+        self._undo_to(0)
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """Changes recorded inside the block are undone, newest first, when it ends; older ones stay."""
+        mark = len(self._changes)
+        try:
+            yield
+        finally:
+            self._undo_to(mark)
+
+    def _undo_to(self, mark: int) -> None:
+        while len(self._changes) > mark:
             self._changes.pop().undo()
 
     @property

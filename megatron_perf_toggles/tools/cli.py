@@ -39,13 +39,6 @@ WGRAD_WORDS = {
 # --- explain ----------------------------------------------------------------------------------
 
 
-def _cannot_import(tree: str | None, error: ImportError) -> PerfTogglesError:
-    return PerfTogglesError(
-        f"cannot import Megatron-LM from {tree or 'PYTHONPATH'}: {error}",
-        "pass --megatron /path/to/Megatron-LM (the checkout holding megatron/training)",
-    )
-
-
 def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None,
                   ) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
     """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (launcher/megatron_hooks.py): the same
@@ -58,6 +51,7 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     from ..launcher import megatron_hooks as hooks
     from ..launcher.dry_run import DryRunDone
     from ..launcher.import_shims import megatron_importable
+    from ..runtime.patches import PATCHES
     from ..runtime.provider import extra_args_provider
 
     root = Path(tree)
@@ -67,8 +61,9 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
                                "megatron/training/arguments.py there)", "pass --megatron /path/to/Megatron-LM")
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     chatter = io.StringIO()  # Megatron's own printing and warnings; the explanation is ours
-    try:
-        with megatron_importable(tree), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+    try:  # the scope undoes what the planning run changed: parse hooks, safety net, import shims
+        with PATCHES.scope(), megatron_importable(tree), contextlib.redirect_stdout(chatter), \
+                contextlib.redirect_stderr(chatter):
             installed = hooks.hook_parse_path([extra_args_provider], dry_run=True, target=target, capture=True)
             sys.argv = [str(script), *megatron_args]
             sys.path.insert(0, str(script.resolve().parent))
@@ -86,7 +81,6 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
-        hooks.unhook_parse_path()
     raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments")
 
 
@@ -382,13 +376,9 @@ def _add_explain(sub: Any) -> None:
                         description="Decide the toggles for a Megatron command line (default: a built-in "
                         "Llama-3-8B bf16 one) and print value, source and reason for each, the precision "
                         "tag and the log directories. Nothing runs.")
-    where = ex.add_mutually_exclusive_group()
-    where.add_argument("--megatron", metavar="PATH", help="a Megatron-LM checkout: use its real parser")
-    where.add_argument("--megatron-version", metavar="NAME", choices=replay.available(),
-                       help="plan against a recorded Megatron surface instead (default: main)")
     ex.add_argument("--json", action="store_true", help="print the provenance record as JSON")
-    _target_options(ex)
-    ex.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
+    _planning_options(ex, "a Megatron-LM checkout: use its real parser",
+                      "plan against a recorded Megatron surface instead (default: main)")
     ex.set_defaults(func=cmd_explain)
 
 
@@ -403,13 +393,19 @@ def _add_flags(sub: Any) -> None:
     fl.add_argument("--group", choices=("gpt", "extra", "all"), default="all",
                     help="gpt: transformer and mixed-precision flags, plus gradient accumulation fusion (as the "
                     "originating train_llama3.sh routed it); extra: distributed and training flags")
-    where = fl.add_mutually_exclusive_group()
-    where.add_argument("--megatron", metavar="PATH", help="a Megatron-LM checkout to decide against")
-    where.add_argument("--megatron-version", metavar="NAME", choices=replay.available(),
-                       help="a recorded Megatron surface to decide against (default: main)")
-    _target_options(fl)
-    fl.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
+    _planning_options(fl, "a Megatron-LM checkout to decide against",
+                      "a recorded Megatron surface to decide against (default: main)")
     fl.set_defaults(func=cmd_flags)
+
+
+def _planning_options(parser: Any, tree_help: str, version_help: str) -> None:
+    """What explain and flags plan against: a checkout or a recorded surface, the planned machine,
+    and the Megatron command line after --."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--megatron", metavar="PATH", help=tree_help)
+    where.add_argument("--megatron-version", metavar="NAME", choices=replay.available(), help=version_help)
+    _target_options(parser)
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments, after --")
 
 
 def _add_doctor(sub: Any) -> None:
@@ -457,11 +453,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
-    try:
-        return ns.func(ns)
-    except PerfTogglesError as error:
-        fail(error)
-    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
-        sys.stderr.close()
-        return 0
-    return 2
