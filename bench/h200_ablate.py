@@ -83,7 +83,7 @@ def model_args(shape: str, data: str | None) -> list[str]:
     if shape == "small":
         for flag, value in SMALL.items():
             args[args.index(flag) + 1] = value
-    if data:  # bytes as tokens, NullTokenizer's EOD 256 (megatron_perf_toggles.text_corpus)
+    if data:  # bytes as tokens, NullTokenizer's EOD 256 (megatron_perf_toggles.tools.text_corpus)
         args[args.index("--vocab-size") + 1] = "257"
         args.remove("--mock-data")
         args += ["--data-path", data, "--split", "100,0,0"]

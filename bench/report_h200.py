@@ -132,7 +132,8 @@ DP2_PARAMS = llama_params(4096, 14336, 4, 128256, 32, 32)  # no GQA in the DP=2 
 
 NCCL_LOGS = REPO / "tests" / "fixtures" / "nccl"
 CONV_SETUP = ("the reference model (Llama-3-8B-shaped layers, 4 layers, seq 4096, global batch 16) with vocab 257, "
-              "trained 300 iterations on real text: bench/text_corpus.py run on the GPU machine (Python 3.12 standard "
+              "trained 300 iterations on real text: the corpus builder (bench/text_corpus.py then, python -m "
+              "megatron_perf_toggles.tools.text_corpus now) run on the GPU machine (Python 3.12 standard "
               "library sources as byte tokens, NullTokenizer, EOD 256; 514 documents, 10,212,228 tokens, so 300 x "
               "65,536 tokens is 1.9 epochs); lr 3e-4 cosine to 3e-5, warm-up 2, seed 1234, same data order; "
               "plugin defaults (empty environment) against all five toggles off; 1 H200 per arm, the two arms at "

@@ -9,6 +9,7 @@ import pytest
 
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import Capabilities, MegatronFacts
+from megatron_perf_toggles.runtime.patches import PATCHES
 from megatron_perf_toggles.tools.llama3_8b import llama3_8b_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +35,14 @@ def full_caps(**overrides) -> Capabilities:
 # What the decision tests look at of the one Llama-3-8B definition (the one explain plans for).
 LLAMA_ARGS = llama3_8b_args("bf16", "position_embedding_type", "num_layers", "pipeline_model_parallel_size",
                             "optimizer", "lr", "adam_eps")
+
+
+@pytest.fixture(autouse=True)
+def _process_left_as_found():
+    """Whatever a test changes through PATCHES (hooks, the safety net, the rank check's wrapper)
+    is undone when it ends, so no test sees another's patches."""
+    with PATCHES.scope():
+        yield
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from megatron_perf_toggles.launcher import megatron_hooks as hooks
 from megatron_perf_toggles.tools.patching import inspect_tree
 
 REPO = runs.REPO
-PLUGIN = "megatron_perf_toggles.runtime.provider:extra_args_provider"
+PLUGIN = "megatron_perf_toggles:extra_args_provider"  # the name users write, whichever module defines it
 TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
     pytest.param(None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))
 ]
@@ -70,6 +70,7 @@ def test_pull_provider_specs_missing_value_is_one_error() -> None:
 def test_resolve_provider_module_alone_means_extra_args_provider() -> None:
     assert hooks.resolve_provider("megatron_perf_toggles") is extra_args_provider
     assert hooks.resolve_provider("megatron_perf_toggles.runtime.provider:extra_args_provider") is extra_args_provider
+    assert hooks.provider_name(extra_args_provider) == "megatron_perf_toggles:extra_args_provider"
 
 
 @pytest.mark.parametrize(("spec", "needle"), [

@@ -187,7 +187,7 @@ def test_patched_pretrain_gpt_chains_named_providers(tree: str) -> None:
     payload = runs.payload(runs.results(tree)["patched-plugin"])
     by_name = {p["name"]: p["added"] for p in payload["providers"]}
     assert by_name["ptt_provider:add_my_flag"] == {"my_flag": 3}
-    assert [p["name"] for p in payload["providers"]].count("megatron_perf_toggles.runtime.provider:extra_args_provider") == 1
+    assert [p["name"] for p in payload["providers"]].count("megatron_perf_toggles:extra_args_provider") == 1
     fused = payload["decisions"]["fused_single_qkv_rope"]
     if runs.has_fused_field(tree):  # --fused-single-qkv-rope given, te assumed: honoured
         assert (fused["value"], fused["source"]) == (True, "cli")

@@ -52,6 +52,24 @@ def test_a_scope_undoes_only_what_was_changed_inside_it() -> None:
     assert vars(owner) == {"before": 1}
 
 
+def test_held_state_and_installed_changes_are_undone_like_any_other() -> None:
+    """State that outlives a call (held) and a change made by a callback (install) have PATCHES as
+    their owner: a scope's end and uninstall put back what was there before."""
+    patches = ProcessPatches()
+    log: list[str] = []
+    patches.hold("fingerprint", {"toggles": 1})
+    with patches.scope():
+        patches.hold("fingerprint", {"toggles": 2})
+        patches.install("a callback change", lambda: log.append("applied"), lambda: log.append("undone"))
+        assert patches.held("fingerprint") == {"toggles": 2} and log == ["applied"]
+    assert patches.held("fingerprint") == {"toggles": 1} and log == ["applied", "undone"]
+    patches.drop("fingerprint")
+    assert patches.held("fingerprint", "none") == "none"
+    patches.hold("fingerprint", 3)
+    patches.uninstall()
+    assert patches.held("fingerprint") is None and patches.labels == []
+
+
 def _fake_megatron(monkeypatch: pytest.MonkeyPatch) -> dict[str, types.ModuleType]:
     """megatron.training.{arguments,initialize,training}, the tensor-parallel layers, torch.distributed."""
 
@@ -86,19 +104,25 @@ def _fake_megatron(monkeypatch: pytest.MonkeyPatch) -> dict[str, types.ModuleTyp
     return modules
 
 
+def _snapshot(modules: dict[str, types.ModuleType]) -> dict[str, object]:
+    """Everything the plugin may change in a process, as it is now."""
+    arguments, initialize = modules["megatron.training.arguments"], modules["megatron.training.initialize"]
+    return {
+        "modules": set(sys.modules), "stdout": sys.stdout, "path": list(sys.path),
+        "override": hasattr(typing, "override"), "parse_args": arguments.parse_args,
+        "parse_args_by_name": initialize.parse_args, "initialize_megatron": initialize.initialize_megatron,
+        "validate_args": arguments.validate_args, "init_process_group": modules["torch.distributed"].init_process_group,
+        "layers": dict(vars(modules["megatron.core.tensor_parallel.layers"])),
+    }
+
+
 def test_after_uninstall_the_process_is_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     PATCHES.uninstall()  # start from a process that carries nothing of an earlier test
     modules = _fake_megatron(monkeypatch)
     monkeypatch.delattr(typing, "override", raising=False)  # as on Python < 3.12
     arguments, initialize = modules["megatron.training.arguments"], modules["megatron.training.initialize"]
     layers, dist = modules["megatron.core.tensor_parallel.layers"], modules["torch.distributed"]
-    before = {
-        "modules": set(sys.modules), "stdout": sys.stdout, "path": list(sys.path),
-        "override": hasattr(typing, "override"), "parse_args": arguments.parse_args,
-        "parse_args_by_name": initialize.parse_args, "initialize_megatron": initialize.initialize_megatron,
-        "validate_args": arguments.validate_args, "init_process_group": dist.init_process_group,
-        "layers": dict(vars(layers)),
-    }
+    before = _snapshot(modules)
 
     with megatron_importable(os.getcwd()):  # typing.override, and the tree on sys.path
         pass
@@ -116,15 +140,9 @@ def test_after_uninstall_the_process_is_as_it_was(monkeypatch: pytest.MonkeyPatc
 
     PATCHES.uninstall()
 
-    after = {
-        "modules": set(sys.modules), "stdout": sys.stdout, "path": list(sys.path),
-        "override": hasattr(typing, "override"), "parse_args": arguments.parse_args,
-        "parse_args_by_name": initialize.parse_args, "initialize_megatron": initialize.initialize_megatron,
-        "validate_args": arguments.validate_args, "init_process_group": dist.init_process_group,
-        "layers": dict(vars(layers)),
-    }
+    after = _snapshot(modules)
     assert after == before
-    assert megatron_hooks.active() is None and not safety_net.NET.installed and not rank_check._armed
+    assert megatron_hooks.active() is None and not safety_net.NET.installed and not PATCHES.held(rank_check.FINGERPRINT)
 
 
 def test_a_dry_run_controller_plans_without_touching_the_process() -> None:
@@ -137,4 +155,4 @@ def test_a_dry_run_controller_plans_without_touching_the_process() -> None:
     args = parser.parse_args([])
     assert controller.last is not None and controller.last.plan.wgrad_path == "fallback"
     assert args.perf_toggles == {dest: d.to_record() for dest, d in controller.last.plan.decisions.items()}
-    assert PATCHES.labels == [] and not rank_check._armed and wgrad_fallback.MODULE_NAME not in sys.modules
+    assert PATCHES.labels == [] and not PATCHES.held(rank_check.FINGERPRINT) and wgrad_fallback.MODULE_NAME not in sys.modules

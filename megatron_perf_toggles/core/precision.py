@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import posixpath
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +36,7 @@ def precision_tag(args: Mapping[str, Any]) -> str:
 
 
 def _components(path: str) -> list[str]:
-    return [part for part in path.replace(os.sep, "/").split("/") if part]
+    return [part for part in path.split("/") if part]
 
 
 def tag_dir(path: str, tag: str) -> str:
@@ -47,7 +47,7 @@ def tag_dir(path: str, tag: str) -> str:
     if tag in _components(path):
         return path
     trimmed = path.rstrip("/") or path
-    return os.path.join(trimmed, tag)
+    return posixpath.join(trimmed, tag)
 
 
 def mislabelled(path: str, tag: str) -> str | None:

@@ -203,12 +203,12 @@ class Hooks:
         return Chain(flatten([*own, *self.providers]), self)
 
 
-_ACTIVE: Hooks | None = None
+HOOKS = "parse hooks"  # what PATCHES holds: the Hooks in place, while Megatron's parse path is hooked
 
 
 def active() -> Hooks | None:
     """The installed hooks, if any."""
-    return _ACTIVE
+    return PATCHES.held(HOOKS)
 
 
 def import_megatron() -> tuple[types.ModuleType, ...]:
@@ -251,7 +251,7 @@ def _wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def parse_args(*args: Any, **kwargs: Any) -> Any:
-        hooks = _ACTIVE
+        hooks = active()
         if hooks is None:
             return original(*args, **kwargs)
         bound = sig.bind(*args, **kwargs)
@@ -275,7 +275,7 @@ def _wrap_entry(original: Callable[..., Any], via: str) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def entry(*args: Any, **kwargs: Any) -> Any:
-        hooks = _ACTIVE
+        hooks = active()
         if hooks is None or not hooks.dry_run:
             return original(*args, **kwargs)
         bound = sig.bind(*args, **kwargs)
@@ -309,12 +309,14 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
     is the world and GPU a dry run's parse and validate see; ``capture`` makes a dry run raise
     :class:`DryRunDone` with its record instead of printing it and exiting.
     """
-    global _ACTIVE
     arguments, initialize, _training = import_megatron()
     root = megatron_root(arguments)
-    if _ACTIVE is None:
+    hooks = active()
+    if hooks is None:
+        hooks = Hooks(providers=[])
+        # Held first, so that uninstall (newest first) unhooks while the hooks are still known.
+        PATCHES.hold(HOOKS, hooks)
         PATCHES.on_uninstall("Megatron's parse path (parse_args and its callers)", unhook_parse_path)
-    hooks = _ACTIVE or Hooks(providers=[])
     hooks.providers = flatten(providers)
     if hooks.dry_run != dry_run:
         hooks.controller = None  # a controller's mode is fixed: the next parse makes the right one
@@ -333,20 +335,18 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
         hooks.originals[key] = original
         hooks.wrappers[key] = wrapper
         rebind(original, wrapper, root)
-    _ACTIVE = hooks
     return hooks
 
 
 def unhook_parse_path() -> None:
     """Put Megatron's own functions back wherever a wrapper was bound."""
-    global _ACTIVE
-    hooks = _ACTIVE
+    hooks = active()
     if hooks is None:
         return
     for key, wrapper in hooks.wrappers.items():
         rebind(wrapper, hooks.originals[key], hooks.root)
     use_for_process(None)
-    _ACTIVE = None
+    PATCHES.drop(HOOKS)
 
 
 def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:

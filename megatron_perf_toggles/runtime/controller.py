@@ -31,6 +31,7 @@ from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
 from . import provenance, resume
 from .capabilities import resolve
+from .patches import PATCHES
 
 Mode = Literal["run", "dry-run", "plan"]
 MODES: tuple[Mode, ...] = ("run", "dry-run", "plan")
@@ -64,19 +65,22 @@ class Outcome:
     original_dirs: dict[str, str]  # log directories as given, before the precision tag
 
 
-_PROCESS: Controller | None = None
+PROCESS_CONTROLLER = "process controller"  # what PATCHES holds for process_controller()
 
 
 def process_controller() -> Controller | None:
     """The controller the launcher runs this process with, if any: a provider that calls
     ``extra_args_provider`` itself (the ROCm fork's combined provider) joins it."""
-    return _PROCESS
+    return PATCHES.held(PROCESS_CONTROLLER)
 
 
 def use_for_process(controller: Controller | None) -> None:
-    """Set (or, with ``None``, clear) :func:`process_controller`; the launcher's hooks own it."""
-    global _PROCESS
-    _PROCESS = controller
+    """Set (or, with ``None``, clear) :func:`process_controller`; the launcher's hooks use it,
+    and :data:`PATCHES` holds it, so uninstall forgets it."""
+    if controller is None:
+        PATCHES.drop(PROCESS_CONTROLLER)
+    elif PATCHES.held(PROCESS_CONTROLLER) is not controller:
+        PATCHES.hold(PROCESS_CONTROLLER, controller)
 
 
 class Controller:

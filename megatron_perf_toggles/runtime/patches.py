@@ -46,6 +46,26 @@ class ProcessPatches:
 
     def __init__(self) -> None:
         self._changes: list[Change] = []
+        self._held: dict[str, Any] = {}
+
+    def install(self, label: str, apply: Callable[[], None], undo: Callable[[], None]) -> None:
+        """Make a change by calling ``apply`` and own it: ``undo`` takes it back on uninstall."""
+        apply()
+        self._changes.append(Change(label, undo))
+
+    def hold(self, key: str, value: Any) -> None:
+        """Keep process state that must outlive a call (the active parse hooks, the launch's
+        controller, the rank check's fingerprint) here rather than in a module global: uninstall,
+        or the end of a :meth:`scope`, restores what was held before."""
+        self.set_item(self._held, key, value, f"held: {key}")
+
+    def held(self, key: str, default: Any = None) -> Any:
+        """What :meth:`hold` keeps under ``key`` (``default`` when nothing)."""
+        return self._held.get(key, default)
+
+    def drop(self, key: str) -> None:
+        """Forget ``key`` now, as the undo of the change it stood for does (records nothing)."""
+        self._held.pop(key, None)
 
     def set_attr(self, owner: Any, name: str, value: Any, label: str | None = None) -> None:
         """``setattr(owner, name, value)``, remembering the old value (or its absence)."""
@@ -77,7 +97,7 @@ class ProcessPatches:
         self._changes.append(Change(label or f"[{key!r}]", undo))
 
     def on_uninstall(self, label: str, undo: Callable[[], None]) -> None:
-        """A change made elsewhere (rebinding a function across modules) with its own undo."""
+        """A change already made elsewhere (rebinding a function across modules), with its own undo."""
         self._changes.append(Change(label, undo))
 
     def uninstall(self) -> None:

@@ -20,7 +20,7 @@ from .patches import PATCHES
 
 CAPABILITY_KEYS = ("te_version", "apex_fused_wgrad", "wgrad_fallback", "aiter_version", "device")
 
-_armed: dict[str, Any] = {}  # the fingerprint of this process's decisions, once decided
+FINGERPRINT = "rank check fingerprint"  # what PATCHES holds: this process's decisions, once decided
 
 
 class RankMismatchError(RuntimeError):
@@ -35,10 +35,7 @@ def fingerprint(decisions: Mapping[str, Any], capabilities: Mapping[str, Any], w
 
 def arm(fp: dict[str, Any], enabled: bool = True) -> None:
     """Remember this rank's fingerprint and check it as soon as the process group exists."""
-    if not _armed:
-        PATCHES.on_uninstall("the rank check's fingerprint", _armed.clear)
-    _armed.clear()
-    _armed.update(fp)
+    PATCHES.hold(FINGERPRINT, dict(fp))
     dist = _dist()
     if dist is None:
         return
@@ -59,7 +56,7 @@ def arm(fp: dict[str, Any], enabled: bool = True) -> None:
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         dist.init_process_group = original  # one check per process
-        if _armed:
+        if PATCHES.held(FINGERPRINT):
             check_ranks()
         return result
 
@@ -126,7 +123,7 @@ def check_ranks(group: Any = None) -> None:
     import torch
 
     payload = json.dumps(
-        {"rank": dist.get_rank(), "host": socket.gethostname(), "fp": dict(_armed)}, sort_keys=True
+        {"rank": dist.get_rank(), "host": socket.gethostname(), "fp": PATCHES.held(FINGERPRINT, {})}, sort_keys=True
     ).encode()
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
