@@ -12,7 +12,14 @@ from conftest import REPO
 from megatron_perf_toggles.core.registry import BY_DEST
 from megatron_perf_toggles.tools.ablate import report
 from megatron_perf_toggles.tools.ablate import runner as ablate
-from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, DesignError, expand, parse_toggles, parse_vary
+from megatron_perf_toggles.tools.ablate.design import (
+    DEFAULT_TOGGLES,
+    DesignError,
+    expand,
+    parse_candidates,
+    parse_toggles,
+    parse_vary,
+)
 
 
 def test_one_at_a_time():
@@ -78,6 +85,16 @@ def test_every_arm_sets_every_design_toggle_explicitly():
     (lambda: expand("headline", (), []), "nothing to compare"),
     (lambda: expand("headline", DEFAULT_TOGGLES, [], others="sideways"), "--others 'sideways'"),
     (lambda: expand("one-at-a-time", DEFAULT_TOGGLES, parse_vary(["lr=1e-4,2e-4"], {"lr"})), "--design factorial"),
+    (lambda: expand("candidates", DEFAULT_TOGGLES, []), "needs --candidate"),
+    (lambda: expand("headline", DEFAULT_TOGGLES, [], candidates={"x": ("--manual-gc",)}), "needs --design candidates"),
+    (lambda: parse_candidates(["overlap"]), "expected NAME="),
+    (lambda: parse_candidates(["overlap="]), "expected NAME="),
+    (lambda: parse_candidates(["gc=manual-gc"]), "must start with a --flag"),
+    (lambda: parse_candidates(["g c=--manual-gc"]), "letters, digits"),
+    (lambda: parse_candidates(["gc=--manual-gc", "gc=--manual-gc-interval 10"]), "given twice"),
+    (lambda: parse_candidates(["gc=--manual-gc --manual-gc-intervall 10"], {"manual_gc", "manual_gc_interval"}),
+     "not a Megatron argument: --manual-gc-intervall"),
+    (lambda: parse_candidates(["gc=--manual-gc 'x"]), "--candidate"),
 ])
 def test_bad_input_is_a_clear_error(call, words):
     with pytest.raises(DesignError, match=None) as info:
@@ -109,9 +126,19 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 # --- confound check on synthetic records (the real-tree version is in test_ablate_real.py) -------
 
 
+def _added(arm):
+    """What a candidate's arguments set, as a parser would: ``--flag value`` or a switch."""
+    out, words = {}, arm.added_args()
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            nxt = words[i + 1] if i + 1 < len(words) else "--"
+            out[word[2:].replace("-", "_")] = True if nxt.startswith("--") else nxt
+    return out
+
+
 def _record(arm, **extra):
     effective = {"seq_length": 4096, "adam_eps": 1e-8, "seed": 1234, "train_iters": 6, **arm.pinned(),
-                 **arm.settings, **extra}
+                 **arm.settings, **_added(arm), **extra}
     decisions = {d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned().items()}
     return {"decisions": decisions, "effective_args": effective}
 
@@ -217,6 +244,55 @@ def test_vary_settings_are_checked_and_carried_once():
     ablate.resolve_and_check(resolver, "s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms, {})
     cmd = ablate.dry_run_command("s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms[-1])
     assert cmd.count("--adam-eps") == 1 and cmd[cmd.index("--adam-eps") + 1] == "1e-5"
+
+
+def test_candidates_are_the_command_as_given_against_each_addition():
+    cands = parse_candidates(["overlap=--overlap-grad-reduce --overlap-param-gather", "bucket=--ddp-bucket-size 8e7"],
+                             {"overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size"})
+    arms = expand("candidates", DEFAULT_TOGGLES, [], candidates=cands)
+    assert [a.name for a in arms] == ["baseline", "+overlap", "+bucket"] and arms[0].baseline
+    assert all(a.toggles == {} for a in arms)  # the toggles keep their defaults (or the caller's env)
+    assert arms[1].intended() == {"+overlap": "--overlap-grad-reduce --overlap-param-gather"}
+    assert arms[0].env() == {} and arms[1].env() == {}
+    pinned = expand("candidates", DEFAULT_TOGGLES, [], others="on", candidates=cands)
+    assert all(a.pinned() == dict.fromkeys(DEFAULT_TOGGLES, True) for a in pinned)
+    common = ["--lr", "1", "--ddp-bucket-size", "4e7", "--overlap-grad-reduce", "--bf16"]
+    assert ablate.arm_args(common, arms[2]) == ["--lr", "1", "--overlap-grad-reduce", "--bf16",
+                                                 "--ddp-bucket-size", "8e7"]
+    assert ablate.arm_args(common, arms[1]) == ["--lr", "1", "--ddp-bucket-size", "4e7", "--bf16",
+                                                 "--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+def test_a_candidate_is_its_own_probe_and_a_no_op_candidate_is_refused():
+    arms = expand("candidates", DEFAULT_TOGGLES, [], candidates={"gc": ("--manual-gc",), "noop": ("--bf16",)})
+
+    def resolver(script, args, arm, environ):  # --manual-gc also derives an interval; --bf16 is given already
+        noop = {"bf16": True} if "--bf16" in args else {}
+        return _record(arm, **({"manual_gc_interval": 0} if "--manual-gc" in arm.added_args() else {}), **noop)
+
+    calls = []
+    with pytest.raises(ablate.ConfoundError) as info:
+        ablate.resolve_and_check(lambda *a: calls.append(a[2].name) or resolver(*a), "s.py", ["--bf16"], arms, {})
+    assert sorted(calls) == ["+gc", "+noop", "baseline"]  # no extra probe runs
+    assert "identical Megatron arguments" in str(info.value)
+    _, derived = ablate.resolve_and_check(resolver, "s.py", ["--bf16"], arms[:2], {})
+    assert derived == {"+gc": {"manual_gc", "manual_gc_interval"}}
+
+
+def test_candidates_end_to_end_carry_each_argument_once(tmp_path):
+    assert _run_main(tmp_path, "--repeats", "2", "--candidate", "gc=--manual-gc --manual-gc-interval 5",
+                     design=("--design", "candidates")) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["arm"] for r in data["rows"]] == ["baseline", "+gc"]
+    argv = data["commands"]["+gc"]["argv"]
+    assert argv[-3:] == ["--manual-gc", "--manual-gc-interval", "5"] and argv.count("--manual-gc") == 1
+    assert "--manual-gc" not in data["commands"]["baseline"]["argv"]
+
+
+def test_set_args_takes_switches_and_lists_whole():
+    argv = ["--overlap-grad-reduce", "--lr", "1", "--data-path", "a", "b", "--bf16"]
+    assert ablate.set_args(argv, {"--overlap-grad-reduce": None, "--data-path": "c"}) == [
+        "--lr", "1", "--bf16", "--data-path", "c"]
 
 
 def test_set_args_replaces_each_flag_once():

@@ -68,3 +68,21 @@ def test_guard_forced_factorial_is_refused_with_the_guard_reason(tree):
         ablate.resolve_and_check(ablate.resolve_arm, script, fsdp, arms, _environ(tree))
     assert "gradient_accumulation_fusion should be True but is False" in str(info.value)
     assert "--use-torch-fsdp2" in str(info.value)
+
+
+@pytest.mark.parametrize("tree", PICKED[-1:], ids=lambda p: p.name)
+def test_candidates_resolve_through_the_real_parser(tree):
+    """The DP-communication candidates on top of the defaults: each arm is its own probe, the
+    toggles keep their decisions, and what a candidate derives is reported, not refused."""
+    cands = ablate.parse_candidates(["overlap=--overlap-grad-reduce --overlap-param-gather", "gc=--manual-gc"],
+                                    ablate._known_args())
+    arms = expand("candidates", DEFAULT_TOGGLES, [], candidates=cands)
+    args = [*ARGS, "--use-distributed-optimizer"]
+    records, derived = ablate.resolve_and_check(ablate.resolve_arm, str(tree / "pretrain_gpt.py"), args, arms,
+                                                _environ(tree))
+    effective = [r["effective_args"] for r in records]
+    assert [e["overlap_grad_reduce"] for e in effective] == [False, True, False]
+    assert [e["overlap_param_gather"] for e in effective] == [False, True, False]
+    assert [e["manual_gc"] for e in effective] == [False, False, True]
+    assert {"overlap_grad_reduce", "overlap_param_gather"} <= derived["+overlap"]
+    assert records[0]["decisions"] == records[2]["decisions"]

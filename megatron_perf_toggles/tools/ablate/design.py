@@ -8,13 +8,14 @@ environment can differ between arms.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ...core.registry import BY_DEST, TOGGLES, flag_of
 from ...errors import PerfTogglesError
 
-DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline")
+DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline", "candidates")
 OTHERS = ("inherit", "off", "on")
 DEFAULT_TOGGLES = tuple(t.dest for t in TOGGLES if t.kind == "bool")
 
@@ -42,6 +43,8 @@ class Arm:
     baseline: bool = False
     # Toggles that take no part but are pinned to one value in every arm (--others off|on).
     fixed: dict[str, bool] = field(default_factory=dict)
+    # Candidate name -> the Megatron arguments it adds to the common ones (--candidate).
+    adds: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         return {BY_DEST[d].env: "1" if v else "0" for d, v in {**self.fixed, **self.toggles}.items()}
@@ -52,8 +55,11 @@ class Arm:
             out += [flag_of(name), value]
         return out
 
+    def added_args(self) -> list[str]:
+        return [word for args in self.adds.values() for word in args]
+
     def intended(self) -> dict[str, object]:
-        return {**self.toggles, **self.settings}
+        return {**self.toggles, **self.settings, **{candidate_key(n): shlex.join(a) for n, a in self.adds.items()}}
 
     def pinned(self) -> dict[str, bool]:
         """Every toggle value this arm sets: the design's toggles and the pinned others."""
@@ -61,7 +67,16 @@ class Arm:
 
     def signature(self) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
         """What the arm's process gets (environment and extra arguments): equal means the same run."""
-        return tuple(sorted(self.env().items())), tuple(self.extra_args())
+        return tuple(sorted(self.env().items())), (*self.extra_args(), *self.added_args())
+
+
+def candidate_key(name: str) -> str:
+    """How a candidate appears among an arm's intended variables (never a Megatron dest)."""
+    return f"+{name}"
+
+
+def is_candidate_key(name: str) -> bool:
+    return name.startswith("+")
 
 
 def parse_toggles(text: str | None) -> tuple[str, ...]:
@@ -98,6 +113,33 @@ def parse_vary(items: list[str] | None, known_args: set[str] | None = None) -> l
     return out
 
 
+def parse_candidates(items: list[str] | None, known_args: set[str] | None = None) -> dict[str, tuple[str, ...]]:
+    """``NAME=--flag [value] [--flag ...]``: Megatron arguments a candidate arm adds to the common
+    ones. Each flag is checked against ``known_args`` (Megatron dests), when given."""
+    out: dict[str, tuple[str, ...]] = {}
+    for item in items or []:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        try:
+            words = tuple(shlex.split(text))
+        except ValueError as error:
+            raise DesignError(f"--candidate {item!r}: {error}") from None
+        if not sep or not name or not words:
+            raise DesignError(f"--candidate {item!r}: expected NAME='--flag [value] ...'")
+        if not all(ch.isalnum() or ch in "-_." for ch in name):
+            raise DesignError(f"--candidate {item!r}: a name of letters, digits, '-', '_' and '.' only")
+        if name in out:
+            raise DesignError(f"--candidate {name!r} is given twice")
+        if not words[0].startswith("--"):
+            raise DesignError(f"--candidate {item!r}: the arguments must start with a --flag, not {words[0]!r}")
+        flags = [w.split("=", 1)[0] for w in words if w.startswith("--")]
+        unknown = [f for f in flags if known_args is not None and f[2:].replace("-", "_") not in known_args]
+        if unknown:
+            raise DesignError(f"--candidate {item!r}: not a Megatron argument: {', '.join(unknown)}")
+        out[name] = words
+    return out
+
+
 def _label(toggles: dict[str, bool], settings: dict[str, str]) -> str:
     on = [d for d, v in toggles.items() if v]
     parts = ["+".join(on) if on else "all-off"]
@@ -105,13 +147,24 @@ def _label(toggles: dict[str, bool], settings: dict[str, str]) -> str:
     return ",".join(parts)
 
 
-def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str = "inherit") -> list[Arm]:
+def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str = "inherit",
+           candidates: Mapping[str, tuple[str, ...]] | None = None) -> list[Arm]:
     """The design's arms, baseline first. ``others``: what the toggles outside ``toggles`` get in
-    every arm: ``inherit`` (the caller's environment, else the plugin default), ``off`` or ``on``."""
+    every arm: ``inherit`` (the caller's environment, else the plugin default), ``off`` or ``on``.
+    A ``candidates`` design takes no toggles: the baseline is the command as given, and each
+    candidate arm adds its arguments to it."""
     if design not in DESIGNS:
         raise DesignError(f"unknown design {design!r}", f"choose from: {', '.join(DESIGNS)}")
     if others not in OTHERS:
         raise DesignError(f"--others {others!r}: choose from {', '.join(OTHERS)}")
+    if design == "candidates" and not candidates:
+        raise DesignError("--design candidates needs --candidate NAME='ARGS' (at least one)")
+    if design != "candidates" and candidates:
+        raise DesignError("--candidate needs --design candidates")
+    if design == "candidates":
+        if vary:
+            raise DesignError("--vary needs --design factorial")
+        toggles = ()
     settings_grid = [dict(zip([v.name for v in vary], combo, strict=True))
                      for combo in itertools.product(*[v.values for v in vary])] or [{}]
     if design != "factorial" and len(settings_grid) > 1:
@@ -124,6 +177,9 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str 
     elif design == "headline":
         arms.append(Arm("all-off", dict.fromkeys(toggles, False), baseline=True))
         arms.append(Arm("all-on", dict.fromkeys(toggles, True)))
+    elif design == "candidates":
+        arms.append(Arm("baseline", {}, baseline=True))
+        arms += [Arm(candidate_key(name), {}, adds={name: tuple(args)}) for name, args in (candidates or {}).items()]
     elif design == "leave-one-out":
         base = dict.fromkeys(toggles, True)
         arms.append(Arm("all-on", base, baseline=True))
@@ -134,7 +190,7 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str 
                 values = dict(zip(toggles, combo, strict=True))
                 arms.append(Arm(_label(values, settings), values, dict(settings)))
         arms[0].baseline = True
-    if len(arms) < 2 or (not toggles and design == "headline"):
+    if len(arms) < 2 or (not toggles and design in ("headline", "one-at-a-time", "leave-one-out")):
         raise DesignError(f"design {design!r} with these toggles gives {len(arms)} arm(s); nothing to compare")
     if others != "inherit":
         pinned = {d: others == "on" for d in DEFAULT_TOGGLES if d not in toggles}

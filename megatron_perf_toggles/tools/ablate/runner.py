@@ -32,7 +32,18 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import PerfTogglesError, fail
-from .design import DESIGNS, OTHERS, Arm, DesignError, baseline_of, expand, parse_toggles, parse_vary
+from .design import (
+    DESIGNS,
+    OTHERS,
+    Arm,
+    DesignError,
+    baseline_of,
+    expand,
+    is_candidate_key,
+    parse_candidates,
+    parse_toggles,
+    parse_vary,
+)
 from .report import compare, measure_run, sizing, widest_interval, write_results
 
 # Arguments that legitimately differ between arms, or are bookkeeping, not the experiment.
@@ -53,23 +64,31 @@ def _flag_key(word: str) -> str:
 
 
 def set_args(argv: Sequence[str], values: Mapping[str, str | None]) -> list[str]:
-    """``argv`` with every ``--flag value`` / ``--flag=value`` of ``values`` removed, then each flag
-    whose value is not None appended once. Only for flags that take exactly one value."""
+    """``argv`` with every ``--flag [values...]`` / ``--flag=value`` of ``values`` removed (a flag's
+    values are the words after it up to the next ``--`` word, so switches and lists go whole), then
+    each flag whose value is not None appended once with that value."""
     keys = {_flag_key(f) for f in values}
     out: list[str] = []
-    skip = False
+    skipping = False
     for word in argv:
-        if skip:
-            skip = False
-            continue
-        if word.startswith("--") and _flag_key(word) in keys:
-            skip = "=" not in word
+        if word.startswith("--"):
+            skipping = _flag_key(word) in keys
+            if skipping:
+                continue
+        elif skipping:
             continue
         out.append(word)
     for flag, value in values.items():
         if value is not None:
             out += [flag, value]
     return out
+
+
+def with_added(argv: Sequence[str], added: Sequence[str]) -> list[str]:
+    """``argv`` with the flags of ``added`` (a candidate's arguments) replaced by ``added``: each
+    Megatron argument once, the candidate's value winning."""
+    flags = {_flag_key(w): None for w in added if w.startswith("--")}
+    return [*set_args(argv, flags), *added]
 
 
 def repeated_flags(argv: Sequence[str]) -> list[str]:
@@ -88,9 +107,14 @@ def _settings_args(arm: Arm) -> dict[str, str | None]:
 # --- confound check ---------------------------------------------------------------------------
 
 
+def arm_args(megatron_args: Sequence[str], arm: Arm, paths: Mapping[str, str | None] | None = None) -> list[str]:
+    """The arm's Megatron arguments, each once: the common ones, the arm's settings and paths
+    replacing their own, and a candidate's arguments added."""
+    return with_added(set_args(megatron_args, {**_settings_args(arm), **(paths or {})}), arm.added_args())
+
+
 def dry_run_command(script: str, megatron_args: Sequence[str], arm: Arm) -> list[str]:
-    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", script,
-            *set_args(megatron_args, _settings_args(arm))]
+    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", script, *arm_args(megatron_args, arm)]
 
 
 def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: dict[str, str]) -> dict[str, Any]:
@@ -126,14 +150,18 @@ def probe_arms(arms: Sequence[Arm]) -> dict[str, list[Arm]]:
     """For each design variable, the baseline with that variable alone changed, once per other value.
 
     Where the design already has such an arm (one-at-a-time, leave-one-out and factorial all do),
-    the probe is that same run and costs no extra dry run.
+    the probe is that same run and costs no extra dry run. A candidate's arm is its own probe:
+    whatever its arguments derive is part of the candidate.
     """
     base = baseline_of(arms)
     values: dict[str, set[Any]] = {}
+    probes: dict[str, list[Arm]] = {}
     for arm in arms:
         for name, value in arm.intended().items():
-            values.setdefault(name, set()).add(value)
-    probes: dict[str, list[Arm]] = {}
+            if is_candidate_key(name):
+                probes.setdefault(name, []).append(arm)
+            else:
+                values.setdefault(name, set()).add(value)
     for name, seen in values.items():
         for value in sorted(seen - {base.intended().get(name)}, key=str):
             if isinstance(value, bool):  # a toggle; settings from --vary are strings
@@ -255,8 +283,7 @@ def arm_command(launch: str | None, script: str, megatron_args: Sequence[str], a
     """The arm's launch: each Megatron argument once (the arm's settings and paths replace the
     common arguments' own)."""
     prefix = shlex.split(launch) if launch else [sys.executable]
-    return [*prefix, "-m", "megatron_perf_toggles.run", script,
-            *set_args(megatron_args, {**_settings_args(arm), **(paths or {})})]
+    return [*prefix, "-m", "megatron_perf_toggles.run", script, *arm_args(megatron_args, arm, paths)]
 
 
 def arm_paths(effective: dict[str, Any], directory: Path) -> dict[str, str]:
@@ -433,12 +460,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``ablate`` options, for :func:`main`'s parser and the ``megatron-perf-toggles ablate`` subcommand."""
     p.add_argument("--design", required=True, choices=DESIGNS,
                    help="one-at-a-time: all off, then each alone; leave-one-out: all on, then each off; "
-                   "factorial: every combination (with --vary settings); headline: all off against all on")
+                   "factorial: every combination (with --vary settings); headline: all off against all on; "
+                   "candidates: the command as given against each --candidate's additions")
     p.add_argument("--toggles", help="comma list of toggle dests taking part (default: all five on/off toggles)")
     p.add_argument("--others", choices=OTHERS, default="inherit",
                    help="toggles not taking part: inherit the environment / plugin default (default), or pin "
                    "them off or on in every arm")
     p.add_argument("--vary", action="append", metavar="NAME=V1,V2", help="a Megatron setting to vary (factorial)")
+    p.add_argument("--candidate", action="append", metavar="NAME='ARGS'",
+                   help="with --design candidates: an arm that adds these Megatron arguments to the common "
+                   "ones (repeat for more arms), compared with the command as given, e.g. "
+                   "--candidate overlap='--overlap-grad-reduce --overlap-param-gather'")
     p.add_argument("--out", default="ablation", help="results directory (default: ./ablation)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python)")
     p.add_argument("--repeats", type=int, default=3, help="blocks to run; each block runs every arm once (default 3)")
@@ -494,7 +526,9 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
     args = [a for a in ns.megatron_args if a != "--"] if ns.megatron_args[:1] == ["--"] else list(ns.megatron_args)
     try:
         _validate(ns)
-        arms = expand(ns.design, parse_toggles(ns.toggles), parse_vary(ns.vary, _known_args()), ns.others)
+        known = _known_args()
+        arms = expand(ns.design, parse_toggles(ns.toggles), parse_vary(ns.vary, known), ns.others,
+                      parse_candidates(ns.candidate, known))
         out = Path(ns.out)
         if not ns.dry_run:
             _check_out(out)
