@@ -13,6 +13,8 @@ directory under --out):
   fp8-delayed     headline with FP8 (hybrid format, delayed scaling)
   fp8-tensorwise  headline with FP8 (e4m3, tensorwise scaling)
   dp2             headline at DP=2 (torchrun, 2 GPUs)
+  candidates      at DP=1, the plugin defaults against each candidate added to them: manual GC, and
+                  CUDA graphs of the transformer layers through Transformer Engine
   dp2-candidates  at DP=2, the plugin defaults against each candidate added to them: overlapping the
                   gradient reduce (and the parameter gather) with compute, and manual GC
 
@@ -70,13 +72,15 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
     "fp8-delayed": (["--design", "headline"], FP8["delayed"], 1),
     "fp8-tensorwise": (["--design", "headline"], FP8["tensorwise"], 1),
     "dp2": (["--design", "headline"], [], 2),
+    "candidates": (["--design", "candidates", "--candidate", "manual-gc=--manual-gc",
+                    "--candidate", "cuda-graphs-te=--cuda-graph-impl transformer_engine"], [], 1),
     "dp2-candidates": (["--design", "candidates",
                         "--candidate", "overlap-grad-reduce=--overlap-grad-reduce",
                         "--candidate", "overlap-grad-and-param=--overlap-grad-reduce --overlap-param-gather",
                         "--candidate", "manual-gc=--manual-gc"], [], 2),
 }
 ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-delayed": 2, "fp8-tensorwise": 2,
-        "dp2": 2, "dp2-candidates": 4}
+        "dp2": 2, "candidates": 3, "dp2-candidates": 4}
 # Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
 # start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
 SECONDS_PER_ITER = {"bf16": 1.2, "fp8": 1.0, "dp2": 1.3}
