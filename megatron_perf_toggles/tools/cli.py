@@ -1,4 +1,4 @@
-"""``megatron-perf-toggles``: explain, flags, doctor, patch, ablate, surface.
+"""``megatron-perf-toggles``: explain, flags, doctor, patch, ablate, tune, surface.
 
 Every command is a subparser of one parser; every error, a usage error included, is one line and exit status 2.
 """
@@ -444,7 +444,7 @@ def _add_doctor(sub: Any) -> None:
 
 
 def _add_tools(sub: Any) -> None:
-    """patch, ablate, surface: each tool declares its options once, for its own module's parser too."""
+    """patch, ablate, tune, surface: each tool declares its options once, for its own module's parser too."""
     from . import patching
     from .ablate import runner as ablate
     from .surfaces import record
@@ -457,6 +457,12 @@ def _add_tools(sub: Any) -> None:
                         description=ablate.DESCRIPTION, epilog=ablate.EPILOG)
     ablate.add_arguments(ab)
     ab.set_defaults(func=ablate.run_ablation)
+    from . import tune
+
+    tu = sub.add_parser("tune", help="measure the toggles on your command line and write a profile",
+                        description=tune.DESCRIPTION, epilog=tune.EPILOG)
+    tune.add_arguments(tu)
+    tu.set_defaults(func=tune.run_tune)
     su = sub.add_parser("surface", help="record a Megatron tree's argparse surface as JSON facts",
                         description=record.DESCRIPTION)
     record.add_arguments(su)
