@@ -60,6 +60,11 @@ class DependencyError(PerfTogglesError):
         self.feature = feature
 
 
+class ProfileError(PerfTogglesError):
+    """The file MEGATRON_PERF_TOGGLES_PROFILE names cannot be used: unreadable, not JSON, another
+    format or schema, an unknown toggle, or a value the toggle does not take."""
+
+
 class RegistryError(PerfTogglesError):
     """A toggle declaration is inconsistent: a bug in this package, caught at import."""
 

@@ -7,6 +7,7 @@ FAKE_CRASH_ARM=<env value> makes the arm whose GRAD_REDUCE_IN_BF16 equals it cra
 FAKE_DRIFT=x multiplies every run's speed by a factor drawn uniformly from [1-x, 1+x], seeded by the
 run's own command line: run-to-run drift, as on a shared GPU.
 FAKE_SLEEP=s sleeps s seconds per iteration.
+FAKE_EXTRA_MS=VAR=ms[,VAR=ms] adds ms to each iteration of a run whose VAR is 1 (a toggle that costs time).
 Invoked as: python fake_megatron_run.py -m megatron_perf_toggles.run SCRIPT [args...]
 """
 
@@ -19,6 +20,9 @@ argv = sys.argv[1:]
 iters = int(argv[argv.index("--train-iters") + 1]) if "--train-iters" in argv else 6
 fast = os.environ.get("GRAD_REDUCE_IN_BF16") == "1"
 ms = 900.0 if fast else 1000.0
+for item in filter(None, os.environ.get("FAKE_EXTRA_MS", "").split(",")):
+    var, _, extra = item.partition("=")
+    ms += float(extra) if os.environ.get(var) == "1" else 0.0
 drift = float(os.environ.get("FAKE_DRIFT", "0") or 0)
 if drift:
     ms *= random.Random(" ".join(argv)).uniform(1 - drift, 1 + drift)

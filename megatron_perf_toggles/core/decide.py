@@ -1,8 +1,14 @@
 """The policy, pure: (parsed args, explicit flags, environment, capabilities) -> a Plan.
 
 No Megatron, torch or environment access happens here, so every rule can be unit-tested in
-milliseconds. Read top to bottom: base resolution (cli > env > plugin default), then the FP4
-layer selection, then the guards in order, then advice.
+milliseconds. Read top to bottom: base resolution (cli > env > profile > plugin default), then
+the FP4 layer selection, then the guards in order, then advice.
+
+A profile value (``core.profile``) is treated by the guards exactly as an environment value: a
+guard that cannot honour it changes it, with the reason and a warning that a requested value was
+overridden; it is never refused as a command-line flag is. The profile is a request made ahead
+of time for a setup like this one, not a flag typed for this run, so a machine that cannot honour
+it should still train, and the warning names what the profile lost here.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_st
 from .env import EnvSettings
 from .facts import Capabilities, version_tuple
 from .precision import log_dir_warnings, precision_tag, tagged_log_dirs
+from .profile import Observed, Profile, profile_in_use
 from .registry import BY_DEST, CAPABILITIES, TOGGLES, flag_of
 
 FP4_LAYER_DESTS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
@@ -30,7 +37,7 @@ WGRAD_FALLBACK_WORDS = "torch.addmm with fp32 accumulation"
 @dataclass(frozen=True)
 class Decision:
     value: Any
-    source: str  # cli | env | default | guard | assumed
+    source: str  # cli | env | profile | default | guard | assumed
     reason: str
 
     def to_record(self) -> dict[str, Any]:
@@ -41,7 +48,7 @@ class Decision:
 class Message:
     """A warning or advice line for the start-up table."""
 
-    level: str  # warning | advice
+    level: str  # warning | advice | profile (a warning about the profile in use)
     text: str
 
 
@@ -54,6 +61,7 @@ class Plan:
     log_dirs: dict[str, str]  # dest -> tagged path (only those that are set and tagged)
     messages: list[Message] = field(default_factory=list)
     wgrad_path: str = "off"  # apex | fallback | off: who computes fused weight gradients
+    profile: dict[str, Any] | None = None  # the profile in use and how its environment compares (the record)
 
     def values(self) -> dict[str, Any]:
         return {dest: d.value for dest, d in self.decisions.items()}
@@ -481,7 +489,10 @@ def _flag_words(dest: str, value: Any) -> str:
     return flag_of(dest)
 
 
-def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any]) -> Decision:
+def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any],
+          profile: Profile | None = None) -> Decision:
+    """cli > env > profile > default. A profile applies with MEGATRON_PERF_TOGGLES=0 too, as set
+    variables do: naming a profile is a request, not a default."""
     toggle = BY_DEST[dest]
     if dest in explicit:
         value = explicit[dest]
@@ -490,6 +501,8 @@ def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mappi
         value = env.toggles[dest]
         raw = value if toggle.kind == "choice" else int(bool(value))
         return Decision(value, "env", f"{toggle.env}={raw}")
+    if profile is not None and dest in profile.toggles:
+        return Decision(profile.toggles[dest].value, "profile", profile.reason(dest))
     if not env.plugin_enabled:
         value = stock.get(dest, toggle.stock_default)
         return Decision(value, "default", "MEGATRON_PERF_TOGGLES=0: Megatron's own default")
@@ -659,7 +672,7 @@ class _Resolution:
             self.overridden.pop(change.dest, None)
             self.decisions[change.dest] = Decision(first.value, first.source, f"{first.reason}; {reason}")
             return
-        if first.source in ("cli", "env"):
+        if first.source in ("cli", "env", "profile"):
             self.overridden[change.dest] = Message(
                 "warning", f"{change.dest}: {first.value} ({first.reason}) overridden to {change.value}: {reason}")
         self.decisions[change.dest] = Decision(change.value, source, reason)
@@ -682,16 +695,20 @@ def decide(
     caps: Capabilities,
     stock: Mapping[str, Any] | None = None,
     checkpoint: Mapping[str, Any] | None = None,
+    profile: Profile | None = None,
+    observed: Observed | None = None,
 ) -> Plan:
     """Resolve every toggle, then let the guards veto what cannot be honoured.
 
     ``args`` is the parsed namespace (non-explicit toggles at any value), ``explicit`` the dests
     the command line set, ``stock`` Megatron's own defaults (used when the plugin is disabled),
     ``checkpoint`` what the launch that wrote the checkpoint being resumed recorded (resume.py).
-    Raises CannotHonourError for an explicit command-line request that a guard rejects.
+    ``profile`` the parsed MEGATRON_PERF_TOGGLES_PROFILE, compared with ``observed`` (this run's
+    environment, as far as it is known now). Raises CannotHonourError for an explicit
+    command-line request that a guard rejects.
     """
     stock = stock or {}
-    decisions = {t.dest: _base(t.dest, explicit, env, stock) for t in TOGGLES}
+    decisions = {t.dest: _base(t.dest, explicit, env, stock, profile) for t in TOGGLES}
     fp4_decisions, messages = _fp4_selection(args, explicit, env, stock)
     decisions.update(fp4_decisions)
     resolution = _Resolution(decisions, env, caps)
@@ -701,6 +718,11 @@ def decide(
         for change in guard(ctx):
             resolution.apply(ctx, change)
     messages.extend(resolution.overridden.values())
+    profile_record = None
+    if profile is not None:
+        profile_record, line = profile_in_use(profile, observed)
+        if line:
+            messages.append(Message("profile", line))
     messages.extend(_advice(args))
     tag = precision_tag(args)
     log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}
@@ -709,4 +731,5 @@ def decide(
     fused = decisions["gradient_accumulation_fusion"].value
     wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else (
         "fallback" if caps.wgrad_fallback and env.wgrad_fallback else "missing"))
-    return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages, wgrad_path=wgrad_path)
+    return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages, wgrad_path=wgrad_path,
+                profile=profile_record)

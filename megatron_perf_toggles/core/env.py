@@ -89,6 +89,7 @@ class EnvSettings:
     rank_check: bool = True
     dry_run: bool = False
     patches_dir: str | None = None
+    profile_path: str | None = None  # the file is read by the runtime, parsed by core.profile
 
     def raw_for_record(self, environ: Mapping[str, str]) -> dict[str, str]:
         """The plugin's variables as they were set, for the provenance record."""

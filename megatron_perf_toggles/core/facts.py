@@ -49,6 +49,7 @@ class Capabilities:
     torch_version: str | None = None
     device: str | None = None  # "cuda", "rocm" or "cpu"; None when torch is absent
     gpu_arch: str | None = None
+    gpu_name: str | None = None  # the product, where gpu_arch is known: "NVIDIA H200"
     gpu_source: str | None = None  # "detected", or what a dry run planned for ("--gpu h100", ...)
     assumed: tuple[str, ...] = ()  # capability names that came from MEGATRON_PERF_TOGGLES_ASSUME
     notes: dict[str, str] = field(default_factory=dict)  # capability -> why it is missing

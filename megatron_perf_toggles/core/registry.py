@@ -222,6 +222,10 @@ SETTINGS: tuple[Setting, ...] = (
             "With FP4 selective bf16: how many layers at the end stay in bf16, counted over the whole "
             "model, not per pipeline stage.",
             field="fp4_bf16_end"),
+    Setting("MEGATRON_PERF_TOGGLES_PROFILE", "text", "",
+            "A profile file (JSON, written by `megatron-perf-toggles tune`) whose toggle values replace the plugin "
+            "defaults: command line > environment variable > profile > plugin default; guards still apply.",
+            field="profile_path"),
     Setting("MEGATRON_PERF_TOGGLES_PATCHES", "text", "",
             "Where `megatron-perf-toggles patch` finds its patch sets: a directory laid out like the "
             "repository's patches/ (default: the copy installed with the package, else the source tree's).",

@@ -21,7 +21,7 @@ from ..core.registry import TOGGLES
 from ..errors import PerfTogglesError
 from ..runtime import provenance
 from ..runtime import target as planned
-from ..runtime.capabilities import assumed
+from ..runtime.capabilities import assumed, gpu_name_here
 from ..runtime.provenance import jsonable
 from .megatron_hooks import Hooks, Provider
 
@@ -64,6 +64,8 @@ def dry_run_record(hooks: Hooks, args: argparse.Namespace, args_defaults: Mappin
         # Every argument as validate_args left it: what `ablate` compares between arms.
         "effective_args": {k: jsonable(v) for k, v in sorted(names.items()) if not k.startswith("_")},
         "notes": notes,
+        # The GPU this process sees (not the planned one): what `tune` writes into a profile.
+        "gpu_visible": gpu_name_here(),
     })
     return payload
 

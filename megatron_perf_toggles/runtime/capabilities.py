@@ -149,7 +149,8 @@ def _detect_torch(deep: bool) -> dict[str, Any]:
 
     planned = active()
     if planned is not None and planned.gpu is not None:  # a dry run's planned GPU (runtime/target.py)
-        out.update(device=planned.gpu.vendor, gpu_arch=planned.gpu.arch, gpu_source=planned.gpu_source)
+        out.update(device=planned.gpu.vendor, gpu_arch=planned.gpu.arch, gpu_name=planned.gpu.product,
+                   gpu_source=planned.gpu_source)
         return out
     if deep:
         try:
@@ -157,10 +158,24 @@ def _detect_torch(deep: bool) -> dict[str, Any]:
                 props = torch.cuda.get_device_properties(0)
                 arch = getattr(props, "gcnArchName", None)
                 out["gpu_arch"] = arch or f"sm_{props.major}{props.minor}"
+                out["gpu_name"] = getattr(props, "name", None)
                 out["gpu_source"] = "detected"
         except Exception:  # noqa: BLE001
             pass
     return out
+
+
+def gpu_name_here() -> str | None:
+    """The first visible GPU's product name, asked of a torch that is already imported; None where
+    there is none. It initialises CUDA (no context), so it is asked only when a profile needs it
+    and in dry runs, never on a plain run's start-up path."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - no answer is "unknown", not an error
+        return None
 
 
 def detect(deep: bool = False) -> Capabilities:

@@ -29,7 +29,8 @@ from ..core.ckpt_layout import checkpoint_facts
 from ..core.decide import Decision, Message, Plan, decide
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
-from . import provenance, resume
+from ..core.profile import Profile
+from . import profile_file, provenance, resume
 from .capabilities import resolve
 from .patches import PATCHES
 
@@ -89,11 +90,13 @@ class Controller:
 
     def __init__(self, environ: Mapping[str, str] | None = None, *, mode: Mode = "run",
                  capabilities: Capabilities | None = None, announce: bool = True) -> None:
-        """``read_env`` validates every variable here, so a bad value is one error before any parse."""
+        """``read_env`` validates every variable here, and the profile it names is read and checked,
+        so a bad value or a malformed profile is one error before any parse."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         environ = os.environ if environ is None else environ
         self.env: EnvSettings = read_env(environ)
+        self.profile: Profile | None = profile_file.load(self.env.profile_path) if self.env.profile_path else None
         self.environ = dict(environ)
         self.mode = mode
         self.capabilities = capabilities  # fixed for a plan; detected per parse otherwise
@@ -121,7 +124,9 @@ class Controller:
                 explicit[dest] = value
         writer = resume.checkpoint_writer(vars(ns))  # reading the resumed run's history is safe
         caps = self.capabilities or resolve(self.env.assume)
-        plan = decide(vars(ns), explicit, self.env, caps, reg.stock, checkpoint=writer)
+        observed = profile_file.observed(caps, self.environ, self.mode) if self.profile else None
+        plan = decide(vars(ns), explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
+                      observed=observed)
         original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
         for dest, decision in plan.decisions.items():
             setattr(ns, dest, decision.value)

@@ -44,7 +44,7 @@ def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
 
 
 def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], command: list[str] | None = None) -> dict[str, Any]:
-    return {
+    record = {
         "package": "megatron-perf-toggles",
         "version": __version__,
         "precision": plan.precision,
@@ -56,6 +56,9 @@ def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], comman
         "environment": environ,
         "command": command,
     }
+    if plan.profile is not None:
+        record["profile"] = plan.profile  # the file, what it was measured on, and how this run differs
+    return record
 
 
 def record_dir(plan: Plan, args: dict[str, Any]) -> str | None:

@@ -1,4 +1,4 @@
-"""``megatron-perf-toggles``: explain, flags, doctor, patch, ablate, surface.
+"""``megatron-perf-toggles``: explain, flags, doctor, patch, ablate, tune, surface.
 
 Every command is a subparser of one parser; every error, a usage error included, is one line and exit status 2.
 """
@@ -18,9 +18,10 @@ from ..core.decide import Plan, decide
 from ..core.env import read_env
 from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, with_assumptions
 from ..core.precision import LOG_DIR_DESTS
+from ..core.profile import ENVIRONMENT_WORDS, Profile
 from ..core.registry import SETTINGS, TOGGLES, format_value
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
-from ..runtime import provenance
+from ..runtime import profile_file, provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import detect, megatron_facts, resolve
 from .llama3_8b import LLAMA3_8B_BF16, llama3_8b_args
@@ -159,8 +160,25 @@ def target_from(ns: argparse.Namespace) -> planned.Target:
     return planned.from_options(ns)
 
 
+def profile_named() -> Profile | None:
+    """The profile MEGATRON_PERF_TOGGLES_PROFILE names, read before any planning: a malformed one
+    is one error line here, even where planning runs a checkout whose output is held back."""
+    path = read_env(os.environ).profile_path
+    return profile_file.load(path) if path else None
+
+
+def _profile_summary(profile: Profile) -> str:
+    env = profile.environment
+    facts = ", ".join(f"{ENVIRONMENT_WORDS[k]} {getattr(env, k)}" for k in ENVIRONMENT_WORDS
+                      if getattr(env, k) is not None)
+    when = f" on {profile.created}" if profile.created else ""
+    return (f"{profile.source}: {len(profile.toggles)} toggle(s), measured{when}"
+            + (f" with {facts}" if facts else " (no environment recorded)"))
+
+
 def cmd_explain(ns: argparse.Namespace) -> int:
     megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
+    profile = profile_named()
     target = target_from(ns)
     if not ns.megatron and target.world_size is not None:
         raise PerfTogglesError("--world-size / --nnodes plan Megatron's validate_args, which needs a checkout",
@@ -179,6 +197,8 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     print(f"Megatron: {label}")
     print(f"Machine:  {_caps_summary(caps)}")
     print(f"Plan for: {planned.describe(target)}")
+    if profile is not None:
+        print(f"Profile:  {_profile_summary(profile)}")
     for line in fact_sources(caps, megatron_source):
         print(f"  {line}")
     if not ns.megatron_args:
@@ -221,6 +241,7 @@ def cmd_flags(ns: argparse.Namespace) -> int:
     would turn off is left out (a ``#`` line on stderr says why), so pasting the output into a
     launch never turns a guarded default into a refused explicit request."""
     env = read_env(os.environ)
+    profile = profile_named()
     megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
     plan, _caps, _label, _args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
                                                   target=target_from(ns))
@@ -233,6 +254,8 @@ def cmd_flags(ns: argparse.Namespace) -> int:
         decision = plan.decisions[t.dest]
         if t.dest in env.toggles:
             value = env.toggles[t.dest]
+        elif profile is not None and t.dest in profile.toggles:
+            value = profile.toggles[t.dest].value
         elif env.plugin_enabled:
             value = t.default
         else:
@@ -375,7 +398,10 @@ def _add_explain(sub: Any) -> None:
     ex = sub.add_parser("explain", help="show what the toggles and guards decide for a command line",
                         description="Decide the toggles for a Megatron command line (default: a built-in "
                         "Llama-3-8B bf16 one) and print value, source and reason for each, the precision "
-                        "tag and the log directories. Nothing runs.")
+                        "tag and the log directories. Nothing runs. The environment applies as in a run: "
+                        "the toggles' variables, and MEGATRON_PERF_TOGGLES_PROFILE=FILE for a profile (its "
+                        "values show with source 'profile', and a line says whether it was measured on a "
+                        "setup like the one planned for).")
     ex.add_argument("--json", action="store_true", help="print the provenance record as JSON")
     _planning_options(ex, "a Megatron-LM checkout: use its real parser",
                       "plan against a recorded Megatron surface instead (default: main)")
@@ -418,7 +444,7 @@ def _add_doctor(sub: Any) -> None:
 
 
 def _add_tools(sub: Any) -> None:
-    """patch, ablate, surface: each tool declares its options once, for its own module's parser too."""
+    """patch, ablate, tune, surface: each tool declares its options once, for its own module's parser too."""
     from . import patching
     from .ablate import runner as ablate
     from .surfaces import record
@@ -431,6 +457,12 @@ def _add_tools(sub: Any) -> None:
                         description=ablate.DESCRIPTION, epilog=ablate.EPILOG)
     ablate.add_arguments(ab)
     ab.set_defaults(func=ablate.run_ablation)
+    from . import tune
+
+    tu = sub.add_parser("tune", help="measure the toggles on your command line and write a profile",
+                        description=tune.DESCRIPTION, epilog=tune.EPILOG)
+    tune.add_arguments(tu)
+    tu.set_defaults(func=tune.run_tune)
     su = sub.add_parser("surface", help="record a Megatron tree's argparse surface as JSON facts",
                         description=record.DESCRIPTION)
     record.add_arguments(su)

@@ -1,0 +1,80 @@
+"""The runtime side of profiles: read the file MEGATRON_PERF_TOGGLES_PROFILE names, and say what
+this run's environment is (as far as it is known when the toggles are decided) so that the core
+can compare it with the one the profile was measured on.
+
+Parsing and validation are the core's (``core.profile``); here is only what touches the machine:
+the file, the environment variables of the launch, the planned target and an imported torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..core.facts import Capabilities
+from ..core.profile import PROFILE_ENV, Environment, Observed, Profile, parse_profile
+from ..errors import ProfileError
+from . import target as planned
+from .capabilities import gpu_name_here
+
+
+def load(path: str) -> Profile:
+    """The profile at ``path``, or one ProfileError line (unreadable, not UTF-8, malformed)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as error:
+        raise ProfileError(f"{PROFILE_ENV}={path}: cannot read it ({error.strerror or error})",
+                           "check the path, or unset the variable") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{PROFILE_ENV}={path}: not a UTF-8 text file",
+                           "a profile is JSON, as tune writes it") from None
+    return parse_profile(text, path)
+
+
+def _gpu(caps: Capabilities, mode: str) -> tuple[str | None, str | None]:
+    """(name, None) where this run's GPU is known; (None, why) where it is not."""
+    source = caps.gpu_source or ""
+    if caps.gpu_name and (source == "detected" or source.startswith("--gpu")):
+        return caps.gpu_name, None
+    target = planned.active()
+    if target is not None and target.gpu is not None:
+        if target.gpu_source.startswith("--gpu"):
+            return target.gpu.product, None
+        return None, target.gpu_source or "the plan is for an assumed GPU"
+    if mode != "plan":
+        name = gpu_name_here()
+        if name:
+            return name, None
+    return None, source or "no GPU is visible where the toggles are decided"
+
+
+def _world_size(environ: Mapping[str, str], mode: str) -> tuple[int | None, str | None]:
+    target = planned.active()
+    if target is not None and target.world_size is not None:
+        return target.world_size, None
+    raw = (environ.get("WORLD_SIZE") or "").strip()
+    if raw.isdigit():
+        return int(raw), None
+    if mode == "plan":
+        return None, "explain plans for no particular world size (WORLD_SIZE is not set)"
+    return 1, None  # Megatron's own reading of an unset WORLD_SIZE
+
+
+def observed(caps: Capabilities, environ: Mapping[str, str], mode: str) -> Observed:
+    """This run's Megatron, TE, torch, GPU and world size, each known or with why it is not."""
+    unknown: dict[str, str] = {}
+    if not caps.megatron.version:
+        unknown["megatron"] = "Megatron's version could not be read"
+    if caps.te_version == "unknown":
+        unknown["transformer_engine"] = "Transformer Engine's version could not be read"
+    if caps.torch_version is None and mode == "run":
+        unknown["torch"] = "torch is not imported yet"
+    gpu, why = _gpu(caps, mode)
+    if why:
+        unknown["gpu"] = why
+    world, why = _world_size(environ, mode)
+    if why:
+        unknown["world_size"] = why
+    env = Environment(megatron=caps.megatron.version, transformer_engine=caps.te_version,
+                      torch=caps.torch_version, gpu=gpu, world_size=world)
+    return Observed(env, unknown)

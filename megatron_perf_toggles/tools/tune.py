@@ -1,0 +1,459 @@
+"""``megatron-perf-toggles tune``: measure the toggles on your own command line and write a profile.
+
+It is ``ablate`` run twice, with a decision rule between and after (nothing here measures or checks
+confounds on its own; it calls ablate's functions):
+
+1. **Leave-one-out from the defaults**: every toggle on (the baseline), then each one off. Removing
+   a toggle is either detectably slower (its interval lies below 1: keep it on), detectably faster
+   (above 1: turn it off), or not detectably different (the interval holds 1: unresolved).
+2. **Factorial of the unresolved toggles** (at most ``--max-factorial`` of them), with the resolved
+   ones pinned to their decided values, every combination compared with all of them on. A
+   combination replaces "all on" only when it is detectably faster, at a confidence corrected for
+   picking among many arms (Bonferroni: ``1 - (1 - confidence) / (arms - 1)``); otherwise the
+   unresolved toggles stay on.
+
+Why keep on what is not detectably different: the defaults are the fast settings where they were
+measured, a toggle that does nothing costs nothing, and turning one off on the strength of noise
+would make a profile worse than no profile. Only an effect the experiment resolves moves a value.
+
+Toggles a guard keeps off on this setup (no TE kernel, FSDP, ...) take no part: the guard decides
+them in every run, with or without a profile. Every block that starts ends within ``--budget``; a
+re-run of the same command resumes (finished runs are skipped), as ablate's does. The result is
+OUT/profile.json (``core.profile.render_profile``) and OUT/profile.md; each phase keeps ablate's own
+results in OUT/leave-one-out/ and OUT/factorial/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from ..core.profile import Choice, Environment, Evidence, Profile, render_profile
+from ..core.registry import format_value
+from ..errors import PerfTogglesError, fail
+from .ablate import runner as ablate
+from .ablate import stats
+from .ablate.design import Arm, DesignError, baseline_of, expand, parse_toggles
+from .ablate.report import write_results
+
+DEFAULT_MAX_FACTORIAL = 3  # 8 arms a block; 4 would be 16
+
+
+@dataclass
+class Decided:
+    """One toggle's value and how it was reached: the experiment, its two arms and the rule."""
+
+    dest: str
+    value: bool
+    rule: str
+    phase: str = ""  # the phase whose runs hold the evidence ("" where nothing was measured)
+    chosen: str = ""  # the arm with the chosen value
+    against: str = ""  # the arm that differs from ``chosen`` in this toggle alone
+
+
+# --- the decision rule, on ablate's result rows ----------------------------------------------------
+
+
+def leave_one_out_verdicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """dest -> the verdict on removing it ("without:dest" against all on): slower, faster, or not."""
+    return {row["arm"].split(":", 1)[1]: (row.get("speedup") or {}).get("verdict", stats.TOO_FEW)
+            for row in rows if str(row["arm"]).startswith("without:")}
+
+
+def decide_leave_one_out(verdicts: Mapping[str, str]) -> tuple[dict[str, Decided], list[str]]:
+    """Removing it is detectably slower: keep it on; detectably faster: turn it off; otherwise it
+    is unresolved (kept on unless the factorial finds better)."""
+    decided: dict[str, Decided] = {}
+    unresolved: list[str] = []
+    for dest, verdict in verdicts.items():
+        without = f"without:{dest}"
+        if verdict == stats.SLOWER:
+            decided[dest] = Decided(dest, True, "kept on: removing it is detectably slower", "leave-one-out",
+                                    "all-on", without)
+        elif verdict == stats.FASTER:
+            decided[dest] = Decided(dest, False, "turned off: removing it is detectably faster", "leave-one-out",
+                                    without, "all-on")
+        else:
+            unresolved.append(dest)
+    return decided, unresolved
+
+
+def factorial_arms(unresolved: Sequence[str], decided: Mapping[str, Decided]) -> list[Arm]:
+    """Every combination of the unresolved toggles, the resolved ones pinned to their values; the
+    baseline is all of the unresolved on (the defaults it would otherwise keep)."""
+    arms = expand("factorial", tuple(unresolved), [])
+    pinned = {d: dec.value for d, dec in decided.items()}
+    for arm in arms:
+        arm.fixed = dict(pinned)
+        arm.baseline = all(arm.toggles.values())
+    return arms
+
+
+def family_confidence(confidence: float, arms: int) -> float:
+    """Bonferroni over the comparisons with the baseline: the chance that any arm is called
+    faster by noise stays at most ``1 - confidence``."""
+    return 1 - (1 - confidence) / max(arms - 1, 1)
+
+
+def pick_combination(rows: Sequence[Mapping[str, Any]], arms: Sequence[Arm]) -> Arm:
+    """The detectably faster combination with the highest lower bound, else the baseline."""
+    faster = [(row["speedup"]["low"], arm) for row, arm in zip(rows, arms, strict=True)
+              if not arm.baseline and (row.get("speedup") or {}).get("verdict") == stats.FASTER]
+    return max(faster, key=lambda pair: pair[0])[1] if faster else baseline_of(arms)
+
+
+def decide_factorial(unresolved: Sequence[str], arms: Sequence[Arm], chosen: Arm) -> dict[str, Decided]:
+    by_values = {tuple(sorted(a.toggles.items())): a for a in arms}
+    out: dict[str, Decided] = {}
+    for dest in unresolved:
+        flipped = by_values[tuple(sorted({**chosen.toggles, dest: not chosen.toggles[dest]}.items()))]
+        rule = ("kept on: no combination of the unresolved toggles was detectably faster than all on"
+                if chosen.baseline else f"{'on' if chosen.toggles[dest] else 'off'} in the combination "
+                f"{chosen.name}, detectably faster than all on")
+        out[dest] = Decided(dest, chosen.toggles[dest], rule, "factorial", chosen.name, flipped.name)
+    return out
+
+
+# --- evidence: the chosen arm against the arm that differs in this toggle alone ------------------
+
+
+def _block_values(runs: Sequence[Mapping[str, Any]], arm: str, blocks: int) -> list[Mapping[str, Any] | None]:
+    by = {(r["arm"], r["block"]): r for r in runs if r.get("block", -1) >= 0 and r.get("status") == "done"}
+    return [by.get((arm, b)) for b in range(blocks)]
+
+
+def _ms(run: Mapping[str, Any] | None) -> float | None:
+    return ((run or {}).get("summary", {}).get("ms_per_iter") or {}).get("median")
+
+
+def _losses(chosen: list[Mapping[str, Any] | None], against: list[Mapping[str, Any] | None]
+            ) -> tuple[list[float | None], list[float | None]]:
+    """Each block's loss of both arms at the last iteration every one of their runs reached."""
+    def by_it(run: Mapping[str, Any] | None) -> dict[int, float]:
+        return {it["iteration"]: it["lm_loss"] for it in (run or {}).get("iterations", []) if "lm_loss" in it}
+
+    tables = [by_it(r) for r in [*chosen, *against] if r is not None]
+    common = set.intersection(*(set(t) for t in tables)) if tables else set()
+    if not common:
+        return [], []
+    last = max(common)
+    return [by_it(r).get(last) for r in chosen], [by_it(r).get(last) for r in against]
+
+
+def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
+    """Step time with the other value over step time with the chosen one, paired by block."""
+    blocks = result["blocks_run"]
+    chosen = _block_values(result["runs"], decided.chosen, blocks)
+    against = _block_values(result["runs"], decided.against, blocks)
+    sp = stats.paired_speedup([_ms(r) for r in against], [_ms(r) for r in chosen], result["confidence"])
+    chosen_loss, against_loss = _losses(chosen, against)
+    loss = stats.loss_comparison(against_loss, chosen_loss) if chosen_loss else None
+    return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
+                    verdict=sp["verdict"], confidence=result["confidence"], blocks=sp["blocks"],
+                    design=decided.phase, loss_ratio=loss["ratio"] if loss else None,
+                    loss_within_noise=(not loss["outside_noise_band"]) if loss else None, rule=decided.rule)
+
+
+# --- the environment measured, from the dry-run records ------------------------------------------
+
+
+def measured_on(record: Mapping[str, Any], launch: str | None) -> Environment:
+    """What the runs ran on: the baseline's dry-run record (Megatron, TE, torch, the GPU that
+    process saw) and the launch's world size. No torch is imported here."""
+    caps = record.get("capabilities") or {}
+    te = caps.get("te_version")
+    return Environment(megatron=(record.get("megatron") or {}).get("version"),
+                       transformer_engine=None if te == "unknown" else te, torch=caps.get("torch_version"),
+                       gpu=record.get("gpu_visible"), world_size=ablate._gpus(launch))
+
+
+# --- running the phases --------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    """What every phase shares: the parsed options, the Megatron arguments, the environment, the
+    dry-run resolver and the clock (the last two are stand-ins in tests)."""
+
+    ns: argparse.Namespace
+    args: list[str]
+    environ: dict[str, str]
+    resolver: Callable[..., dict[str, Any]]
+    clock: Callable[[], float]
+    start: float
+
+    def minutes_left(self) -> float | None:
+        return None if self.ns.budget is None else self.ns.budget - (self.clock() - self.start) / 60
+
+    def phase_clock(self) -> Callable[[], float]:
+        """The clock for one ablate experiment, whose budget counts from its own first reading:
+        that reading is tune's start, so ``--budget`` covers every phase and is named as given."""
+        first = [True]
+
+        def clock() -> float:
+            if first[0]:
+                first[0] = False
+                return self.start
+            return self.clock()
+
+        return clock
+
+
+def say(text: str) -> None:
+    print(f"[tune] {text}", file=sys.stderr, flush=True)
+
+
+def guarded_off(setup: Setup, toggles: Sequence[str]) -> dict[str, str]:
+    """Toggles a guard keeps off with every default on (dest -> the guard's reason): they cannot
+    take part, since an arm that asks for them on would not get it (ablate refuses such arms)."""
+    record = setup.resolver(setup.ns.script, setup.args, Arm("defaults", dict.fromkeys(toggles, True)),
+                            setup.environ)
+    decisions = record.get("decisions", {})
+    return {d: f"{decisions[d].get('source')}: {decisions[d].get('reason')}" for d in toggles
+            if d in decisions and decisions[d].get("value") is not True}
+
+
+def phase_options(setup: Setup, design: str, confidence: float, warmup_run: bool) -> argparse.Namespace:
+    """The options ablate's experiment() reads, for one phase."""
+    ns = setup.ns
+    return argparse.Namespace(design=design, seed=ns.seed, repeats=ns.repeats, warmup_run=warmup_run,
+                              warmup=ns.warmup, launch=ns.launch, script=ns.script, confidence=confidence,
+                              effect=0.01, target_ci=None, max_repeats=ns.repeats, budget=ns.budget)
+
+
+def run_phase(setup: Setup, design: str, arms: list[Arm], confidence: float, warmup_run: bool
+              ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One ablate experiment in OUT/<design>: confound check, blocks, results; (result, records)."""
+    out = Path(setup.ns.out) / design
+    records, derived = ablate.resolve_and_check(setup.resolver, setup.ns.script, setup.args, arms, setup.environ)
+    iters = setup.ns.iters if setup.ns.iters is not None else records[arms.index(baseline_of(arms))].get(
+        "effective_args", {}).get("train_iters")
+    ns = phase_options(setup, design, confidence, warmup_run)
+
+    def runs_of_block(block: int) -> list[ablate.Run]:
+        return [ablate.make_run(out, arms[i], block, ns.launch, ns.script, setup.args, records[i])
+                for i in ablate.block_order(ns.seed, block, len(arms))]
+
+    out.mkdir(parents=True, exist_ok=True)
+    result = ablate.experiment(ns, arms, records, setup.args, out, setup.environ, runs_of_block, iters, derived,
+                               setup.phase_clock())
+    write_results(out, result, records)
+    return result, records
+
+
+def factorial_fits(setup: Setup, first: Mapping[str, Any], arms: int) -> str | None:
+    """Why the factorial cannot start within the budget (None: it can): one block of it, timed
+    by the leave-one-out runs, must end before the budget does."""
+    left = setup.minutes_left()
+    seconds = [r["seconds"] for r in first["runs"] if r.get("seconds") and r.get("block", -1) >= 0]
+    if left is None or not seconds:
+        return None
+    block = statistics.median(seconds) * arms / 60
+    if block > left:
+        return f"--budget {setup.ns.budget:g} min: one block of {arms} arms (about {block:.1f} min) would not fit in " \
+               f"the {max(left, 0):.1f} min left"
+    return None
+
+
+def unresolved_kept(unresolved: Sequence[str], why_not: str) -> dict[str, Decided]:
+    return {d: Decided(d, True, f"kept on: removing it made no detectable difference, and {why_not}",
+                       "leave-one-out", "all-on", f"without:{d}") for d in unresolved}
+
+
+def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Sequence[str],
+                 results: dict[str, dict[str, Any]]) -> dict[str, Decided]:
+    """The factorial of the unresolved toggles where it can run, else they stay on (with why)."""
+    first, limit = results["leave-one-out"], setup.ns.max_factorial
+    if first.get("stop_reason"):
+        return unresolved_kept(unresolved, f"the factorial did not run ({first['stop_reason']})")
+    if len(unresolved) > limit:
+        return unresolved_kept(unresolved, f"the factorial did not run: {len(unresolved)} unresolved toggles are "
+                               f"more than --max-factorial {limit} (more --repeats resolve more of them)")
+    arms = factorial_arms(unresolved, decided)
+    why = factorial_fits(setup, first, len(arms))
+    if why:
+        say(f"factorial skipped: {why}")
+        return unresolved_kept(unresolved, f"the factorial did not run ({why})")
+    confidence = family_confidence(setup.ns.confidence, len(arms))
+    say(f"phase 2/2: factorial of {', '.join(unresolved)} ({len(arms)} arms), the others pinned; a combination "
+        f"must be faster than all on at {confidence * 100:.2f} % (corrected for {len(arms) - 1} comparisons)")
+    second, _ = run_phase(setup, "factorial", arms, confidence, False)
+    results["factorial"] = second
+    return decide_factorial(unresolved, arms, pick_combination(second["rows"], arms))
+
+
+def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any]]]:
+    """Both phases; the profile, the toggles that took no part (with why) and each phase's result."""
+    ns = setup.ns
+    toggles = parse_toggles(ns.toggles)
+    excluded = guarded_off(setup, toggles)
+    for dest, why in excluded.items():
+        say(f"{dest} takes no part: a guard keeps it off here ({why})")
+    taking_part = tuple(t for t in toggles if t not in excluded)
+    if not taking_part:
+        raise DesignError("every toggle named is kept off by a guard on this setup: nothing to tune")
+    say(f"phase 1/2: leave-one-out of {', '.join(taking_part)} from the defaults ({len(taking_part) + 1} arms)")
+    arms = expand("leave-one-out", taking_part, [])
+    first, records = run_phase(setup, "leave-one-out", arms, ns.confidence, ns.warmup_run)
+    results = {"leave-one-out": first}
+    decided, unresolved = decide_leave_one_out(leave_one_out_verdicts(first["rows"]))
+    if unresolved:
+        decided.update(second_phase(setup, decided, unresolved, results))
+    command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
+    profile = Profile(
+        toggles={d: Choice(decided[d].value, evidence(decided[d], results[decided[d].phase])) for d in taking_part},
+        environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command))
+    return profile, excluded, results
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def _interval(ev: Evidence) -> str:
+    if ev.speedup is None:
+        return "-"
+    if ev.low is None or ev.high is None:
+        return f"{ev.speedup:.3f}"
+    return f"{ev.speedup:.3f} [{ev.low:.3f}, {ev.high:.3f}]"
+
+
+def summary(profile: Profile, path: Path, excluded: Mapping[str, str], results: Mapping[str, Mapping[str, Any]]
+            ) -> str:
+    """OUT/profile.md: what was chosen and why, for the review the profile is meant to get."""
+    env = profile.environment
+    lines = [f"# Profile `{path.name}`", "",
+             f"Measured {profile.created} with {profile.made_by}: Megatron {env.megatron or '?'}, Transformer Engine "
+             f"{env.transformer_engine or 'none'}, torch {env.torch or '?'}, GPU {env.gpu or 'not known'}, world size "
+             f"{env.world_size}.", "", f"Command: `{profile.command}`", "",
+             "| toggle | value | speedup of the value over the other [CI] | verdict | loss ratio | how |",
+             "|---|---|---|---|---|---|"]
+    for dest, choice in profile.toggles.items():
+        ev = choice.evidence
+        assert ev is not None  # tune records evidence for every toggle it decides
+        loss = "-" if ev.loss_ratio is None else f"{ev.loss_ratio:.4f}" + (
+            "" if ev.loss_within_noise in (None, True) else " (outside noise band)")
+        lines.append(f"| {dest} | {format_value(choice.value)} | {_interval(ev)} | {ev.verdict} | {loss} | {ev.rule} |")
+    for dest, why in excluded.items():
+        lines.append(f"| {dest} | (not in the profile) | - | - | - | a guard keeps it off here: {why} |")
+    lines += ["", "Intervals: paired t over blocks; the factorial's at the corrected confidence it decided with."]
+    for phase, result in results.items():
+        lines.append(f"- {phase}: {result['blocks_run']} block(s), results in `{phase}/results.md`"
+                     + (f"; stopped: {result['stop_reason']}" if result.get("stop_reason") else ""))
+    lines += ["", f"Use it: `MEGATRON_PERF_TOGGLES_PROFILE={path} <your launch>`; "
+              "`megatron-perf-toggles explain` with the same variable shows what it decides."]
+    return "\n".join(lines) + "\n"
+
+
+def write_profile(out: Path, profile: Profile, excluded: Mapping[str, str],
+                  results: Mapping[str, Mapping[str, Any]]) -> Path:
+    path = out / "profile.json"
+    tmp = out / ".profile.json.tmp"
+    tmp.write_text(render_profile(profile))
+    os.replace(tmp, path)  # a reader (or a launch) never sees half a profile
+    (out / "profile.md").write_text(summary(profile, path, excluded, results))
+    return path
+
+
+# --- command -------------------------------------------------------------------------------------
+
+DESCRIPTION = (
+    "Measure the toggles on your own command line and write a profile (OUT/profile.json, with OUT/profile.md "
+    "to review): first leave-one-out from the defaults; a toggle whose removal is detectably faster is turned "
+    "off, one whose removal is detectably slower stays on; then every combination of the unresolved ones "
+    "(removal not detectably different), of which one replaces 'all on' only when it is detectably faster. "
+    "Every run is checked for confounds through Megatron's parser first, runs in seeded blocks, and is "
+    "skipped when the same command is run again (resume). Use the result with "
+    "MEGATRON_PERF_TOGGLES_PROFILE=OUT/profile.json.")
+EPILOG = ("example: megatron-perf-toggles tune --budget 90 --launch 'torchrun --nproc-per-node 8' --out runs/tune "
+          "-- pretrain_gpt.py <megatron args>")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``tune`` options, for :func:`main`'s parser and the ``megatron-perf-toggles tune`` subcommand."""
+    p.add_argument("--budget", type=float, metavar="MINUTES",
+                   help="no block starts that would end later than this many minutes after the start (the first, "
+                   "unmeasured warm-up run always runs: it times the others)")
+    p.add_argument("--toggles", help="comma list of on/off toggle dests to tune (default: all five)")
+    p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python); "
+                   "its GPU count is the profile's world size")
+    p.add_argument("--out", default="tune", help="output directory (default: ./tune); run again to resume")
+    p.add_argument("--repeats", type=int, default=3, help="blocks per phase; each block runs every arm once (default 3)")
+    p.add_argument("--iters", type=int, help="iterations per run (sets --train-iters; default: the arguments' own)")
+    p.add_argument("--warmup", type=int, default=3, help="iterations left out of each run's median (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seeds each block's arm order (default 0)")
+    p.add_argument("--confidence", type=float, default=0.95, help="confidence of the intervals (default 0.95)")
+    p.add_argument("--max-factorial", type=int, default=DEFAULT_MAX_FACTORIAL, metavar="N",
+                   help=f"most unresolved toggles the factorial takes, 2^N arms (default {DEFAULT_MAX_FACTORIAL}); "
+                   "with more, they stay on")
+    p.add_argument("--no-warmup-run", dest="warmup_run", action="store_false",
+                   help="skip the unmeasured warm-up run before the first block")
+    p.add_argument("script", help="the Megatron training script, e.g. pretrain_gpt.py")
+    p.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments")
+
+
+def build_tune_parser() -> argparse.ArgumentParser:
+    from ..errors import OneLineArgumentParser
+
+    p = OneLineArgumentParser(prog="megatron-perf-toggles tune", description=DESCRIPTION, epilog=EPILOG)
+    add_arguments(p)
+    return p
+
+
+def _prepare(ns: argparse.Namespace) -> list[str]:
+    """Every check before the first dry run, and the Megatron arguments as the runs get them."""
+    ns.effect, ns.target_ci = 0.01, None  # what ablate's checks read; tune has no such options
+    ablate._validate(ns)
+    if not 1 <= ns.max_factorial <= 5:
+        raise DesignError(f"--max-factorial {ns.max_factorial}: between 1 and 5 (2 to 32 arms a block)")
+    ablate._check_out(Path(ns.out))
+    args = list(ns.megatron_args[1:] if ns.megatron_args[:1] == ["--"] else ns.megatron_args)
+    if ns.iters is not None:
+        args = ablate.set_args(args, {"--train-iters": str(ns.iters)})
+    import shutil
+
+    launcher = ablate.arm_command(ns.launch, ns.script, args, Arm("x", {}))[0]
+    if shutil.which(launcher) is None and not Path(launcher).is_file():
+        raise DesignError(f"--launch: {launcher!r} is not an executable on PATH")
+    return args
+
+
+def run_tune(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = ablate.resolve_arm,
+             clock: Callable[[], float] = time.monotonic) -> int:
+    """The command: both phases, then the profile. Exit 0, 1 where a run failed (the profile is
+    still written, from the runs that finished), 2 for bad input or a confound."""
+    try:
+        args = _prepare(ns)
+        setup = Setup(ns, args, dict(os.environ), resolver, clock, clock())
+        profile, excluded, results = tune(setup)
+        path = write_profile(Path(ns.out), profile, excluded, results)
+    except PerfTogglesError as error:
+        fail(error)
+    print((Path(ns.out) / "profile.md").read_text())
+    say(f"wrote {path} (and profile.md beside it); use it with MEGATRON_PERF_TOGGLES_PROFILE={path}")
+    failed = any(r.get("status") == "failed" for res in results.values() for r in res["runs"])
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, Any]] = ablate.resolve_arm,
+         clock: Callable[[], float] = time.monotonic) -> int:
+    try:
+        ns = build_tune_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    except PerfTogglesError as error:
+        fail(error)
+    return run_tune(ns, resolver, clock)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

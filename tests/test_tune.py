@@ -1,0 +1,262 @@
+"""``tune``: the decision rule on synthetic results, which arms it plans, and the command end to end
+with a stand-in Megatron: the profile it writes, resume after an interruption, the budget, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, full_caps
+
+from megatron_perf_toggles.core.registry import BY_DEST
+from megatron_perf_toggles.runtime import profile_file, provider
+from megatron_perf_toggles.runtime.controller import Controller
+from megatron_perf_toggles.tools import tune
+from megatron_perf_toggles.tools.ablate import runner as ablate
+from megatron_perf_toggles.tools.ablate import stats
+from megatron_perf_toggles.tools.surfaces import replay
+
+FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
+THREE = "grad_reduce_in_bf16,ddp_average_in_collective,cross_entropy_loss_fusion"
+
+
+# --- the decision rule ------------------------------------------------------------------------------
+
+
+def row(arm, verdict=None, low=None, baseline=False):
+    out = {"arm": arm, "baseline": baseline}
+    if verdict is not None:
+        out["speedup"] = {"verdict": verdict, "low": low, "estimate": low, "high": low}
+    return out
+
+
+def test_leave_one_out_keeps_what_removal_slows_and_drops_what_removal_speeds_up():
+    rows = [row("all-on", baseline=True), row("without:a", stats.SLOWER), row("without:b", stats.FASTER),
+            row("without:c", stats.NO_DIFFERENCE), row("without:d", stats.TOO_FEW)]
+    decided, unresolved = tune.decide_leave_one_out(tune.leave_one_out_verdicts(rows))
+    assert {d: x.value for d, x in decided.items()} == {"a": True, "b": False}
+    assert unresolved == ["c", "d"]
+    assert (decided["a"].chosen, decided["a"].against) == ("all-on", "without:a")
+    assert (decided["b"].chosen, decided["b"].against) == ("without:b", "all-on")
+
+
+def test_the_factorial_varies_the_unresolved_and_pins_the_resolved():
+    decided, unresolved = tune.decide_leave_one_out({"grad_reduce_in_bf16": stats.FASTER,
+                                                     "ddp_average_in_collective": stats.NO_DIFFERENCE,
+                                                     "fused_single_qkv_rope": stats.NO_DIFFERENCE})
+    arms = tune.factorial_arms(unresolved, decided)
+    assert len(arms) == 2 ** len(unresolved)
+    assert {tuple(sorted(a.toggles.items())) for a in arms} == {
+        (("ddp_average_in_collective", x), ("fused_single_qkv_rope", y)) for x in (False, True) for y in (False, True)}
+    (base,) = [a for a in arms if a.baseline]
+    assert all(base.toggles.values())  # compared with the defaults it would otherwise keep
+    for arm in arms:
+        assert arm.env()[BY_DEST["grad_reduce_in_bf16"].env] == "0"  # resolved: pinned to its value
+
+
+def test_the_factorial_confidence_is_corrected_for_its_comparisons():
+    assert tune.family_confidence(0.95, 8) == pytest.approx(1 - 0.05 / 7)
+    assert tune.family_confidence(0.95, 2) == pytest.approx(0.95)
+    assert stats.t_quantile(1 - (1 - tune.family_confidence(0.95, 8)) / 2, 2) > stats.t_quantile(0.975, 2)
+
+
+def test_a_combination_wins_only_when_detectably_faster():
+    arms = tune.factorial_arms(["grad_reduce_in_bf16", "ddp_average_in_collective"], {})
+    names = [a.name for a in arms]
+    rows = [row(n, stats.NO_DIFFERENCE, 1.0, baseline=a.baseline) for n, a in zip(names, arms, strict=True)]
+    assert tune.pick_combination(rows, arms).baseline
+    off_ddp = next(i for i, a in enumerate(arms) if a.toggles == {"grad_reduce_in_bf16": True,
+                                                                   "ddp_average_in_collective": False})
+    all_off = next(i for i, a in enumerate(arms) if not any(a.toggles.values()))
+    rows[off_ddp] = row(names[off_ddp], stats.FASTER, 1.02)
+    rows[all_off] = row(names[all_off], stats.FASTER, 1.01)
+    chosen = tune.pick_combination(rows, arms)
+    assert chosen is arms[off_ddp]  # the higher lower bound
+    decided = tune.decide_factorial(["grad_reduce_in_bf16", "ddp_average_in_collective"], arms, chosen)
+    assert decided["ddp_average_in_collective"].value is False and decided["grad_reduce_in_bf16"].value is True
+    against = next(a for a in arms if a.name == decided["ddp_average_in_collective"].against)
+    assert against.toggles == {"grad_reduce_in_bf16": True, "ddp_average_in_collective": True}
+
+
+def _run(arm, block, ms, loss):
+    return {"arm": arm, "block": block, "status": "done", "summary": {"ms_per_iter": {"median": ms}},
+            "iterations": [{"iteration": 5, "lm_loss": loss}]}
+
+
+def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
+    chosen_ms, against_ms = [900.0, 950.0, 910.0], [1000.0, 1040.0, 1000.0]
+    runs = [_run("without:x", b, ms, 2.0) for b, ms in enumerate(chosen_ms)]
+    runs += [_run("all-on", b, ms, 2.0 + 0.01 * b) for b, ms in enumerate(against_ms)]
+    decided = tune.Decided("x", False, "turned off", "leave-one-out", "without:x", "all-on")
+    ev = tune.evidence(decided, {"blocks_run": 3, "runs": runs, "confidence": 0.95})
+    logs = [math.log(a / c) for a, c in zip(against_ms, chosen_ms, strict=True)]
+    assert ev.speedup == pytest.approx(math.exp(sum(logs) / 3))
+    assert ev.low < ev.speedup < ev.high and ev.verdict == stats.FASTER and ev.against is True
+    assert ev.blocks == 3 and ev.design == "leave-one-out" and ev.rule == "turned off"
+    assert ev.loss_ratio is not None and ev.loss_within_noise is not None
+
+
+# --- end to end, with a stand-in Megatron --------------------------------------------------------------
+
+
+def stand_in_resolver(guarded=(), calls=None):
+    """Megatron's parser and the plugin, as a dry run would report them: each pinned toggle as asked,
+    except those in ``guarded``, which a guard keeps off."""
+    def resolver(script, args, arm, environ):
+        if calls is not None:
+            calls.append(arm.name)
+        decisions = {d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned().items()}
+        for dest in guarded:
+            decisions[dest] = {"value": False, "source": "guard", "reason": "no TE kernel here"}
+        effective = {"seq_length": 4096, "train_iters": 6, **{d: r["value"] for d, r in decisions.items()}}
+        return {"decisions": decisions, "effective_args": effective, "megatron": {"version": "0.20.0"},
+                "capabilities": {"te_version": "2.20.2", "torch_version": "2.11.0+cu128"},
+                "gpu_visible": "NVIDIA H200"}
+    return resolver
+
+
+def tune_main(tmp_path, *extra, toggles=THREE, resolver=None, clock=None):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    argv = ["--toggles", toggles, "--out", str(tmp_path / "out"), "--launch", FAKE, "--iters", "8", "--warmup", "2",
+            *extra, str(script), "--", "--seq-length", "4096"]
+    kwargs = {"clock": clock} if clock else {}
+    return tune.main(argv, resolver=resolver or stand_in_resolver(), **kwargs)
+
+
+@pytest.fixture
+def costs(monkeypatch):
+    """Cross-entropy fusion costs 100 ms here; bf16 reduction saves 100 (the stand-in's own rule)."""
+    monkeypatch.setenv("FAKE_EXTRA_MS", "CROSS_ENTROPY_LOSS_FUSION=100")
+    monkeypatch.delenv("FAKE_DRIFT", raising=False)
+
+
+def test_tune_writes_a_profile_the_plugin_accepts(tmp_path, costs, capsys):
+    assert tune_main(tmp_path) == 0
+    out = tmp_path / "out"
+    loo = json.loads((out / "leave-one-out" / "results.json").read_text())
+    assert sorted(r["arm"] for r in loo["rows"]) == sorted(
+        ["all-on", *(f"without:{d}" for d in THREE.split(","))])
+    fac = json.loads((out / "factorial" / "results.json").read_text())
+    assert sorted(r["arm"] for r in fac["rows"]) == ["all-off", "ddp_average_in_collective"]  # the unresolved one
+    assert all(r["env"]["CROSS_ENTROPY_LOSS_FUSION"] == "0" and r["env"]["GRAD_REDUCE_IN_BF16"] == "1"
+               for r in fac["rows"])  # the resolved ones pinned
+    profile = profile_file.load(str(out / "profile.json"))
+    assert {d: c.value for d, c in profile.toggles.items()} == {
+        "grad_reduce_in_bf16": True, "ddp_average_in_collective": True, "cross_entropy_loss_fusion": False}
+    ev = profile.toggles["cross_entropy_loss_fusion"].evidence
+    assert ev.verdict == stats.FASTER and ev.against is True and ev.speedup == pytest.approx(1000 / 900)
+    assert profile.toggles["grad_reduce_in_bf16"].evidence.speedup == pytest.approx(1100 / 1000)
+    assert profile.toggles["ddp_average_in_collective"].evidence.design == "factorial"
+    assert profile.environment.to_record() == {"megatron": "0.20.0", "transformer_engine": "2.20.2",
+                                               "torch": "2.11.0+cu128", "gpu": "NVIDIA H200", "world_size": 1}
+    assert "pretrain_gpt.py" in profile.command and profile.created
+    md = (out / "profile.md").read_text()
+    assert "| cross_entropy_loss_fusion | off |" in md and "removing it is detectably faster" in md
+    # the round trip: the plugin reads the file and takes its values, with source 'profile'
+    parser = replay.parser_from_surface(replay.load_surface("main"))
+    environ = {"MEGATRON_PERF_TOGGLES_PROFILE": str(out / "profile.json")}
+    provider.attach(parser, controller=Controller(environ, mode="plan", capabilities=full_caps()))
+    args = parser.parse_args(["--bf16", "--position-embedding-type", "rope"])
+    for dest, choice in profile.toggles.items():
+        assert (getattr(args, dest), args.perf_toggles[dest]["source"]) == (choice.value, "profile")
+    assert not args.perf_toggles["cross_entropy_loss_fusion"]["value"]
+
+
+def test_a_guarded_toggle_takes_no_part(tmp_path, costs, capsys):
+    calls = []
+    resolver = stand_in_resolver(guarded=("fused_single_qkv_rope",), calls=calls)
+    assert tune_main(tmp_path, "--repeats", "2", toggles="grad_reduce_in_bf16,fused_single_qkv_rope",
+                     resolver=resolver) == 0
+    assert "fused_single_qkv_rope takes no part: a guard keeps it off here" in capsys.readouterr().err
+    profile = profile_file.load(str(tmp_path / "out" / "profile.json"))
+    assert list(profile.toggles) == ["grad_reduce_in_bf16"]
+    assert "a guard keeps it off here: guard: no TE kernel here" in (tmp_path / "out" / "profile.md").read_text()
+    assert not any("fused_single_qkv_rope" in name for name in calls[1:])  # no arm asks for it
+
+
+def test_resume_after_an_interruption_runs_only_what_is_missing(tmp_path, costs, monkeypatch, capsys):
+    counter = tmp_path / "counter"
+    monkeypatch.setenv("FAKE_COUNTER", str(counter))
+    original, done = ablate.execute, []
+
+    def interrupted(*args, **kwargs):
+        if len(done) == 5:
+            raise KeyboardInterrupt
+        done.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ablate, "execute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tune_main(tmp_path)
+    assert not (tmp_path / "out" / "profile.json").exists()
+    monkeypatch.setattr(ablate, "execute", original)
+    capsys.readouterr()
+    assert tune_main(tmp_path) == 0
+    assert capsys.readouterr().err.count("done earlier, skipped") == 5
+    ran = len(counter.read_text().split())
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    counter.write_text("")
+    assert tune_main(fresh) == 0
+    assert ran == len(counter.read_text().split())  # every run once, over the two calls
+    again = profile_file.load(str(fresh / "out" / "profile.json"))
+    resumed = profile_file.load(str(tmp_path / "out" / "profile.json"))
+    assert {d: c.value for d, c in again.toggles.items()} == {d: c.value for d, c in resumed.toggles.items()}
+
+
+def test_the_budget_stops_before_a_block_that_would_not_fit(tmp_path, costs):
+    ticks = iter(range(0, 10**6, 50))  # every look at the clock: 50 s later
+    assert tune_main(tmp_path, "--repeats", "5", "--budget", "3", clock=lambda: next(ticks)) == 0
+    out = tmp_path / "out"
+    loo = json.loads((out / "leave-one-out" / "results.json").read_text())
+    assert loo["blocks_run"] < 5 and "--budget 3 min" in loo["stop_reason"]
+    assert not (out / "factorial").exists()
+    profile = profile_file.load(str(out / "profile.json"))
+    assert profile.toggles["ddp_average_in_collective"].value is True
+    assert "the factorial did not run (--budget 3 min" in profile.toggles["ddp_average_in_collective"].evidence.rule
+
+
+def test_the_factorial_is_skipped_when_one_block_would_not_fit(tmp_path, costs):
+    setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "s.py"]), [], {}, None,
+                       lambda: 0.0, 0.0)
+    first = {"runs": [{"block": b, "seconds": 120.0} for b in (-1, 0, 1)]}
+    assert tune.factorial_fits(setup, first, 4) is None  # 8 min of 10
+    assert "would not fit" in tune.factorial_fits(setup, first, 8)  # 16 min
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--max-factorial", "9"], "--max-factorial 9"),
+    (["--repeats", "0"], "--repeats 0"),
+    (["--budget", "0"], "--budget 0.0"),
+    (["--iters", "2", "--warmup", "2"], "nothing would be measured"),
+    (["--toggles", "warp_drive"], "unknown toggle 'warp_drive'"),
+    (["--toggles", "cross_entropy_fusion_impl"], "unknown toggle"),
+    (["--launch", "no-such-torchrun --nproc-per-node 8"], "'no-such-torchrun' is not an executable"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, words):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    argv = ["--out", str(tmp_path / "o"), "--launch", FAKE, *extra, str(script)]
+    with pytest.raises(SystemExit) as info:
+        tune.main(argv, resolver=lambda *a: pytest.fail("no dry run on bad input"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and words in err[0] and err[0].startswith("[perf-toggles] error:")
+
+
+def test_the_command_line_refuses_bad_input_without_a_traceback(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for argv, words in ((["tune"], "the following arguments are required: script"),
+                        (["tune", "--budget", "soon", "x.py"], "invalid float value"),
+                        (["tune", str(tmp_path / "missing.py")], "script not found")):
+        proc = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", *argv], capture_output=True, text=True,
+                              cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, timeout=120)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    help_text = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "tune", "--help"], capture_output=True,
+                               text=True, env={**env, "PYTHONPATH": str(REPO)}, timeout=120).stdout
+    assert "leave-one-out" in help_text and "MEGATRON_PERF_TOGGLES_PROFILE" in help_text and "--budget" in help_text
