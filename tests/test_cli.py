@@ -205,6 +205,9 @@ from megatron_perf_toggles.runtime.patches import PATCHES
 from megatron_perf_toggles.tools import cli
 override, path = getattr(typing, "override", None), list(sys.path)
 cli.plan_command_line(sys.argv[2:], tree=sys.argv[1])
+import contextlib, io
+with contextlib.redirect_stdout(io.StringIO()):
+    assert cli.main(["flags", "--megatron", sys.argv[1]]) == 0
 import megatron.training.arguments as arguments
 print(PATCHES.labels, hasattr(arguments.validate_args, "__wrapped__"), getattr(typing, "override", None) is override,
       sys.path == path)
@@ -213,8 +216,9 @@ print(PATCHES.labels, hasattr(arguments.validate_args, "__wrapped__"), getattr(t
 
 @pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: planning on a real tree skipped")
 def test_planning_on_a_real_tree_leaves_the_process_as_it_was():
-    """explain/flags --megatron hook Megatron's parse path and install the safety net as a launch
-    does; afterwards nothing of it is left: no recorded change, validate_args unwrapped, shims gone."""
+    """explain --megatron hooks Megatron's parse path and installs the safety net as a launch does,
+    flags --megatron imports the tree; afterwards nothing of either is left: no recorded change,
+    validate_args unwrapped, shims and sys.path entries gone."""
     tree = megatron_trees()[-1]
     proc = subprocess.run([sys.executable, "-c", PLAN_IN_PROCESS, str(tree), *SMALL_MODEL], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.12.0,cuda"})

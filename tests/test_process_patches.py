@@ -156,3 +156,52 @@ def test_a_dry_run_controller_plans_without_touching_the_process() -> None:
     assert controller.last is not None and controller.last.plan.wgrad_path == "fallback"
     assert args.perf_toggles == {dest: d.to_record() for dest, d in controller.last.plan.decisions.items()}
     assert PATCHES.labels == [] and not PATCHES.held(rank_check.FINGERPRINT) and wgrad_fallback.MODULE_NAME not in sys.modules
+
+
+def test_a_plan_inside_a_scope_hands_a_launch_its_hooks_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """explain --megatron inside a launch's process: the scoped plan re-points the hooks (dry run,
+    capture, providers, a dry-run controller), and the scope's end gives the launch its own back."""
+    from megatron_perf_toggles.runtime.controller import process_controller
+    from megatron_perf_toggles.runtime.provider import extra_args_provider
+
+    PATCHES.uninstall()
+    modules = _fake_megatron(monkeypatch)
+    arguments = modules["megatron.training.arguments"]
+    own_parse_args = arguments.parse_args
+
+    def mine(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return parser
+
+    hooks = megatron_hooks.hook_parse_path([mine, extra_args_provider], dry_run=False)
+    run_controller = hooks.controller_for_parse()
+
+    def state() -> tuple[object, ...]:
+        return (list(hooks.providers), hooks.dry_run, hooks.capture, hooks.out, hooks.controller, process_controller(),
+                dict(hooks.wrappers), arguments.parse_args, megatron_hooks.active())
+
+    before = state()
+    with PATCHES.scope():
+        megatron_hooks.hook_parse_path([extra_args_provider], dry_run=True, capture=True)
+        planning = megatron_hooks.active().controller_for_parse()
+        assert planning is not run_controller and process_controller() is planning and hooks.dry_run
+    assert state() == before and hooks.controller is run_controller
+    PATCHES.uninstall()
+    assert megatron_hooks.active() is None and arguments.parse_args is own_parse_args and process_controller() is None
+
+
+def test_the_safety_net_moved_to_another_megatron_moves_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    PATCHES.uninstall()
+    first = _fake_megatron(monkeypatch)["megatron.training.arguments"]
+    second = types.ModuleType("megatron.second_checkout.arguments")  # another tree's, as far as rebinding goes
+    second.validate_args = lambda args, defaults=None: args  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, second.__name__, second)
+    own_first, own_second = first.validate_args, second.validate_args
+    safety_net.NET.install(first)
+    with PATCHES.scope():
+        safety_net.NET.install(second)
+        assert safety_net.NET.module is second and first.validate_args is own_first
+        assert second.validate_args is not own_second
+    assert safety_net.NET.module is first and first.validate_args is not own_first
+    assert second.validate_args is own_second
+    PATCHES.uninstall()
+    assert not safety_net.NET.installed and first.validate_args is own_first

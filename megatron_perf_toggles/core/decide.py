@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CannotHonourError, DependencyError, RegistryError
 from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
 from .env import EnvSettings
 from .facts import Capabilities, version_tuple
 from .precision import log_dir_warnings, precision_tag, tagged_log_dirs
-from .profile import Observed, Profile, profile_in_use
 from .registry import BY_DEST, CAPABILITIES, TOGGLES, flag_of
+
+if TYPE_CHECKING:  # the profile module loads only when a profile is set (import time)
+    from .profile import Observed, Profile
 
 FP4_LAYER_DESTS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
 FP4_RECIPE_SELECTION = {"nvfp4": (True, 2, 8), "mxfp4": (False, 2, 8)}  # (selective, start, end)
@@ -720,6 +722,8 @@ def decide(
     messages.extend(resolution.overridden.values())
     profile_record = None
     if profile is not None:
+        from .profile import profile_in_use
+
         profile_record, line = profile_in_use(profile, observed)
         if line:
             messages.append(Message("profile", line))

@@ -33,7 +33,7 @@ from ..core.env import read_setting
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import provider as plugin
 from ..runtime import target as planned
-from ..runtime.controller import Controller, Outcome, use_for_process
+from ..runtime.controller import PROCESS_CONTROLLER, Controller, Outcome, use_for_process
 from ..runtime.patches import PATCHES
 from ..runtime.provider import flatten
 from ..runtime.rebinding import megatron_root, rebind
@@ -314,27 +314,31 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
     hooks = active()
     if hooks is None:
         hooks = Hooks(providers=[])
-        # Held first, so that uninstall (newest first) unhooks while the hooks are still known.
         PATCHES.hold(HOOKS, hooks)
-        PATCHES.on_uninstall("Megatron's parse path (parse_args and its callers)", unhook_parse_path)
-    hooks.providers = flatten(providers)
+    # Every change to hooks already in place goes through PATCHES, so that a scoped plan
+    # (explain --megatron) hands a launch's hooks back exactly as they were.
+    fields: dict[str, Any] = {"providers": flatten(providers), "dry_run": dry_run,
+                              "out": sys.stdout if dry_run else None, "root": root, "target": target,
+                              "capture": capture}
     if hooks.dry_run != dry_run:
-        hooks.controller = None  # a controller's mode is fixed: the next parse makes the right one
+        fields["controller"] = None  # a controller's mode is fixed: the next parse makes the right one
         use_for_process(None)
-    hooks.dry_run = dry_run
-    hooks.out = sys.stdout if dry_run else None
-    hooks.root = root
-    hooks.target = target
-    hooks.capture = capture
+    for name, value in fields.items():
+        if getattr(hooks, name) is not value:
+            PATCHES.set_attr(hooks, name, value, f"parse hooks: {name}")
     for key, module, attr in _targets(arguments, initialize):
         current = getattr(module, attr)
         original = getattr(current, ORIGINAL_ATTR, current)
         wrapper = current if current is not original else (
             _wrap_parse_args(original) if key == "parse_args" else _wrap_entry(original, key)
         )
-        hooks.originals[key] = original
-        hooks.wrappers[key] = wrapper
+        if hooks.wrappers.get(key) is not wrapper:
+            PATCHES.set_item(hooks.originals, key, original, f"parse hooks: original {key}")
+            PATCHES.set_item(hooks.wrappers, key, wrapper, f"parse hooks: wrapper {key}")
         rebind(original, wrapper, root)
+        if current is original:  # newly wrapped: undone (newest first) before the records above
+            PATCHES.on_uninstall(f"Megatron's {attr}, rebound wherever it was imported",
+                                 functools.partial(rebind, wrapper, original, root))
     return hooks
 
 
@@ -345,7 +349,8 @@ def unhook_parse_path() -> None:
         return
     for key, wrapper in hooks.wrappers.items():
         rebind(wrapper, hooks.originals[key], hooks.root)
-    use_for_process(None)
+    # Runs as an undo too: forget without recording (an undo must not add changes).
+    PATCHES.drop(PROCESS_CONTROLLER)
     PATCHES.drop(HOOKS)
 
 

@@ -23,16 +23,18 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..core.ckpt_layout import checkpoint_facts
 from ..core.decide import Decision, Message, Plan, decide
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
-from ..core.profile import Profile
-from . import profile_file, provenance, resume
+from . import provenance, resume
 from .capabilities import resolve
 from .patches import PATCHES
+
+if TYPE_CHECKING:  # loaded only when a profile is set: the import path stays short
+    from ..core.profile import Profile
 
 Mode = Literal["run", "dry-run", "plan"]
 MODES: tuple[Mode, ...] = ("run", "dry-run", "plan")
@@ -76,11 +78,9 @@ def process_controller() -> Controller | None:
 
 
 def use_for_process(controller: Controller | None) -> None:
-    """Set (or, with ``None``, clear) :func:`process_controller`; the launcher's hooks use it,
-    and :data:`PATCHES` holds it, so uninstall forgets it."""
-    if controller is None:
-        PATCHES.drop(PROCESS_CONTROLLER)
-    elif PATCHES.held(PROCESS_CONTROLLER) is not controller:
+    """Set (or, with ``None``, clear) :func:`process_controller`; the launcher's hooks use it.
+    :data:`PATCHES` holds it and records each change, so a scope's end or uninstall restores it."""
+    if PATCHES.held(PROCESS_CONTROLLER) is not controller:
         PATCHES.hold(PROCESS_CONTROLLER, controller)
 
 
@@ -96,7 +96,11 @@ class Controller:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         environ = os.environ if environ is None else environ
         self.env: EnvSettings = read_env(environ)
-        self.profile: Profile | None = profile_file.load(self.env.profile_path) if self.env.profile_path else None
+        self.profile: Profile | None = None
+        if self.env.profile_path:
+            from . import profile_file
+
+            self.profile = profile_file.load(self.env.profile_path)
         self.environ = dict(environ)
         self.mode = mode
         self.capabilities = capabilities  # fixed for a plan; detected per parse otherwise
@@ -124,7 +128,11 @@ class Controller:
                 explicit[dest] = value
         writer = resume.checkpoint_writer(vars(ns))  # reading the resumed run's history is safe
         caps = self.capabilities or resolve(self.env.assume)
-        observed = profile_file.observed(caps, self.environ, self.mode) if self.profile else None
+        observed = None
+        if self.profile is not None:
+            from . import profile_file
+
+            observed = profile_file.observed(caps, self.environ, self.mode)
         plan = decide(vars(ns), explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
                       observed=observed)
         original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}

@@ -77,9 +77,13 @@ class SafetyNet:
         """Wrap ``arguments.validate_args`` (and the TransformerConfig builder) wherever referenced."""
         if self.module is arguments and self.wrappers:
             return
-        if self.wrappers:
-            self.uninstall()
+        if self.wrappers:  # another Megatron in this process: move, and let the undo move back
+            PATCHES.install("the safety net, off the Megatron it watched before", self.uninstall,
+                            functools.partial(self._wrap_all, self.module))
+        self._wrap_all(arguments)
         PATCHES.on_uninstall("the safety net (validate_args and the TransformerConfig builder)", self.uninstall)
+
+    def _wrap_all(self, arguments: Any) -> None:
         self.module, self.root = arguments, megatron_root(arguments)
         for name in TARGETS:
             current = getattr(arguments, name, None)

@@ -119,8 +119,9 @@ def code_facts() -> dict[str, Any]:
 
 def record_surface(tree: str) -> dict[str, Any]:
     from ...launcher.import_shims import megatron_importable
+    from ...runtime.patches import PATCHES
 
-    with megatron_importable(tree):
+    with PATCHES.scope(), megatron_importable(tree):  # recording leaves the process as it was
         parser = megatron_parser()
         facts = code_facts()
     return {"schema": SCHEMA, "source": "NVIDIA/Megatron-LM", "facts": facts, "actions": describe_parser(parser)}
