@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
 import sys
 from typing import Any, NoReturn
@@ -99,6 +98,8 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if match:
             choices = re.findall(r"'([^']*)'", match.group(2)) or [c.strip() for c in match.group(2).split(",")]
+            import difflib  # only on the error path: it costs a millisecond at import
+
             close = difflib.get_close_matches(match.group(1), choices, n=1)
             if close:
                 hint = f"did you mean {close[0]!r}? {hint}"

@@ -38,6 +38,8 @@ WGRAD_FALLBACK_WORDS = "torch.addmm with fp32 accumulation"
 
 @dataclass(frozen=True)
 class Decision:
+    """One toggle's value, where it came from, and why: a line of the start-up table and of the record."""
+
     value: Any
     source: str  # cli | env | profile | default | guard | assumed
     reason: str

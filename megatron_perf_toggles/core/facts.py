@@ -39,6 +39,8 @@ class MegatronFacts:
 
 @dataclass(frozen=True)
 class Capabilities:
+    """What this machine (or the planned one) offers the toggles: Megatron, TE, APEX, aiter, device."""
+
     megatron: MegatronFacts = field(default_factory=MegatronFacts)
     te_version: str | None = None
     te_fused_qkv_rope: bool = False
