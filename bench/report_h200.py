@@ -1,6 +1,6 @@
 """Turn the raw H200 run summaries (docs/benchmarks/raw/) into the committed benchmark results.
 
-Writes docs/benchmarks/{summary.json, wgrad.json, e2e_h200.md, e2e_h200.png, convergence_h200.png}.
+Writes docs/benchmarks/{summary.json, wgrad.json, e2e_h200.md, ablate_h200.png, convergence_h200.png}.
 Every number comes from the raw files, which the 0.1.0 bench script bench/e2e_llama.py (since
 replaced by bench/h200_ablate.py), bench/wgrad_gpu.py and bench/gpu_multi.py wrote on the GPU
 machines, and from the NCCL collective logs kept as test fixtures (tests/fixtures/nccl).
@@ -291,7 +291,8 @@ def main() -> int:
     if ablated:
         lines += ["", *ablate_section(ablated)]
     OUT.joinpath("e2e_h200.md").write_text("\n".join(lines) + "\n")
-    plot(off, on, one, loo)
+    if ablated:
+        plot_ablate(ablated)
     plot_convergence(conv, eps)
     print("\n".join(lines))
     return 0
@@ -492,34 +493,29 @@ def plot_convergence(conv: dict, eps: dict) -> None:
     fig.savefig(OUT / "convergence_h200.png", dpi=100)
 
 
-def plot(off: dict, on: dict, one: dict, loo: dict) -> None:
+def plot_ablate(summary: dict[str, dict]) -> None:
+    """Every non-baseline arm of every ``ablate`` part: the speedup with its interval (not min-max),
+    and a line at 1.0, so a claim is visible exactly where its interval clears the line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    items = [("all off", off), *[(f"only {d}", v) for d, v in one.items()], ("default (all on)", on),
-             *[(f"without {d}", v) for d, v in loo.items()]]
-    med = [tf(v) for _, v in items]
-    lo = [m - v["summary"]["tflops_per_gpu"]["min"] for m, (_, v) in zip(med, items, strict=True)]
-    hi = [v["summary"]["tflops_per_gpu"]["max"] - m for m, (_, v) in zip(med, items, strict=True)]
-    colors = ["#888" if n in ("all off", "default (all on)") else ("#3a7" if n.startswith("only") else "#c73")
-              for n, _ in items]
-    ax1.bar(range(len(items)), med, yerr=[lo, hi], capsize=3, color=colors)
-    ax1.set_xticks(range(len(items)), [n for n, _ in items], rotation=40, ha="right", fontsize=7)
-    ax1.set_ylim(min(med) * 0.95, max(med) * 1.02)
-    ax1.set_ylabel("TFLOP/s/GPU (median, min–max)")
-    ax1.set_title("H200, Llama-3-8B-shaped 4 layers, bf16")
-    for name, v in (("all off", off), ("default", on)):
-        curve = v["loss_curve"]
-        ax2.plot([i for i, _ in curve], [x for _, x in curve], label=name)
-    ax2.set_yscale("log")
-    ax2.set_xlabel("iteration")
-    ax2.set_ylabel("lm loss (mock data)")
-    ax2.legend()
+    rows = [(f"{part}: {arm}", a) for part, s in summary.items() for arm, a in s["arms"].items()
+            if not a["baseline"] and a["ci"][0] is not None]
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.2))
+    for y, (_, a) in enumerate(rows):
+        lo, hi = a["ci"]
+        color = "#3a7" if lo > 1 else "#c73" if hi < 1 else "#888"
+        ax.errorbar(a["speedup"], y, xerr=[[a["speedup"] - lo], [hi - a["speedup"]]], fmt="o", color=color, capsize=3)
+    ax.axvline(1.0, color="#444", linewidth=0.8)
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup against the part's baseline, 95 % interval over blocks")
+    ax.set_title("H200 ablate parts (noop*: the small shape; the rest: Llama-3-8B-shaped, 4 layers)\n"
+                 "green: faster, orange: slower, grey: no detectable difference", fontsize=8)
     fig.tight_layout()
-    fig.savefig(OUT / "e2e_h200.png", dpi=100)
+    fig.savefig(OUT / "ablate_h200.png", dpi=100)
 
 
 
