@@ -105,7 +105,8 @@ for _setting in SETTINGS:  # a registry entry without a home here is a bug in th
                             f"or no parser for kind {_setting.kind!r}")
 
 
-def _rank(environ: Mapping[str, str]) -> int:
+def rank_of(environ: Mapping[str, str]) -> int:
+    """torchrun's RANK (0 when unset or unreadable): it decides only who prints."""
     try:
         return int(environ.get("RANK", "0") or 0)
     except ValueError:
@@ -120,5 +121,5 @@ def read_env(environ: Mapping[str, str]) -> EnvSettings:
         if value is not None:
             toggles[t.dest] = value
     settings = {s.field: PARSE_BY_KIND[s.kind](s.env, environ.get(s.env)) for s in SETTINGS}
-    return EnvSettings(toggles=toggles, rank=_rank(environ),
+    return EnvSettings(toggles=toggles, rank=rank_of(environ),
                        **{name: value for name, value in settings.items() if value is not None})

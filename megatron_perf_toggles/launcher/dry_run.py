@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from ..core.env import rank_of
 from ..core.registry import TOGGLES
 from ..errors import PerfTogglesError
 from ..runtime import provenance
@@ -121,7 +122,7 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     plan = outcome.plan if outcome is not None else None
     if hooks.capture:
         raise DryRunDone(payload, plan)
-    if os.environ.get("RANK", "0").strip() in ("", "0"):  # one report per job, from rank 0
+    if rank_of(os.environ) == 0:  # one report per job, from rank 0
         for line in provenance.lines(plan) if plan is not None else []:
             print(line, file=sys.stderr, flush=True)  # the table for people; the JSON for tools
         print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)
