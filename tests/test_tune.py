@@ -209,6 +209,28 @@ def test_resume_after_an_interruption_runs_only_what_is_missing(tmp_path, costs,
     assert {d: c.value for d, c in again.toggles.items()} == {d: c.value for d, c in resumed.toggles.items()}
 
 
+def test_a_baseline_that_never_finishes_writes_no_profile(tmp_path, costs, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_CRASH_ARM", "1")  # all on (bf16 reduction on) crashes in every block
+    with pytest.raises(SystemExit) as info:
+        tune_main(tmp_path, "--repeats", "2", "--no-warmup-run")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and "no profile was written" in err[-1] and err[-1].startswith("[perf-toggles] error:")
+    assert not (tmp_path / "out" / "profile.json").exists() and not (tmp_path / "out" / "factorial").exists()
+
+
+def test_a_toggle_whose_arm_failed_is_not_measured_and_kept_out_of_the_factorial(tmp_path, costs, monkeypatch):
+    monkeypatch.setenv("FAKE_CRASH_ARM", "0")  # only the arm without bf16 reduction crashes
+    assert tune_main(tmp_path, "--repeats", "2", "--no-warmup-run") == 1
+    out = tmp_path / "out"
+    profile = profile_file.load(str(out / "profile.json"))
+    choice = profile.toggles["grad_reduce_in_bf16"]
+    assert choice.value is True and choice.evidence.speedup is None and choice.evidence.verdict == "not measured"
+    assert "failed in 2 of 2 block(s)" in choice.evidence.rule
+    fac = json.loads((out / "factorial" / "results.json").read_text())
+    assert all("grad_reduce_in_bf16" not in r["arm"] for r in fac["rows"])
+    assert "| grad_reduce_in_bf16 | on | - | not measured |" in (out / "profile.md").read_text()
+
+
 def test_the_budget_stops_before_a_block_that_would_not_fit(tmp_path, costs):
     ticks = iter(range(0, 10**6, 50))  # every look at the clock: 50 s later
     assert tune_main(tmp_path, "--repeats", "5", "--budget", "3", clock=lambda: next(ticks)) == 0

@@ -88,6 +88,31 @@ def decide_leave_one_out(verdicts: Mapping[str, str]) -> tuple[dict[str, Decided
     return decided, unresolved
 
 
+def failed_arms(result: Mapping[str, Any]) -> set[str]:
+    """Arms with a measured run that crashed: their comparisons would read as "too few blocks",
+    i.e. "unresolved", which is a claim about speed that nothing measured."""
+    return {r["arm"] for r in result["runs"] if r.get("block", -1) >= 0 and r.get("status") == "failed"}
+
+
+def finished_blocks(result: Mapping[str, Any], arm: str) -> int:
+    return sum(1 for r in result["runs"] if r["arm"] == arm and r.get("block", -1) >= 0 and r.get("status") == "done")
+
+
+def not_measured(dests: Sequence[str], first: Mapping[str, Any]) -> dict[str, Evidence]:
+    """Toggles whose arm failed keep their default; the evidence says so instead of quoting an
+    interval, so that nobody reads the value as measured."""
+    runs = [r for r in first["runs"] if r.get("block", -1) >= 0]
+    out = {}
+    for dest in dests:
+        arm = f"without:{dest}"
+        bad = sum(1 for r in runs if r["arm"] == arm and r.get("status") == "failed")
+        total = sum(1 for r in runs if r["arm"] == arm)
+        out[dest] = Evidence(against=False, verdict="not measured", design="leave-one-out", confidence=first["confidence"],
+                             rule=f"kept at its default, not measured: the arm without it failed in {bad} of {total} "
+                             f"block(s) (see leave-one-out/{arm})")
+    return out
+
+
 def factorial_arms(unresolved: Sequence[str], decided: Mapping[str, Decided]) -> list[Arm]:
     """Every combination of the unresolved toggles, the resolved ones pinned to their values; the
     baseline is all of the unresolved on (the defaults it would otherwise keep)."""
@@ -292,6 +317,21 @@ def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Seque
     return decide_factorial(unresolved, arms, pick_combination(second["rows"], arms))
 
 
+class TuneStopped(PerfTogglesError):
+    """Nothing can be decided from what ran (the baseline never finished): no profile is written."""
+
+    exit_code = 1
+
+
+def check_baseline(first: Mapping[str, Any], arms: Sequence[Arm]) -> None:
+    """Every comparison is with the baseline: without one finished run of it, a profile would
+    claim measurements that do not exist, so tune stops instead of writing one."""
+    base = baseline_of(arms).name
+    if not finished_blocks(first, base):
+        raise TuneStopped(f"the baseline ({base}) did not finish a single measured run, so nothing was measured "
+                          "and no profile was written", "see OUT/leave-one-out/ for its logs")
+
+
 def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any]]]:
     """Both phases; the profile, the toggles that took no part (with why) and each phase's result."""
     ns = setup.ns
@@ -305,14 +345,21 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     say(f"phase 1/2: leave-one-out of {', '.join(taking_part)} from the defaults ({len(taking_part) + 1} arms)")
     arms = expand("leave-one-out", taking_part, [])
     first, records = run_phase(setup, "leave-one-out", arms, ns.confidence, ns.warmup_run)
+    check_baseline(first, arms)
     results = {"leave-one-out": first}
-    decided, unresolved = decide_leave_one_out(leave_one_out_verdicts(first["rows"]))
+    failed = [d for d in taking_part if f"without:{d}" in failed_arms(first)]
+    for dest in failed:
+        say(f"{dest} is not measured: its arm failed (it keeps its default; see leave-one-out/)")
+    verdicts = {d: v for d, v in leave_one_out_verdicts(first["rows"]).items() if d not in failed}
+    decided, unresolved = decide_leave_one_out(verdicts)
     if unresolved:
         decided.update(second_phase(setup, decided, unresolved, results))
+    fallback = not_measured(failed, first)
+    choices = {d: Choice(True, fallback[d]) if d in fallback else
+               Choice(decided[d].value, evidence(decided[d], results[decided[d].phase])) for d in taking_part}
     command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
     profile = Profile(
-        toggles={d: Choice(decided[d].value, evidence(decided[d], results[decided[d].phase])) for d in taking_part},
-        environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch),
+        toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command))
     return profile, excluded, results
@@ -432,7 +479,8 @@ def _prepare(ns: argparse.Namespace) -> list[str]:
 def run_tune(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = ablate.resolve_arm,
              clock: Callable[[], float] = time.monotonic) -> int:
     """The command: both phases, then the profile. Exit 0, 1 where a run failed (the profile is
-    still written, from the runs that finished), 2 for bad input or a confound."""
+    still written, from the runs that finished, unless the baseline never finished), 2 for bad
+    input or a confound."""
     try:
         args = _prepare(ns)
         setup = Setup(ns, args, dict(os.environ), resolver, clock, clock())
