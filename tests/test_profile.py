@@ -64,6 +64,14 @@ def test_render_then_parse_gives_the_same_profile():
     assert parse_profile(text, "p.json") == replace(profile, source="p.json")
 
 
+def test_the_confirmation_round_trips():
+    from megatron_perf_toggles.core.profile import Confirmation
+
+    profile = replace(sample(), confirmation=Confirmation(1.02, 1.01, 1.03, 0.95, "faster", 3, "kept"))
+    assert parse_profile(render_profile(profile), "p.json") == replace(profile, source="p.json")
+    assert "confirmation" not in json.loads(render_profile(sample()))  # nothing to confirm: no key
+
+
 def test_a_hand_written_profile_needs_only_format_schema_and_values():
     profile = parse_profile(text_of(minimal(ddp_average_in_collective=False)), "p.json")
     assert profile.toggles == {"ddp_average_in_collective": Choice(False)}
@@ -105,6 +113,8 @@ BAD_FILES = [
         "against": False, "speedup": "fast"}}}}), 'evidence.speedup is "fast", expected a number'),
     (text_of({**minimal(), "environment": {"world_size": 0}}), "world_size is 0"),
     (text_of({**minimal(), "environment": {"gpu": 100}}), "environment.gpu is 100"),
+    (text_of({**minimal(), "confirmation": {"speedup": "x"}}), 'confirmation.speedup is "x"'),
+    (text_of({**minimal(), "confirmation": {"verdicts": "faster"}}), "confirmation: unknown key 'verdicts'"),
 ]
 
 

@@ -87,6 +87,35 @@ def _run(arm, block, ms, loss):
             "iterations": [{"iteration": 5, "lm_loss": loss}]}
 
 
+def test_turning_a_toggle_off_in_leave_one_out_is_corrected_for_the_toggles_compared():
+    logs = [0.02, 0.025, 0.015]  # faster at 95 % over 3 blocks, not at 99 %
+    runs = [_run("all-on", b, 1000.0, 2.0) for b in range(3)]
+    runs += [_run(f"without:{d}", b, 1000.0 / math.exp(x), 2.0) for d in "abcde" for b, x in enumerate(logs)]
+    first = {"blocks_run": 3, "runs": runs, "confidence": 0.95}
+    raw = {"a": stats.FASTER, "b": stats.SLOWER, "c": stats.NO_DIFFERENCE, "d": stats.NO_DIFFERENCE,
+           "e": stats.NO_DIFFERENCE}
+    verdicts, confidence = tune.correct_turn_offs(first, "all-on", raw, 0.95)
+    assert confidence == pytest.approx(1 - 0.05 / 5)
+    assert verdicts["a"] == stats.NO_DIFFERENCE and verdicts["b"] == stats.SLOWER  # "keep on" is not corrected
+    decided, unresolved = tune.decide_leave_one_out(verdicts, confidence)
+    assert "a" in unresolved and "a" not in decided
+    only_one, _ = tune.correct_turn_offs(first, "all-on", {"a": stats.FASTER}, 0.95)
+    assert only_one["a"] == stats.FASTER  # one comparison: nothing to correct for
+
+
+def test_the_confirmation_falls_back_to_the_defaults_unless_the_chosen_set_holds():
+    choices = {"a": tune.Choice(False, tune.Evidence(True, 1.1, 1.05, 1.15, "faster")), "b": tune.Choice(True)}
+    for verdict in (stats.FASTER, stats.NO_DIFFERENCE):
+        kept, record = tune.settle(choices, {"estimate": 1.0, "low": 0.99, "high": 1.01, "confidence": 0.95,
+                                             "verdict": verdict, "blocks": 3})
+        assert kept == choices and record.outcome.startswith("kept") and record.low == 0.99
+    for verdict in (stats.SLOWER, stats.TOO_FEW):
+        back, record = tune.settle(choices, {"estimate": 0.97, "low": 0.95, "high": 0.99, "confidence": 0.95,
+                                             "verdict": verdict, "blocks": 3})
+        assert {d: c.value for d, c in back.items()} == {"a": True, "b": True}
+        assert record.outcome.startswith("fell back to the defaults") and back["a"].evidence.verdict == "not confirmed"
+
+
 def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
     chosen_ms, against_ms = [900.0, 950.0, 910.0], [1000.0, 1040.0, 1000.0]
     runs = [_run("without:x", b, ms, 2.0) for b, ms in enumerate(chosen_ms)]
@@ -155,7 +184,12 @@ def test_tune_writes_a_profile_the_plugin_accepts(tmp_path, costs, capsys):
     assert profile.environment.to_record() == {"megatron": "0.20.0", "transformer_engine": "2.20.2",
                                                "torch": "2.11.0+cu128", "gpu": "NVIDIA H200", "world_size": 1}
     assert "pretrain_gpt.py" in profile.command and profile.created
+    conf = profile.confirmation  # the chosen set (fusion off) against the defaults: 1000 ms over 900 ms
+    assert conf.verdict == stats.FASTER and conf.speedup == pytest.approx(1000 / 900) and conf.outcome.startswith("kept")
+    confirmation = json.loads((out / "confirmation" / "results.json").read_text())
+    assert sorted(r["arm"] for r in confirmation["rows"]) == ["chosen", "defaults"]
     md = (out / "profile.md").read_text()
+    assert "Confirmation (defaults over chosen" in md
     assert "| cross_entropy_loss_fusion | off |" in md and "removing it is detectably faster" in md
     # the round trip: the plugin reads the file and takes its values, with source 'profile'
     parser = replay.parser_from_surface(replay.load_surface("main"))

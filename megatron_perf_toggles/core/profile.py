@@ -31,10 +31,12 @@ SCHEMA = 1
 PROFILE_ENV = "MEGATRON_PERF_TOGGLES_PROFILE"
 ENVIRONMENT_WORDS = {"megatron": "Megatron", "transformer_engine": "Transformer Engine", "torch": "torch",
                      "gpu": "GPU", "world_size": "world size"}
-TOP_KEYS = ("format", "schema", "created", "made_by", "command", "environment", "toggles", "notes")
+TOP_KEYS = ("format", "schema", "created", "made_by", "command", "environment", "toggles", "confirmation", "notes")
 CHOICE_KEYS = ("value", "evidence", "note")
 EVIDENCE_NUMBERS = ("speedup", "low", "high", "confidence", "loss_ratio")
 EVIDENCE_KEYS = ("against", *EVIDENCE_NUMBERS, "verdict", "blocks", "design", "loss_within_noise", "rule")
+CONFIRMATION_NUMBERS = ("speedup", "low", "high", "confidence")
+CONFIRMATION_KEYS = (*CONFIRMATION_NUMBERS, "verdict", "blocks", "outcome")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,25 @@ class Evidence:
         interval = f" [{self.low:.3f}, {self.high:.3f}]" if self.low is not None and self.high is not None else ""
         verdict = f", {self.verdict}" if self.verdict else ""
         return f"x{self.speedup:.3f}{interval} vs {format_value(self.against)}{verdict}"
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The chosen values, all together, against the defaults: each toggle's evidence is one
+    comparison, and the set they make was never run until this check (``speedup``: ms/iter with
+    the defaults over ms/iter with the chosen values). ``outcome`` says what tune did with it."""
+
+    speedup: float | None = None
+    low: float | None = None
+    high: float | None = None
+    confidence: float | None = None
+    verdict: str = ""
+    blocks: int | None = None
+    outcome: str = ""
+
+    def to_record(self) -> dict[str, Any]:
+        return {k: round(v, 6) if isinstance(v, float) else v for k in CONFIRMATION_KEYS
+                if (v := getattr(self, k)) not in (None, "")}
 
 
 @dataclass(frozen=True)
@@ -92,6 +113,7 @@ class Profile:
     made_by: str = ""  # e.g. "megatron-perf-toggles tune 0.3.0"
     command: str = ""  # the command line measured
     notes: str = ""
+    confirmation: Confirmation | None = None  # absent where the chosen values are the defaults
     source: str = ""  # where it was read from (not written): decisions' reasons name it
 
     def reason(self, dest: str) -> str:
@@ -185,6 +207,16 @@ def _environment(source: str, raw: Any) -> Environment:
     return Environment(**texts, world_size=world)
 
 
+def _confirmation(source: str, raw: Any) -> Confirmation | None:
+    if raw is None:
+        return None
+    data = _keys(source, "confirmation", raw, CONFIRMATION_KEYS)
+    numbers = {k: _typed(source, f"confirmation.{k}", data.get(k), (int, float), "a number") for k in CONFIRMATION_NUMBERS}
+    texts = {k: _typed(source, f"confirmation.{k}", data.get(k), (str,), "text") or "" for k in ("verdict", "outcome")}
+    return Confirmation(**numbers, **texts,
+                        blocks=_typed(source, "confirmation.blocks", data.get("blocks"), (int,), "a whole number"))
+
+
 def parse_profile(text: str, source: str = "") -> Profile:
     """The profile in ``text`` (the file's content; ``source`` names it in reasons and errors), or
     one ProfileError line saying what is wrong."""
@@ -204,7 +236,8 @@ def parse_profile(text: str, source: str = "") -> Profile:
         raise _fail(source, "'toggles' must be a JSON object of toggle name -> {\"value\": ...}")
     texts = {k: _typed(source, k, data.get(k), (str,), "text") or "" for k in ("created", "made_by", "command", "notes")}
     return Profile(toggles={dest: _choice(source, dest, raw) for dest, raw in toggles.items()},
-                   environment=_environment(source, data.get("environment")), source=source, **texts)
+                   environment=_environment(source, data.get("environment")),
+                   confirmation=_confirmation(source, data.get("confirmation")), source=source, **texts)
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -232,6 +265,8 @@ def profile_record(profile: Profile) -> dict[str, Any]:
     out: dict[str, Any] = {"format": FORMAT, "schema": SCHEMA, "created": profile.created, "made_by": profile.made_by,
                            "command": profile.command, "environment": profile.environment.to_record(),
                            "toggles": toggles}
+    if profile.confirmation is not None:
+        out["confirmation"] = profile.confirmation.to_record()
     if profile.notes:
         out["notes"] = profile.notes
     return out

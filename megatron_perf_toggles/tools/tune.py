@@ -1,16 +1,20 @@
 """``megatron-perf-toggles tune``: measure the toggles on your own command line and write a profile.
 
-It is ``ablate`` run twice, with a decision rule between and after (nothing here measures or checks
-confounds on its own; it calls ablate's functions):
+It is ``ablate`` run two or three times, with a decision rule between and after (nothing here
+measures or checks confounds on its own; it calls ablate's functions):
 
 1. **Leave-one-out from the defaults**: every toggle on (the baseline), then each one off. Removing
    a toggle is either detectably slower (its interval lies below 1: keep it on), detectably faster
-   (above 1: turn it off), or not detectably different (the interval holds 1: unresolved).
+   at a Bonferroni-corrected confidence (turn it off; see :func:`correct_turn_offs`), or neither
+   (unresolved). A toggle whose arm failed is not measured and keeps its default; a baseline that
+   never finishes stops tune without a profile.
 2. **Factorial of the unresolved toggles** (at most ``--max-factorial`` of them), with the resolved
    ones pinned to their decided values, every combination compared with all of them on. A
    combination replaces "all on" only when it is detectably faster, at a confidence corrected for
    picking among many arms (Bonferroni: ``1 - (1 - confidence) / (arms - 1)``); otherwise the
    unresolved toggles stay on.
+3. **Confirmation**, where the chosen values differ from the defaults: the two sets against each
+   other; unless the chosen set is faster or not detectably different, the defaults are kept.
 
 Why keep on what is not detectably different: the defaults are the fast settings where they were
 measured, a toggle that does nothing costs nothing, and turning one off on the strength of noise
@@ -20,7 +24,7 @@ Toggles a guard keeps off on this setup (no TE kernel, FSDP, ...) take no part: 
 them in every run, with or without a profile. Every block that starts ends within ``--budget``; a
 re-run of the same command resumes (finished runs are skipped), as ablate's does. The result is
 OUT/profile.json (``core.profile.render_profile``) and OUT/profile.md; each phase keeps ablate's own
-results in OUT/leave-one-out/ and OUT/factorial/.
+results in OUT/leave-one-out/, OUT/factorial/ and OUT/confirmation/.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..core.profile import Choice, Environment, Evidence, Profile, render_profile
+from ..core.profile import Choice, Confirmation, Environment, Evidence, Profile, render_profile
 from ..core.registry import format_value
 from ..errors import PerfTogglesError, fail
 from .ablate import runner as ablate
@@ -59,6 +63,7 @@ class Decided:
     phase: str = ""  # the phase whose runs hold the evidence ("" where nothing was measured)
     chosen: str = ""  # the arm with the chosen value
     against: str = ""  # the arm that differs from ``chosen`` in this toggle alone
+    confidence: float | None = None  # the confidence it was decided at, where not the phase's own
 
 
 # --- the decision rule, on ablate's result rows ----------------------------------------------------
@@ -70,9 +75,33 @@ def leave_one_out_verdicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
             for row in rows if str(row["arm"]).startswith("without:")}
 
 
-def decide_leave_one_out(verdicts: Mapping[str, str]) -> tuple[dict[str, Decided], list[str]]:
-    """Removing it is detectably slower: keep it on; detectably faster: turn it off; otherwise it
-    is unresolved (kept on unless the factorial finds better)."""
+def correct_turn_offs(first: Mapping[str, Any], base: str, verdicts: Mapping[str, str], confidence: float
+                      ) -> tuple[dict[str, str], float]:
+    """The verdicts with every "faster" (turn it off) checked again at a Bonferroni-corrected
+    confidence over the toggles compared, and that confidence.
+
+    Phase 1 makes one comparison per toggle; at 95 % each, with five toggles that do nothing one of
+    them would be called "faster" by noise about a fifth of the time. Turning a default off is the
+    action that must be guarded, so "faster" must hold at ``1 - (1 - confidence) / toggles``. A
+    "slower" verdict keeps the default, which is the null action (what no profile would do), so a
+    false one costs nothing over having no profile and needs no correction. A "faster" that does
+    not survive becomes unresolved and goes to the factorial, which corrects for its own arms."""
+    corrected = 1 - (1 - confidence) / max(len(verdicts), 1)
+    blocks = first["blocks_run"]
+    base_ms = [_ms(r) for r in _block_values(first["runs"], base, blocks)]
+    out = dict(verdicts)
+    for dest, verdict in verdicts.items():
+        if verdict == stats.FASTER:
+            arm_ms = [_ms(r) for r in _block_values(first["runs"], f"without:{dest}", blocks)]
+            out[dest] = stats.paired_speedup(base_ms, arm_ms, corrected)["verdict"]
+    return out, corrected
+
+
+def decide_leave_one_out(verdicts: Mapping[str, str], off_confidence: float | None = None
+                         ) -> tuple[dict[str, Decided], list[str]]:
+    """Removing it is detectably slower: keep it on; detectably faster (at ``off_confidence``, the
+    corrected one, where given): turn it off; otherwise it is unresolved (kept on unless the
+    factorial finds better)."""
     decided: dict[str, Decided] = {}
     unresolved: list[str] = []
     for dest, verdict in verdicts.items():
@@ -81,8 +110,10 @@ def decide_leave_one_out(verdicts: Mapping[str, str]) -> tuple[dict[str, Decided
             decided[dest] = Decided(dest, True, "kept on: removing it is detectably slower", "leave-one-out",
                                     "all-on", without)
         elif verdict == stats.FASTER:
-            decided[dest] = Decided(dest, False, "turned off: removing it is detectably faster", "leave-one-out",
-                                    without, "all-on")
+            at = "" if off_confidence is None else \
+                f" at {off_confidence * 100:.2f} % (corrected for {len(verdicts)} comparisons)"
+            decided[dest] = Decided(dest, False, f"turned off: removing it is detectably faster{at}", "leave-one-out",
+                                    without, "all-on", off_confidence)
         else:
             unresolved.append(dest)
     return decided, unresolved
@@ -180,11 +211,12 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
     blocks = result["blocks_run"]
     chosen = _block_values(result["runs"], decided.chosen, blocks)
     against = _block_values(result["runs"], decided.against, blocks)
-    sp = stats.paired_speedup([_ms(r) for r in against], [_ms(r) for r in chosen], result["confidence"])
+    sp = stats.paired_speedup([_ms(r) for r in against], [_ms(r) for r in chosen],
+                              decided.confidence or result["confidence"])
     chosen_loss, against_loss = _losses(chosen, against)
     loss = stats.loss_comparison(against_loss, chosen_loss) if chosen_loss else None
     return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
-                    verdict=sp["verdict"], confidence=result["confidence"], blocks=sp["blocks"],
+                    verdict=sp["verdict"], confidence=sp["confidence"], blocks=sp["blocks"],
                     design=decided.phase, loss_ratio=loss["ratio"] if loss else None,
                     loss_within_noise=(not loss["outside_noise_band"]) if loss else None, rule=decided.rule)
 
@@ -310,11 +342,52 @@ def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Seque
         say(f"factorial skipped: {why}")
         return unresolved_kept(unresolved, f"the factorial did not run ({why})")
     confidence = family_confidence(setup.ns.confidence, len(arms))
-    say(f"phase 2/2: factorial of {', '.join(unresolved)} ({len(arms)} arms), the others pinned; a combination "
+    say(f"phase 2: factorial of {', '.join(unresolved)} ({len(arms)} arms), the others pinned; a combination "
         f"must be faster than all on at {confidence * 100:.2f} % (corrected for {len(arms) - 1} comparisons)")
     second, _ = run_phase(setup, "factorial", arms, confidence, False)
     results["factorial"] = second
     return decide_factorial(unresolved, arms, pick_combination(second["rows"], arms))
+
+
+def settle(choices: Mapping[str, Choice], sp: Mapping[str, Any]) -> tuple[dict[str, Choice], Confirmation]:
+    """Keep the chosen values when, together, they are faster than the defaults or not detectably
+    different; otherwise (slower, or the comparison could not be made) go back to the defaults:
+    each value was chosen in its own comparison, and only this one ran them all at once."""
+    record = {"speedup": sp.get("estimate"), "low": sp.get("low"), "high": sp.get("high"),
+              "confidence": sp.get("confidence"), "verdict": sp["verdict"], "blocks": sp.get("blocks")}
+    if sp["verdict"] in (stats.FASTER, stats.NO_DIFFERENCE):
+        return dict(choices), Confirmation(**record, outcome="kept: the chosen values together are not detectably "
+                                           "slower than the defaults")
+    off = [d for d, c in choices.items() if c.value is not True]
+    why = f"the chosen values together (off: {', '.join(off)}) were {sp['verdict']} against the defaults"
+    back = Evidence(against=False, verdict="not confirmed", design="confirmation",
+                    rule=f"back to the default: {why} in the confirmation")
+    return ({d: Choice(True, back) if d in off else c for d, c in choices.items()},
+            Confirmation(**record, outcome=f"fell back to the defaults: {why}"))
+
+
+def confirm(setup: Setup, choices: Mapping[str, Choice], pins: Mapping[str, bool],
+            results: dict[str, dict[str, Any]]) -> tuple[dict[str, Choice], Confirmation | None]:
+    """The last phase, where the chosen values differ from the defaults: defaults against chosen,
+    headline-style (two arms, paired by block, no warm-up run), within the budget."""
+    chosen = {d: c.value for d, c in choices.items()}
+    if all(v is True for v in chosen.values()):
+        return dict(choices), None
+    arms = [Arm("defaults", dict.fromkeys(chosen, True), baseline=True, fixed=dict(pins)),
+            Arm("chosen", dict(chosen), fixed=dict(pins))]  # type: ignore[arg-type]
+    why = factorial_fits(setup, results["leave-one-out"], len(arms))
+    if why:
+        say(f"confirmation skipped: {why}")
+        return dict(choices), Confirmation(outcome=f"not run ({why}): the chosen values are unconfirmed")
+    say("confirmation: the chosen values against the defaults (2 arms)")
+    result, _ = run_phase(setup, "confirmation", arms, setup.ns.confidence, False)
+    results["confirmation"] = result
+    blocks = result["blocks_run"]
+    sp = stats.paired_speedup([_ms(r) for r in _block_values(result["runs"], "defaults", blocks)],
+                              [_ms(r) for r in _block_values(result["runs"], "chosen", blocks)], result["confidence"])
+    settled, record = settle(choices, sp)
+    say(f"confirmation: {record.outcome}")
+    return settled, record
 
 
 class TuneStopped(PerfTogglesError):
@@ -333,7 +406,7 @@ def check_baseline(first: Mapping[str, Any], arms: Sequence[Arm]) -> None:
 
 
 def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any]]]:
-    """Both phases; the profile, the toggles that took no part (with why) and each phase's result."""
+    """Every phase; the profile, the toggles that took no part (with why) and each phase's result."""
     ns = setup.ns
     toggles = parse_toggles(ns.toggles)
     excluded = guarded_off(setup, toggles)
@@ -342,7 +415,7 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     taking_part = tuple(t for t in toggles if t not in excluded)
     if not taking_part:
         raise DesignError("every toggle named is kept off by a guard on this setup: nothing to tune")
-    say(f"phase 1/2: leave-one-out of {', '.join(taking_part)} from the defaults ({len(taking_part) + 1} arms)")
+    say(f"phase 1: leave-one-out of {', '.join(taking_part)} from the defaults ({len(taking_part) + 1} arms)")
     arms = expand("leave-one-out", taking_part, [])
     first, records = run_phase(setup, "leave-one-out", arms, ns.confidence, ns.warmup_run)
     check_baseline(first, arms)
@@ -351,17 +424,19 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     for dest in failed:
         say(f"{dest} is not measured: its arm failed (it keeps its default; see leave-one-out/)")
     verdicts = {d: v for d, v in leave_one_out_verdicts(first["rows"]).items() if d not in failed}
-    decided, unresolved = decide_leave_one_out(verdicts)
+    verdicts, off_confidence = correct_turn_offs(first, baseline_of(arms).name, verdicts, ns.confidence)
+    decided, unresolved = decide_leave_one_out(verdicts, off_confidence)
     if unresolved:
         decided.update(second_phase(setup, decided, unresolved, results))
     fallback = not_measured(failed, first)
     choices = {d: Choice(True, fallback[d]) if d in fallback else
                Choice(decided[d].value, evidence(decided[d], results[decided[d].phase])) for d in taking_part}
+    choices, confirmation = confirm(setup, choices, {}, results)
     command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
     profile = Profile(
         toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command))
+        made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command), confirmation=confirmation)
     return profile, excluded, results
 
 
@@ -394,7 +469,13 @@ def summary(profile: Profile, path: Path, excluded: Mapping[str, str], results: 
         lines.append(f"| {dest} | {format_value(choice.value)} | {_interval(ev)} | {ev.verdict} | {loss} | {ev.rule} |")
     for dest, why in excluded.items():
         lines.append(f"| {dest} | (not in the profile) | - | - | - | a guard keeps it off here: {why} |")
-    lines += ["", "Intervals: paired t over blocks; the factorial's at the corrected confidence it decided with."]
+    lines += ["", "Intervals: paired t over blocks; a value turned off in leave-one-out and the factorial's at the "
+              "corrected confidence they were decided with."]
+    conf = profile.confirmation
+    if conf is not None:
+        interval = "-" if conf.speedup is None else _interval(Evidence(False, conf.speedup, conf.low, conf.high))
+        lines += ["", f"Confirmation (defaults over chosen, {conf.blocks or 0} block(s)): {interval}, "
+                  f"{conf.verdict or 'not run'}; {conf.outcome}."]
     for phase, result in results.items():
         lines.append(f"- {phase}: {result['blocks_run']} block(s), results in `{phase}/results.md`"
                      + (f"; stopped: {result['stop_reason']}" if result.get("stop_reason") else ""))
@@ -421,7 +502,8 @@ DESCRIPTION = (
     "off, one whose removal is detectably slower stays on; then every combination of the unresolved ones "
     "(removal not detectably different), of which one replaces 'all on' only when it is detectably faster. "
     "Every run is checked for confounds through Megatron's parser first, runs in seeded blocks, and is "
-    "skipped when the same command is run again (resume). Use the result with "
+    "skipped when the same command is run again (resume); where the chosen values differ from the defaults, "
+    "a last comparison of the two sets confirms them or falls back to the defaults. Use the result with "
     "MEGATRON_PERF_TOGGLES_PROFILE=OUT/profile.json.")
 EPILOG = ("example: megatron-perf-toggles tune --budget 90 --launch 'torchrun --nproc-per-node 8' --out runs/tune "
           "-- pretrain_gpt.py <megatron args>")
@@ -478,7 +560,7 @@ def _prepare(ns: argparse.Namespace) -> list[str]:
 
 def run_tune(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = ablate.resolve_arm,
              clock: Callable[[], float] = time.monotonic) -> int:
-    """The command: both phases, then the profile. Exit 0, 1 where a run failed (the profile is
+    """The command: every phase, then the profile. Exit 0, 1 where a run failed (the profile is
     still written, from the runs that finished, unless the baseline never finished), 2 for bad
     input or a confound."""
     try:
