@@ -132,13 +132,17 @@ def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
 # --- end to end, with a stand-in Megatron --------------------------------------------------------------
 
 
-def stand_in_resolver(guarded=(), calls=None):
+def stand_in_resolver(guarded=(), calls=None, others=None, environs=None):
     """Megatron's parser and the plugin, as a dry run would report them: each pinned toggle as asked,
-    except those in ``guarded``, which a guard keeps off."""
+    except those in ``guarded``, which a guard keeps off; ``others``: what it decides for toggles
+    no arm pins."""
     def resolver(script, args, arm, environ):
         if calls is not None:
             calls.append(arm.name)
-        decisions = {d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned().items()}
+        if environs is not None:
+            environs.append(dict(environ))
+        decisions = {d: {"value": v, "source": "default", "reason": "x"} for d, v in (others or {}).items()}
+        decisions.update({d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned().items()})
         for dest in guarded:
             decisions[dest] = {"value": False, "source": "guard", "reason": "no TE kernel here"}
         effective = {"seq_length": 4096, "train_iters": 6, **{d: r["value"] for d, r in decisions.items()}}
@@ -199,6 +203,29 @@ def test_tune_writes_a_profile_the_plugin_accepts(tmp_path, costs, capsys):
     for dest, choice in profile.toggles.items():
         assert (getattr(args, dest), args.perf_toggles[dest]["source"]) == (choice.value, "profile")
     assert not args.perf_toggles["cross_entropy_loss_fusion"]["value"]
+
+
+def test_runs_leave_out_a_profile_in_use_and_pin_the_toggles_not_taking_part(tmp_path, costs, monkeypatch, capsys):
+    monkeypatch.setenv("MEGATRON_PERF_TOGGLES_PROFILE", str(tmp_path / "team.json"))
+    monkeypatch.setenv("MEGATRON_PERF_TOGGLES_ASSUME", "cuda")
+    environs, executed = [], []
+    original = ablate.execute
+
+    def spy(run, environ, *args, **kwargs):
+        executed.append(dict(environ))
+        return original(run, environ, *args, **kwargs)
+
+    monkeypatch.setattr(ablate, "execute", spy)
+    others = {"ddp_average_in_collective": False, "cross_entropy_loss_fusion": True}  # as the baseline decides
+    assert tune_main(tmp_path, "--repeats", "2", toggles="grad_reduce_in_bf16",
+                     resolver=stand_in_resolver(others=others, environs=environs)) == 0
+    err = capsys.readouterr().err
+    assert err.count("MEGATRON_PERF_TOGGLES_PROFILE is set here and left out of every run") == 1
+    for environ in environs + executed:
+        assert "MEGATRON_PERF_TOGGLES_PROFILE" not in environ and environ["MEGATRON_PERF_TOGGLES_ASSUME"] == "cuda"
+    loo = json.loads((tmp_path / "out" / "leave-one-out" / "results.json").read_text())
+    for r in loo["rows"]:
+        assert (r["env"]["DDP_AVERAGE_IN_COLLECTIVE"], r["env"]["CROSS_ENTROPY_LOSS_FUSION"]) == ("0", "1")
 
 
 def test_a_guarded_toggle_takes_no_part(tmp_path, costs, capsys):

@@ -43,7 +43,7 @@ from typing import Any
 
 from .._version import __version__
 from ..core.profile import Choice, Confirmation, Environment, Evidence, Profile, render_profile
-from ..core.registry import format_value
+from ..core.registry import BY_DEST, format_value
 from ..errors import PerfTogglesError, fail
 from .ablate import runner as ablate
 from .ablate import stats
@@ -144,11 +144,12 @@ def not_measured(dests: Sequence[str], first: Mapping[str, Any]) -> dict[str, Ev
     return out
 
 
-def factorial_arms(unresolved: Sequence[str], decided: Mapping[str, Decided]) -> list[Arm]:
-    """Every combination of the unresolved toggles, the resolved ones pinned to their values; the
-    baseline is all of the unresolved on (the defaults it would otherwise keep)."""
+def factorial_arms(unresolved: Sequence[str], decided: Mapping[str, Decided],
+                   pins: Mapping[str, bool] | None = None) -> list[Arm]:
+    """Every combination of the unresolved toggles, the resolved ones (and ``pins``) pinned to their
+    values; the baseline is all of the unresolved on (the defaults it would otherwise keep)."""
     arms = expand("factorial", tuple(unresolved), [])
-    pinned = {d: dec.value for d, dec in decided.items()}
+    pinned = {**(pins or {}), **{d: dec.value for d, dec in decided.items()}}
     for arm in arms:
         arm.fixed = dict(pinned)
         arm.baseline = all(arm.toggles.values())
@@ -270,14 +271,35 @@ def say(text: str) -> None:
     print(f"[tune] {text}", file=sys.stderr, flush=True)
 
 
-def guarded_off(setup: Setup, toggles: Sequence[str]) -> dict[str, str]:
+# The plugin's own variables the runs keep: ASSUME plans for another machine (tests and CPU-only
+# planning need it); the other two tag log directories and check ranks, and decide no toggle.
+KEPT_OWN = ("MEGATRON_PERF_TOGGLES_ASSUME", "MEGATRON_PERF_TOGGLES_TAG_LOG_DIR", "MEGATRON_PERF_TOGGLES_RANK_CHECK")
+
+
+def runs_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The runs' environment: this one without the plugin variables that would change what the
+    runs decide (a profile in use, the plugin switched off, ...), which would measure the profile
+    or the switch instead of the defaults. Said once on stderr when any was set."""
+    removed = sorted(k for k in environ if k.startswith("MEGATRON_PERF_TOGGLES") and k not in KEPT_OWN)
+    if removed:
+        say(f"{', '.join(removed)} {'is' if len(removed) == 1 else 'are'} set here and left out of every run: "
+            "tune measures the defaults, not a profile or a switch")
+    return {k: v for k, v in environ.items() if k not in removed}
+
+
+def guarded_off(setup: Setup, toggles: Sequence[str]) -> tuple[dict[str, str], dict[str, bool]]:
     """Toggles a guard keeps off with every default on (dest -> the guard's reason): they cannot
-    take part, since an arm that asks for them on would not get it (ablate refuses such arms)."""
+    take part, since an arm that asks for them on would not get it (ablate refuses such arms); and
+    every on/off toggle not taking part with the value this dry run decided, pinned in every run so
+    that no run decides them differently."""
     record = setup.resolver(setup.ns.script, setup.args, Arm("defaults", dict.fromkeys(toggles, True)),
                             setup.environ)
     decisions = record.get("decisions", {})
-    return {d: f"{decisions[d].get('source')}: {decisions[d].get('reason')}" for d in toggles
-            if d in decisions and decisions[d].get("value") is not True}
+    excluded = {d: f"{decisions[d].get('source')}: {decisions[d].get('reason')}" for d in toggles
+                if d in decisions and decisions[d].get("value") is not True}
+    pins = {d: rec["value"] for d, rec in decisions.items() if d in BY_DEST and BY_DEST[d].kind == "bool"
+            and isinstance(rec.get("value"), bool) and (d not in toggles or d in excluded)}
+    return excluded, pins
 
 
 def phase_options(setup: Setup, design: str, confidence: float, warmup_run: bool) -> argparse.Namespace:
@@ -328,7 +350,7 @@ def unresolved_kept(unresolved: Sequence[str], why_not: str) -> dict[str, Decide
 
 
 def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Sequence[str],
-                 results: dict[str, dict[str, Any]]) -> dict[str, Decided]:
+                 results: dict[str, dict[str, Any]], pins: Mapping[str, bool]) -> dict[str, Decided]:
     """The factorial of the unresolved toggles where it can run, else they stay on (with why)."""
     first, limit = results["leave-one-out"], setup.ns.max_factorial
     if first.get("stop_reason"):
@@ -336,7 +358,7 @@ def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Seque
     if len(unresolved) > limit:
         return unresolved_kept(unresolved, f"the factorial did not run: {len(unresolved)} unresolved toggles are "
                                f"more than --max-factorial {limit} (more --repeats resolve more of them)")
-    arms = factorial_arms(unresolved, decided)
+    arms = factorial_arms(unresolved, decided, pins)
     why = factorial_fits(setup, first, len(arms))
     if why:
         say(f"factorial skipped: {why}")
@@ -409,7 +431,7 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     """Every phase; the profile, the toggles that took no part (with why) and each phase's result."""
     ns = setup.ns
     toggles = parse_toggles(ns.toggles)
-    excluded = guarded_off(setup, toggles)
+    excluded, pins = guarded_off(setup, toggles)
     for dest, why in excluded.items():
         say(f"{dest} takes no part: a guard keeps it off here ({why})")
     taking_part = tuple(t for t in toggles if t not in excluded)
@@ -417,21 +439,24 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
         raise DesignError("every toggle named is kept off by a guard on this setup: nothing to tune")
     say(f"phase 1: leave-one-out of {', '.join(taking_part)} from the defaults ({len(taking_part) + 1} arms)")
     arms = expand("leave-one-out", taking_part, [])
+    for arm in arms:
+        arm.fixed = dict(pins)
     first, records = run_phase(setup, "leave-one-out", arms, ns.confidence, ns.warmup_run)
     check_baseline(first, arms)
     results = {"leave-one-out": first}
     failed = [d for d in taking_part if f"without:{d}" in failed_arms(first)]
+    pins = {**pins, **dict.fromkeys(failed, True)}  # not measured: at their default from here on
     for dest in failed:
         say(f"{dest} is not measured: its arm failed (it keeps its default; see leave-one-out/)")
     verdicts = {d: v for d, v in leave_one_out_verdicts(first["rows"]).items() if d not in failed}
     verdicts, off_confidence = correct_turn_offs(first, baseline_of(arms).name, verdicts, ns.confidence)
     decided, unresolved = decide_leave_one_out(verdicts, off_confidence)
     if unresolved:
-        decided.update(second_phase(setup, decided, unresolved, results))
+        decided.update(second_phase(setup, decided, unresolved, results, pins))
     fallback = not_measured(failed, first)
     choices = {d: Choice(True, fallback[d]) if d in fallback else
                Choice(decided[d].value, evidence(decided[d], results[decided[d].phase])) for d in taking_part}
-    choices, confirmation = confirm(setup, choices, {}, results)
+    choices, confirmation = confirm(setup, choices, {d: v for d, v in pins.items() if d not in choices}, results)
     command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
     profile = Profile(
         toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch),
@@ -565,7 +590,7 @@ def run_tune(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = a
     input or a confound."""
     try:
         args = _prepare(ns)
-        setup = Setup(ns, args, dict(os.environ), resolver, clock, clock())
+        setup = Setup(ns, args, runs_environ(os.environ), resolver, clock, clock())
         profile, excluded, results = tune(setup)
         path = write_profile(Path(ns.out), profile, excluded, results)
     except PerfTogglesError as error:
