@@ -292,6 +292,17 @@ def test_a_toggle_whose_arm_failed_is_not_measured_and_kept_out_of_the_factorial
     assert "| grad_reduce_in_bf16 | on | - | not measured |" in (out / "profile.md").read_text()
 
 
+def test_resume_reruns_a_run_whose_pinned_toggles_changed(tmp_path, costs, capsys):
+    assert tune_main(tmp_path, "--repeats", "2") == 0  # fusion turned off, pinned off in the factorial
+    capsys.readouterr()
+    resolver = stand_in_resolver(others={"cross_entropy_loss_fusion": True})  # now not tuned: pinned on
+    assert tune_main(tmp_path, "--repeats", "2", toggles="grad_reduce_in_bf16,ddp_average_in_collective",
+                     resolver=resolver) == 0
+    statuses = [json.loads(p.read_text()) for p in (tmp_path / "out" / "factorial" / "runs").glob("*/*/status.json")]
+    assert statuses and all(s["env"]["CROSS_ENTROPY_LOSS_FUSION"] == "1" for s in statuses)
+    assert "done earlier, skipped" in capsys.readouterr().err  # what did not change was not run again
+
+
 def test_the_budget_stops_before_a_block_that_would_not_fit(tmp_path, costs):
     ticks = iter(range(0, 10**6, 50))  # every look at the clock: 50 s later
     assert tune_main(tmp_path, "--repeats", "5", "--budget", "3", clock=lambda: next(ticks)) == 0
