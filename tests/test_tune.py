@@ -303,6 +303,23 @@ def test_resume_reruns_a_run_whose_pinned_toggles_changed(tmp_path, costs, capsy
     assert "done earlier, skipped" in capsys.readouterr().err  # what did not change was not run again
 
 
+@pytest.mark.parametrize("launch, world", [
+    (None, 1), ("torchrun --nproc-per-node 8", 8), ("torchrun --nproc_per_node=4 --nnodes 2", 8),
+    ("python -m torch.distributed.run --nproc-per-node 2", 2), ("python3", 1),
+    ("torchrun --nproc-per-node gpu", None), ("torchrun --nproc-per-node 8 --nnodes 1:2", None),
+    ("srun -n 16", 16), ("srun --ntasks=4", 4), ("srun -N 2", None), ("mpirun -np 8", 8), ("mpiexec -n 3", 3),
+    ("mpirun --hostfile h", None), ("deepspeed --num_gpus 8", None),
+])
+def test_the_launchers_world_size_or_none_where_it_is_not_plain(launch, world):
+    assert tune.launch_world_size(launch) == world
+
+
+def test_the_world_size_is_the_runs_own_where_megatron_logged_it(tmp_path, costs, monkeypatch):
+    monkeypatch.setenv("FAKE_WORLD_SIZE", "16")  # what the launch really started, whatever --launch reads as
+    assert tune_main(tmp_path, "--repeats", "2", toggles="grad_reduce_in_bf16") == 0
+    assert profile_file.load(str(tmp_path / "out" / "profile.json")).environment.world_size == 16
+
+
 def test_the_budget_stops_before_a_block_that_would_not_fit(tmp_path, costs):
     ticks = iter(range(0, 10**6, 50))  # every look at the clock: 50 s later
     assert tune_main(tmp_path, "--repeats", "5", "--budget", "3", clock=lambda: next(ticks)) == 0

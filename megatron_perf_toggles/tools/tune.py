@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -225,14 +226,66 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
 # --- the environment measured, from the dry-run records ------------------------------------------
 
 
-def measured_on(record: Mapping[str, Any], launch: str | None) -> Environment:
+WORLD_IN_LOG = re.compile(r"using world size: (\d+)")  # Megatron's own line at start-up
+
+
+def _option(words: Sequence[str], names: tuple[str, ...]) -> str | None:
+    """The value of the first of ``names`` in ``words`` (``--x 8``, ``--x=8``), or None."""
+    for i, word in enumerate(words):
+        key, eq, val = word.partition("=")
+        if key in names:
+            return val if eq else (words[i + 1] if i + 1 < len(words) else "")
+    return None
+
+
+def launch_world_size(launch: str | None) -> int | None:
+    """The world size a launcher prefix starts, where it says so plainly; None where it does not
+    (``--nproc-per-node gpu``, elastic ``--nnodes 1:2``, a launcher not known here): a wrong number
+    would make every run of the profile warn "measured elsewhere", an unknown one is not checked."""
+    if not launch:
+        return 1  # this python: one process
+    words = shlex.split(launch)
+    name = Path(words[0]).name if words else ""
+    if name == "torchrun" or "torch.distributed.run" in words or "torch.distributed.launch" in words:
+        per_node = _option(words, ("--nproc-per-node", "--nproc_per_node")) or "1"
+        nodes = _option(words, ("--nnodes",)) or "1"
+        return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
+    if name == "srun":
+        count = _option(words, ("-n", "--ntasks"))
+    elif name in ("mpirun", "mpiexec"):
+        count = _option(words, ("-np", "-n", "--np", "-c"))
+    else:
+        return 1 if name.startswith("python") else None  # a script run by python: one process
+    return int(count) if count and count.isdigit() else None
+
+
+def logged_world_size(runs: Sequence[Mapping[str, Any]], arm: str) -> int | None:
+    """The world size Megatron printed in one of ``arm``'s finished runs: the run's own word."""
+    for run in runs:
+        if run.get("arm") != arm or run.get("status") != "done" or not run.get("log"):
+            continue
+        try:
+            with open(run["log"], errors="replace") as fh:
+                for line in fh:
+                    found = WORLD_IN_LOG.search(line)
+                    if found:
+                        return int(found.group(1))
+        except OSError:
+            continue
+    return None
+
+
+def measured_on(record: Mapping[str, Any], launch: str | None, world_size: int | None = None) -> Environment:
     """What the runs ran on: the baseline's dry-run record (Megatron, TE, torch, the GPU that
-    process saw) and the launch's world size. No torch is imported here."""
+    process saw) and the world size (the baseline runs' own log line where given, else the
+    launcher's, else None: not recorded). The dry run's own world size is not used: it runs as one
+    process, whatever the launch. No torch is imported here."""
     caps = record.get("capabilities") or {}
     te = caps.get("te_version")
     return Environment(megatron=(record.get("megatron") or {}).get("version"),
                        transformer_engine=None if te == "unknown" else te, torch=caps.get("torch_version"),
-                       gpu=record.get("gpu_visible"), world_size=ablate._gpus(launch))
+                       gpu=record.get("gpu_visible"),
+                       world_size=world_size if world_size is not None else launch_world_size(launch))
 
 
 # --- running the phases --------------------------------------------------------------------------
@@ -459,7 +512,8 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     choices, confirmation = confirm(setup, choices, {d: v for d, v in pins.items() if d not in choices}, results)
     command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
     profile = Profile(
-        toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch),
+        toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch,
+                                                 logged_world_size(first["runs"], baseline_of(arms).name)),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command), confirmation=confirmation)
     return profile, excluded, results
@@ -483,7 +537,7 @@ def summary(profile: Profile, path: Path, excluded: Mapping[str, str], results: 
     lines = [f"# Profile `{path.name}`", "",
              f"Measured {profile.created} with {profile.made_by}: Megatron {env.megatron or '?'}, Transformer Engine "
              f"{env.transformer_engine or 'none'}, torch {env.torch or '?'}, GPU {env.gpu or 'not known'}, world size "
-             f"{env.world_size}.", "", f"Command: `{profile.command}`", "",
+             f"{env.world_size or 'not recorded'}.", "", f"Command: `{profile.command}`", "",
              "| toggle | value | speedup of the value over the other [CI] | verdict | loss ratio | how |",
              "|---|---|---|---|---|---|"]
     for dest, choice in profile.toggles.items():
@@ -541,7 +595,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "unmeasured warm-up run always runs: it times the others)")
     p.add_argument("--toggles", help="comma list of on/off toggle dests to tune (default: all five)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python); "
-                   "its GPU count is the profile's world size")
+                   "the profile's world size is the runs' own (Megatron's log), else what it plainly starts")
     p.add_argument("--out", default="tune", help="output directory (default: ./tune); run again to resume")
     p.add_argument("--repeats", type=int, default=3, help="blocks per phase; each block runs every arm once (default 3)")
     p.add_argument("--iters", type=int, help="iterations per run (sets --train-iters; default: the arguments' own)")
