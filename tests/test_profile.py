@@ -114,6 +114,20 @@ BAD_FILES = [
     (text_of({**minimal(), "environment": {"world_size": 0}}), "world_size is 0"),
     (text_of({**minimal(), "environment": {"gpu": 100}}), "environment.gpu is 100"),
     (text_of({**minimal(), "confirmation": {"speedup": "x"}}), 'confirmation.speedup is "x"'),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"format": "' + FORMAT + '", "schema": 1, "toggles": {}, "toggles": {"grad_reduce_in_bf16": {"value": false}}}',
+     "the key 'toggles' appears twice"),
+    (text_of({**minimal(), "schema": True}), "schema true is not one this version reads"),
+    (text_of({**minimal(), "schema": 1.0}), "schema 1.0 is not one this version reads"),
+    (text_of({**minimal(), "environment": []}), "environment must be a JSON object"),
+    (text_of({**minimal(), "environment": 0}), "environment must be a JSON object"),
+    (text_of({**minimal(), "environment": ""}), "environment must be a JSON object"),
+    (text_of({**minimal(), "environment": False}), "environment must be a JSON object"),
+    (text_of({**minimal(), "toggles": {"grad_reduce_in_bf16": {"value": True, "evidence": {"against": True}}}}),
+     "evidence.against is the chosen value"),
+    (text_of({**minimal(), "toggles": {"grad_reduce_in_bf16": {"value": True, "evidence": {
+        "against": False, "speedup": 1.0, "low": 1.1, "high": 0.9}}}}), "evidence.low 1.1 is above"),
+    (text_of({**minimal(), "confirmation": {"low": 1.1, "high": 0.9}}), "confirmation.low 1.1 is above"),
     (text_of({**minimal(), "confirmation": {"verdicts": "faster"}}), "confirmation: unknown key 'verdicts'"),
 ]
 
@@ -135,6 +149,16 @@ def test_an_unreadable_or_binary_file_is_one_clear_error(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00junk")
     with pytest.raises(ProfileError, match="not a UTF-8 text file"):
         profile_file.load(str(binary))
+    huge = tmp_path / "huge.json"
+    huge.write_text(text_of(minimal()) + " " * profile_file.MAX_BYTES)
+    with pytest.raises(ProfileError, match="too large for a profile"):
+        profile_file.load(str(huge))
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_bytes(b"\xef\xbb\xbf" + text_of(minimal(grad_reduce_in_bf16=False)).encode())
+    assert profile_file.load(str(path)).toggles == {"grad_reduce_in_bf16": Choice(False)}
 
 
 # --- precedence and guards ------------------------------------------------------------------------
@@ -290,8 +314,11 @@ def _clean_env(**extra):
     return {**base, "PYTHONPATH": str(REPO), **extra}
 
 
+NESTED = next(bad for bad in BAD_FILES if bad[1] == "nested too deeply")
+
+
 @pytest.mark.parametrize("text, words", [BAD_FILES[0], BAD_FILES[2], BAD_FILES[4], BAD_FILES[7], BAD_FILES[9],
-                                          BAD_FILES[11], (None, "cannot read it")])
+                                          BAD_FILES[11], NESTED, (None, "cannot read it")])
 @pytest.mark.parametrize("entry", ["plugin", "explain"])
 def test_a_bad_profile_stops_the_plugin_and_explain_with_one_line(tmp_path, text, words, entry):
     path = tmp_path / "profile.json"

@@ -16,12 +16,19 @@ from ..errors import ProfileError
 from . import target as planned
 from .capabilities import gpu_name_here
 
+MAX_BYTES = 1 << 20  # a profile is a few kB; a larger file is the wrong file, not one to read whole
+
 
 def load(path: str) -> Profile:
-    """The profile at ``path``, or one ProfileError line (unreadable, not UTF-8, malformed)."""
+    """The profile at ``path``, or one ProfileError line (unreadable, too large, not UTF-8,
+    malformed). A UTF-8 byte order mark, as some editors write, is accepted."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            raise ProfileError(f"{PROFILE_ENV}={path}: larger than {MAX_BYTES // 1024} KiB, too large for a profile",
+                               "is this the right file? tune writes a few kB")
+        text = raw.decode("utf-8-sig")
     except OSError as error:
         raise ProfileError(f"{PROFILE_ENV}={path}: cannot read it ({error.strerror or error})",
                            "check the path, or unset the variable") from None
