@@ -267,6 +267,29 @@ def test_observed_world_size_and_gpu_by_mode(monkeypatch):
     assert pf.observed(planned, {}, "plan").environment.gpu == "NVIDIA H100 80GB HBM3"
 
 
+def test_a_plan_does_not_check_the_planning_machines_torch_and_te_unless_assumed(monkeypatch):
+    from megatron_perf_toggles.runtime import profile_file as pf
+
+    monkeypatch.setattr(pf, "gpu_name_here", lambda: None)
+    caps = full_caps(torch_version="2.11.0", te_version="2.20.2")
+    plan = pf.observed(caps, {}, "plan")
+    assert {"torch", "transformer_engine"} <= set(plan.unknown)
+    assert "transformer_engine" not in pf.observed(replace(caps, assumed=("te_version",)), {}, "plan").unknown
+    assert not {"torch", "transformer_engine"} & set(pf.observed(caps, {}, "run").unknown)
+    check = check_environment(MEASURED_ON, plan.environment, plan.unknown)
+    assert not {"torch", "transformer_engine"} & set(check.mismatches)  # no "measured elsewhere" from a laptop
+
+
+def test_the_gpu_is_not_probed_when_the_profile_records_none(monkeypatch):
+    from megatron_perf_toggles.runtime import profile_file as pf
+
+    asked = []
+    monkeypatch.setattr(pf, "gpu_name_here", lambda: asked.append(1) or "NVIDIA H200")
+    pf.observed(full_caps(), {}, "run", probe_gpu=False)
+    assert not asked
+    assert pf.observed(full_caps(), {}, "run").environment.gpu == "NVIDIA H200" and asked
+
+
 # --- through the plugin ------------------------------------------------------------------------------
 
 

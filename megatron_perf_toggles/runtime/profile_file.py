@@ -38,8 +38,9 @@ def load(path: str) -> Profile:
     return parse_profile(text, path)
 
 
-def _gpu(caps: Capabilities, mode: str) -> tuple[str | None, str | None]:
-    """(name, None) where this run's GPU is known; (None, why) where it is not."""
+def _gpu(caps: Capabilities, mode: str, probe: bool = True) -> tuple[str | None, str | None]:
+    """(name, None) where this run's GPU is known; (None, why) where it is not. ``probe``: whether
+    asking torch for it is worth it (not where the profile recorded no GPU to compare with)."""
     source = caps.gpu_source or ""
     if caps.gpu_name and (source == "detected" or source.startswith("--gpu")):
         return caps.gpu_name, None
@@ -48,7 +49,7 @@ def _gpu(caps: Capabilities, mode: str) -> tuple[str | None, str | None]:
         if target.gpu_source.startswith("--gpu"):
             return target.gpu.product, None
         return None, target.gpu_source or "the plan is for an assumed GPU"
-    if mode != "plan":
+    if mode != "plan" and probe:
         name = gpu_name_here()
         if name:
             return name, None
@@ -67,16 +68,24 @@ def _world_size(environ: Mapping[str, str], mode: str) -> tuple[int | None, str 
     return 1, None  # Megatron's own reading of an unset WORLD_SIZE
 
 
-def observed(caps: Capabilities, environ: Mapping[str, str], mode: str) -> Observed:
-    """This run's Megatron, TE, torch, GPU and world size, each known or with why it is not."""
+def observed(caps: Capabilities, environ: Mapping[str, str], mode: str, probe_gpu: bool = True) -> Observed:
+    """This run's Megatron, TE, torch, GPU and world size, each known or with why it is not.
+
+    In ``plan`` mode (explain) the TE and torch found are the planning machine's, often a laptop
+    with neither matching the cluster: they are not checked unless TE is assumed (torch cannot
+    be), so that no plan warns "measured elsewhere" about the machine it merely runs on."""
     unknown: dict[str, str] = {}
     if not caps.megatron.version:
         unknown["megatron"] = "Megatron's version could not be read"
     if caps.te_version == "unknown":
         unknown["transformer_engine"] = "Transformer Engine's version could not be read"
+    elif mode == "plan" and not caps.is_assumed("te_version"):
+        unknown["transformer_engine"] = "a plan sees the planning machine's, not the run's (assume te=VERSION)"
     if caps.torch_version is None and mode == "run":
         unknown["torch"] = "torch is not imported yet"
-    gpu, why = _gpu(caps, mode)
+    elif mode == "plan":
+        unknown["torch"] = "a plan sees the planning machine's, not the run's"
+    gpu, why = _gpu(caps, mode, probe_gpu)
     if why:
         unknown["gpu"] = why
     world, why = _world_size(environ, mode)
