@@ -155,6 +155,14 @@ def test_an_unreadable_or_binary_file_is_one_clear_error(tmp_path):
         profile_file.load(str(huge))
 
 
+def test_the_source_is_the_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "p.json").write_text(text_of(minimal(grad_reduce_in_bf16=False)))
+    monkeypatch.chdir(tmp_path)
+    profile = profile_file.load("p.json")
+    assert profile.source == str(tmp_path / "p.json")
+    assert profile.reason("grad_reduce_in_bf16").startswith(f"profile {tmp_path / 'p.json'}")
+
+
 def test_a_byte_order_mark_is_accepted(tmp_path):
     path = tmp_path / "p.json"
     path.write_bytes(b"\xef\xbb\xbf" + text_of(minimal(grad_reduce_in_bf16=False)).encode())

@@ -8,7 +8,9 @@ the file, the environment variables of the launch, the planned target and an imp
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from dataclasses import replace
 
 from ..core.facts import Capabilities
 from ..core.profile import PROFILE_ENV, Environment, Observed, Profile, parse_profile
@@ -35,7 +37,9 @@ def load(path: str) -> Profile:
     except UnicodeDecodeError:
         raise ProfileError(f"{PROFILE_ENV}={path}: not a UTF-8 text file",
                            "a profile is JSON, as tune writes it") from None
-    return parse_profile(text, path)
+    # Errors name the path as given; the profile's source (reasons, the provenance record) is
+    # absolute, since a record read later, elsewhere, must still say which file it was.
+    return replace(parse_profile(text, path), source=os.path.abspath(path))
 
 
 def _gpu(caps: Capabilities, mode: str, probe: bool = True) -> tuple[str | None, str | None]:
