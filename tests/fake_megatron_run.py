@@ -7,6 +7,7 @@ FAKE_CRASH_ARM=<env value> makes the arm whose GRAD_REDUCE_IN_BF16 equals it cra
 FAKE_DRIFT=x multiplies every run's speed by a factor drawn uniformly from [1-x, 1+x], seeded by the
 run's own command line: run-to-run drift, as on a shared GPU.
 FAKE_SLEEP=s sleeps s seconds per iteration.
+FAKE_WORLD_SIZE=n prints Megatron's "using world size: n" start-up line.
 FAKE_EXTRA_MS=VAR=ms[,VAR=ms] adds ms to each iteration of a run whose VAR is 1 (a toggle that costs time).
 Invoked as: python fake_megatron_run.py -m megatron_perf_toggles.run SCRIPT [args...]
 """
@@ -30,6 +31,10 @@ counter = os.environ.get("FAKE_COUNTER")
 if counter:
     with open(counter, "a") as fh:
         fh.write(os.environ.get("GRAD_REDUCE_IN_BF16", "?") + "\n")
+if os.environ.get("FAKE_WORLD_SIZE"):
+    world = os.environ["FAKE_WORLD_SIZE"]
+    print(f"using world size: {world}, data-parallel size: {world}, context-parallel size: 1, "
+          "tensor-model-parallel size: 1, pipeline-model-parallel size: 1", flush=True)
 for i in range(1, iters + 1):
     loss = 10.0 - 0.5 * i
     time.sleep(float(os.environ.get("FAKE_SLEEP", "0") or 0))

@@ -64,6 +64,14 @@ def test_render_then_parse_gives_the_same_profile():
     assert parse_profile(text, "p.json") == replace(profile, source="p.json")
 
 
+def test_the_confirmation_round_trips():
+    from megatron_perf_toggles.core.profile import Confirmation
+
+    profile = replace(sample(), confirmation=Confirmation(1.02, 1.01, 1.03, 0.95, "faster", 3, "kept"))
+    assert parse_profile(render_profile(profile), "p.json") == replace(profile, source="p.json")
+    assert "confirmation" not in json.loads(render_profile(sample()))  # nothing to confirm: no key
+
+
 def test_a_hand_written_profile_needs_only_format_schema_and_values():
     profile = parse_profile(text_of(minimal(ddp_average_in_collective=False)), "p.json")
     assert profile.toggles == {"ddp_average_in_collective": Choice(False)}
@@ -105,6 +113,22 @@ BAD_FILES = [
         "against": False, "speedup": "fast"}}}}), 'evidence.speedup is "fast", expected a number'),
     (text_of({**minimal(), "environment": {"world_size": 0}}), "world_size is 0"),
     (text_of({**minimal(), "environment": {"gpu": 100}}), "environment.gpu is 100"),
+    (text_of({**minimal(), "confirmation": {"speedup": "x"}}), 'confirmation.speedup is "x"'),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"format": "' + FORMAT + '", "schema": 1, "toggles": {}, "toggles": {"grad_reduce_in_bf16": {"value": false}}}',
+     "the key 'toggles' appears twice"),
+    (text_of({**minimal(), "schema": True}), "schema true is not one this version reads"),
+    (text_of({**minimal(), "schema": 1.0}), "schema 1.0 is not one this version reads"),
+    (text_of({**minimal(), "environment": []}), "environment must be a JSON object"),
+    (text_of({**minimal(), "environment": 0}), "environment must be a JSON object"),
+    (text_of({**minimal(), "environment": ""}), "environment must be a JSON object"),
+    (text_of({**minimal(), "environment": False}), "environment must be a JSON object"),
+    (text_of({**minimal(), "toggles": {"grad_reduce_in_bf16": {"value": True, "evidence": {"against": True}}}}),
+     "evidence.against is the chosen value"),
+    (text_of({**minimal(), "toggles": {"grad_reduce_in_bf16": {"value": True, "evidence": {
+        "against": False, "speedup": 1.0, "low": 1.1, "high": 0.9}}}}), "evidence.low 1.1 is above"),
+    (text_of({**minimal(), "confirmation": {"low": 1.1, "high": 0.9}}), "confirmation.low 1.1 is above"),
+    (text_of({**minimal(), "confirmation": {"verdicts": "faster"}}), "confirmation: unknown key 'verdicts'"),
 ]
 
 
@@ -125,6 +149,24 @@ def test_an_unreadable_or_binary_file_is_one_clear_error(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00junk")
     with pytest.raises(ProfileError, match="not a UTF-8 text file"):
         profile_file.load(str(binary))
+    huge = tmp_path / "huge.json"
+    huge.write_text(text_of(minimal()) + " " * profile_file.MAX_BYTES)
+    with pytest.raises(ProfileError, match="too large for a profile"):
+        profile_file.load(str(huge))
+
+
+def test_the_source_is_the_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "p.json").write_text(text_of(minimal(grad_reduce_in_bf16=False)))
+    monkeypatch.chdir(tmp_path)
+    profile = profile_file.load("p.json")
+    assert profile.source == str(tmp_path / "p.json")
+    assert profile.reason("grad_reduce_in_bf16").startswith(f"profile {tmp_path / 'p.json'}")
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_bytes(b"\xef\xbb\xbf" + text_of(minimal(grad_reduce_in_bf16=False)).encode())
+    assert profile_file.load(str(path)).toggles == {"grad_reduce_in_bf16": Choice(False)}
 
 
 # --- precedence and guards ------------------------------------------------------------------------
@@ -233,6 +275,29 @@ def test_observed_world_size_and_gpu_by_mode(monkeypatch):
     assert pf.observed(planned, {}, "plan").environment.gpu == "NVIDIA H100 80GB HBM3"
 
 
+def test_a_plan_does_not_check_the_planning_machines_torch_and_te_unless_assumed(monkeypatch):
+    from megatron_perf_toggles.runtime import profile_file as pf
+
+    monkeypatch.setattr(pf, "gpu_name_here", lambda: None)
+    caps = full_caps(torch_version="2.11.0", te_version="2.20.2")
+    plan = pf.observed(caps, {}, "plan")
+    assert {"torch", "transformer_engine"} <= set(plan.unknown)
+    assert "transformer_engine" not in pf.observed(replace(caps, assumed=("te_version",)), {}, "plan").unknown
+    assert not {"torch", "transformer_engine"} & set(pf.observed(caps, {}, "run").unknown)
+    check = check_environment(MEASURED_ON, plan.environment, plan.unknown)
+    assert not {"torch", "transformer_engine"} & set(check.mismatches)  # no "measured elsewhere" from a laptop
+
+
+def test_the_gpu_is_not_probed_when_the_profile_records_none(monkeypatch):
+    from megatron_perf_toggles.runtime import profile_file as pf
+
+    asked = []
+    monkeypatch.setattr(pf, "gpu_name_here", lambda: asked.append(1) or "NVIDIA H200")
+    pf.observed(full_caps(), {}, "run", probe_gpu=False)
+    assert not asked
+    assert pf.observed(full_caps(), {}, "run").environment.gpu == "NVIDIA H200" and asked
+
+
 # --- through the plugin ------------------------------------------------------------------------------
 
 
@@ -280,8 +345,11 @@ def _clean_env(**extra):
     return {**base, "PYTHONPATH": str(REPO), **extra}
 
 
+NESTED = next(bad for bad in BAD_FILES if bad[1] == "nested too deeply")
+
+
 @pytest.mark.parametrize("text, words", [BAD_FILES[0], BAD_FILES[2], BAD_FILES[4], BAD_FILES[7], BAD_FILES[9],
-                                          BAD_FILES[11], (None, "cannot read it")])
+                                          BAD_FILES[11], NESTED, (None, "cannot read it")])
 @pytest.mark.parametrize("entry", ["plugin", "explain"])
 def test_a_bad_profile_stops_the_plugin_and_explain_with_one_line(tmp_path, text, words, entry):
     path = tmp_path / "profile.json"

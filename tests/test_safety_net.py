@@ -56,14 +56,14 @@ class FakeMegatron:
             del os.environ[name]
 
 
-def parse(argv, environ=None):
+def parse(argv, environ=None, controller=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
     parser.add_argument("--grad-reduce-in-bf16", action="store_true")
     parser.add_argument("--cross-entropy-loss-fusion", action="store_true")
     parser.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
-    provider.attach(parser, environ=environ or {}, announce=False, capabilities=CAPS)
+    provider.attach(parser, environ=environ or {}, announce=False, capabilities=CAPS, controller=controller)
     return parser.parse_args(argv)
 
 
@@ -85,6 +85,32 @@ def test_a_rejected_default_is_backed_off_with_megatrons_message(capsys):
         out = capsys.readouterr().out
         # Trials are silent: the chatter appears once, from the final real validation.
         assert out.count("megatron chatter") == 1
+
+
+def _backed_off_warning(environ):
+    """The warning the net adds to the plan when Megatron rejects grad_reduce_in_bf16 on."""
+    from megatron_perf_toggles.runtime.controller import Controller
+
+    controller = Controller(environ, mode="plan", capabilities=CAPS)
+    with FakeMegatron(reject_bf16_reduce) as fake:
+        args = parse(["--bf16"], controller=controller)
+        source = args.perf_toggles["grad_reduce_in_bf16"]["source"]
+        fake.module.validate_args(args, {})
+        assert args.grad_reduce_in_bf16 is False
+    (warning,) = [m.text for m in controller.last.plan.messages if safety_net.FOUND_AT_RUN_TIME in m.text]
+    return source, warning
+
+
+def test_a_backed_off_profile_value_is_called_the_profiles(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"format": "megatron-perf-toggles/profile", "schema": 1,
+                                "toggles": {"grad_reduce_in_bf16": {"value": True}}}))
+    source, warning = _backed_off_warning({"MEGATRON_PERF_TOGGLES_PROFILE": str(path)})
+    assert source == "profile"
+    assert warning.startswith("Megatron rejected the profile's value of grad_reduce_in_bf16") and "default of" not in \
+        warning.split(",")[0]
+    source, warning = _backed_off_warning({})
+    assert source == "default" and warning.startswith("Megatron rejected the plugin default of grad_reduce_in_bf16")
 
 
 def test_trials_leave_no_state_behind():

@@ -87,6 +87,35 @@ def _run(arm, block, ms, loss):
             "iterations": [{"iteration": 5, "lm_loss": loss}]}
 
 
+def test_turning_a_toggle_off_in_leave_one_out_is_corrected_for_the_toggles_compared():
+    logs = [0.02, 0.025, 0.015]  # faster at 95 % over 3 blocks, not at 99 %
+    runs = [_run("all-on", b, 1000.0, 2.0) for b in range(3)]
+    runs += [_run(f"without:{d}", b, 1000.0 / math.exp(x), 2.0) for d in "abcde" for b, x in enumerate(logs)]
+    first = {"blocks_run": 3, "runs": runs, "confidence": 0.95}
+    raw = {"a": stats.FASTER, "b": stats.SLOWER, "c": stats.NO_DIFFERENCE, "d": stats.NO_DIFFERENCE,
+           "e": stats.NO_DIFFERENCE}
+    verdicts, confidence = tune.correct_turn_offs(first, "all-on", raw, 0.95)
+    assert confidence == pytest.approx(1 - 0.05 / 5)
+    assert verdicts["a"] == stats.NO_DIFFERENCE and verdicts["b"] == stats.SLOWER  # "keep on" is not corrected
+    decided, unresolved = tune.decide_leave_one_out(verdicts, confidence)
+    assert "a" in unresolved and "a" not in decided
+    only_one, _ = tune.correct_turn_offs(first, "all-on", {"a": stats.FASTER}, 0.95)
+    assert only_one["a"] == stats.FASTER  # one comparison: nothing to correct for
+
+
+def test_the_confirmation_falls_back_to_the_defaults_unless_the_chosen_set_holds():
+    choices = {"a": tune.Choice(False, tune.Evidence(True, 1.1, 1.05, 1.15, "faster")), "b": tune.Choice(True)}
+    for verdict in (stats.FASTER, stats.NO_DIFFERENCE):
+        kept, record = tune.settle(choices, {"estimate": 1.0, "low": 0.99, "high": 1.01, "confidence": 0.95,
+                                             "verdict": verdict, "blocks": 3})
+        assert kept == choices and record.outcome.startswith("kept") and record.low == 0.99
+    for verdict in (stats.SLOWER, stats.TOO_FEW):
+        back, record = tune.settle(choices, {"estimate": 0.97, "low": 0.95, "high": 0.99, "confidence": 0.95,
+                                             "verdict": verdict, "blocks": 3})
+        assert {d: c.value for d, c in back.items()} == {"a": True, "b": True}
+        assert record.outcome.startswith("fell back to the defaults") and back["a"].evidence.verdict == "not confirmed"
+
+
 def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
     chosen_ms, against_ms = [900.0, 950.0, 910.0], [1000.0, 1040.0, 1000.0]
     runs = [_run("without:x", b, ms, 2.0) for b, ms in enumerate(chosen_ms)]
@@ -103,13 +132,17 @@ def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
 # --- end to end, with a stand-in Megatron --------------------------------------------------------------
 
 
-def stand_in_resolver(guarded=(), calls=None):
+def stand_in_resolver(guarded=(), calls=None, others=None, environs=None):
     """Megatron's parser and the plugin, as a dry run would report them: each pinned toggle as asked,
-    except those in ``guarded``, which a guard keeps off."""
+    except those in ``guarded``, which a guard keeps off; ``others``: what it decides for toggles
+    no arm pins."""
     def resolver(script, args, arm, environ):
         if calls is not None:
             calls.append(arm.name)
-        decisions = {d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned().items()}
+        if environs is not None:
+            environs.append(dict(environ))
+        decisions = {d: {"value": v, "source": "default", "reason": "x"} for d, v in (others or {}).items()}
+        decisions.update({d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned().items()})
         for dest in guarded:
             decisions[dest] = {"value": False, "source": "guard", "reason": "no TE kernel here"}
         effective = {"seq_length": 4096, "train_iters": 6, **{d: r["value"] for d, r in decisions.items()}}
@@ -155,7 +188,12 @@ def test_tune_writes_a_profile_the_plugin_accepts(tmp_path, costs, capsys):
     assert profile.environment.to_record() == {"megatron": "0.20.0", "transformer_engine": "2.20.2",
                                                "torch": "2.11.0+cu128", "gpu": "NVIDIA H200", "world_size": 1}
     assert "pretrain_gpt.py" in profile.command and profile.created
+    conf = profile.confirmation  # the chosen set (fusion off) against the defaults: 1000 ms over 900 ms
+    assert conf.verdict == stats.FASTER and conf.speedup == pytest.approx(1000 / 900) and conf.outcome.startswith("kept")
+    confirmation = json.loads((out / "confirmation" / "results.json").read_text())
+    assert sorted(r["arm"] for r in confirmation["rows"]) == ["chosen", "defaults"]
     md = (out / "profile.md").read_text()
+    assert "Confirmation (defaults over chosen" in md
     assert "| cross_entropy_loss_fusion | off |" in md and "removing it is detectably faster" in md
     # the round trip: the plugin reads the file and takes its values, with source 'profile'
     parser = replay.parser_from_surface(replay.load_surface("main"))
@@ -165,6 +203,29 @@ def test_tune_writes_a_profile_the_plugin_accepts(tmp_path, costs, capsys):
     for dest, choice in profile.toggles.items():
         assert (getattr(args, dest), args.perf_toggles[dest]["source"]) == (choice.value, "profile")
     assert not args.perf_toggles["cross_entropy_loss_fusion"]["value"]
+
+
+def test_runs_leave_out_a_profile_in_use_and_pin_the_toggles_not_taking_part(tmp_path, costs, monkeypatch, capsys):
+    monkeypatch.setenv("MEGATRON_PERF_TOGGLES_PROFILE", str(tmp_path / "team.json"))
+    monkeypatch.setenv("MEGATRON_PERF_TOGGLES_ASSUME", "cuda")
+    environs, executed = [], []
+    original = ablate.execute
+
+    def spy(run, environ, *args, **kwargs):
+        executed.append(dict(environ))
+        return original(run, environ, *args, **kwargs)
+
+    monkeypatch.setattr(ablate, "execute", spy)
+    others = {"ddp_average_in_collective": False, "cross_entropy_loss_fusion": True}  # as the baseline decides
+    assert tune_main(tmp_path, "--repeats", "2", toggles="grad_reduce_in_bf16",
+                     resolver=stand_in_resolver(others=others, environs=environs)) == 0
+    err = capsys.readouterr().err
+    assert err.count("MEGATRON_PERF_TOGGLES_PROFILE is set here and left out of every run") == 1
+    for environ in environs + executed:
+        assert "MEGATRON_PERF_TOGGLES_PROFILE" not in environ and environ["MEGATRON_PERF_TOGGLES_ASSUME"] == "cuda"
+    loo = json.loads((tmp_path / "out" / "leave-one-out" / "results.json").read_text())
+    for r in loo["rows"]:
+        assert (r["env"]["DDP_AVERAGE_IN_COLLECTIVE"], r["env"]["CROSS_ENTROPY_LOSS_FUSION"]) == ("0", "1")
 
 
 def test_a_guarded_toggle_takes_no_part(tmp_path, costs, capsys):
@@ -207,6 +268,56 @@ def test_resume_after_an_interruption_runs_only_what_is_missing(tmp_path, costs,
     again = profile_file.load(str(fresh / "out" / "profile.json"))
     resumed = profile_file.load(str(tmp_path / "out" / "profile.json"))
     assert {d: c.value for d, c in again.toggles.items()} == {d: c.value for d, c in resumed.toggles.items()}
+
+
+def test_a_baseline_that_never_finishes_writes_no_profile(tmp_path, costs, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_CRASH_ARM", "1")  # all on (bf16 reduction on) crashes in every block
+    with pytest.raises(SystemExit) as info:
+        tune_main(tmp_path, "--repeats", "2", "--no-warmup-run")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and "no profile was written" in err[-1] and err[-1].startswith("[perf-toggles] error:")
+    assert not (tmp_path / "out" / "profile.json").exists() and not (tmp_path / "out" / "factorial").exists()
+
+
+def test_a_toggle_whose_arm_failed_is_not_measured_and_kept_out_of_the_factorial(tmp_path, costs, monkeypatch):
+    monkeypatch.setenv("FAKE_CRASH_ARM", "0")  # only the arm without bf16 reduction crashes
+    assert tune_main(tmp_path, "--repeats", "2", "--no-warmup-run") == 1
+    out = tmp_path / "out"
+    profile = profile_file.load(str(out / "profile.json"))
+    choice = profile.toggles["grad_reduce_in_bf16"]
+    assert choice.value is True and choice.evidence.speedup is None and choice.evidence.verdict == "not measured"
+    assert "failed in 2 of 2 block(s)" in choice.evidence.rule
+    fac = json.loads((out / "factorial" / "results.json").read_text())
+    assert all("grad_reduce_in_bf16" not in r["arm"] for r in fac["rows"])
+    assert "| grad_reduce_in_bf16 | on | - | not measured |" in (out / "profile.md").read_text()
+
+
+def test_resume_reruns_a_run_whose_pinned_toggles_changed(tmp_path, costs, capsys):
+    assert tune_main(tmp_path, "--repeats", "2") == 0  # fusion turned off, pinned off in the factorial
+    capsys.readouterr()
+    resolver = stand_in_resolver(others={"cross_entropy_loss_fusion": True})  # now not tuned: pinned on
+    assert tune_main(tmp_path, "--repeats", "2", toggles="grad_reduce_in_bf16,ddp_average_in_collective",
+                     resolver=resolver) == 0
+    statuses = [json.loads(p.read_text()) for p in (tmp_path / "out" / "factorial" / "runs").glob("*/*/status.json")]
+    assert statuses and all(s["env"]["CROSS_ENTROPY_LOSS_FUSION"] == "1" for s in statuses)
+    assert "done earlier, skipped" in capsys.readouterr().err  # what did not change was not run again
+
+
+@pytest.mark.parametrize("launch, world", [
+    (None, 1), ("torchrun --nproc-per-node 8", 8), ("torchrun --nproc_per_node=4 --nnodes 2", 8),
+    ("python -m torch.distributed.run --nproc-per-node 2", 2), ("python3", 1),
+    ("torchrun --nproc-per-node gpu", None), ("torchrun --nproc-per-node 8 --nnodes 1:2", None),
+    ("srun -n 16", 16), ("srun --ntasks=4", 4), ("srun -N 2", None), ("mpirun -np 8", 8), ("mpiexec -n 3", 3),
+    ("mpirun --hostfile h", None), ("deepspeed --num_gpus 8", None),
+])
+def test_the_launchers_world_size_or_none_where_it_is_not_plain(launch, world):
+    assert tune.launch_world_size(launch) == world
+
+
+def test_the_world_size_is_the_runs_own_where_megatron_logged_it(tmp_path, costs, monkeypatch):
+    monkeypatch.setenv("FAKE_WORLD_SIZE", "16")  # what the launch really started, whatever --launch reads as
+    assert tune_main(tmp_path, "--repeats", "2", toggles="grad_reduce_in_bf16") == 0
+    assert profile_file.load(str(tmp_path / "out" / "profile.json")).environment.world_size == 16
 
 
 def test_the_budget_stops_before_a_block_that_would_not_fit(tmp_path, costs):

@@ -31,10 +31,12 @@ SCHEMA = 1
 PROFILE_ENV = "MEGATRON_PERF_TOGGLES_PROFILE"
 ENVIRONMENT_WORDS = {"megatron": "Megatron", "transformer_engine": "Transformer Engine", "torch": "torch",
                      "gpu": "GPU", "world_size": "world size"}
-TOP_KEYS = ("format", "schema", "created", "made_by", "command", "environment", "toggles", "notes")
+TOP_KEYS = ("format", "schema", "created", "made_by", "command", "environment", "toggles", "confirmation", "notes")
 CHOICE_KEYS = ("value", "evidence", "note")
 EVIDENCE_NUMBERS = ("speedup", "low", "high", "confidence", "loss_ratio")
 EVIDENCE_KEYS = ("against", *EVIDENCE_NUMBERS, "verdict", "blocks", "design", "loss_within_noise", "rule")
+CONFIRMATION_NUMBERS = ("speedup", "low", "high", "confidence")
+CONFIRMATION_KEYS = (*CONFIRMATION_NUMBERS, "verdict", "blocks", "outcome")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,25 @@ class Evidence:
         interval = f" [{self.low:.3f}, {self.high:.3f}]" if self.low is not None and self.high is not None else ""
         verdict = f", {self.verdict}" if self.verdict else ""
         return f"x{self.speedup:.3f}{interval} vs {format_value(self.against)}{verdict}"
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The chosen values, all together, against the defaults: each toggle's evidence is one
+    comparison, and the set they make was never run until this check (``speedup``: ms/iter with
+    the defaults over ms/iter with the chosen values). ``outcome`` says what tune did with it."""
+
+    speedup: float | None = None
+    low: float | None = None
+    high: float | None = None
+    confidence: float | None = None
+    verdict: str = ""
+    blocks: int | None = None
+    outcome: str = ""
+
+    def to_record(self) -> dict[str, Any]:
+        return {k: round(v, 6) if isinstance(v, float) else v for k in CONFIRMATION_KEYS
+                if (v := getattr(self, k)) not in (None, "")}
 
 
 @dataclass(frozen=True)
@@ -92,6 +113,7 @@ class Profile:
     made_by: str = ""  # e.g. "megatron-perf-toggles tune 0.3.0"
     command: str = ""  # the command line measured
     notes: str = ""
+    confirmation: Confirmation | None = None  # absent where the chosen values are the defaults
     source: str = ""  # where it was read from (not written): decisions' reasons name it
 
     def reason(self, dest: str) -> str:
@@ -163,6 +185,11 @@ def _evidence(source: str, dest: str, raw: Any) -> Evidence | None:
     )
 
 
+def _check_interval(source: str, where: str, low: float | None, high: float | None) -> None:
+    if low is not None and high is not None and low > high:
+        raise _fail(source, f"{where}.low {low} is above {where}.high {high}", "an interval runs from low to high")
+
+
 def _choice(source: str, dest: str, raw: Any) -> Choice:
     if dest not in BY_DEST:
         close = difflib.get_close_matches(dest, list(BY_DEST), n=1)
@@ -171,12 +198,20 @@ def _choice(source: str, dest: str, raw: Any) -> Choice:
     data = _keys(source, f"toggles.{dest}", raw, CHOICE_KEYS)
     if "value" not in data:
         raise _fail(source, f"toggles.{dest} has no 'value'")
-    return Choice(_value(source, dest, data["value"], f"toggles.{dest}.value"), _evidence(source, dest, data.get("evidence")),
-                  _typed(source, f"toggles.{dest}.note", data.get("note"), (str,), "text") or "")
+    value = _value(source, dest, data["value"], f"toggles.{dest}.value")
+    evidence = _evidence(source, dest, data.get("evidence"))
+    if evidence is not None:
+        # Evidence compares the value with the other one: "against" the value itself is a slip
+        # that would quote a measurement of nothing.
+        if evidence.against == value:
+            raise _fail(source, f"toggles.{dest}.evidence.against is the chosen value "
+                        f"({json.dumps(value)}): it must be the value it was measured against")
+        _check_interval(source, f"toggles.{dest}.evidence", evidence.low, evidence.high)
+    return Choice(value, evidence, _typed(source, f"toggles.{dest}.note", data.get("note"), (str,), "text") or "")
 
 
 def _environment(source: str, raw: Any) -> Environment:
-    data = _keys(source, "environment", raw or {}, tuple(ENVIRONMENT_WORDS))
+    data = _keys(source, "environment", raw, tuple(ENVIRONMENT_WORDS))
     texts = {k: _typed(source, f"environment.{k}", data.get(k), (str,), "text or null")
              for k in ENVIRONMENT_WORDS if k != "world_size"}
     world = _typed(source, "environment.world_size", data.get("world_size"), (int,), "a whole number or null")
@@ -185,18 +220,41 @@ def _environment(source: str, raw: Any) -> Environment:
     return Environment(**texts, world_size=world)
 
 
+def _confirmation(source: str, raw: Any) -> Confirmation | None:
+    if raw is None:
+        return None
+    data = _keys(source, "confirmation", raw, CONFIRMATION_KEYS)
+    numbers = {k: _typed(source, f"confirmation.{k}", data.get(k), (int, float), "a number") for k in CONFIRMATION_NUMBERS}
+    _check_interval(source, "confirmation", numbers["low"], numbers["high"])
+    texts = {k: _typed(source, f"confirmation.{k}", data.get(k), (str,), "text") or "" for k in ("verdict", "outcome")}
+    return Confirmation(**numbers, **texts,
+                        blocks=_typed(source, "confirmation.blocks", data.get("blocks"), (int,), "a whole number"))
+
+
 def parse_profile(text: str, source: str = "") -> Profile:
     """The profile in ``text`` (the file's content; ``source`` names it in reasons and errors), or
     one ProfileError line saying what is wrong."""
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # JSON keeps the last of two equal keys silently: in a reviewed file, the reviewer may
+        # have read the first one.
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise _fail(source, f"the key {key!r} appears twice in one object", "keep one of them")
+            seen[key] = value
+        return seen
+
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=no_duplicates)
     except ValueError as error:
         raise _fail(source, f"not valid JSON ({error})") from None
+    except RecursionError:
+        raise _fail(source, "not a profile: its JSON is nested too deeply to read") from None
     data = _keys(source, "the file", data, TOP_KEYS)
     if data.get("format") != FORMAT:
         raise _fail(source, f"format is {json.dumps(data.get('format'))}, expected {json.dumps(FORMAT)}",
                     "is this a megatron-perf-toggles profile? tune writes one as OUT/profile.json")
-    if data.get("schema") != SCHEMA:
+    if type(data.get("schema")) is not int or data.get("schema") != SCHEMA:  # not true, not 1.0
         raise _fail(source, f"schema {json.dumps(data.get('schema'))} is not one this version reads ({SCHEMA})",
                     "write it again with this version's tune, or upgrade megatron-perf-toggles")
     toggles = data.get("toggles")
@@ -204,7 +262,8 @@ def parse_profile(text: str, source: str = "") -> Profile:
         raise _fail(source, "'toggles' must be a JSON object of toggle name -> {\"value\": ...}")
     texts = {k: _typed(source, k, data.get(k), (str,), "text") or "" for k in ("created", "made_by", "command", "notes")}
     return Profile(toggles={dest: _choice(source, dest, raw) for dest, raw in toggles.items()},
-                   environment=_environment(source, data.get("environment")), source=source, **texts)
+                   environment=_environment(source, data.get("environment", {})),
+                   confirmation=_confirmation(source, data.get("confirmation")), source=source, **texts)
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -232,6 +291,8 @@ def profile_record(profile: Profile) -> dict[str, Any]:
     out: dict[str, Any] = {"format": FORMAT, "schema": SCHEMA, "created": profile.created, "made_by": profile.made_by,
                            "command": profile.command, "environment": profile.environment.to_record(),
                            "toggles": toggles}
+    if profile.confirmation is not None:
+        out["confirmation"] = profile.confirmation.to_record()
     if profile.notes:
         out["notes"] = profile.notes
     return out

@@ -132,7 +132,9 @@ class Controller:
         if self.profile is not None:
             from . import profile_file
 
-            observed = profile_file.observed(caps, self.environ, self.mode)
+            # No GPU recorded, nothing to compare: torch is not asked for the GPU's name.
+            observed = profile_file.observed(caps, self.environ, self.mode,
+                                             probe_gpu=self.profile.environment.gpu is not None)
         plan = decide(vars(ns), explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
                       observed=observed)
         original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
@@ -206,13 +208,15 @@ class Controller:
         from .safety_net import FOUND_AT_RUN_TIME
 
         plan = outcome.plan
+        sources = {dest: plan.decisions[dest].source for dest in dests}  # before the guard replaces them
         changed = {}
         for dest in dests:
             changed[dest] = plan.decisions[dest] = Decision(getattr(ns, dest), "guard", reason)
         ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
-        warning = Message("warning", f"Megatron rejected the plugin default of {', '.join(dests)}, {FOUND_AT_RUN_TIME}; "
-                                     "it was turned back to Megatron's default for this run. Please report it to "
-                                     "megatron-perf-toggles so a guard can cover it.")
+        warning = Message("warning", f"Megatron rejected {backed_off_values(sources)}, {FOUND_AT_RUN_TIME}; "
+                                     f"{'it was' if len(dests) == 1 else 'they were'} turned back to Megatron's "
+                                     "default for this run. Please report it to megatron-perf-toggles so a guard "
+                                     "can cover it.")
         plan.messages.append(warning)
         if self.mode != "run":
             return  # a dry run prints the plan itself; a plan for another machine prints nothing
@@ -223,3 +227,13 @@ class Controller:
             for line in provenance.lines(Plan(changed, plan.precision, {}, [warning], plan.wgrad_path)):
                 print(line, flush=True)
             self._persist(ns, outcome)
+
+
+def backed_off_values(sources: dict[str, str]) -> str:
+    """What the safety net took back, named by where each value came from: a profile value is the
+    profile's (a reader would otherwise look for the cause in the plugin's defaults)."""
+    profile = [d for d, source in sources.items() if source == "profile"]
+    defaults = [d for d in sources if d not in profile]
+    parts = ([f"the plugin default of {', '.join(defaults)}"] if defaults else []) + \
+        ([f"the profile's value of {', '.join(profile)}"] if profile else [])
+    return " and ".join(parts)

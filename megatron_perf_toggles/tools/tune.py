@@ -1,16 +1,20 @@
 """``megatron-perf-toggles tune``: measure the toggles on your own command line and write a profile.
 
-It is ``ablate`` run twice, with a decision rule between and after (nothing here measures or checks
-confounds on its own; it calls ablate's functions):
+It is ``ablate`` run two or three times, with a decision rule between and after (nothing here
+measures or checks confounds on its own; it calls ablate's functions):
 
 1. **Leave-one-out from the defaults**: every toggle on (the baseline), then each one off. Removing
    a toggle is either detectably slower (its interval lies below 1: keep it on), detectably faster
-   (above 1: turn it off), or not detectably different (the interval holds 1: unresolved).
+   at a Bonferroni-corrected confidence (turn it off; see :func:`correct_turn_offs`), or neither
+   (unresolved). A toggle whose arm failed is not measured and keeps its default; a baseline that
+   never finishes stops tune without a profile.
 2. **Factorial of the unresolved toggles** (at most ``--max-factorial`` of them), with the resolved
    ones pinned to their decided values, every combination compared with all of them on. A
    combination replaces "all on" only when it is detectably faster, at a confidence corrected for
    picking among many arms (Bonferroni: ``1 - (1 - confidence) / (arms - 1)``); otherwise the
    unresolved toggles stay on.
+3. **Confirmation**, where the chosen values differ from the defaults: the two sets against each
+   other; unless the chosen set is faster or not detectably different, the defaults are kept.
 
 Why keep on what is not detectably different: the defaults are the fast settings where they were
 measured, a toggle that does nothing costs nothing, and turning one off on the strength of noise
@@ -20,7 +24,7 @@ Toggles a guard keeps off on this setup (no TE kernel, FSDP, ...) take no part: 
 them in every run, with or without a profile. Every block that starts ends within ``--budget``; a
 re-run of the same command resumes (finished runs are skipped), as ablate's does. The result is
 OUT/profile.json (``core.profile.render_profile``) and OUT/profile.md; each phase keeps ablate's own
-results in OUT/leave-one-out/ and OUT/factorial/.
+results in OUT/leave-one-out/, OUT/factorial/ and OUT/confirmation/.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -38,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..core.profile import Choice, Environment, Evidence, Profile, render_profile
-from ..core.registry import format_value
+from ..core.profile import Choice, Confirmation, Environment, Evidence, Profile, render_profile
+from ..core.registry import BY_DEST, format_value
 from ..errors import PerfTogglesError, fail
 from .ablate import runner as ablate
 from .ablate import stats
@@ -59,6 +64,7 @@ class Decided:
     phase: str = ""  # the phase whose runs hold the evidence ("" where nothing was measured)
     chosen: str = ""  # the arm with the chosen value
     against: str = ""  # the arm that differs from ``chosen`` in this toggle alone
+    confidence: float | None = None  # the confidence it was decided at, where not the phase's own
 
 
 # --- the decision rule, on ablate's result rows ----------------------------------------------------
@@ -70,9 +76,33 @@ def leave_one_out_verdicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
             for row in rows if str(row["arm"]).startswith("without:")}
 
 
-def decide_leave_one_out(verdicts: Mapping[str, str]) -> tuple[dict[str, Decided], list[str]]:
-    """Removing it is detectably slower: keep it on; detectably faster: turn it off; otherwise it
-    is unresolved (kept on unless the factorial finds better)."""
+def correct_turn_offs(first: Mapping[str, Any], base: str, verdicts: Mapping[str, str], confidence: float
+                      ) -> tuple[dict[str, str], float]:
+    """The verdicts with every "faster" (turn it off) checked again at a Bonferroni-corrected
+    confidence over the toggles compared, and that confidence.
+
+    Phase 1 makes one comparison per toggle; at 95 % each, with five toggles that do nothing one of
+    them would be called "faster" by noise about a fifth of the time. Turning a default off is the
+    action that must be guarded, so "faster" must hold at ``1 - (1 - confidence) / toggles``. A
+    "slower" verdict keeps the default, which is the null action (what no profile would do), so a
+    false one costs nothing over having no profile and needs no correction. A "faster" that does
+    not survive becomes unresolved and goes to the factorial, which corrects for its own arms."""
+    corrected = 1 - (1 - confidence) / max(len(verdicts), 1)
+    blocks = first["blocks_run"]
+    base_ms = [_ms(r) for r in _block_values(first["runs"], base, blocks)]
+    out = dict(verdicts)
+    for dest, verdict in verdicts.items():
+        if verdict == stats.FASTER:
+            arm_ms = [_ms(r) for r in _block_values(first["runs"], f"without:{dest}", blocks)]
+            out[dest] = stats.paired_speedup(base_ms, arm_ms, corrected)["verdict"]
+    return out, corrected
+
+
+def decide_leave_one_out(verdicts: Mapping[str, str], off_confidence: float | None = None
+                         ) -> tuple[dict[str, Decided], list[str]]:
+    """Removing it is detectably slower: keep it on; detectably faster (at ``off_confidence``, the
+    corrected one, where given): turn it off; otherwise it is unresolved (kept on unless the
+    factorial finds better)."""
     decided: dict[str, Decided] = {}
     unresolved: list[str] = []
     for dest, verdict in verdicts.items():
@@ -81,18 +111,46 @@ def decide_leave_one_out(verdicts: Mapping[str, str]) -> tuple[dict[str, Decided
             decided[dest] = Decided(dest, True, "kept on: removing it is detectably slower", "leave-one-out",
                                     "all-on", without)
         elif verdict == stats.FASTER:
-            decided[dest] = Decided(dest, False, "turned off: removing it is detectably faster", "leave-one-out",
-                                    without, "all-on")
+            at = "" if off_confidence is None else \
+                f" at {off_confidence * 100:.2f} % (corrected for {len(verdicts)} comparisons)"
+            decided[dest] = Decided(dest, False, f"turned off: removing it is detectably faster{at}", "leave-one-out",
+                                    without, "all-on", off_confidence)
         else:
             unresolved.append(dest)
     return decided, unresolved
 
 
-def factorial_arms(unresolved: Sequence[str], decided: Mapping[str, Decided]) -> list[Arm]:
-    """Every combination of the unresolved toggles, the resolved ones pinned to their values; the
-    baseline is all of the unresolved on (the defaults it would otherwise keep)."""
+def failed_arms(result: Mapping[str, Any]) -> set[str]:
+    """Arms with a measured run that crashed: their comparisons would read as "too few blocks",
+    i.e. "unresolved", which is a claim about speed that nothing measured."""
+    return {r["arm"] for r in result["runs"] if r.get("block", -1) >= 0 and r.get("status") == "failed"}
+
+
+def finished_blocks(result: Mapping[str, Any], arm: str) -> int:
+    return sum(1 for r in result["runs"] if r["arm"] == arm and r.get("block", -1) >= 0 and r.get("status") == "done")
+
+
+def not_measured(dests: Sequence[str], first: Mapping[str, Any]) -> dict[str, Evidence]:
+    """Toggles whose arm failed keep their default; the evidence says so instead of quoting an
+    interval, so that nobody reads the value as measured."""
+    runs = [r for r in first["runs"] if r.get("block", -1) >= 0]
+    out = {}
+    for dest in dests:
+        arm = f"without:{dest}"
+        bad = sum(1 for r in runs if r["arm"] == arm and r.get("status") == "failed")
+        total = sum(1 for r in runs if r["arm"] == arm)
+        out[dest] = Evidence(against=False, verdict="not measured", design="leave-one-out", confidence=first["confidence"],
+                             rule=f"kept at its default, not measured: the arm without it failed in {bad} of {total} "
+                             f"block(s) (see leave-one-out/{arm})")
+    return out
+
+
+def factorial_arms(unresolved: Sequence[str], decided: Mapping[str, Decided],
+                   pins: Mapping[str, bool] | None = None) -> list[Arm]:
+    """Every combination of the unresolved toggles, the resolved ones (and ``pins``) pinned to their
+    values; the baseline is all of the unresolved on (the defaults it would otherwise keep)."""
     arms = expand("factorial", tuple(unresolved), [])
-    pinned = {d: dec.value for d, dec in decided.items()}
+    pinned = {**(pins or {}), **{d: dec.value for d, dec in decided.items()}}
     for arm in arms:
         arm.fixed = dict(pinned)
         arm.baseline = all(arm.toggles.values())
@@ -155,11 +213,12 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
     blocks = result["blocks_run"]
     chosen = _block_values(result["runs"], decided.chosen, blocks)
     against = _block_values(result["runs"], decided.against, blocks)
-    sp = stats.paired_speedup([_ms(r) for r in against], [_ms(r) for r in chosen], result["confidence"])
+    sp = stats.paired_speedup([_ms(r) for r in against], [_ms(r) for r in chosen],
+                              decided.confidence or result["confidence"])
     chosen_loss, against_loss = _losses(chosen, against)
     loss = stats.loss_comparison(against_loss, chosen_loss) if chosen_loss else None
     return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
-                    verdict=sp["verdict"], confidence=result["confidence"], blocks=sp["blocks"],
+                    verdict=sp["verdict"], confidence=sp["confidence"], blocks=sp["blocks"],
                     design=decided.phase, loss_ratio=loss["ratio"] if loss else None,
                     loss_within_noise=(not loss["outside_noise_band"]) if loss else None, rule=decided.rule)
 
@@ -167,14 +226,66 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
 # --- the environment measured, from the dry-run records ------------------------------------------
 
 
-def measured_on(record: Mapping[str, Any], launch: str | None) -> Environment:
+WORLD_IN_LOG = re.compile(r"using world size: (\d+)")  # Megatron's own line at start-up
+
+
+def _option(words: Sequence[str], names: tuple[str, ...]) -> str | None:
+    """The value of the first of ``names`` in ``words`` (``--x 8``, ``--x=8``), or None."""
+    for i, word in enumerate(words):
+        key, eq, val = word.partition("=")
+        if key in names:
+            return val if eq else (words[i + 1] if i + 1 < len(words) else "")
+    return None
+
+
+def launch_world_size(launch: str | None) -> int | None:
+    """The world size a launcher prefix starts, where it says so plainly; None where it does not
+    (``--nproc-per-node gpu``, elastic ``--nnodes 1:2``, a launcher not known here): a wrong number
+    would make every run of the profile warn "measured elsewhere", an unknown one is not checked."""
+    if not launch:
+        return 1  # this python: one process
+    words = shlex.split(launch)
+    name = Path(words[0]).name if words else ""
+    if name == "torchrun" or "torch.distributed.run" in words or "torch.distributed.launch" in words:
+        per_node = _option(words, ("--nproc-per-node", "--nproc_per_node")) or "1"
+        nodes = _option(words, ("--nnodes",)) or "1"
+        return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
+    if name == "srun":
+        count = _option(words, ("-n", "--ntasks"))
+    elif name in ("mpirun", "mpiexec"):
+        count = _option(words, ("-np", "-n", "--np", "-c"))
+    else:
+        return 1 if name.startswith("python") else None  # a script run by python: one process
+    return int(count) if count and count.isdigit() else None
+
+
+def logged_world_size(runs: Sequence[Mapping[str, Any]], arm: str) -> int | None:
+    """The world size Megatron printed in one of ``arm``'s finished runs: the run's own word."""
+    for run in runs:
+        if run.get("arm") != arm or run.get("status") != "done" or not run.get("log"):
+            continue
+        try:
+            with open(run["log"], errors="replace") as fh:
+                for line in fh:
+                    found = WORLD_IN_LOG.search(line)
+                    if found:
+                        return int(found.group(1))
+        except OSError:
+            continue
+    return None
+
+
+def measured_on(record: Mapping[str, Any], launch: str | None, world_size: int | None = None) -> Environment:
     """What the runs ran on: the baseline's dry-run record (Megatron, TE, torch, the GPU that
-    process saw) and the launch's world size. No torch is imported here."""
+    process saw) and the world size (the baseline runs' own log line where given, else the
+    launcher's, else None: not recorded). The dry run's own world size is not used: it runs as one
+    process, whatever the launch. No torch is imported here."""
     caps = record.get("capabilities") or {}
     te = caps.get("te_version")
     return Environment(megatron=(record.get("megatron") or {}).get("version"),
                        transformer_engine=None if te == "unknown" else te, torch=caps.get("torch_version"),
-                       gpu=record.get("gpu_visible"), world_size=ablate._gpus(launch))
+                       gpu=record.get("gpu_visible"),
+                       world_size=world_size if world_size is not None else launch_world_size(launch))
 
 
 # --- running the phases --------------------------------------------------------------------------
@@ -213,14 +324,35 @@ def say(text: str) -> None:
     print(f"[tune] {text}", file=sys.stderr, flush=True)
 
 
-def guarded_off(setup: Setup, toggles: Sequence[str]) -> dict[str, str]:
+# The plugin's own variables the runs keep: ASSUME plans for another machine (tests and CPU-only
+# planning need it); the other two tag log directories and check ranks, and decide no toggle.
+KEPT_OWN = ("MEGATRON_PERF_TOGGLES_ASSUME", "MEGATRON_PERF_TOGGLES_TAG_LOG_DIR", "MEGATRON_PERF_TOGGLES_RANK_CHECK")
+
+
+def runs_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The runs' environment: this one without the plugin variables that would change what the
+    runs decide (a profile in use, the plugin switched off, ...), which would measure the profile
+    or the switch instead of the defaults. Said once on stderr when any was set."""
+    removed = sorted(k for k in environ if k.startswith("MEGATRON_PERF_TOGGLES") and k not in KEPT_OWN)
+    if removed:
+        say(f"{', '.join(removed)} {'is' if len(removed) == 1 else 'are'} set here and left out of every run: "
+            "tune measures the defaults, not a profile or a switch")
+    return {k: v for k, v in environ.items() if k not in removed}
+
+
+def guarded_off(setup: Setup, toggles: Sequence[str]) -> tuple[dict[str, str], dict[str, bool]]:
     """Toggles a guard keeps off with every default on (dest -> the guard's reason): they cannot
-    take part, since an arm that asks for them on would not get it (ablate refuses such arms)."""
+    take part, since an arm that asks for them on would not get it (ablate refuses such arms); and
+    every on/off toggle not taking part with the value this dry run decided, pinned in every run so
+    that no run decides them differently."""
     record = setup.resolver(setup.ns.script, setup.args, Arm("defaults", dict.fromkeys(toggles, True)),
                             setup.environ)
     decisions = record.get("decisions", {})
-    return {d: f"{decisions[d].get('source')}: {decisions[d].get('reason')}" for d in toggles
-            if d in decisions and decisions[d].get("value") is not True}
+    excluded = {d: f"{decisions[d].get('source')}: {decisions[d].get('reason')}" for d in toggles
+                if d in decisions and decisions[d].get("value") is not True}
+    pins = {d: rec["value"] for d, rec in decisions.items() if d in BY_DEST and BY_DEST[d].kind == "bool"
+            and isinstance(rec.get("value"), bool) and (d not in toggles or d in excluded)}
+    return excluded, pins
 
 
 def phase_options(setup: Setup, design: str, confidence: float, warmup_run: bool) -> argparse.Namespace:
@@ -271,7 +403,7 @@ def unresolved_kept(unresolved: Sequence[str], why_not: str) -> dict[str, Decide
 
 
 def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Sequence[str],
-                 results: dict[str, dict[str, Any]]) -> dict[str, Decided]:
+                 results: dict[str, dict[str, Any]], pins: Mapping[str, bool]) -> dict[str, Decided]:
     """The factorial of the unresolved toggles where it can run, else they stay on (with why)."""
     first, limit = results["leave-one-out"], setup.ns.max_factorial
     if first.get("stop_reason"):
@@ -279,42 +411,111 @@ def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Seque
     if len(unresolved) > limit:
         return unresolved_kept(unresolved, f"the factorial did not run: {len(unresolved)} unresolved toggles are "
                                f"more than --max-factorial {limit} (more --repeats resolve more of them)")
-    arms = factorial_arms(unresolved, decided)
+    arms = factorial_arms(unresolved, decided, pins)
     why = factorial_fits(setup, first, len(arms))
     if why:
         say(f"factorial skipped: {why}")
         return unresolved_kept(unresolved, f"the factorial did not run ({why})")
     confidence = family_confidence(setup.ns.confidence, len(arms))
-    say(f"phase 2/2: factorial of {', '.join(unresolved)} ({len(arms)} arms), the others pinned; a combination "
+    say(f"phase 2: factorial of {', '.join(unresolved)} ({len(arms)} arms), the others pinned; a combination "
         f"must be faster than all on at {confidence * 100:.2f} % (corrected for {len(arms) - 1} comparisons)")
     second, _ = run_phase(setup, "factorial", arms, confidence, False)
     results["factorial"] = second
     return decide_factorial(unresolved, arms, pick_combination(second["rows"], arms))
 
 
+def settle(choices: Mapping[str, Choice], sp: Mapping[str, Any]) -> tuple[dict[str, Choice], Confirmation]:
+    """Keep the chosen values when, together, they are faster than the defaults or not detectably
+    different; otherwise (slower, or the comparison could not be made) go back to the defaults:
+    each value was chosen in its own comparison, and only this one ran them all at once."""
+    record = {"speedup": sp.get("estimate"), "low": sp.get("low"), "high": sp.get("high"),
+              "confidence": sp.get("confidence"), "verdict": sp["verdict"], "blocks": sp.get("blocks")}
+    if sp["verdict"] in (stats.FASTER, stats.NO_DIFFERENCE):
+        return dict(choices), Confirmation(**record, outcome="kept: the chosen values together are not detectably "
+                                           "slower than the defaults")
+    off = [d for d, c in choices.items() if c.value is not True]
+    why = f"the chosen values together (off: {', '.join(off)}) were {sp['verdict']} against the defaults"
+    back = Evidence(against=False, verdict="not confirmed", design="confirmation",
+                    rule=f"back to the default: {why} in the confirmation")
+    return ({d: Choice(True, back) if d in off else c for d, c in choices.items()},
+            Confirmation(**record, outcome=f"fell back to the defaults: {why}"))
+
+
+def confirm(setup: Setup, choices: Mapping[str, Choice], pins: Mapping[str, bool],
+            results: dict[str, dict[str, Any]]) -> tuple[dict[str, Choice], Confirmation | None]:
+    """The last phase, where the chosen values differ from the defaults: defaults against chosen,
+    headline-style (two arms, paired by block, no warm-up run), within the budget."""
+    chosen = {d: c.value for d, c in choices.items()}
+    if all(v is True for v in chosen.values()):
+        return dict(choices), None
+    arms = [Arm("defaults", dict.fromkeys(chosen, True), baseline=True, fixed=dict(pins)),
+            Arm("chosen", dict(chosen), fixed=dict(pins))]  # type: ignore[arg-type]
+    why = factorial_fits(setup, results["leave-one-out"], len(arms))
+    if why:
+        say(f"confirmation skipped: {why}")
+        return dict(choices), Confirmation(outcome=f"not run ({why}): the chosen values are unconfirmed")
+    say("confirmation: the chosen values against the defaults (2 arms)")
+    result, _ = run_phase(setup, "confirmation", arms, setup.ns.confidence, False)
+    results["confirmation"] = result
+    blocks = result["blocks_run"]
+    sp = stats.paired_speedup([_ms(r) for r in _block_values(result["runs"], "defaults", blocks)],
+                              [_ms(r) for r in _block_values(result["runs"], "chosen", blocks)], result["confidence"])
+    settled, record = settle(choices, sp)
+    say(f"confirmation: {record.outcome}")
+    return settled, record
+
+
+class TuneStopped(PerfTogglesError):
+    """Nothing can be decided from what ran (the baseline never finished): no profile is written."""
+
+    exit_code = 1
+
+
+def check_baseline(first: Mapping[str, Any], arms: Sequence[Arm]) -> None:
+    """Every comparison is with the baseline: without one finished run of it, a profile would
+    claim measurements that do not exist, so tune stops instead of writing one."""
+    base = baseline_of(arms).name
+    if not finished_blocks(first, base):
+        raise TuneStopped(f"the baseline ({base}) did not finish a single measured run, so nothing was measured "
+                          "and no profile was written", "see OUT/leave-one-out/ for its logs")
+
+
 def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any]]]:
-    """Both phases; the profile, the toggles that took no part (with why) and each phase's result."""
+    """Every phase; the profile, the toggles that took no part (with why) and each phase's result."""
     ns = setup.ns
     toggles = parse_toggles(ns.toggles)
-    excluded = guarded_off(setup, toggles)
+    excluded, pins = guarded_off(setup, toggles)
     for dest, why in excluded.items():
         say(f"{dest} takes no part: a guard keeps it off here ({why})")
     taking_part = tuple(t for t in toggles if t not in excluded)
     if not taking_part:
         raise DesignError("every toggle named is kept off by a guard on this setup: nothing to tune")
-    say(f"phase 1/2: leave-one-out of {', '.join(taking_part)} from the defaults ({len(taking_part) + 1} arms)")
+    say(f"phase 1: leave-one-out of {', '.join(taking_part)} from the defaults ({len(taking_part) + 1} arms)")
     arms = expand("leave-one-out", taking_part, [])
+    for arm in arms:
+        arm.fixed = dict(pins)
     first, records = run_phase(setup, "leave-one-out", arms, ns.confidence, ns.warmup_run)
+    check_baseline(first, arms)
     results = {"leave-one-out": first}
-    decided, unresolved = decide_leave_one_out(leave_one_out_verdicts(first["rows"]))
+    failed = [d for d in taking_part if f"without:{d}" in failed_arms(first)]
+    pins = {**pins, **dict.fromkeys(failed, True)}  # not measured: at their default from here on
+    for dest in failed:
+        say(f"{dest} is not measured: its arm failed (it keeps its default; see leave-one-out/)")
+    verdicts = {d: v for d, v in leave_one_out_verdicts(first["rows"]).items() if d not in failed}
+    verdicts, off_confidence = correct_turn_offs(first, baseline_of(arms).name, verdicts, ns.confidence)
+    decided, unresolved = decide_leave_one_out(verdicts, off_confidence)
     if unresolved:
-        decided.update(second_phase(setup, decided, unresolved, results))
+        decided.update(second_phase(setup, decided, unresolved, results, pins))
+    fallback = not_measured(failed, first)
+    choices = {d: Choice(True, fallback[d]) if d in fallback else
+               Choice(decided[d].value, evidence(decided[d], results[decided[d].phase])) for d in taking_part}
+    choices, confirmation = confirm(setup, choices, {d: v for d, v in pins.items() if d not in choices}, results)
     command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
     profile = Profile(
-        toggles={d: Choice(decided[d].value, evidence(decided[d], results[decided[d].phase])) for d in taking_part},
-        environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch),
+        toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch,
+                                                 logged_world_size(first["runs"], baseline_of(arms).name)),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command))
+        made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command), confirmation=confirmation)
     return profile, excluded, results
 
 
@@ -336,7 +537,7 @@ def summary(profile: Profile, path: Path, excluded: Mapping[str, str], results: 
     lines = [f"# Profile `{path.name}`", "",
              f"Measured {profile.created} with {profile.made_by}: Megatron {env.megatron or '?'}, Transformer Engine "
              f"{env.transformer_engine or 'none'}, torch {env.torch or '?'}, GPU {env.gpu or 'not known'}, world size "
-             f"{env.world_size}.", "", f"Command: `{profile.command}`", "",
+             f"{env.world_size or 'not recorded'}.", "", f"Command: `{profile.command}`", "",
              "| toggle | value | speedup of the value over the other [CI] | verdict | loss ratio | how |",
              "|---|---|---|---|---|---|"]
     for dest, choice in profile.toggles.items():
@@ -347,7 +548,13 @@ def summary(profile: Profile, path: Path, excluded: Mapping[str, str], results: 
         lines.append(f"| {dest} | {format_value(choice.value)} | {_interval(ev)} | {ev.verdict} | {loss} | {ev.rule} |")
     for dest, why in excluded.items():
         lines.append(f"| {dest} | (not in the profile) | - | - | - | a guard keeps it off here: {why} |")
-    lines += ["", "Intervals: paired t over blocks; the factorial's at the corrected confidence it decided with."]
+    lines += ["", "Intervals: paired t over blocks; a value turned off in leave-one-out and the factorial's at the "
+              "corrected confidence they were decided with."]
+    conf = profile.confirmation
+    if conf is not None:
+        interval = "-" if conf.speedup is None else _interval(Evidence(False, conf.speedup, conf.low, conf.high))
+        lines += ["", f"Confirmation (defaults over chosen, {conf.blocks or 0} block(s)): {interval}, "
+                  f"{conf.verdict or 'not run'}; {conf.outcome}."]
     for phase, result in results.items():
         lines.append(f"- {phase}: {result['blocks_run']} block(s), results in `{phase}/results.md`"
                      + (f"; stopped: {result['stop_reason']}" if result.get("stop_reason") else ""))
@@ -374,7 +581,8 @@ DESCRIPTION = (
     "off, one whose removal is detectably slower stays on; then every combination of the unresolved ones "
     "(removal not detectably different), of which one replaces 'all on' only when it is detectably faster. "
     "Every run is checked for confounds through Megatron's parser first, runs in seeded blocks, and is "
-    "skipped when the same command is run again (resume). Use the result with "
+    "skipped when the same command is run again (resume); where the chosen values differ from the defaults, "
+    "a last comparison of the two sets confirms them or falls back to the defaults. Use the result with "
     "MEGATRON_PERF_TOGGLES_PROFILE=OUT/profile.json.")
 EPILOG = ("example: megatron-perf-toggles tune --budget 90 --launch 'torchrun --nproc-per-node 8' --out runs/tune "
           "-- pretrain_gpt.py <megatron args>")
@@ -387,7 +595,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "unmeasured warm-up run always runs: it times the others)")
     p.add_argument("--toggles", help="comma list of on/off toggle dests to tune (default: all five)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python); "
-                   "its GPU count is the profile's world size")
+                   "the profile's world size is the runs' own (Megatron's log), else what it plainly starts")
     p.add_argument("--out", default="tune", help="output directory (default: ./tune); run again to resume")
     p.add_argument("--repeats", type=int, default=3, help="blocks per phase; each block runs every arm once (default 3)")
     p.add_argument("--iters", type=int, help="iterations per run (sets --train-iters; default: the arguments' own)")
@@ -431,11 +639,12 @@ def _prepare(ns: argparse.Namespace) -> list[str]:
 
 def run_tune(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = ablate.resolve_arm,
              clock: Callable[[], float] = time.monotonic) -> int:
-    """The command: both phases, then the profile. Exit 0, 1 where a run failed (the profile is
-    still written, from the runs that finished), 2 for bad input or a confound."""
+    """The command: every phase, then the profile. Exit 0, 1 where a run failed (the profile is
+    still written, from the runs that finished, unless the baseline never finished), 2 for bad
+    input or a confound."""
     try:
         args = _prepare(ns)
-        setup = Setup(ns, args, dict(os.environ), resolver, clock, clock())
+        setup = Setup(ns, args, runs_environ(os.environ), resolver, clock, clock())
         profile, excluded, results = tune(setup)
         path = write_profile(Path(ns.out), profile, excluded, results)
     except PerfTogglesError as error:

@@ -363,7 +363,9 @@ def report_failure(status: dict[str, Any], stream: Any) -> None:
 
 
 def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, remaining: int) -> dict[str, Any]:
-    """Run one arm once unless its status says done with the same command; never raises on a crash."""
+    """Run one arm once unless its status says done with the same command and the same plugin
+    variables (the arm's env: the same command with another toggle pinned is another run); never
+    raises on a crash."""
     from .megatron_log import ITERATION, parse_lines
 
     run.directory.mkdir(parents=True, exist_ok=True)
@@ -373,7 +375,8 @@ def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, r
             previous = json.loads(status_file.read_text())
         except ValueError:
             previous = {}  # torn by a kill: run it again
-        if previous.get("status") == "done" and previous.get("command") == run.command:
+        if previous.get("status") == "done" and previous.get("command") == run.command \
+                and previous.get("env") == run.arm.env():
             progress.stream.write(f"[run {index}/{progress.total}] {run.label}: done earlier, skipped\n")
             return previous
     log_path = run.directory / "log.txt"
