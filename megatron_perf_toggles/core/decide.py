@@ -514,6 +514,12 @@ def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mappi
                     if toggle.kind == "bool" else f"plugin default; set {toggle.env} to change it")
 
 
+def requested(dest: str, env: EnvSettings, profile: Profile | None = None) -> Decision:
+    """What the environment and the profile ask for ``dest`` before any command line or guard
+    (the same precedence as a launch): what ``megatron-perf-toggles flags`` turns into flags."""
+    return _base(dest, {}, env, {}, profile)
+
+
 def _fp4_defaults(args: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any]) -> dict[str, Decision]:
     """The FP4 layer selection nobody asked for: the recipe's (or, switched off, Megatron's own)."""
     recipe = str(args.get("fp4_recipe") or "nvfp4")

@@ -14,8 +14,8 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from .._version import __version__
-from ..core.decide import Plan, decide
-from ..core.env import read_env
+from ..core.decide import Plan, decide, requested
+from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, with_assumptions
 from ..core.precision import LOG_DIR_DESTS
 from ..core.profile import ENVIRONMENT_WORDS, Profile
@@ -160,10 +160,10 @@ def target_from(ns: argparse.Namespace) -> planned.Target:
     return planned.from_options(ns)
 
 
-def profile_named() -> Profile | None:
+def profile_named(env: EnvSettings | None = None) -> Profile | None:
     """The profile MEGATRON_PERF_TOGGLES_PROFILE names, read before any planning: a malformed one
     is one error line here, even where planning runs a checkout whose output is held back."""
-    path = read_env(os.environ).profile_path
+    path = (env or read_env(os.environ)).profile_path
     return profile_file.load(path) if path else None
 
 
@@ -242,7 +242,7 @@ def cmd_flags(ns: argparse.Namespace) -> int:
     would turn off is left out (a ``#`` line on stderr says why), so pasting the output into a
     launch never turns a guarded default into a refused explicit request."""
     env = read_env(os.environ)
-    profile = profile_named()
+    profile = profile_named(env)
     megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
     plan, _caps, _label, _args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
                                                   target=target_from(ns))
@@ -253,14 +253,10 @@ def cmd_flags(ns: argparse.Namespace) -> int:
         if ns.group != "all" and t.script_bucket != ns.group:
             continue
         decision = plan.decisions[t.dest]
-        if t.dest in env.toggles:
-            value = env.toggles[t.dest]
-        elif profile is not None and t.dest in profile.toggles:
-            value = profile.toggles[t.dest].value
-        elif env.plugin_enabled:
-            value = t.default
-        else:
+        asked = requested(t.dest, env, profile)
+        if asked.source == "default" and not env.plugin_enabled:
             continue  # MEGATRON_PERF_TOGGLES=0: Megatron's defaults, so no flag
+        value = asked.value
         flag = t.flag_for(value)
         if decision.value != value:
             why_not.append(f"# {' '.join(flag)} left out: {decision.reason}")

@@ -629,11 +629,7 @@ def _prepare(ns: argparse.Namespace) -> list[str]:
     args = list(ns.megatron_args[1:] if ns.megatron_args[:1] == ["--"] else ns.megatron_args)
     if ns.iters is not None:
         args = ablate.set_args(args, {"--train-iters": str(ns.iters)})
-    import shutil
-
-    launcher = ablate.arm_command(ns.launch, ns.script, args, Arm("x", {}))[0]
-    if shutil.which(launcher) is None and not Path(launcher).is_file():
-        raise DesignError(f"--launch: {launcher!r} is not an executable on PATH")
+    ablate.check_launcher(ns.launch, ns.script, args)
     return args
 
 

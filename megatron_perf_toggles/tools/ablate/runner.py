@@ -434,6 +434,13 @@ def _gpus(launch: str | None) -> int:
     return n * nodes
 
 
+def check_launcher(launch: str | None, script: str, megatron_args: Sequence[str]) -> None:
+    """The program an arm's command starts must exist, checked before the first GPU minute."""
+    launcher = arm_command(launch, script, megatron_args, Arm("launcher", {}))[0]
+    if shutil.which(launcher) is None and not Path(launcher).is_file():
+        raise DesignError(f"--launch: {launcher!r} is not an executable on PATH")
+
+
 def _check_out(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -554,9 +561,7 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
               + ", ".join(sorted({n for a in arms for n in a.intended()}))
               + (" and what they derive: " + "; ".join(f"{n} -> {', '.join(k)}" for n, k in explained.items())
                  if explained else ""), file=sys.stderr)
-        launcher = arm_command(ns.launch, ns.script, args, arms[0])[0]
-        if shutil.which(launcher) is None and not Path(launcher).is_file():
-            raise DesignError(f"--launch: {launcher!r} is not an executable on PATH")
+        check_launcher(ns.launch, ns.script, args)
 
         def runs_of_block(block: int) -> list[Run]:
             return [make_run(out, arms[i], block, ns.launch, ns.script, args, records[i])
