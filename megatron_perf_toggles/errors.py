@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 EXIT_USAGE = 2
@@ -79,6 +80,14 @@ def fail(error: PerfTogglesError) -> NoReturn:
     raise SystemExit(report(error))
 
 
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """``"did you mean 'x'? "`` for the closest of ``choices``, else ``""``: the start of a hint."""
+    import difflib  # only on the error path: it costs a millisecond at import
+
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """The package's one argparse class: a usage error raises PerfTogglesError instead of printing a
     usage block, so it reaches :func:`report` like every other error; an invalid choice gets a
@@ -98,10 +107,6 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if match:
             choices = re.findall(r"'([^']*)'", match.group(2)) or [c.strip() for c in match.group(2).split(",")]
-            import difflib  # only on the error path: it costs a millisecond at import
-
-            close = difflib.get_close_matches(match.group(1), choices, n=1)
-            if close:
-                hint = f"did you mean {close[0]!r}? {hint}"
+            hint = f"{did_you_mean(match.group(1), choices)}{hint}"
         prefix = self.prog if self.message_prefix is None else self.message_prefix
         raise PerfTogglesError(f"{prefix}: {message}" if prefix else message, hint)

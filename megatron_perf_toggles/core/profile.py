@@ -15,14 +15,13 @@ nothing). Each problem is one :class:`ProfileError` line naming the file.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ProfileError
+from ..errors import ProfileError, did_you_mean
 from .facts import version_tuple
 from .registry import BY_DEST, format_value
 
@@ -138,9 +137,7 @@ def _keys(source: str, where: str, data: Any, allowed: tuple[str, ...]) -> dict[
         raise _fail(source, f"{where} must be a JSON object, not {type(data).__name__}")
     for key in data:
         if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f"did you mean {close[0]!r}? accepted: {', '.join(allowed)}" if close else \
-                f"accepted: {', '.join(allowed)}"
+            hint = f"{did_you_mean(str(key), allowed)}accepted: {', '.join(allowed)}"
             raise _fail(source, f"{where}: unknown key {key!r}", hint)
     return data
 
@@ -192,9 +189,8 @@ def _check_interval(source: str, where: str, low: float | None, high: float | No
 
 def _choice(source: str, dest: str, raw: Any) -> Choice:
     if dest not in BY_DEST:
-        close = difflib.get_close_matches(dest, list(BY_DEST), n=1)
         raise _fail(source, f"unknown toggle {dest!r}",
-                    f"did you mean {close[0]!r}?" if close else f"toggles: {', '.join(BY_DEST)}")
+                    did_you_mean(dest, list(BY_DEST)).rstrip() or f"toggles: {', '.join(BY_DEST)}")
     data = _keys(source, f"toggles.{dest}", raw, CHOICE_KEYS)
     if "value" not in data:
         raise _fail(source, f"toggles.{dest} has no 'value'")

@@ -16,7 +16,6 @@ ends, however it ends (a dry run ends in ``SystemExit``). Nothing here imports t
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import sys
@@ -25,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PerfTogglesError
+from ..errors import PerfTogglesError, did_you_mean
 from .patches import ProcessPatches
 
 
@@ -59,11 +58,6 @@ class TargetError(PerfTogglesError):
     """A --world-size / --nnodes / --nproc-per-node / --gpu value that cannot be planned for."""
 
 
-def _did_you_mean(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f"did you mean {close[0]!r}? " if close else ""
-
-
 def gpu_named(text: str) -> Gpu:
     """``h100`` (a product in GPUS), ``sm_90`` / ``sm_100`` (a CUDA arch) or ``gfx942`` (a ROCm arch)."""
     word = text.strip().lower()
@@ -80,7 +74,7 @@ def gpu_named(text: str) -> Gpu:
         return Gpu(word, "rocm", word, ROCM_ARCHS[word], f"AMD {word}", 192, 304)
     known = [*GPUS, *ROCM_ARCHS]
     raise TargetError(f"--gpu {text!r} is not a GPU this plugin knows",
-                      f"{_did_you_mean(word, known)}accepted: {', '.join(GPUS)}, sm_XY (e.g. sm_90), "
+                      f"{did_you_mean(word, known)}accepted: {', '.join(GPUS)}, sm_XY (e.g. sm_90), "
                       f"{', '.join(ROCM_ARCHS)}")
 
 
