@@ -17,6 +17,8 @@ directory under --out):
                   CUDA graphs of the transformer layers through Transformer Engine
   dp2-candidates  at DP=2, the plugin defaults against each candidate added to them: overlapping the
                   gradient reduce (and the parameter gather) with compute, and manual GC
+  tune            ``megatron-perf-toggles tune`` on this model, one GPU: writes OUT/tune/profile.json
+  dp2-tune        the same at DP=2 (torchrun, 2 GPUs)
 
     python bench/h200_ablate.py --megatron PATH --out DIR --parts headline,noop --budget 20
     python bench/h200_ablate.py --megatron PATH --out DIR --smoke     # CPU: stand-in runs, real dry runs
@@ -66,24 +68,27 @@ SMALL = {"--num-layers": "4", "--hidden-size": "1024", "--ffn-hidden-size": "358
          "--micro-batch-size": "8", "--global-batch-size": "32"}
 FP8 = {"delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
        "tensorwise": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]}
-# part -> (ablate design options, extra Megatron args, GPUs)
+# part -> (the subcommand and its design options, extra Megatron args, GPUs)
 PARTS: dict[str, tuple[list[str], list[str], int]] = {
-    "headline": (["--design", "headline"], [], 1),
-    "noop": (["--design", "one-at-a-time", "--toggles", "ddp_average_in_collective", "--others", "off"], [], 1),
-    "one-at-a-time": (["--design", "one-at-a-time"], [], 1),
-    "leave-one-out": (["--design", "leave-one-out"], [], 1),
-    "fp8-delayed": (["--design", "headline"], FP8["delayed"], 1),
-    "fp8-tensorwise": (["--design", "headline"], FP8["tensorwise"], 1),
-    "dp2": (["--design", "headline"], [], 2),
-    "candidates": (["--design", "candidates", "--candidate", "manual-gc=--manual-gc",
+    "headline": (["ablate", "--design", "headline"], [], 1),
+    "noop": (["ablate", "--design", "one-at-a-time", "--toggles", "ddp_average_in_collective", "--others", "off"], [], 1),
+    "one-at-a-time": (["ablate", "--design", "one-at-a-time"], [], 1),
+    "leave-one-out": (["ablate", "--design", "leave-one-out"], [], 1),
+    "fp8-delayed": (["ablate", "--design", "headline"], FP8["delayed"], 1),
+    "fp8-tensorwise": (["ablate", "--design", "headline"], FP8["tensorwise"], 1),
+    "dp2": (["ablate", "--design", "headline"], [], 2),
+    "candidates": (["ablate", "--design", "candidates", "--candidate", "manual-gc=--manual-gc",
                     "--candidate", "cuda-graphs-te=--cuda-graph-impl transformer_engine"], [], 1),
-    "dp2-candidates": (["--design", "candidates",
+    "dp2-candidates": (["ablate", "--design", "candidates",
                         "--candidate", "overlap-grad-reduce=--overlap-grad-reduce",
                         "--candidate", "overlap-grad-and-param=--overlap-grad-reduce --overlap-param-gather",
                         "--candidate", "manual-gc=--manual-gc"], [], 2),
+    "tune": (["tune"], [], 1),
+    "dp2-tune": (["tune"], [], 2),
 }
 ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-delayed": 2, "fp8-tensorwise": 2,
-        "dp2": 2, "candidates": 3, "dp2-candidates": 4}
+        "dp2": 2, "candidates": 3, "dp2-candidates": 4,
+        "tune": 7, "dp2-tune": 7}  # tune: leave-one-out of five toggles, and a confirmation or a factorial
 # Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
 # start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
 SECONDS_PER_ITER = {"bf16": 1.2, "fp8": 1.0, "dp2": 1.3}
@@ -141,7 +146,7 @@ def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: flo
         for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("WORLD_SIZE", "1"),
                            ("RANK", "0"), ("LOCAL_RANK", "0")):
             env.setdefault(key, value)
-    cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *design, "--out", str(out / part),
+    cmd = [sys.executable, "-m", "megatron_perf_toggles", *design, "--out", str(out / part),
            "--launch", launch, "--repeats", str(ns.repeats), "--seed", str(ns.seed), "--iters", str(ns.iters),
            "--warmup", str(ns.warmup)]
     if budget_min is not None:

@@ -123,6 +123,26 @@ def test_loss_band_and_flag():
     assert st.loss_comparison([None], [2.0]) is None
 
 
+def test_one_baseline_run_gives_no_band_rather_than_a_band_of_zero():
+    once = st.loss_comparison([2.0], [2.0004])
+    assert once["ratio"] == pytest.approx(1.0002)
+    assert once["noise_band"] is None and once["outside_noise_band"] is None  # unknown, not "outside"
+
+
+def test_report_says_when_the_band_is_unknown():
+    from megatron_perf_toggles.tools.ablate import report
+
+    def row(arm, baseline, loss):
+        return {"arm": arm, "baseline": baseline, "runs_done": 1, "ms_per_iter": {"median": 100.0, "min": 100.0,
+                "max": 100.0}, "speedup": {}, "loss": loss}
+    result = {"design": "headline", "confidence": 0.95, "blocks_run": 1, "seed": 0, "iters": 10, "warmup": 3, "runs": [],
+              "rows": [row("all-off", True, st.loss_comparison([2.0], [2.0])),
+                       row("all-on", False, st.loss_comparison([2.0], [2.0004]))]}
+    text = report.markdown(result)
+    assert "no band (one baseline run)" in text and "outside noise band" not in text
+    assert "unknown, the baseline ran once" in text
+
+
 def test_relative_half_width():
     assert st.relative_half_width({"low": 1.0, "high": 1.0201}) == pytest.approx(0.01)
     assert st.relative_half_width({"low": None, "high": None}) is None

@@ -31,7 +31,7 @@ def test_presets_are_ablate_calls_without_checkpoints(tmp_path):
     assert set(cmds) == set(h200_ablate.PARTS)
     assert "expected: ~" in text and "min on the H200" in text
     for cmd in cmds.values():
-        assert cmd[1:4] == ["-m", "megatron_perf_toggles", "ablate"]
+        assert cmd[1:3] == ["-m", "megatron_perf_toggles"] and cmd[3] in ("ablate", "tune")
         megatron_args = cmd[cmd.index("--") + 1:]
         assert "--save" not in megatron_args and "--load" not in megatron_args  # no checkpoints written
         assert len(set(w for w in megatron_args if w.startswith("--"))) == len(
@@ -41,6 +41,8 @@ def test_presets_are_ablate_calls_without_checkpoints(tmp_path):
     assert cmds["noop"][cmds["noop"].index("--others") + 1] == "off"
     assert cmds["headline"][cmds["headline"].index("--design") + 1] == "headline"
     assert "--nproc-per-node 2" in cmds["dp2"][cmds["dp2"].index("--launch") + 1]
+    assert [cmds[p][3] for p in ("tune", "dp2-tune", "headline")] == ["tune", "tune", "ablate"]
+    assert "--nproc-per-node 2" in cmds["dp2-tune"][cmds["dp2-tune"].index("--launch") + 1]
     assert "--fp8-recipe" in cmds["fp8-delayed"] and "--fp8-recipe" not in cmds["headline"]
 
 

@@ -220,7 +220,8 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
     return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
                     verdict=sp["verdict"], confidence=sp["confidence"], blocks=sp["blocks"],
                     design=decided.phase, loss_ratio=loss["ratio"] if loss else None,
-                    loss_within_noise=(not loss["outside_noise_band"]) if loss else None, rule=decided.rule)
+                    loss_within_noise=None if not loss or loss["outside_noise_band"] is None
+                    else not loss["outside_noise_band"], rule=decided.rule)
 
 
 # --- the environment measured, from the dry-run records ------------------------------------------

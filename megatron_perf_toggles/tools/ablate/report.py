@@ -146,15 +146,19 @@ def markdown(result: dict[str, Any]) -> str:
         runs = f"{r['runs_done']}" + (f" ({r['runs_failed']} failed)" if r.get("runs_failed") else "")
         loss_txt = (f"{_f(loss.get('ratio'), '.4f')} [{_f(loss.get('min'), '.4f')}, {_f(loss.get('max'), '.4f')}] "
                     f"(it {loss.get('iteration', '-')})") if loss else "-"
-        flag = "-" if not loss or r["baseline"] else (
-            "outside noise band" if loss.get("outside_noise_band") else "within noise band")
+        flag = "-" if not loss or r["baseline"] else {
+            True: "outside noise band", False: "within noise band"}.get(loss.get("outside_noise_band"),
+                                                                        "no band (one baseline run)")
         lines.append(f"| {r['arm']} | {runs} | {_f(ms.get('median'), '.1f')} | {_f(ms.get('min'), '.1f')}–"
                      f"{_f(ms.get('max'), '.1f')} | {_f((r.get('tflops_per_gpu') or {}).get('median'), '.1f')} "
                      f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} | {flag} "
                      f"| {_f(r.get('max_allocated_mb'), '.0f')} |")
-    band = next((r["loss"]["noise_band"] for r in rows if r.get("loss")), None)
-    if band is not None:
-        lines += ["", f"Loss noise band: the baseline's loss moved by up to {band * 100:.3f} % between its own repeats."]
+    losses = [r["loss"] for r in rows if r.get("loss")]
+    if losses and losses[0].get("noise_band") is not None:
+        lines += ["", f"Loss noise band: the baseline's loss moved by up to {losses[0]['noise_band'] * 100:.3f} % "
+                      "between its own repeats."]
+    elif losses:
+        lines += ["", "Loss noise band: unknown, the baseline ran once (a band needs two of its runs)."]
     size = result.get("sizing")
     if size:
         lines += ["", f"Sizing: per-block noise (sd of ln ratio) {size['pooled_sd_log'] * 100:.2f} %. Resolving a "

@@ -185,14 +185,18 @@ def loss_comparison(baseline_loss: Sequence[float | None], arm_loss: Sequence[fl
     median): run-to-run nondeterminism with identical settings. The arm is flagged when every
     block's ratio lies outside 1 +- band, i.e. its loss moved more than repeating the baseline does.
     A toggle that changes numerics (bf16 reduction) is expected to leave the band of a deterministic
-    baseline; the size of the ratio says whether that matters.
+    baseline; the size of the ratio says whether that matters. One baseline run gives no band: band
+    and flag are then ``None`` (unknown), not a band of zero that every arm would leave.
     """
     ratios = [a / b for b, a in zip(baseline_loss, arm_loss, strict=True) if a is not None and b]
     base = [b for b in baseline_loss if b]
     if not ratios or not base:
         return None
-    mid = statistics.median(base)
-    band = max(abs(b / mid - 1.0) for b in base) if mid else 0.0
-    outside = all(abs(r - 1.0) > band for r in ratios)
+    band: float | None = None
+    outside: bool | None = None
+    if len(base) > 1:
+        mid = statistics.median(base)
+        band = max(abs(b / mid - 1.0) for b in base) if mid else 0.0
+        outside = all(abs(r - 1.0) > band for r in ratios)
     return {"ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "blocks": len(ratios),
             "noise_band": band, "outside_noise_band": outside}
