@@ -60,7 +60,8 @@ def ablate_summary(results: dict[str, dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for part, res in results.items():
         out[part] = {"design": res["design"], "blocks": res["blocks_run"], "iters": res["iters"],
-                     "warmup": res["warmup"], "seed": res["seed"], "confidence": res["confidence"], "arms": {}}
+                     "warmup": res["warmup"], "seed": res["seed"], "confidence": res["confidence"],
+                     "shape": shape_of(res), "arms": {}}
         for row in res["rows"]:
             sp = row.get("speedup") or {}
             out[part]["arms"][row["arm"]] = {
@@ -70,11 +71,23 @@ def ablate_summary(results: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def shape_of(res: dict) -> str:
+    """The model a part ran, from its first arm's command line: parts of different shapes sit side
+    by side in the report, and their numbers are not comparable across shapes."""
+    argv = next(iter(res.get("commands", {}).values()), {}).get("argv", [])
+    value = {flag: argv[argv.index(flag) + 1] for flag in ("--hidden-size", "--num-layers", "--seq-length",
+                                                          "--micro-batch-size") if flag in argv[:-1]}
+    if not value:
+        return "shape not recorded"
+    return (f"hidden {value.get('--hidden-size', '?')}, {value.get('--num-layers', '?')} layers, "
+            f"seq {value.get('--seq-length', '?')}, micro-batch {value.get('--micro-batch-size', '?')}")
+
+
 def ablate_section(summary: dict[str, dict]) -> list[str]:
     lines = ["## Repeated, interleaved ablations (`bench/h200_ablate.py`)", ""]
     for part, s in summary.items():
         lines += [f"### {part} ({s['design']}, {s['blocks']} blocks, {s['iters']} iterations, first {s['warmup']} "
-                  f"left out, seed {s['seed']})", "",
+                  f"left out, seed {s['seed']}; {s['shape']})", "",
                   f"| arm | ms/iter | speedup [{s['confidence'] * 100:g} % CI] | verdict |", "|---|---|---|---|"]
         for arm, a in s["arms"].items():
             med = (a["ms_per_iter"] or {}).get("median")
@@ -501,7 +514,8 @@ def plot_ablate(summary: dict[str, dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(f"{part}: {arm}", a) for part, s in summary.items() for arm, a in s["arms"].items()
+    rows = [(f"{part}: {arm}" + (" (small)" if s["shape"].startswith("hidden 1024") else ""), a)
+            for part, s in summary.items() for arm, a in s["arms"].items()
             if not a["baseline"] and a["ci"][0] is not None]
     fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.2))
     for y, (_, a) in enumerate(rows):
@@ -512,7 +526,7 @@ def plot_ablate(summary: dict[str, dict]) -> None:
     ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("speedup against the part's baseline, 95 % interval over blocks")
-    ax.set_title("H200 ablate parts (noop*: the small shape; the rest: Llama-3-8B-shaped, 4 layers)\n"
+    ax.set_title("H200 ablate parts ((small): hidden 1024, seq 1024; the rest: Llama-3-8B-shaped, 4 layers)\n"
                  "green: faster, orange: slower, grey: no detectable difference", fontsize=8)
     fig.tight_layout()
     fig.savefig(OUT / "ablate_h200.png", dpi=100)
