@@ -14,7 +14,6 @@ it should still train, and the warning names what the profile lost here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CannotHonourError, DependencyError, RegistryError
@@ -23,6 +22,7 @@ from .env import EnvSettings
 from .facts import Capabilities, version_tuple
 from .precision import log_dir_warnings, precision_tag, tagged_log_dirs
 from .registry import BY_DEST, CAPABILITIES, TOGGLES, flag_of
+from .struct import Struct, field
 
 if TYPE_CHECKING:  # the profile module loads only when a profile is set (import time)
     from .profile import Observed, Profile
@@ -36,8 +36,7 @@ ADAM_EPS_ADVICE = (5e-4, 1e-6)  # (lr at or above, eps below)
 WGRAD_FALLBACK_WORDS = "torch.addmm with fp32 accumulation"
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(Struct, frozen=True):
     """One toggle's value, where it came from, and why: a line of the start-up table and of the record."""
 
     value: Any
@@ -48,16 +47,14 @@ class Decision:
         return {"value": self.value, "source": self.source, "reason": self.reason}
 
 
-@dataclass
-class Message:
+class Message(Struct):
     """A warning or advice line for the start-up table."""
 
     level: str  # warning | advice | profile (a warning about the profile in use)
     text: str
 
 
-@dataclass
-class Plan:
+class Plan(Struct):
     """Everything decided for one command line."""
 
     decisions: dict[str, Decision]
@@ -71,8 +68,7 @@ class Plan:
         return {dest: d.value for dest, d in self.decisions.items()}
 
 
-@dataclass
-class Change:
+class Change(Struct):
     """What a guard wants: ``dest`` becomes ``value`` because ``reason``."""
 
     dest: str
@@ -94,8 +90,7 @@ class Change:
                                 "which is not in registry.CAPABILITIES")
 
 
-@dataclass
-class Context:
+class Context(Struct):
     """What a guard may look at: parsed args, the decisions so far, capabilities, environment,
     and what is known of the checkpoint ``--load`` will resume from."""
 

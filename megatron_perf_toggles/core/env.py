@@ -8,10 +8,10 @@ registry is read, validated and documented with no code here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
 
 from ..errors import EnvValueError, RegistryError
 from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTING_BY_ENV, SETTINGS, TOGGLES, Toggle
+from .struct import Struct, field, fields
 
 
 def parse_bool(var: str, raw: str | None) -> bool | None:
@@ -70,8 +70,7 @@ def read_setting(var: str, environ: Mapping[str, str]) -> object:
     return PARSE_BY_KIND[setting.kind](var, environ.get(var))
 
 
-@dataclass(frozen=True)
-class EnvSettings:
+class EnvSettings(Struct, frozen=True):
     """Everything the plugin takes from the environment, validated. ``None`` means unset.
 
     One field per ``registry.SETTINGS`` entry (its ``field``), with the value an unset variable
@@ -98,7 +97,7 @@ class EnvSettings:
         return {n: environ[n] for n in names if n in environ}
 
 
-_FIELDS = {f.name for f in fields(EnvSettings)}
+_FIELDS = set(fields(EnvSettings))
 for _setting in SETTINGS:  # a registry entry without a home here is a bug in this package: say so at import
     if _setting.field not in _FIELDS or _setting.kind not in PARSE_BY_KIND:
         raise RegistryError(f"setting {_setting.env!r}: no EnvSettings field {_setting.field!r} "

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ProfileError, did_you_mean
 from .facts import version_tuple
 from .registry import BY_DEST, format_value
+from .struct import Struct, field
 
 FORMAT = "megatron-perf-toggles/profile"
 SCHEMA = 1
@@ -38,8 +38,7 @@ CONFIRMATION_NUMBERS = ("speedup", "low", "high", "confidence")
 CONFIRMATION_KEYS = (*CONFIRMATION_NUMBERS, "verdict", "blocks", "outcome")
 
 
-@dataclass(frozen=True)
-class Evidence:
+class Evidence(Struct, frozen=True):
     """Why a value was chosen: ``speedup`` is ms/iter with ``against`` over ms/iter with the chosen
     value (above 1: the chosen value is faster), with its interval and the verdict on it."""
 
@@ -64,8 +63,7 @@ class Evidence:
         return f"x{self.speedup:.3f}{interval} vs {format_value(self.against)}{verdict}"
 
 
-@dataclass(frozen=True)
-class Confirmation:
+class Confirmation(Struct, frozen=True):
     """The chosen values, all together, against the defaults: each toggle's evidence is one
     comparison, and the set they make was never run until this check (``speedup``: ms/iter with
     the defaults over ms/iter with the chosen values). ``outcome`` says what tune did with it."""
@@ -83,15 +81,13 @@ class Confirmation:
                 if (v := getattr(self, k)) not in (None, "")}
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(Struct, frozen=True):
     value: bool | str
     evidence: Evidence | None = None
     note: str = ""
 
 
-@dataclass(frozen=True)
-class Environment:
+class Environment(Struct, frozen=True):
     """What a profile was measured on, or what a run has. ``None``: not recorded / not known."""
 
     megatron: str | None = None
@@ -104,8 +100,7 @@ class Environment:
         return {key: getattr(self, key) for key in ENVIRONMENT_WORDS}
 
 
-@dataclass(frozen=True)
-class Profile:
+class Profile(Struct, frozen=True):
     toggles: dict[str, Choice]
     environment: Environment = field(default_factory=Environment)
     created: str = ""  # ISO 8601 date and time of the measurement
@@ -315,8 +310,7 @@ def _same(key: str, made: Any, here: Any) -> bool:
     return str(made) == str(here)
 
 
-@dataclass(frozen=True)
-class EnvironmentCheck:
+class EnvironmentCheck(Struct, frozen=True):
     """The profile's environment against the run's: what differs, and what could not be checked."""
 
     mismatches: dict[str, tuple[Any, Any]]  # key -> (profile's, this run's)
@@ -343,8 +337,7 @@ class EnvironmentCheck:
                 "unchecked": dict(self.unchecked)}
 
 
-@dataclass(frozen=True)
-class Observed:
+class Observed(Struct, frozen=True):
     """This run's environment as far as it is known when the toggles are decided, and for each fact
     that is not (a CPU dry run has no GPU; ``explain`` plans for no particular world), why not."""
 

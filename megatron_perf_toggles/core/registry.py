@@ -6,17 +6,16 @@ provenance schema are all derived from these records.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import RegistryError
+from .struct import Struct
 
 Kind = Literal["bool", "choice"]
 Bucket = Literal["gpt", "extra"]
 
 
-@dataclass(frozen=True)
-class Group:
+class Group(Struct, frozen=True):
     """Where Megatron keeps a kind of setting: a new flag joins the group of its neighbours."""
 
     key: str
@@ -57,8 +56,7 @@ def flag_of(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-@dataclass(frozen=True)
-class Toggle:
+class Toggle(Struct, frozen=True):
     """One Megatron setting the plugin turns on by default. ``flag`` and ``off_flag`` follow from
     ``dest`` (``--x`` / ``--no-x``, as Megatron spells them) unless declared."""
 
@@ -98,8 +96,7 @@ class Toggle:
         return [self.flag if value else self.off_flag]
 
 
-@dataclass(frozen=True)
-class Setting:
+class Setting(Struct, frozen=True):
     """A plugin-wide environment variable that is not a Megatron toggle. ``core.env`` parses every
     one by its ``kind`` into the ``EnvSettings`` attribute ``field``; unset keeps that attribute's
     default, which ``default`` states for people (the README table)."""

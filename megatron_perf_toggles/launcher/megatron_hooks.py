@@ -26,10 +26,10 @@ import os
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..core.env import read_setting
+from ..core.struct import Struct, field
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import provider as plugin
 from ..runtime import target as planned
@@ -126,8 +126,7 @@ def dry_run_requested(environ: Mapping[str, str] | None = None) -> bool:
 # --- the chain that runs inside Megatron's parse_args ---------------------------------------------
 
 
-@dataclass
-class ProviderRun:
+class ProviderRun(Struct):
     """One provider as it ran on one parser: the argument dests it added."""
 
     name: str
@@ -169,8 +168,7 @@ class Chain:
 # --- installing into Megatron ---------------------------------------------------------------------
 
 
-@dataclass
-class Hooks:
+class Hooks(Struct):
     """What is installed: our providers, dry-run or not, and the Megatron functions we replaced."""
 
     providers: list[Provider]

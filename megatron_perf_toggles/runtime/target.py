@@ -21,15 +21,14 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
+from ..core.struct import Struct
 from ..errors import PerfTogglesError, did_you_mean
 from .patches import ProcessPatches
 
 
-@dataclass(frozen=True)
-class Gpu:
+class Gpu(Struct, frozen=True):
     """The facts about one GPU that Megatron's argument checks and the plugin's guards ask for."""
 
     name: str  # h100, or the arch itself for a bare arch (sm_90)
@@ -78,8 +77,7 @@ def gpu_named(text: str) -> Gpu:
                       f"{', '.join(ROCM_ARCHS)}")
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(Struct, frozen=True):
     """What a dry run plans for. ``None`` fields keep this machine's own answer."""
 
     world_size: int | None = None

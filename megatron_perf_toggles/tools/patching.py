@@ -20,10 +20,10 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.env import read_setting
+from ..core.struct import Struct
 from ..errors import PREFIX, OneLineArgumentParser, PerfTogglesError, report
 
 PROG = "megatron-perf-toggles patch"
@@ -51,8 +51,7 @@ class PatchError(PerfTogglesError):
     """The tree cannot be identified or the patch set does not apply."""
 
 
-@dataclass(frozen=True)
-class Tree:
+class Tree(Struct, frozen=True):
     """A Megatron-LM checkout as far as patching needs to know it."""
 
     root: Path
@@ -137,8 +136,7 @@ def patch_files(directory: Path, name: str) -> list[Path]:
     return files
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(Struct, frozen=True):
     ok: bool
     detail: str  # the tool's first meaningful line when it refused
 

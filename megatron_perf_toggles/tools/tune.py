@@ -38,13 +38,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._version import __version__
 from ..core.profile import Choice, Confirmation, Environment, Evidence, Profile, render_profile
 from ..core.registry import BY_DEST, format_value
+from ..core.struct import Struct
 from ..errors import PerfTogglesError, fail
 from .ablate import runner as ablate
 from .ablate import stats
@@ -54,8 +54,7 @@ from .ablate.report import write_results
 DEFAULT_MAX_FACTORIAL = 3  # 8 arms a block; 4 would be 16
 
 
-@dataclass
-class Decided:
+class Decided(Struct):
     """One toggle's value and how it was reached: the experiment, its two arms and the rule."""
 
     dest: str
@@ -292,8 +291,7 @@ def measured_on(record: Mapping[str, Any], launch: str | None, world_size: int |
 # --- running the phases --------------------------------------------------------------------------
 
 
-@dataclass
-class Setup:
+class Setup(Struct):
     """What every phase shares: the parsed options, the Megatron arguments, the environment, the
     dry-run resolver and the clock (the last two are stand-ins in tests)."""
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 from ...core.registry import BY_DEST, TOGGLES, flag_of
+from ...core.struct import Struct, field
 from ...errors import PerfTogglesError
 
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline", "candidates")
@@ -24,8 +24,7 @@ class DesignError(PerfTogglesError):
     """The experiment is ill-specified (unknown design, toggle or setting, or no arms)."""
 
 
-@dataclass(frozen=True)
-class Vary:
+class Vary(Struct, frozen=True):
     name: str  # a toggle dest or a Megatron argument dest
     values: tuple[str, ...]
 
@@ -35,8 +34,7 @@ class Vary:
         return flag_of(self.name)
 
 
-@dataclass
-class Arm:
+class Arm(Struct):
     name: str
     toggles: dict[str, bool]  # dest -> intended value
     settings: dict[str, str] = field(default_factory=dict)  # Megatron dest -> value (from --vary)

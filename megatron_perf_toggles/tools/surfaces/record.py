@@ -108,11 +108,10 @@ def megatron_parser() -> argparse.ArgumentParser:
 
 def code_facts() -> dict[str, Any]:
     """The Megatron facts that decide guards (which asserts and hooks exist), as detected."""
-    import dataclasses
-
+    from ...core.struct import asdict
     from ...runtime.capabilities import megatron_facts
 
-    facts = dataclasses.asdict(megatron_facts())
+    facts = asdict(megatron_facts())
     facts.pop("path", None)
     return facts
 
