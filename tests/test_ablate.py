@@ -511,12 +511,17 @@ def test_missing_launcher_is_refused_before_running(tmp_path, capsys):
     assert info.value.code == 2 and "'no-such-torchrun' is not an executable" in capsys.readouterr().err
 
 
+def _run_in_order(runs, environ, progress):
+    """Each run in order, as experiment() runs a block (a crash is recorded and the rest go on)."""
+    return [ablate.execute(run, environ, progress, i, len(runs) - i) for i, run in enumerate(runs, start=1)]
+
+
 def test_torn_status_file_reruns_the_run(tmp_path):
     arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
     runs = [ablate.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
     runs[0].directory.mkdir(parents=True)
     (runs[0].directory / "status.json").write_text('{"status": "do')
-    statuses = ablate.run_arms(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, io.StringIO()))
+    statuses = _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, io.StringIO()))
     assert [s["status"] for s in statuses] == ["done", "done"]
 
 
@@ -524,12 +529,12 @@ def test_progress_line(tmp_path):
     arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
     runs = [ablate.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
     stream = io.StringIO()
-    ablate.run_arms(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream, live=True))
+    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream, live=True))
     text = stream.getvalue()
     assert "[run 2/2]" in text and "(block 1)" in text and "it 6/6" in text and "ETA" in text
     assert text.count("\r") == 12  # redrawn at every iteration
     stream = io.StringIO()  # a log file: one line per run
     runs = [ablate.make_run(tmp_path / "again", a, 0, FAKE, "s.py", [], {}) for a in arms]
-    ablate.run_arms(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream))
+    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream))
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue() and len(lines) == 2 and "it 6/6" in lines[1] and "done in" in lines[1]

@@ -205,3 +205,20 @@ def test_the_safety_net_moved_to_another_megatron_moves_back(monkeypatch: pytest
     assert second.validate_args is own_second
     PATCHES.uninstall()
     assert not safety_net.NET.installed and first.validate_args is own_first
+
+
+def test_stand_in_imports_last_only_as_long_as_their_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The import stand-ins replace ``builtins.__import__`` for the block only, even when the block
+    ends in an exception (a dry run ends in SystemExit)."""
+    import builtins
+
+    from megatron_perf_toggles.launcher import import_shims
+
+    monkeypatch.setattr(import_shims, "_really_installed", lambda name: False)  # as on a box without triton
+    real = builtins.__import__
+    with pytest.raises(SystemExit), megatron_importable(None):
+        assert builtins.__import__ is not real
+        raise SystemExit(0)
+    assert builtins.__import__ is real
+    with megatron_importable(None, stand_ins=False):
+        assert builtins.__import__ is real

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..runtime.patches import PATCHES
+from ..runtime.patches import PATCHES, ProcessPatches
 
 STAND_IN_PACKAGES = ("triton",)
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
@@ -113,13 +113,13 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
         PATCHES.on_uninstall(f"sys.path entry {entry}", functools.partial(_remove_path, entry))
     if not hasattr(typing, "override"):
         PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
-    real_import = builtins.__import__
+    scoped = ProcessPatches()  # the stand-ins last only as long as the block, however it ends
     if stand_ins and any(not _really_installed(name) for name in STAND_IN_PACKAGES):
-        builtins.__import__ = _stand_in_import(real_import)
+        scoped.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
     try:
         yield
     finally:
-        builtins.__import__ = real_import
+        scoped.uninstall()
 
 
 def _gpu_build_without_gpu() -> bool:

@@ -163,7 +163,7 @@ def from_options(ns: Any) -> Target:
     return make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
 
 
-_ACTIVE: Target | None = None
+_ACTIVE: Target | None = None  # set only by stand_ins(), whose scoped patches restore it
 
 
 def active() -> Target | None:
@@ -228,19 +228,16 @@ def _te_version(stand: ProcessPatches, te_version: str | None) -> None:
 @contextmanager
 def stand_ins(target: Target | None, te_version: str | None = None) -> Iterator[Target | None]:
     """Within this block Megatron sees ``target``'s world and GPU; afterwards, this machine again."""
-    global _ACTIVE
     stand = ProcessPatches()  # scoped: undone when the block ends, however it ends
-    previous = _ACTIVE
     try:
         if target is not None:
             _world(stand, target)
             if target.gpu is not None:
                 _device(stand, target.gpu, target.per_node or min(target.world_size or 1, 8))
         _te_version(stand, te_version)
-        _ACTIVE = target
+        stand.set_attr(sys.modules[__name__], "_ACTIVE", target, "the active planning target")
         yield target
     finally:
-        _ACTIVE = previous
         stand.uninstall()
 
 

@@ -122,6 +122,17 @@ def _f(v: Any, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
+def _loss_band(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The line under the table that says how wide the baseline's own loss band is, if known."""
+    losses = [r["loss"] for r in rows if r.get("loss")]
+    if not losses:
+        return []
+    if losses[0].get("noise_band") is None:
+        return ["", "Loss noise band: unknown, the baseline ran once (a band needs two of its runs)."]
+    return ["", f"Loss noise band: the baseline's loss moved by up to {losses[0]['noise_band'] * 100:.3f} % "
+                "between its own repeats."]
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     conf = result["confidence"]
@@ -153,12 +164,7 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{_f(ms.get('max'), '.1f')} | {_f((r.get('tflops_per_gpu') or {}).get('median'), '.1f')} "
                      f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} | {flag} "
                      f"| {_f(r.get('max_allocated_mb'), '.0f')} |")
-    losses = [r["loss"] for r in rows if r.get("loss")]
-    if losses and losses[0].get("noise_band") is not None:
-        lines += ["", f"Loss noise band: the baseline's loss moved by up to {losses[0]['noise_band'] * 100:.3f} % "
-                      "between its own repeats."]
-    elif losses:
-        lines += ["", "Loss noise band: unknown, the baseline ran once (a band needs two of its runs)."]
+    lines += _loss_band(rows)
     size = result.get("sizing")
     if size:
         lines += ["", f"Sizing: per-block noise (sd of ln ratio) {size['pooled_sd_log'] * 100:.2f} %. Resolving a "

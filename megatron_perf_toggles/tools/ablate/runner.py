@@ -410,12 +410,6 @@ def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, r
     return status
 
 
-def run_arms(runs: Sequence[Run], environ: dict[str, str], progress: Progress | None = None) -> list[dict[str, Any]]:
-    """Run each run in order (a crash is recorded and the rest go on)."""
-    progress = progress or Progress(len(runs))
-    return [execute(run, environ, progress, i, len(runs) - i) for i, run in enumerate(runs, start=1)]
-
-
 # --- measuring ----------------------------------------------------------------------------------
 
 def _gpus(launch: str | None) -> int:
