@@ -130,8 +130,6 @@ TOGGLES: tuple[Toggle, ...] = (
         kind="bool",
         default=True,
         group="mixed_precision",
-        flag="--grad-reduce-in-bf16",
-        off_flag="--no-grad-reduce-in-bf16",
         anchors=("--grad-reduce-in-bf16", "--bf16"),
         help="Keep the gradient buffer and the data-parallel reduction in bf16 instead of fp32.",
     ),
