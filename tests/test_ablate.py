@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 
 from megatron_perf_toggles.core.registry import BY_DEST
-from megatron_perf_toggles.tools.ablate import report
+from megatron_perf_toggles.tools.ablate import report, world
 from megatron_perf_toggles.tools.ablate import runner as ablate
 from megatron_perf_toggles.tools.ablate.design import (
     DEFAULT_TOGGLES,
@@ -454,10 +454,14 @@ def test_plot_or_clear_note(tmp_path):
         assert note is None and (tmp_path / "p.png").stat().st_size > 1000
 
 
-def test_gpu_count_from_launch():
-    assert ablate._gpus(None) == 1
-    assert ablate._gpus("torchrun --nproc-per-node 8") == 8
-    assert ablate._gpus("torchrun --nnodes=2 --nproc_per_node=4") == 8
+def test_gpu_count_is_the_runs_logged_world_size_else_the_launchers(tmp_path):
+    log = tmp_path / "log.txt"
+    log.write_text("using world size: 16, data-parallel size: 16\n")
+    runs = [{"arm": "all-off", "status": "done", "log": str(log)}]
+    assert world.world_size(runs, "all-off", "srun -n 2") == 16  # what ran, not what the prefix says
+    assert world.world_size(runs, "all-on", "torchrun --nnodes=2 --nproc_per_node=4") == 8  # not this arm's log
+    assert world.world_size([], "all-off", None) == 1
+    assert world.world_size([], "all-off", "deepspeed --num_gpus 8") is None  # unknown, not guessed
 
 
 def test_each_run_gets_its_own_logs_and_checkpoints(tmp_path):

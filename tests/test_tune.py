@@ -17,7 +17,7 @@ from megatron_perf_toggles.runtime import profile_file, provider
 from megatron_perf_toggles.runtime.controller import Controller
 from megatron_perf_toggles.tools import tune
 from megatron_perf_toggles.tools.ablate import runner as ablate
-from megatron_perf_toggles.tools.ablate import stats
+from megatron_perf_toggles.tools.ablate import stats, world
 from megatron_perf_toggles.tools.surfaces import replay
 
 FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
@@ -303,15 +303,15 @@ def test_resume_reruns_a_run_whose_pinned_toggles_changed(tmp_path, costs, capsy
     assert "done earlier, skipped" in capsys.readouterr().err  # what did not change was not run again
 
 
-@pytest.mark.parametrize("launch, world", [
+@pytest.mark.parametrize("launch, expected", [
     (None, 1), ("torchrun --nproc-per-node 8", 8), ("torchrun --nproc_per_node=4 --nnodes 2", 8),
     ("python -m torch.distributed.run --nproc-per-node 2", 2), ("python3", 1),
     ("torchrun --nproc-per-node gpu", None), ("torchrun --nproc-per-node 8 --nnodes 1:2", None),
     ("srun -n 16", 16), ("srun --ntasks=4", 4), ("srun -N 2", None), ("mpirun -np 8", 8), ("mpiexec -n 3", 3),
     ("mpirun --hostfile h", None), ("deepspeed --num_gpus 8", None),
 ])
-def test_the_launchers_world_size_or_none_where_it_is_not_plain(launch, world):
-    assert tune.launch_world_size(launch) == world
+def test_the_launchers_world_size_or_none_where_it_is_not_plain(launch, expected):
+    assert world.launch_world_size(launch) == expected
 
 
 def test_the_world_size_is_the_runs_own_where_megatron_logged_it(tmp_path, costs, monkeypatch):

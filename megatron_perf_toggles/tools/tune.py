@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -50,6 +49,7 @@ from .ablate import runner as ablate
 from .ablate import stats
 from .ablate.design import Arm, DesignError, baseline_of, expand, parse_toggles
 from .ablate.report import write_results
+from .ablate.world import launch_world_size, world_size
 
 DEFAULT_MAX_FACTORIAL = 3  # 8 arms a block; 4 would be 16
 
@@ -224,55 +224,6 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
 
 
 # --- the environment measured, from the dry-run records ------------------------------------------
-
-
-WORLD_IN_LOG = re.compile(r"using world size: (\d+)")  # Megatron's own line at start-up
-
-
-def _option(words: Sequence[str], names: tuple[str, ...]) -> str | None:
-    """The value of the first of ``names`` in ``words`` (``--x 8``, ``--x=8``), or None."""
-    for i, word in enumerate(words):
-        key, eq, val = word.partition("=")
-        if key in names:
-            return val if eq else (words[i + 1] if i + 1 < len(words) else "")
-    return None
-
-
-def launch_world_size(launch: str | None) -> int | None:
-    """The world size a launcher prefix starts, where it says so plainly; None where it does not
-    (``--nproc-per-node gpu``, elastic ``--nnodes 1:2``, a launcher not known here): a wrong number
-    would make every run of the profile warn "measured elsewhere", an unknown one is not checked."""
-    if not launch:
-        return 1  # this python: one process
-    words = shlex.split(launch)
-    name = Path(words[0]).name if words else ""
-    if name == "torchrun" or "torch.distributed.run" in words or "torch.distributed.launch" in words:
-        per_node = _option(words, ("--nproc-per-node", "--nproc_per_node")) or "1"
-        nodes = _option(words, ("--nnodes",)) or "1"
-        return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
-    if name == "srun":
-        count = _option(words, ("-n", "--ntasks"))
-    elif name in ("mpirun", "mpiexec"):
-        count = _option(words, ("-np", "-n", "--np", "-c"))
-    else:
-        return 1 if name.startswith("python") else None  # a script run by python: one process
-    return int(count) if count and count.isdigit() else None
-
-
-def logged_world_size(runs: Sequence[Mapping[str, Any]], arm: str) -> int | None:
-    """The world size Megatron printed in one of ``arm``'s finished runs: the run's own word."""
-    for run in runs:
-        if run.get("arm") != arm or run.get("status") != "done" or not run.get("log"):
-            continue
-        try:
-            with open(run["log"], errors="replace") as fh:
-                for line in fh:
-                    found = WORLD_IN_LOG.search(line)
-                    if found:
-                        return int(found.group(1))
-        except OSError:
-            continue
-    return None
 
 
 def measured_on(record: Mapping[str, Any], launch: str | None, world_size: int | None = None) -> Environment:
@@ -512,7 +463,7 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
     profile = Profile(
         toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch,
-                                                 logged_world_size(first["runs"], baseline_of(arms).name)),
+                                                 world_size(first["runs"], baseline_of(arms).name, ns.launch)),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command), confirmation=confirmation)
     return profile, excluded, results

@@ -42,7 +42,7 @@ def _loss_at(run: dict[str, Any], iteration: int) -> float | None:
                  and "lm_loss" in it), None)
 
 
-def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, seq_length: int | None, gpus: int,
+def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, seq_length: int | None, gpus: int | None,
             confidence: float = 0.95, effect: float = 0.01) -> list[dict[str, Any]]:
     """Per arm: the median of its runs' medians with their range; against the baseline, block by
     block: the speedup with its interval and verdict, the loss ratio with its band, and sizing."""
@@ -78,8 +78,8 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
         gbs = next((it["global_batch_size"] for r in ok for it in r.get("iterations", [])
                     if "global_batch_size" in it), None)
         med = (row["ms_per_iter"] or {}).get("median")
-        if gbs and med and seq_length:
-            row["tokens_per_s_per_gpu"] = gbs * seq_length / (med / 1000) / max(gpus, 1)
+        if gbs and med and seq_length and gpus:  # an unknown world size gives no per-GPU figure
+            row["tokens_per_s_per_gpu"] = gbs * seq_length / (med / 1000) / gpus
         if arm is not base:
             row["speedup"] = stats.paired_speedup(base_ms, ms, confidence)
             sd = row["speedup"].get("sd_log")

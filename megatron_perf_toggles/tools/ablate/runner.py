@@ -45,6 +45,7 @@ from .design import (
     parse_vary,
 )
 from .report import compare, measure_run, sizing, widest_interval, write_results
+from .world import world_size
 
 # Arguments that legitimately differ between arms, or are bookkeeping, not the experiment.
 NOT_COMPARED = {"perf_toggles", "perf_toggles_precision", "rank", "local_rank", "world_size"}
@@ -412,21 +413,6 @@ def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, r
 
 # --- measuring ----------------------------------------------------------------------------------
 
-def _gpus(launch: str | None) -> int:
-    if not launch:
-        return 1
-    words = shlex.split(launch)
-    n = nodes = 1
-    for i, w in enumerate(words):
-        key, _, val = w.partition("=")
-        nxt = val or (words[i + 1] if i + 1 < len(words) else "")
-        if key in ("--nproc-per-node", "--nproc_per_node") and nxt.isdigit():
-            n = int(nxt)
-        if key == "--nnodes" and nxt.isdigit():
-            nodes = int(nxt)
-    return n * nodes
-
-
 def check_launcher(launch: str | None, script: str, megatron_args: Sequence[str]) -> None:
     """The program an arm's command starts must exist, checked before the first GPU minute."""
     launcher = arm_command(launch, script, megatron_args, Arm("launcher", {}))[0]
@@ -599,14 +585,15 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
         print(f"[ablate] the warm-up run took {per_run:.0f}s: about {per_run * (planned - 1) / 60:.1f} min "
               "for the blocks", file=sys.stderr, flush=True)
     seq = records[0].get("effective_args", {}).get("seq_length")
-    gpus = _gpus(ns.launch)
+    base_name = baseline_of(arms).name
     block, stop_reason = 0, None
     orders: list[list[str]] = []
     while True:
         if block >= ns.repeats:
             if ns.target_ci is None:
                 break
-            rows = compare(arms, [measure_run(s, ns.warmup) for s in statuses], block, seq, gpus, ns.confidence)
+            rows = compare(arms, [measure_run(s, ns.warmup) for s in statuses], block, seq,
+                           world_size(statuses, base_name, ns.launch), ns.confidence)
             width = widest_interval(rows)
             if width <= ns.target_ci:
                 stop_reason = f"every interval within +-{ns.target_ci * 100:g} % after {block} blocks"
@@ -631,8 +618,10 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
     if stop_reason:
         print(f"[ablate] stopped: {stop_reason}", file=sys.stderr)
     runs = [measure_run(s, ns.warmup) for s in statuses]
+    gpus = world_size(statuses, base_name, ns.launch)
     rows = compare(arms, runs, block, seq, gpus, ns.confidence, ns.effect)
     return {"design": ns.design, "seed": ns.seed, "repeats": ns.repeats, "blocks_run": block, "block_order": orders,
+            "world_size": gpus,
             "warmup_run": ns.warmup_run, "iters": iters, "warmup": ns.warmup, "confidence": ns.confidence,
             "target_ci": ns.target_ci, "budget_min": ns.budget, "stop_reason": stop_reason,
             "derived": {n: sorted(k) for n, k in derived.items()}, "rows": rows,
