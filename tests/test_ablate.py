@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import sys
@@ -542,3 +543,9 @@ def test_progress_line(tmp_path):
     _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream))
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue() and len(lines) == 2 and "it 6/6" in lines[1] and "done in" in lines[1]
+
+
+def test_only_the_separating_double_dash_is_dropped():
+    ns = argparse.Namespace(megatron_args=["--", "--num-layers", "4", "--", "x"])
+    assert ablate.megatron_args_of(ns) == ["--num-layers", "4", "--", "x"]
+    assert ablate.megatron_args_of(argparse.Namespace(megatron_args=["--num-layers", "4"])) == ["--num-layers", "4"]

@@ -576,7 +576,7 @@ def _prepare(ns: argparse.Namespace) -> list[str]:
     if not 1 <= ns.max_factorial <= 5:
         raise DesignError(f"--max-factorial {ns.max_factorial}: between 1 and 5 (2 to 32 arms a block)")
     ablate._check_out(Path(ns.out))
-    args = list(ns.megatron_args[1:] if ns.megatron_args[:1] == ["--"] else ns.megatron_args)
+    args = ablate.megatron_args_of(ns)
     if ns.iters is not None:
         args = ablate.set_args(args, {"--train-iters": str(ns.iters)})
     ablate.check_launcher(ns.launch, ns.script, args)

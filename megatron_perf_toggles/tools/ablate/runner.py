@@ -413,6 +413,13 @@ def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, r
 
 # --- measuring ----------------------------------------------------------------------------------
 
+def megatron_args_of(ns: argparse.Namespace) -> list[str]:
+    """The Megatron arguments as given after the script: argparse keeps the ``--`` that separates
+    them from ours, and only that first one is ours to drop (ablate and tune alike)."""
+    args = list(ns.megatron_args)
+    return args[1:] if args[:1] == ["--"] else args
+
+
 def check_launcher(launch: str | None, script: str, megatron_args: Sequence[str]) -> None:
     """The program an arm's command starts must exist, checked before the first GPU minute."""
     launcher = arm_command(launch, script, megatron_args, Arm("launcher", {}))[0]
@@ -512,7 +519,7 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
     """The experiment the parsed options ask for (``main``'s body; also the cli subcommand's)."""
     # Longer than 50 lines on purpose: every check a run must pass before the first GPU minute is
     # spent, in the order they are reported; the work itself is in experiment().
-    args = [a for a in ns.megatron_args if a != "--"] if ns.megatron_args[:1] == ["--"] else list(ns.megatron_args)
+    args = megatron_args_of(ns)
     try:
         _validate(ns)
         known = _known_args()
