@@ -3,6 +3,7 @@ every malformed file as one line with exit status 2 (through the plugin and thro
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -381,6 +382,26 @@ def test_explain_shows_profile_values_and_the_check(tmp_path):
         cwd=REPO, timeout=120, env=_clean_env(MEGATRON_PERF_TOGGLES_PROFILE=path)).stdout)
     assert data["decisions"]["grad_reduce_in_bf16"]["source"] == "profile"
     assert "gpu" in data["profile"]["unchecked"] and "gpu" not in data["profile"]["mismatches"]
+
+
+def test_doctor_shows_profile_values_and_checks_this_machine(tmp_path):
+    """doctor looks at this machine: a profile's values show in its table, and its versions are
+    compared with this machine's (Megatron's version here: none found, so said, not warned)."""
+    path = write_profile(tmp_path, replace(sample(), environment=replace(MEASURED_ON, torch="1.0.0")))
+    env = _clean_env(MEGATRON_PERF_TOGGLES_PROFILE=path)
+    proc = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "doctor"], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"profile:            {path}: 2 toggle(s)" in proc.stdout
+    row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("grad_reduce_in_bf16 "))
+    assert row.split()[1] == "off"
+    has_torch = importlib.util.find_spec("torch") is not None
+    assert ("torch 1.0.0 there, " in proc.stdout) is has_torch  # this machine is checked, where it has torch
+    data = json.loads(subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "doctor", "--json"],
+                                     capture_output=True, text=True, cwd=REPO, timeout=120, env=env).stdout)
+    assert data["toggles_here"]["grad_reduce_in_bf16"]["source"] == "profile"
+    assert "world_size" in data["profile"]["unchecked"]  # doctor is no job: no world size to compare
+    assert "torch" in data["profile"]["mismatches" if has_torch else "unchecked"]
 
 
 def test_explain_help_names_the_profile_variable():

@@ -69,6 +69,8 @@ def _world_size(environ: Mapping[str, str], mode: str) -> tuple[int | None, str 
         return int(raw), None
     if mode == "plan":
         return None, "explain plans for no particular world size (WORLD_SIZE is not set)"
+    if mode == "doctor":
+        return None, "doctor looks at this machine, not at a job's world size (WORLD_SIZE is not set)"
     return 1, None  # Megatron's own reading of an unset WORLD_SIZE
 
 
@@ -77,7 +79,9 @@ def observed(caps: Capabilities, environ: Mapping[str, str], mode: str, probe_gp
 
     In ``plan`` mode (explain) the TE and torch found are the planning machine's, often a laptop
     with neither matching the cluster: they are not checked unless TE is assumed (torch cannot
-    be), so that no plan warns "measured elsewhere" about the machine it merely runs on."""
+    be), so that no plan warns "measured elsewhere" about the machine it merely runs on. In
+    ``doctor`` mode this machine is the point: its TE, torch and GPU are checked, and the world size
+    only where WORLD_SIZE gives one."""
     unknown: dict[str, str] = {}
     if not caps.megatron.version:
         unknown["megatron"] = "Megatron's version could not be read"
@@ -87,6 +91,8 @@ def observed(caps: Capabilities, environ: Mapping[str, str], mode: str, probe_gp
         unknown["transformer_engine"] = "a plan sees the planning machine's, not the run's (assume te=VERSION)"
     if caps.torch_version is None and mode == "run":
         unknown["torch"] = "torch is not imported yet"
+    elif caps.torch_version is None and mode == "doctor":
+        unknown["torch"] = "torch is not installed here"
     elif mode == "plan":
         unknown["torch"] = "a plan sees the planning machine's, not the run's"
     gpu, why = _gpu(caps, mode, probe_gpu)

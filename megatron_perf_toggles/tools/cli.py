@@ -308,9 +308,12 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     if facts is not None:
         caps = replace(caps, megatron=facts)
     env = read_env(os.environ)
+    profile = profile_named(env)
     planned = resolve(env.assume) if env.assume else None
     effective = replace(planned, megatron=caps.megatron) if planned else caps
-    plan = decide(_llama_view(), {}, env, effective)
+    seen = None if profile is None else profile_file.observed(
+        effective, os.environ, "doctor", probe_gpu=profile.environment.gpu is not None)
+    plan = decide(_llama_view(), {}, env, effective, profile=profile, observed=seen)
     report = {
         "megatron": asdict(facts) if facts is not None else {"error": why_not},
         "torch": {"version": caps.torch_version, "device": caps.device},
@@ -323,6 +326,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
         "toggles_here": {dest: d.to_record() for dest, d in plan.decisions.items()},
         "assumed": list(effective.assumed),
         "wgrad_path": plan.wgrad_path,
+        "profile": plan.profile,
     }
     if ns.json:
         print(json.dumps(report, indent=1, sort_keys=True, default=str))
@@ -346,6 +350,11 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     print(f"fused wgrad path:   {WGRAD_WORDS[plan.wgrad_path]}")
     for note in caps.notes.values():
         print(f"  note: {note}")
+    if profile is not None:
+        print(f"profile:            {_profile_summary(profile)}")
+        for message in plan.messages:
+            if message.level == "profile":
+                print(f"  {message.text}")
     print()
     label = "Toggles on this machine" + (" (planned via MEGATRON_PERF_TOGGLES_ASSUME)" if env.assume else "")
     print(f"{label}, for a Llama-style bf16 run:")
