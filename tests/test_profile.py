@@ -334,6 +334,20 @@ def test_the_provider_announces_the_profile_once_on_rank_0_and_records_it(tmp_pa
     assert capsys.readouterr().out == ""  # other ranks decide the same, and print nothing
 
 
+def test_help_says_a_toggle_default_comes_from_the_profile(tmp_path, capsys):
+    path = write_profile(tmp_path)  # grad_reduce_in_bf16 off, cross_entropy_loss_fusion on
+    parser = replay.parser_from_surface(replay.load_surface("main"))
+    provider.attach(parser, environ={"MEGATRON_PERF_TOGGLES_PROFILE": path, "CROSS_ENTROPY_LOSS_FUSION": "0"},
+                    announce=False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    # grad_reduce_in_bf16 (argparse may wrap the path at its hyphens: its end is enough)
+    assert "off (from the profile " in out and "profile.json)" in out
+    assert "off (from CROSS_ENTROPY_LOSS_FUSION)" in out  # env over profile, as the plan decides
+    assert "on (plugin default; env GRADIENT_ACCUMULATION_FUSION)" in out  # not in the profile
+
+
 PLUGIN_SNIPPET = (
     "from megatron_perf_toggles.runtime import provider; from megatron_perf_toggles.tools.surfaces import replay; "
     "p = replay.parser_from_surface(replay.load_surface('main')); provider.attach(p, announce=False); "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.decide import FP4_LAYER_DESTS
 from ..core.env import EnvSettings
@@ -21,6 +21,9 @@ from ..core.facts import Capabilities
 from ..core.registry import GROUPS, TOGGLES, Toggle, format_value
 from ..errors import PerfTogglesError, fail
 from .controller import UNSET, Controller, Registration, process_controller
+
+if TYPE_CHECKING:  # the profile modules load only when a profile is named (start-up time)
+    from ..core.profile import Profile
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 PLUGIN_GROUP_TITLE = "perf toggles (megatron-perf-toggles)"
@@ -51,37 +54,41 @@ def group_for(parser: argparse.ArgumentParser, toggle: Toggle) -> argparse._Argu
     return by_title.get(PLUGIN_GROUP_TITLE) or parser.add_argument_group(PLUGIN_GROUP_TITLE)
 
 
-def _default_words(toggle: Toggle, env: EnvSettings) -> str:
+def _default_words(toggle: Toggle, env: EnvSettings, profile: Profile | None = None) -> str:
+    """What the toggle is without its flag, in the order the plan decides it: env, profile, default."""
     if toggle.dest in env.toggles:
         return f"{format_value(env.toggles[toggle.dest])} (from {toggle.env})"
+    if profile is not None and toggle.dest in profile.toggles:
+        return f"{format_value(profile.toggles[toggle.dest].value)} (from the profile {profile.source})"
     if not env.plugin_enabled:
         return "Megatron's default (MEGATRON_PERF_TOGGLES=0)"
     return f"{format_value(toggle.default)} (plugin default; env {toggle.env})"
 
 
-def _help(toggle: Toggle, env: EnvSettings) -> str:
+def _help(toggle: Toggle, env: EnvSettings, profile: Profile | None = None) -> str:
     # argparse %-formats help text: escape literal percent signs.
-    return f"{toggle.help} Default: {_default_words(toggle, env)}; guards may turn it off.".replace("%", "%%")
+    words = _default_words(toggle, env, profile)
+    return f"{toggle.help} Default: {words}; guards may turn it off.".replace("%", "%%")
 
 
-def register_flags(parser: argparse.ArgumentParser, env: EnvSettings) -> list[str]:
+def register_flags(parser: argparse.ArgumentParser, env: EnvSettings, profile: Profile | None = None) -> list[str]:
     """Add the forms the parser lacks; annotate the forms it has. Returns the flags added."""
     added: list[str] = []
     for toggle in TOGGLES:
         group = group_for(parser, toggle)
         forms: list[tuple[str, dict[str, Any]]] = []
         if toggle.kind == "bool":
-            forms.append((toggle.flag, {"action": "store_true", "help": _help(toggle, env)}))
+            forms.append((toggle.flag, {"action": "store_true", "help": _help(toggle, env, profile)}))
             forms.append((toggle.off_flag, {"action": "store_false", "help": f"Turn off {toggle.title}."}))
         else:
-            forms.append((toggle.flag, {"choices": list(toggle.choices), "help": _help(toggle, env)}))
+            forms.append((toggle.flag, {"choices": list(toggle.choices), "help": _help(toggle, env, profile)}))
         for flag, kwargs in forms:
             existing = parser._option_string_actions.get(flag)
             if existing is None:
                 group.add_argument(flag, dest=toggle.dest, **kwargs)
                 added.append(flag)
             elif existing.dest == toggle.dest and existing.help is not argparse.SUPPRESS:
-                note = f"[perf-toggles default: {_default_words(toggle, env)}]".replace("%", "%%")
+                note = f"[perf-toggles default: {_default_words(toggle, env, profile)}]".replace("%", "%%")
                 if note not in (existing.help or ""):
                     existing.help = f"{existing.help or ''} {note}".strip()
     return added
@@ -141,7 +148,7 @@ def attach(
     stock = _stock_defaults(parser, toggle_dests + list(FP4_LAYER_DESTS))
     for t in TOGGLES:
         stock.setdefault(t.dest, t.stock_default)
-    added = register_flags(parser, controller.env)
+    added = register_flags(parser, controller.env, controller.profile)
     present = {a.dest for a in parser._actions}
     watched = tuple(d for d in [*toggle_dests, *FP4_LAYER_DESTS] if d in present)
     parser.set_defaults(**{dest: UNSET for dest in watched})
