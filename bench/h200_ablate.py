@@ -88,7 +88,8 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
 }
 ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-delayed": 2, "fp8-tensorwise": 2,
         "dp2": 2, "candidates": 3, "dp2-candidates": 4,
-        "tune": 7, "dp2-tune": 7}  # tune: leave-one-out of five toggles, and a confirmation or a factorial
+        # tune, at most: leave-one-out of five toggles (6 arms), then a factorial of up to 3 (8 arms)
+        "tune": 14, "dp2-tune": 14}
 # Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
 # start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
 SECONDS_PER_ITER = {"bf16": 1.2, "fp8": 1.0, "dp2": 1.3}

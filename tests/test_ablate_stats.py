@@ -139,8 +139,8 @@ def test_report_says_when_the_band_is_unknown():
               "rows": [row("all-off", True, st.loss_comparison([2.0], [2.0])),
                        row("all-on", False, st.loss_comparison([2.0], [2.0004]))]}
     text = report.markdown(result)
-    assert "no band (one baseline run)" in text and "outside noise band" not in text
-    assert "unknown, the baseline ran once" in text
+    assert "no band (see below)" in text and "outside noise band" not in text
+    assert "Loss noise band: unknown, fewer than two baseline runs" in text
 
 
 def test_relative_half_width():

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, TypeVar
+from reprlib import recursive_repr
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 _T = TypeVar("_T")
 _MISSING: Any = object()
 _CLASS_VAR = ("ClassVar", "typing.ClassVar")
+# Struct's own attributes: a field of the same name would break it, so none may be declared.
+_RESERVED = frozenset({"_fields", "_defaults", "_frozen", "_values", "_hash", "_refuse_set", "_refuse_del"})
 
 
 class FrozenStructError(AttributeError):
@@ -45,7 +48,10 @@ def _no_transform(**_: Any) -> Callable[[_T], _T]:
     return lambda cls: cls
 
 
-_dataclass_transform = getattr(typing, "dataclass_transform", _no_transform)  # Python 3.11+
+if TYPE_CHECKING:  # what checkers read: a plain import they recognise (typing has it from 3.11)
+    from typing_extensions import dataclass_transform as _dataclass_transform
+else:  # at run time: the standard library's where it has one, else nothing to tell
+    _dataclass_transform = getattr(typing, "dataclass_transform", _no_transform)
 
 
 def _is_class_var(annotation: Any) -> bool:
@@ -64,21 +70,29 @@ class Struct:
 
     def __init_subclass__(cls, frozen: bool | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        inherited = cls._frozen if cls._fields else None  # a parent with fields fixes frozen-ness
+        if frozen is not None and inherited is not None and frozen != inherited:
+            raise TypeError(f"{cls.__name__}: cannot be {'frozen' if frozen else 'mutable'} with a "
+                            f"{'frozen' if inherited else 'mutable'} parent (as with dataclasses)")
         names = list(cls._fields)
         defaults = dict(cls._defaults)
         for name, annotation in cls.__annotations__.items():  # own ones only, from Python 3.10
             if _is_class_var(annotation):
                 continue
+            if name in _RESERVED:
+                raise TypeError(f"{cls.__name__}.{name}: the name is Struct's own; choose another")
             if name not in names:
                 names.append(name)
-            if name in cls.__dict__:
-                value = cls.__dict__[name]
-                if isinstance(value, (list, dict, set)):
-                    raise TypeError(f"{cls.__name__}.{name}: a mutable default is shared by every instance; "
-                                    f"use field(default_factory={type(value).__name__})")
-                defaults[name] = value
-                if isinstance(value, _Factory):
-                    delattr(cls, name)
+            if name not in cls.__dict__:
+                defaults.pop(name, None)  # declared again without a default: it has none
+                continue
+            value = cls.__dict__[name]
+            if type(value).__hash__ is None:  # as dataclasses (3.11+) judge "mutable"
+                raise TypeError(f"{cls.__name__}.{name}: a mutable default is shared by every instance; "
+                                f"use field(default_factory=...)")
+            defaults[name] = value
+            if isinstance(value, _Factory):
+                delattr(cls, name)
         seen_default = ""
         for name in names:  # as for a function: no required field after one with a default
             if name in defaults:
@@ -87,9 +101,11 @@ class Struct:
                 raise TypeError(f"{cls.__name__}: field {name!r} without a default follows {seen_default!r}")
         cls._fields = tuple(names)
         cls._defaults = defaults
-        cls._frozen = cls._frozen if frozen is None else frozen
+        cls._frozen = bool(inherited if frozen is None else frozen)
         cls.__match_args__ = cls._fields
-        if "__hash__" not in cls.__dict__:  # as a dataclass: hashable when frozen, else not
+        own = cls.__dict__
+        # A class that defines __eq__ gets __hash__ = None from Python: that is not a choice of its own.
+        if "__hash__" not in own or (own["__hash__"] is None and "__eq__" in own):
             cls.__hash__ = Struct._hash if cls._frozen else None  # type: ignore[assignment]
         # set on every class, so that neither a frozen parent nor a mutable one decides for a child
         cls.__setattr__ = Struct._refuse_set if cls._frozen else object.__setattr__  # type: ignore[method-assign]
@@ -123,6 +139,7 @@ class Struct:
     def _values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self._fields)
 
+    @recursive_repr()
     def __repr__(self) -> str:
         body = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields)
         return f"{type(self).__qualname__}({body})"
@@ -134,6 +151,9 @@ class Struct:
 
     def _hash(self) -> int:
         return hash(self._values())
+
+    def __replace__(self, **changes: Any) -> Any:  # copy.replace, Python 3.13+
+        return replace(self, **changes)
 
     def _refuse_set(self, name: str, value: Any) -> None:
         raise FrozenStructError(f"cannot assign to field {name!r} of frozen {type(self).__name__}")
@@ -156,7 +176,8 @@ def replace(struct: _T, **changes: Any) -> _T:
 
 def asdict(value: Any) -> Any:
     """``value`` as plain data: Structs become dicts (recursively, as ``dataclasses.asdict`` does
-    for dataclasses), lists and tuples keep their type, dicts their keys."""
+    for dataclasses); lists and tuples (named ones too) keep their type; dicts keep their keys and
+    come back as plain dicts. Other values are returned as they are, not copied."""
     if isinstance(value, Struct):
         return {name: asdict(getattr(value, name)) for name in value._fields}
     if isinstance(value, dict):

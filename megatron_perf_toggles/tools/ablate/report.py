@@ -128,7 +128,8 @@ def _loss_band(rows: Sequence[dict[str, Any]]) -> list[str]:
     if not losses:
         return []
     if losses[0].get("noise_band") is None:
-        return ["", "Loss noise band: unknown, the baseline ran once (a band needs two of its runs)."]
+        return ["", "Loss noise band: unknown, fewer than two baseline runs reached the compared iteration "
+                    "(a band needs two)."]
     return ["", f"Loss noise band: the baseline's loss moved by up to {losses[0]['noise_band'] * 100:.3f} % "
                 "between its own repeats."]
 
@@ -159,7 +160,7 @@ def markdown(result: dict[str, Any]) -> str:
                     f"(it {loss.get('iteration', '-')})") if loss else "-"
         flag = "-" if not loss or r["baseline"] else {
             True: "outside noise band", False: "within noise band"}.get(loss.get("outside_noise_band"),
-                                                                        "no band (one baseline run)")
+                                                                        "no band (see below)")
         lines.append(f"| {r['arm']} | {runs} | {_f(ms.get('median'), '.1f')} | {_f(ms.get('min'), '.1f')}–"
                      f"{_f(ms.get('max'), '.1f')} | {_f((r.get('tflops_per_gpu') or {}).get('median'), '.1f')} "
                      f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} | {flag} "
