@@ -130,9 +130,7 @@ class Controller:
         if self.profile is not None:
             from . import profile_file
 
-            # No GPU recorded, nothing to compare: torch is not asked for the GPU's name.
-            observed = profile_file.observed(caps, self.environ, self.mode,
-                                             probe_gpu=self.profile.environment.gpu is not None)
+            observed = profile_file.observed_for(self.profile, caps, self.environ, self.mode)
         plan = decide(vars(ns), explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
                       observed=observed)
         original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}

@@ -104,3 +104,11 @@ def observed(caps: Capabilities, environ: Mapping[str, str], mode: str, probe_gp
     env = Environment(megatron=caps.megatron.version, transformer_engine=caps.te_version,
                       torch=caps.torch_version, gpu=gpu, world_size=world)
     return Observed(env, unknown)
+
+
+def observed_for(profile: Profile | None, caps: Capabilities, environ: Mapping[str, str], mode: str) -> Observed | None:
+    """What a plan compares ``profile``'s environment with (None without a profile). With no GPU
+    recorded there is nothing to compare, so torch is not asked for this machine's GPU."""
+    if profile is None:
+        return None
+    return observed(caps, environ, mode, probe_gpu=profile.environment.gpu is not None)

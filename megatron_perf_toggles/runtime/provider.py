@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..core.decide import FP4_LAYER_DESTS
+from ..core.decide import FP4_LAYER_DESTS, requested
 from ..core.env import EnvSettings
 from ..core.facts import Capabilities
 from ..core.registry import GROUPS, TOGGLES, Toggle, format_value
@@ -55,11 +55,12 @@ def group_for(parser: argparse.ArgumentParser, toggle: Toggle) -> argparse._Argu
 
 
 def _default_words(toggle: Toggle, env: EnvSettings, profile: Profile | None = None) -> str:
-    """What the toggle is without its flag, in the order the plan decides it: env, profile, default."""
-    if toggle.dest in env.toggles:
-        return f"{format_value(env.toggles[toggle.dest])} (from {toggle.env})"
-    if profile is not None and toggle.dest in profile.toggles:
-        return f"{format_value(profile.toggles[toggle.dest].value)} (from the profile {profile.source})"
+    """What the toggle is without its flag: the plan's own env > profile > default chain, in words."""
+    asked = requested(toggle.dest, env, profile)
+    if asked.source == "env":
+        return f"{format_value(asked.value)} (from {toggle.env})"
+    if asked.source == "profile" and profile is not None:
+        return f"{format_value(asked.value)} (from the profile {profile.source})"
     if not env.plugin_enabled:
         return "Megatron's default (MEGATRON_PERF_TOGGLES=0)"
     return f"{format_value(toggle.default)} (plugin default; env {toggle.env})"

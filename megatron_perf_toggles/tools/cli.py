@@ -311,8 +311,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     profile = profile_named(env)
     planned = resolve(env.assume) if env.assume else None
     effective = replace(planned, megatron=caps.megatron) if planned else caps
-    seen = None if profile is None else profile_file.observed(
-        effective, os.environ, "doctor", probe_gpu=profile.environment.gpu is not None)
+    seen = profile_file.observed_for(profile, effective, os.environ, "doctor")
     plan = decide(_llama_view(), {}, env, effective, profile=profile, observed=seen)
     report = {
         "megatron": asdict(facts) if facts is not None else {"error": why_not},

@@ -49,7 +49,7 @@ from .ablate import runner as ablate
 from .ablate import stats
 from .ablate.design import Arm, DesignError, baseline_of, expand, parse_toggles
 from .ablate.report import write_results
-from .ablate.world import launch_world_size, world_size
+from .ablate.world import world_size
 
 DEFAULT_MAX_FACTORIAL = 3  # 8 arms a block; 4 would be 16
 
@@ -226,17 +226,17 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
 # --- the environment measured, from the dry-run records ------------------------------------------
 
 
-def measured_on(record: Mapping[str, Any], launch: str | None, world_size: int | None = None) -> Environment:
+def measured_on(record: Mapping[str, Any], world: int | None) -> Environment:
     """What the runs ran on: the baseline's dry-run record (Megatron, TE, torch, the GPU that
-    process saw) and the world size (the baseline runs' own log line where given, else the
-    launcher's, else None: not recorded). The dry run's own world size is not used: it runs as one
-    process, whatever the launch. No torch is imported here."""
+    process saw) and ``world``, the runs' world size (``ablate.world.world_size``; None: not
+    recorded). The dry run's own world size is not used: it runs as one process, whatever the
+    launch. No torch is imported here."""
     caps = record.get("capabilities") or {}
     te = caps.get("te_version")
     return Environment(megatron=(record.get("megatron") or {}).get("version"),
                        transformer_engine=None if te == "unknown" else te, torch=caps.get("torch_version"),
                        gpu=record.get("gpu_visible"),
-                       world_size=world_size if world_size is not None else launch_world_size(launch))
+                       world_size=world)
 
 
 # --- running the phases --------------------------------------------------------------------------
@@ -462,7 +462,7 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     choices, confirmation = confirm(setup, choices, {d: v for d, v in pins.items() if d not in choices}, results)
     command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
     profile = Profile(
-        toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))], ns.launch,
+        toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))],
                                                  world_size(first["runs"], baseline_of(arms).name, ns.launch)),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command), confirmation=confirmation)
