@@ -15,6 +15,10 @@ directory under --out):
   dp2             headline at DP=2 (torchrun, 2 GPUs)
   candidates      at DP=1, the plugin defaults against each candidate added to them: manual GC, and
                   CUDA graphs of the transformer layers through Transformer Engine
+  candidates2     at DP=1, a second round: no attention mask from the data loader (the fused kernels
+                  take the causal mask from the layer spec), PyTorch's expandable-segments allocator,
+                  no per-micro-batch NaN check (neutral, but it removes a safety check), and one CUDA
+                  graph of the whole forward-backward step (which needs the NaN check off)
   dp2-candidates  at DP=2, the plugin defaults against each candidate added to them: overlapping the
                   gradient reduce (and the parameter gather) with compute, and manual GC
   tune            ``megatron-perf-toggles tune`` on this model, one GPU: writes OUT/tune/profile.json
@@ -79,6 +83,12 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
     "dp2": (["ablate", "--design", "headline"], [], 2),
     "candidates": (["ablate", "--design", "candidates", "--candidate", "manual-gc=--manual-gc",
                     "--candidate", "cuda-graphs-te=--cuda-graph-impl transformer_engine"], [], 1),
+    "candidates2": (["ablate", "--design", "candidates",
+                     "--candidate", "no-attention-mask=--no-create-attention-mask-in-dataloader",
+                     "--candidate", "expandable-segments=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                     "--candidate", "no-nan-check=--no-check-for-nan-in-loss-and-grad",
+                     "--candidate", "cuda-graph-step=--cuda-graph-impl full_iteration "
+                     "--no-check-for-nan-in-loss-and-grad"], [], 1),
     "dp2-candidates": (["ablate", "--design", "candidates",
                         "--candidate", "overlap-grad-reduce=--overlap-grad-reduce",
                         "--candidate", "overlap-grad-and-param=--overlap-grad-reduce --overlap-param-gather",
@@ -87,7 +97,7 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
     "dp2-tune": (["tune"], [], 2),
 }
 ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-delayed": 2, "fp8-tensorwise": 2,
-        "dp2": 2, "candidates": 3, "dp2-candidates": 4,
+        "dp2": 2, "candidates": 3, "candidates2": 5, "dp2-candidates": 4,
         # tune, at most: leave-one-out of five toggles (6 arms), then a factorial of up to 3 (8 arms)
         "tune": 14, "dp2-tune": 14}
 # Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the

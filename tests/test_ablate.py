@@ -93,9 +93,13 @@ def test_every_arm_sets_every_design_toggle_explicitly():
     (lambda: parse_candidates(["gc=manual-gc"]), "must start with a --flag"),
     (lambda: parse_candidates(["g c=--manual-gc"]), "letters, digits"),
     (lambda: parse_candidates(["gc=--manual-gc", "gc=--manual-gc-interval 10"]), "given twice"),
-    (lambda: parse_candidates(["gc=--manual-gc --manual-gc-intervall 10"], {"manual_gc", "manual_gc_interval"}),
+    (lambda: parse_candidates(["gc=--manual-gc --manual-gc-intervall 10"], {"--manual-gc", "--manual-gc-interval"}),
      "not a Megatron argument: --manual-gc-intervall"),
     (lambda: parse_candidates(["gc=--manual-gc 'x"]), "--candidate"),
+    (lambda: parse_candidates(["alloc=A=1 manual-gc"]), "must start with a --flag, not 'manual-gc'"),
+    (lambda: parse_candidates(["alloc=A=1 A=2"]), "set twice"),
+    (lambda: parse_candidates(["bf16=GRAD_REDUCE_IN_BF16=0"]), "GRAD_REDUCE_IN_BF16 is this plugin's own"),
+    (lambda: parse_candidates(["p=MEGATRON_PERF_TOGGLES_PROFILE=x.json --manual-gc"]), "plugin's own setting"),
 ])
 def test_bad_input_is_a_clear_error(call, words):
     with pytest.raises(DesignError, match=None) as info:
@@ -249,7 +253,7 @@ def test_vary_settings_are_checked_and_carried_once():
 
 def test_candidates_are_the_command_as_given_against_each_addition():
     cands = parse_candidates(["overlap=--overlap-grad-reduce --overlap-param-gather", "bucket=--ddp-bucket-size 8e7"],
-                             {"overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size"})
+                             {"--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size"})
     arms = expand("candidates", DEFAULT_TOGGLES, [], candidates=cands)
     assert [a.name for a in arms] == ["baseline", "+overlap", "+bucket"] and arms[0].baseline
     assert all(a.toggles == {} for a in arms)  # the toggles keep their defaults (or the caller's env)
@@ -262,6 +266,42 @@ def test_candidates_are_the_command_as_given_against_each_addition():
                                                  "--ddp-bucket-size", "8e7"]
     assert ablate.arm_args(common, arms[1]) == ["--lr", "1", "--ddp-bucket-size", "4e7", "--bf16",
                                                  "--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+def test_a_candidate_sets_environment_variables_written_before_its_arguments():
+    cands = parse_candidates(["alloc=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                              "both=NCCL_GRAPH_REGISTER=0 A_B=x=y --manual-gc --manual-gc-interval 5",
+                              "value=--tensorboard-dir a=b"], {"--manual-gc", "--manual-gc-interval", "--tensorboard-dir"})
+    arms = {a.name: a for a in expand("candidates", DEFAULT_TOGGLES, [], candidates=cands)}
+    assert arms["+alloc"].env() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert arms["+alloc"].added_args() == []
+    assert arms["+both"].added_env() == {"NCCL_GRAPH_REGISTER": "0", "A_B": "x=y"}
+    assert ablate.arm_args(["--lr", "1"], arms["+both"]) == ["--lr", "1", "--manual-gc", "--manual-gc-interval", "5"]
+    # only leading words are assignments: a flag's value may hold '='
+    assert arms["+value"].added_env() == {} and arms["+value"].added_args() == ["--tensorboard-dir", "a=b"]
+    pinned = expand("candidates", ("grad_reduce_in_bf16",), [], others="on", candidates=cands)
+    assert pinned[1].env() == {**{BY_DEST[d].env: "1" for d in DEFAULT_TOGGLES},
+                               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert len({a.signature() for a in arms.values()}) == 4  # the environment tells the arms apart
+
+
+def test_an_environment_only_candidate_is_not_a_no_op_but_the_same_one_twice_is():
+    arms = expand("candidates", DEFAULT_TOGGLES, [], candidates={"alloc": ("PYTORCH_CUDA_ALLOC_CONF=x",)})
+    ablate.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {})  # its arguments equal the baseline's
+    twins = expand("candidates", DEFAULT_TOGGLES, [], candidates={"a": ("X=1",), "b": ("X=1",)})
+    with pytest.raises(ablate.ConfoundError, match="identical Megatron arguments and environment"):
+        ablate.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], twins, {})
+
+
+def test_a_candidates_environment_reaches_its_runs_alone(tmp_path, monkeypatch):
+    assert _run_main(tmp_path, "--repeats", "2", "--candidate", "slow=FAKE_SLOW=1",
+                     env={"FAKE_EXTRA_MS": "FAKE_SLOW=100"}, monkeypatch=monkeypatch,
+                     design=("--design", "candidates")) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    rows = {r["arm"]: r for r in data["rows"]}
+    assert data["commands"]["+slow"]["env"] == {"FAKE_SLOW": "1"} and data["commands"]["baseline"]["env"] == {}
+    assert rows["+slow"]["speedup"]["verdict"] == "slower"
+    assert rows["+slow"]["speedup"]["estimate"] == pytest.approx(1000 / 1100, rel=1e-3)
 
 
 def test_a_candidate_is_its_own_probe_and_a_no_op_candidate_is_refused():
@@ -549,3 +589,13 @@ def test_only_the_separating_double_dash_is_dropped():
     ns = argparse.Namespace(megatron_args=["--", "--num-layers", "4", "--", "x"])
     assert ablate.megatron_args_of(ns) == ["--num-layers", "4", "--", "x"]
     assert ablate.megatron_args_of(argparse.Namespace(megatron_args=["--num-layers", "4"])) == ["--num-layers", "4"]
+
+
+def test_candidate_flags_are_checked_as_flags_not_dests():
+    """``--no-...`` switches store into a dest of another name: a candidate's flags are looked up
+    among Megatron's option strings (the recorded surface), --vary names among its dests."""
+    dests, flags = ablate._known_args()
+    assert "--no-create-attention-mask-in-dataloader" in flags and "create_attention_mask_in_dataloader" in dests
+    assert parse_candidates(["mask=--no-create-attention-mask-in-dataloader"], flags)
+    with pytest.raises(DesignError, match="not a Megatron argument: --create-attention-mask-in-dataloader"):
+        parse_candidates(["mask=--create-attention-mask-in-dataloader"], flags)

@@ -74,15 +74,20 @@ def test_guard_forced_factorial_is_refused_with_the_guard_reason(tree):
 def test_candidates_resolve_through_the_real_parser(tree):
     """The DP-communication candidates on top of the defaults: each arm is its own probe, the
     toggles keep their decisions, and what a candidate derives is reported, not refused."""
-    cands = ablate.parse_candidates(["overlap=--overlap-grad-reduce --overlap-param-gather", "gc=--manual-gc"],
-                                    ablate._known_args())
+    cands = ablate.parse_candidates(["overlap=--overlap-grad-reduce --overlap-param-gather", "gc=--manual-gc",
+                                     "mask=--no-create-attention-mask-in-dataloader",
+                                     "alloc=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"],
+                                    ablate._known_args()[1])
     arms = expand("candidates", DEFAULT_TOGGLES, [], candidates=cands)
     args = [*ARGS, "--use-distributed-optimizer"]
     records, derived = ablate.resolve_and_check(ablate.resolve_arm, str(tree / "pretrain_gpt.py"), args, arms,
                                                 _environ(tree))
     effective = [r["effective_args"] for r in records]
-    assert [e["overlap_grad_reduce"] for e in effective] == [False, True, False]
-    assert [e["overlap_param_gather"] for e in effective] == [False, True, False]
-    assert [e["manual_gc"] for e in effective] == [False, False, True]
+    assert [e["overlap_grad_reduce"] for e in effective] == [False, True, False, False, False]
+    assert [e["overlap_param_gather"] for e in effective] == [False, True, False, False, False]
+    assert [e["manual_gc"] for e in effective] == [False, False, True, False, False]
+    # a --no- switch stores into a dest of another name; an environment-only arm resolves like the baseline
+    assert [e["create_attention_mask_in_dataloader"] for e in effective] == [True, True, True, False, True]
+    assert effective[4] == effective[0] and derived["+alloc"] == set()
     assert {"overlap_grad_reduce", "overlap_param_gather"} <= derived["+overlap"]
-    assert records[0]["decisions"] == records[2]["decisions"]
+    assert records[0]["decisions"] == records[2]["decisions"] == records[4]["decisions"]

@@ -8,10 +8,11 @@ environment can differ between arms.
 from __future__ import annotations
 
 import itertools
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 
-from ...core.registry import BY_DEST, TOGGLES, flag_of
+from ...core.registry import BY_DEST, SETTINGS, TOGGLES, flag_of
 from ...core.struct import Struct, field
 from ...errors import PerfTogglesError
 
@@ -41,11 +42,17 @@ class Arm(Struct):
     baseline: bool = False
     # Toggles that take no part but are pinned to one value in every arm (--others off|on).
     fixed: dict[str, bool] = field(default_factory=dict)
-    # Candidate name -> the Megatron arguments it adds to the common ones (--candidate).
+    # Candidate name -> what it adds to the common run: environment assignments first, then
+    # Megatron arguments (--candidate).
     adds: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
-        return {BY_DEST[d].env: "1" if v else "0" for d, v in {**self.fixed, **self.toggles}.items()}
+        toggles = {BY_DEST[d].env: "1" if v else "0" for d, v in {**self.fixed, **self.toggles}.items()}
+        return {**toggles, **self.added_env()}
+
+    def added_env(self) -> dict[str, str]:
+        """The environment variables a candidate sets (e.g. an allocator or NCCL setting)."""
+        return {k: v for args in self.adds.values() for k, v in split_env(args)[0].items()}
 
     def extra_args(self) -> list[str]:
         out: list[str] = []
@@ -54,7 +61,7 @@ class Arm(Struct):
         return out
 
     def added_args(self) -> list[str]:
-        return [word for args in self.adds.values() for word in args]
+        return [word for args in self.adds.values() for word in split_env(args)[1]]
 
     def intended(self) -> dict[str, object]:
         return {**self.toggles, **self.settings, **{candidate_key(n): shlex.join(a) for n, a in self.adds.items()}}
@@ -75,6 +82,25 @@ def candidate_key(name: str) -> str:
 
 def is_candidate_key(name: str) -> bool:
     return name.startswith("+")
+
+
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def split_env(words: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """A candidate's words: the leading ``NAME=value`` environment assignments, and the rest (its
+    Megatron arguments). Only leading words count, so a flag's value may contain '='."""
+    env: dict[str, str] = {}
+    for i, word in enumerate(words):
+        if not _ENV_WORD.match(word):
+            return env, list(words[i:])
+        name, _, value = word.partition("=")
+        env[name] = value
+    return env, []
+
+
+def _plugin_env_names() -> set[str]:
+    return {t.env for t in TOGGLES} | {s.env for s in SETTINGS}
 
 
 def parse_toggles(text: str | None) -> tuple[str, ...]:
@@ -111,9 +137,10 @@ def parse_vary(items: list[str] | None, known_args: set[str] | None = None) -> l
     return out
 
 
-def parse_candidates(items: list[str] | None, known_args: set[str] | None = None) -> dict[str, tuple[str, ...]]:
-    """``NAME=--flag [value] [--flag ...]``: Megatron arguments a candidate arm adds to the common
-    ones. Each flag is checked against ``known_args`` (Megatron dests), when given."""
+def parse_candidates(items: list[str] | None, known_flags: set[str] | None = None) -> dict[str, tuple[str, ...]]:
+    """``NAME='[VAR=value ...] [--flag [value] ...]'``: what a candidate arm adds to the common run,
+    environment assignments first (an allocator, NCCL or Transformer Engine setting), then Megatron
+    arguments. Each flag is checked against ``known_flags`` (Megatron's option strings), when given."""
     out: dict[str, tuple[str, ...]] = {}
     for item in items or []:
         name, sep, text = item.partition("=")
@@ -123,15 +150,23 @@ def parse_candidates(items: list[str] | None, known_args: set[str] | None = None
         except ValueError as error:
             raise DesignError(f"--candidate {item!r}: {error}") from None
         if not sep or not name or not words:
-            raise DesignError(f"--candidate {item!r}: expected NAME='--flag [value] ...'")
+            raise DesignError(f"--candidate {item!r}: expected NAME='[VAR=value ...] --flag [value] ...'")
         if not all(ch.isalnum() or ch in "-_." for ch in name):
             raise DesignError(f"--candidate {item!r}: a name of letters, digits, '-', '_' and '.' only")
         if name in out:
             raise DesignError(f"--candidate {name!r} is given twice")
-        if not words[0].startswith("--"):
-            raise DesignError(f"--candidate {item!r}: the arguments must start with a --flag, not {words[0]!r}")
-        flags = [w.split("=", 1)[0] for w in words if w.startswith("--")]
-        unknown = [f for f in flags if known_args is not None and f[2:].replace("-", "_") not in known_args]
+        env, args = split_env(words)
+        if args and not args[0].startswith("--"):
+            raise DesignError(f"--candidate {item!r}: after any VAR=value words, the arguments must start "
+                              f"with a --flag, not {args[0]!r}")
+        if len(env) < len(words) - len(args):
+            raise DesignError(f"--candidate {item!r}: an environment variable is set twice")
+        own = sorted(set(env) & _plugin_env_names())
+        if own:
+            raise DesignError(f"--candidate {item!r}: {', '.join(own)} is this plugin's own setting",
+                              "vary toggles with --toggles and a design, not as a candidate")
+        flags = [w.split("=", 1)[0] for w in args if w.startswith("--")]
+        unknown = [f for f in flags if known_flags is not None and f not in known_flags]
         if unknown:
             raise DesignError(f"--candidate {item!r}: not a Megatron argument: {', '.join(unknown)}")
         out[name] = words

@@ -225,9 +225,12 @@ def check_confounds(arms: Sequence[Arm], records: Sequence[dict[str, Any]],
             problems.append(f"arm {arm.name} differs from {base_arm.name} beyond the intended variables "
                             f"({', '.join(sorted(changed)) or 'none'}) and what each derives alone:\n"
                             + "\n".join(lines))
-    fingerprints = {json.dumps(r.get("effective_args", {}), sort_keys=True) for r in records}
+    # A candidate's environment (an allocator or NCCL setting) is part of what its run gets.
+    fingerprints = {json.dumps([r.get("effective_args", {}), a.added_env()], sort_keys=True)
+                    for a, r in zip(arms, records, strict=True)}
     if len(fingerprints) < len(records) and not problems:
-        problems.append("two arms resolve to identical Megatron arguments: they cannot measure a difference")
+        problems.append("two arms resolve to identical Megatron arguments and environment: they cannot "
+                        "measure a difference")
     if problems:
         raise ConfoundError("confound check failed, nothing was run:\n  " + "\n  ".join(problems))
 
@@ -463,10 +466,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="toggles not taking part: inherit the environment / plugin default (default), or pin "
                    "them off or on in every arm")
     p.add_argument("--vary", action="append", metavar="NAME=V1,V2", help="a Megatron setting to vary (factorial)")
-    p.add_argument("--candidate", action="append", metavar="NAME='ARGS'",
+    p.add_argument("--candidate", action="append", metavar="NAME='[VAR=value ...] ARGS'",
                    help="with --design candidates: an arm that adds these Megatron arguments to the common "
-                   "ones (repeat for more arms), compared with the command as given, e.g. "
-                   "--candidate overlap='--overlap-grad-reduce --overlap-param-gather'")
+                   "ones, and sets the environment variables written before them (repeat for more arms), "
+                   "compared with the command as given, e.g. --candidate overlap='--overlap-grad-reduce "
+                   "--overlap-param-gather' --candidate alloc='PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True'")
     p.add_argument("--out", default="ablation", help="results directory (default: ./ablation)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python)")
     p.add_argument("--repeats", type=int, default=3, help="blocks to run; each block runs every arm once (default 3)")
@@ -522,9 +526,9 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
     args = megatron_args_of(ns)
     try:
         _validate(ns)
-        known = _known_args()
-        arms = expand(ns.design, parse_toggles(ns.toggles), parse_vary(ns.vary, known), ns.others,
-                      parse_candidates(ns.candidate, known))
+        dests, flags = _known_args()
+        arms = expand(ns.design, parse_toggles(ns.toggles), parse_vary(ns.vary, dests), ns.others,
+                      parse_candidates(ns.candidate, flags))
         out = Path(ns.out)
         if not ns.dry_run:
             _check_out(out)
@@ -637,11 +641,13 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
             "seconds": clock() - start}
 
 
-def _known_args() -> set[str] | None:
-    """Megatron argument dests, from the recorded main surface: catches typos before any run."""
+def _known_args() -> tuple[set[str] | None, set[str] | None]:
+    """Megatron's argument dests and flags (``--no-...`` switches store into a dest of another
+    name), from the recorded main surface: catches typos before any run."""
     from ..surfaces import replay
 
     try:
-        return {a["dest"] for a in replay.load_surface("main")["actions"]}
+        actions = replay.load_surface("main")["actions"]
     except Exception:  # noqa: BLE001 - without the record, Megatron's parser reports unknown flags
-        return None
+        return None, None
+    return {a["dest"] for a in actions}, {f for a in actions for f in a["flags"]}
