@@ -506,6 +506,9 @@ def plot_convergence(conv: dict, eps: dict) -> None:
     fig.savefig(OUT / "convergence_h200.png", dpi=100)
 
 
+PLOT_RANGE = (0.67, 1.6)
+
+
 def plot_ablate(summary: dict[str, dict]) -> None:
     """Every non-baseline arm of every ``ablate`` part: the speedup with its interval (not min-max),
     and a line at 1.0, so a claim is visible exactly where its interval clears the line."""
@@ -521,13 +524,26 @@ def plot_ablate(summary: dict[str, dict]) -> None:
     for y, (_, a) in enumerate(rows):
         lo, hi = a["ci"]
         color = "#3a7" if lo > 1 else "#c73" if hi < 1 else "#888"
-        ax.errorbar(a["speedup"], y, xerr=[[a["speedup"] - lo], [hi - a["speedup"]]], fmt="o", color=color, capsize=3)
+        # An interval wider than the axis (a noisy part with few blocks) is cut at its edge and
+        # marked, so it cannot squeeze every other interval into a sliver.
+        shown_lo, shown_hi = max(lo, PLOT_RANGE[0]), min(hi, PLOT_RANGE[1])
+        ax.errorbar(a["speedup"], y, xerr=[[a["speedup"] - shown_lo], [shown_hi - a["speedup"]]], fmt="o",
+                    color=color, capsize=3)
+        for cut, edge, marker in ((lo < PLOT_RANGE[0], shown_lo, "<"), (hi > PLOT_RANGE[1], shown_hi, ">")):
+            if cut:
+                ax.plot(edge, y, marker=marker, color=color)
     ax.axvline(1.0, color="#444", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlim(*PLOT_RANGE)
+    ticks = [0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.35, 1.5]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("speedup against the part's baseline, 95 % interval over blocks")
+    ax.set_xlabel("speedup against the part's baseline (log scale), 95 % interval over blocks")
     ax.set_title("H200 ablate parts ((small): hidden 1024, seq 1024; the rest: Llama-3-8B-shaped, 4 layers)\n"
-                 "green: faster, orange: slower, grey: no detectable difference", fontsize=8)
+                 "green: faster, orange: slower, grey: no detectable difference\n"
+                 f"< or >: the interval goes on beyond {PLOT_RANGE[0]:g} or {PLOT_RANGE[1]:g}", fontsize=8)
     fig.tight_layout()
     fig.savefig(OUT / "ablate_h200.png", dpi=100)
 

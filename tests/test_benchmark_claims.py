@@ -1,0 +1,34 @@
+"""Every speedup interval the README quotes is one that an ``ablate`` run in docs/benchmarks/raw/ablate
+measured: a number typed by hand, or left behind when the data changed, fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from conftest import REPO
+
+RAW = REPO / "docs" / "benchmarks" / "raw" / "ablate"
+CLAIM = re.compile(r"(\d\.\d{3}) \[(\d\.\d{3}), (\d\.\d{3})\]")
+
+
+def measured() -> set[tuple[str, str, str]]:
+    out = set()
+    for path in RAW.glob("*.json"):
+        for row in json.loads(path.read_text())["rows"]:
+            sp = row.get("speedup") or {}
+            if sp.get("low") is not None:
+                out.add(tuple(f"{sp[k]:.3f}" for k in ("estimate", "low", "high")))
+    return out
+
+
+def test_every_quoted_interval_was_measured():
+    claims = CLAIM.findall((REPO / "README.md").read_text())
+    assert len(claims) >= 20  # the section exists and the pattern still matches it
+    unknown = [f"{e} [{lo}, {hi}]" for e, lo, hi in claims if (e, lo, hi) not in measured()]
+    assert not unknown, f"README intervals with no ablate result behind them: {unknown}"
+
+
+def test_the_check_notices_a_changed_digit():
+    text = "x 1.011 [1.008, 1.014] y 1.011 [1.008, 1.015]"
+    assert [c in measured() for c in CLAIM.findall(text)] == [True, False]
