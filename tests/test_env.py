@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from megatron_perf_toggles.core.env import parse_bool, read_env
-from megatron_perf_toggles.core.registry import TOGGLES
-from megatron_perf_toggles.errors import EnvValueError
+from megatron_perf_toggles.core.env import check_settings, parse_bool, read_bool_setting, read_env, read_text_setting
+from megatron_perf_toggles.core.registry import SETTINGS, TOGGLES, Setting
+from megatron_perf_toggles.errors import EnvValueError, RegistryError
 
 BOOL_TOGGLES = [t for t in TOGGLES if t.kind == "bool"]
 
@@ -89,3 +89,25 @@ def test_bad_value_through_the_provider_exits_2_with_one_line_and_no_traceback(t
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "GRAD_REDUCE_IN_BF16='maybe'" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_every_registered_setting_parses_to_its_fields_type():
+    check_settings(SETTINGS)  # what the import does; read_env passes the values on by field name
+
+
+@pytest.mark.parametrize("setting, message", [
+    (Setting("X_DRY", "text", "", "help", field="dry_run"), r"kind 'text' gives a str, but EnvSettings\.dry_run is bool"),
+    (Setting("X_START", "bool", "", "help", field="fp4_bf16_start"), r"kind 'bool' gives a bool, but .* is int \| None"),
+    (Setting("X_NOWHERE", "bool", "", "help", field="nowhere"), r"no EnvSettings field 'nowhere'"),
+])
+def test_a_setting_whose_kind_does_not_fit_its_field_is_refused(setting, message):
+    with pytest.raises(RegistryError, match=message):
+        check_settings([setting])
+
+
+def test_single_setting_readers_are_typed_by_kind():
+    assert read_bool_setting("MEGATRON_PERF_TOGGLES_DRY_RUN", {"MEGATRON_PERF_TOGGLES_DRY_RUN": "yes"}) is True
+    assert read_bool_setting("MEGATRON_PERF_TOGGLES_DRY_RUN", {}) is None
+    assert read_text_setting("MEGATRON_PERF_TOGGLES_ASSUME", {"MEGATRON_PERF_TOGGLES_ASSUME": "rocm"}) == "rocm"
+    with pytest.raises(RegistryError, match="of kind 'bool', read as 'text'"):
+        read_text_setting("MEGATRON_PERF_TOGGLES_DRY_RUN", {})

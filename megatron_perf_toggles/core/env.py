@@ -7,11 +7,11 @@ registry is read, validated and documented with no code here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from ..errors import EnvValueError, RegistryError
-from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTING_BY_ENV, SETTINGS, TOGGLES, Toggle
-from .struct import Struct, field, fields
+from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTING_BY_ENV, SETTINGS, TOGGLES, Setting, Toggle
+from .struct import Struct, field
 
 
 def parse_bool(var: str, raw: str | None) -> bool | None:
@@ -52,9 +52,11 @@ def parse_text(var: str, raw: str | None) -> str | None:
     return raw if raw is not None and raw.strip() else None
 
 
-PARSE_BY_KIND: dict[str, Callable[[str, str | None], object]] = {
+PARSE_BY_KIND: dict[str, Callable[[str, str | None], bool | int | str | None]] = {
     "bool": parse_bool, "int": parse_count, "text": parse_text,
 }
+# The type each kind parses to, as an EnvSettings field spells it (less "| None").
+TYPE_OF_KIND = {"bool": "bool", "int": "int", "text": "str"}
 
 
 def parse_toggle(toggle: Toggle, raw: str | None) -> bool | str | None:
@@ -63,11 +65,21 @@ def parse_toggle(toggle: Toggle, raw: str | None) -> bool | str | None:
     return parse_choice(toggle.env, raw, toggle.choices)
 
 
-def read_setting(var: str, environ: Mapping[str, str]) -> object:
-    """One registered setting, parsed by its kind (``None`` when unset): for readers that need a
-    single switch before the rest (the launcher's dry-run switch, the patch tool's directory)."""
-    setting = SETTING_BY_ENV[var]
-    return PARSE_BY_KIND[setting.kind](var, environ.get(var))
+def _registered(var: str, kind: str) -> None:
+    if SETTING_BY_ENV[var].kind != kind:
+        raise RegistryError(f"setting {var!r} is of kind {SETTING_BY_ENV[var].kind!r}, read as {kind!r}")
+
+
+# One registered setting, parsed (``None`` when unset): for readers that need a single switch
+# before the rest (the launcher's dry-run switch, the patch tool's directory, the planned machine).
+def read_bool_setting(var: str, environ: Mapping[str, str]) -> bool | None:
+    _registered(var, "bool")
+    return parse_bool(var, environ.get(var))
+
+
+def read_text_setting(var: str, environ: Mapping[str, str]) -> str | None:
+    _registered(var, "text")
+    return parse_text(var, environ.get(var))
 
 
 class EnvSettings(Struct, frozen=True):
@@ -97,11 +109,21 @@ class EnvSettings(Struct, frozen=True):
         return {n: environ[n] for n in names if n in environ}
 
 
-_FIELDS = set(fields(EnvSettings))
-for _setting in SETTINGS:  # a registry entry without a home here is a bug in this package: say so at import
-    if _setting.field not in _FIELDS or _setting.kind not in PARSE_BY_KIND:
-        raise RegistryError(f"setting {_setting.env!r}: no EnvSettings field {_setting.field!r} "
-                            f"or no parser for kind {_setting.kind!r}")
+def check_settings(settings: Iterable[Setting]) -> None:
+    """A registry entry without a home in EnvSettings is a bug in this package: say so at import.
+    The field's declared type must be what the kind parses to; read_env relies on it."""
+    annotations = EnvSettings.__annotations__  # its fields, their types as strings (postponed evaluation)
+    for setting in settings:
+        declared = annotations.get(setting.field)
+        if declared is None or setting.kind not in PARSE_BY_KIND:
+            raise RegistryError(f"setting {setting.env!r}: no EnvSettings field {setting.field!r} "
+                                f"or no parser for kind {setting.kind!r}")
+        if declared.removesuffix(" | None") != TYPE_OF_KIND[setting.kind]:
+            raise RegistryError(f"setting {setting.env!r}: kind {setting.kind!r} gives a "
+                                f"{TYPE_OF_KIND[setting.kind]}, but EnvSettings.{setting.field} is {declared}")
+
+
+check_settings(SETTINGS)
 
 
 def rank_of(environ: Mapping[str, str]) -> int:
@@ -119,6 +141,8 @@ def read_env(environ: Mapping[str, str]) -> EnvSettings:
         value = parse_toggle(t, environ.get(t.env))
         if value is not None:
             toggles[t.dest] = value
-    settings = {s.field: PARSE_BY_KIND[s.kind](s.env, environ.get(s.env)) for s in SETTINGS}
-    return EnvSettings(toggles=toggles, rank=rank_of(environ),
-                       **{name: value for name, value in settings.items() if value is not None})
+    parsed = {s.field: PARSE_BY_KIND[s.kind](s.env, environ.get(s.env)) for s in SETTINGS}
+    settings = {name: value for name, value in parsed.items() if value is not None}
+    # The fields are named by the registry, so a checker cannot match values to them: check_settings
+    # has matched each setting's kind to its field's type at import.
+    return EnvSettings(toggles=toggles, rank=rank_of(environ), **settings)  # type: ignore[arg-type]

@@ -215,10 +215,14 @@ def _confirmation(source: str, raw: Any) -> Confirmation | None:
     if raw is None:
         return None
     data = _keys(source, "confirmation", raw, CONFIRMATION_KEYS)
-    numbers = {k: _typed(source, f"confirmation.{k}", data.get(k), (int, float), "a number") for k in CONFIRMATION_NUMBERS}
+    numbers: dict[str, float | None] = {
+        k: _typed(source, f"confirmation.{k}", data.get(k), (int, float), "a number") for k in CONFIRMATION_NUMBERS}
     _check_interval(source, "confirmation", numbers["low"], numbers["high"])
-    texts = {k: _typed(source, f"confirmation.{k}", data.get(k), (str,), "text") or "" for k in ("verdict", "outcome")}
-    return Confirmation(**numbers, **texts,
+
+    def text(key: str) -> str:
+        return _typed(source, f"confirmation.{key}", data.get(key), (str,), "text") or ""
+
+    return Confirmation(**numbers, verdict=text("verdict"), outcome=text("outcome"),
                         blocks=_typed(source, "confirmation.blocks", data.get("blocks"), (int,), "a whole number"))
 
 

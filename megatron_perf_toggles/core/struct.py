@@ -67,6 +67,7 @@ class Struct:
     _fields: ClassVar[tuple[str, ...]] = ()
     _defaults: ClassVar[dict[str, Any]] = {}
     _frozen: ClassVar[bool] = False
+    __match_args__: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, frozen: bool | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -102,14 +103,15 @@ class Struct:
         cls._fields = tuple(names)
         cls._defaults = defaults
         cls._frozen = bool(inherited if frozen is None else frozen)
-        cls.__match_args__ = cls._fields
+        cls.__match_args__ = cls._fields  # type: ignore[misc]  # mypy allows it only in a class body
         own = cls.__dict__
         # A class that defines __eq__ gets __hash__ = None from Python: that is not a choice of its own.
         if "__hash__" not in own or (own["__hash__"] is None and "__eq__" in own):
             cls.__hash__ = Struct._hash if cls._frozen else None  # type: ignore[assignment]
         # set on every class, so that neither a frozen parent nor a mutable one decides for a child
-        cls.__setattr__ = Struct._refuse_set if cls._frozen else object.__setattr__  # type: ignore[method-assign]
-        cls.__delattr__ = Struct._refuse_del if cls._frozen else object.__delattr__  # type: ignore[method-assign]
+        # (checkers cannot type a method replaced per class: hence the two ignores)
+        cls.__setattr__ = Struct._refuse_set if cls._frozen else object.__setattr__  # type: ignore[method-assign, assignment]
+        cls.__delattr__ = Struct._refuse_del if cls._frozen else object.__delattr__  # type: ignore[method-assign, assignment]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         fields_ = self._fields
@@ -145,9 +147,9 @@ class Struct:
         return f"{type(self).__qualname__}({body})"
 
     def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
+        if not isinstance(other, Struct) or other.__class__ is not self.__class__:
             return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined]
+        return self._values() == other._values()
 
     def _hash(self) -> int:
         return hash(self._values())

@@ -16,9 +16,10 @@ import sys
 import traceback
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..runtime.patches import PATCHES, ProcessPatches
 
@@ -80,7 +81,8 @@ def _is_megatron_module(name: str) -> bool:
 
 
 def _stand_in_import(real_import: Callable[..., types.ModuleType]) -> Callable[..., types.ModuleType]:
-    def importer(name, globals=None, locals=None, fromlist=(), level=0):  # type: ignore[no-untyped-def]
+    def importer(name: str, globals: Mapping[str, Any] | None = None, locals: Mapping[str, Any] | None = None,
+                 fromlist: Sequence[str] = (), level: int = 0) -> types.ModuleType:
         if (
             level == 0
             and name.partition(".")[0] in STAND_IN_PACKAGES

@@ -28,7 +28,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-from ..core.env import read_setting
+from ..core.env import read_bool_setting
 from ..core.struct import Struct, field
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import provider as plugin
@@ -120,7 +120,7 @@ def pull_provider_specs(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def dry_run_requested(environ: Mapping[str, str] | None = None) -> bool:
     """``MEGATRON_PERF_TOGGLES_DRY_RUN`` as a boolean (EnvValueError on a bad spelling)."""
     environ = os.environ if environ is None else environ
-    return bool(read_setting(DRY_RUN_ENV, environ))
+    return bool(read_bool_setting(DRY_RUN_ENV, environ))
 
 
 # --- the chain that runs inside Megatron's parse_args ---------------------------------------------
@@ -197,7 +197,7 @@ class Hooks(Struct):
         return self.controller.last
 
     def chain(self, caller: Provider | None) -> Chain:
-        own = list(caller.providers) if isinstance(caller, Chain) else [caller]  # never nest our own chain
+        own: list[Provider | None] = list(caller.providers) if isinstance(caller, Chain) else [caller]  # never nest our chain
         return Chain(flatten([*own, *self.providers]), self)
 
 

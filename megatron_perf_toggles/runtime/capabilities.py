@@ -137,7 +137,7 @@ def _detect_torch(deep: bool) -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is None and deep and _installed("torch"):
         try:
-            import torch
+            torch = importlib.import_module("torch")
         except Exception:  # noqa: BLE001
             torch = None
     if torch is None:
@@ -230,9 +230,9 @@ def detect(deep: bool = False) -> Capabilities:
 def assumed(key: str, environ: Mapping[str, str] | None = None) -> str | None:
     """One fact MEGATRON_PERF_TOGGLES_ASSUME plans for (``device``, ``te_version``), read through the
     registry. A bad spelling gives None here: the provider reports it as its one line."""
-    from ..core.env import read_setting
+    from ..core.env import read_text_setting
 
-    spec = read_setting("MEGATRON_PERF_TOGGLES_ASSUME", os.environ if environ is None else environ)
+    spec = read_text_setting("MEGATRON_PERF_TOGGLES_ASSUME", os.environ if environ is None else environ)
     try:
         return parse_assume(spec).get(key) if spec else None
     except AssumeError:

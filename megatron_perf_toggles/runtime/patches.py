@@ -29,7 +29,7 @@ class Change(Struct, frozen=True):
     """One change to the process: what it was (for people) and how to take it back."""
 
     label: str
-    undo: Callable[[], None]
+    undo: Callable[[], object]  # what it returns (a rebind's count) is not used
 
 
 def _current(owner: Any, name: str) -> Any:
@@ -48,7 +48,7 @@ class ProcessPatches:
         self._changes: list[Change] = []
         self._held: dict[str, Any] = {}
 
-    def install(self, label: str, apply: Callable[[], None], undo: Callable[[], None]) -> None:
+    def install(self, label: str, apply: Callable[[], object], undo: Callable[[], object]) -> None:
         """Make a change by calling ``apply`` and own it: ``undo`` takes it back on uninstall."""
         apply()
         self._changes.append(Change(label, undo))
@@ -96,7 +96,7 @@ class ProcessPatches:
         mapping[key] = value
         self._changes.append(Change(label or f"[{key!r}]", undo))
 
-    def on_uninstall(self, label: str, undo: Callable[[], None]) -> None:
+    def on_uninstall(self, label: str, undo: Callable[[], object]) -> None:
         """A change already made elsewhere (rebinding a function across modules), with its own undo."""
         self._changes.append(Change(label, undo))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core.decide import FP4_LAYER_DESTS, requested
@@ -156,7 +156,8 @@ def attach(
     reg = Registration(controller, stock, watched, added)
     original = parser.parse_known_args
 
-    def parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
+    def parse_known_args(args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
         refuse_contradictions(sys.argv[1:] if args is None else args)
         ns, extras = original(args, namespace)
         try:
@@ -166,7 +167,7 @@ def attach(
         controller.apply(ns, reg)
         return ns, extras
 
-    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign, assignment]  # argparse's is overloaded
     arguments = sys.modules.get("megatron.training.arguments")
     if arguments is not None and hasattr(arguments, "validate_args"):
         from . import safety_net  # only where Megatron itself is parsing

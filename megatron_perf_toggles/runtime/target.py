@@ -104,8 +104,10 @@ def _positive(flag: str, value: int | None) -> int | None:
 def _visible_gpu() -> bool:
     torch = sys.modules.get("torch")
     if torch is None:
+        import importlib
+
         try:
-            import torch
+            torch = importlib.import_module("torch")
         except Exception:  # noqa: BLE001 - no torch: no GPU either
             return False
     try:

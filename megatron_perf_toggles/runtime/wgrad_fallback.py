@@ -79,12 +79,13 @@ def usable() -> tuple[bool, str]:
     """Whether the fast path exists here, judged without touching a GPU (no context created)."""
     torch = sys.modules.get("torch")
     if torch is None:
+        import importlib
         import importlib.util
 
         if importlib.util.find_spec("torch") is None:
             return False, "torch is not installed"
         try:
-            import torch
+            torch = importlib.import_module("torch")
         except Exception:  # noqa: BLE001
             return False, "torch is not installed"
     if not hasattr(torch.ops.aten.addmm, "dtype_out"):

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..core.env import read_setting
+from ..core.env import read_text_setting
 from ..core.struct import Struct
 from ..errors import PREFIX, OneLineArgumentParser, PerfTogglesError, report
 
@@ -115,8 +115,8 @@ def patch_set_for(tree: Tree) -> str:
 def patches_dir() -> Path:
     """Where the patch sets live: $MEGATRON_PERF_TOGGLES_PATCHES, the package data, or the repository."""
     package = Path(__file__).resolve().parent.parent  # megatron_perf_toggles/
-    configured = read_setting(PATCHES_ENV, os.environ)
-    candidates = [Path(str(configured))] if configured else []
+    configured = read_text_setting(PATCHES_ENV, os.environ)
+    candidates = [Path(configured)] if configured else []
     candidates += [package / "data" / "patches", package.parent / "patches"]
     for candidate in candidates:
         if candidate.is_dir():

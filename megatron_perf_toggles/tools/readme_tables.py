@@ -72,13 +72,17 @@ def render_block(name: str) -> str:
     return f"{BEGIN.format(name=name)}\n{TABLES[name]()}\n{END.format(name=name)}"
 
 
-def update(text: str) -> str:
-    """``text`` with every generated block replaced by its current rendering."""
+def _update_block(text: str, name: str) -> str:
     import re
 
+    pattern = re.escape(BEGIN.format(name=name)) + r".*?" + re.escape(END.format(name=name))
+    return re.sub(pattern, lambda _m: render_block(name), text, flags=re.S)
+
+
+def update(text: str) -> str:
+    """``text`` with every generated block replaced by its current rendering."""
     for name in TABLES:
-        pattern = re.escape(BEGIN.format(name=name)) + r".*?" + re.escape(END.format(name=name))
-        text = re.sub(pattern, lambda _m, n=name: render_block(n), text, flags=re.S)
+        text = _update_block(text, name)
     return text
 
 

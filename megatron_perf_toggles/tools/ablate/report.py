@@ -18,6 +18,8 @@ from .design import Arm, baseline_of
 from .megatron_log import parse_file
 
 RAW_KEYS = ("ms_per_iter", "tflops_per_gpu", "lm_loss", "grad_norm", "global_batch_size")
+# A loss's outside_noise_band: None where there was no band to compare with.
+BAND_WORDS: dict[bool | None, str] = {True: "outside noise band", False: "within noise band"}
 
 
 def measure_run(status: dict[str, Any], warmup: int) -> dict[str, Any]:
@@ -158,9 +160,7 @@ def markdown(result: dict[str, Any]) -> str:
         runs = f"{r['runs_done']}" + (f" ({r['runs_failed']} failed)" if r.get("runs_failed") else "")
         loss_txt = (f"{_f(loss.get('ratio'), '.4f')} [{_f(loss.get('min'), '.4f')}, {_f(loss.get('max'), '.4f')}] "
                     f"(it {loss.get('iteration', '-')})") if loss else "-"
-        flag = "-" if not loss or r["baseline"] else {
-            True: "outside noise band", False: "within noise band"}.get(loss.get("outside_noise_band"),
-                                                                        "no band (see below)")
+        flag = "-" if not loss or r["baseline"] else BAND_WORDS.get(loss.get("outside_noise_band"), "no band (see below)")
         lines.append(f"| {r['arm']} | {runs} | {_f(ms.get('median'), '.1f')} | {_f(ms.get('min'), '.1f')}–"
                      f"{_f(ms.get('max'), '.1f')} | {_f((r.get('tflops_per_gpu') or {}).get('median'), '.1f')} "
                      f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} | {flag} "
@@ -194,7 +194,7 @@ def plot(result: dict[str, Any], path: Path) -> str | None:
         return "matplotlib is not installed (pip install 'megatron-perf-toggles[plot]'): results.png not written"
     rows = [r for r in result["rows"] if not r["baseline"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.45 * max(len(rows), 4)))
-    colors = {"faster": "#2a7", "slower": "#c33"}
+    colors: dict[str | None, str] = {"faster": "#2a7", "slower": "#c33"}  # others (None too): grey
     for y, r in enumerate(rows):
         sp = r.get("speedup") or {}
         est, lo, hi = sp.get("estimate"), sp.get("low"), sp.get("high")

@@ -169,7 +169,7 @@ def probe_arms(arms: Sequence[Arm]) -> dict[str, list[Arm]]:
                 probe = Arm(f"probe:{name}={value}", {**base.toggles, name: value}, dict(base.settings),
                             fixed=dict(base.fixed))
             else:
-                probe = Arm(f"probe:{name}={value}", dict(base.toggles), {**base.settings, name: value},
+                probe = Arm(f"probe:{name}={value}", dict(base.toggles), {**base.settings, name: str(value)},
                             fixed=dict(base.fixed))
             same = next((a for a in arms if a.signature() == probe.signature()), None)
             probes.setdefault(name, []).append(same or probe)
@@ -209,9 +209,9 @@ def check_confounds(arms: Sequence[Arm], records: Sequence[dict[str, Any]],
             if got.get("value") != want:
                 problems.append(f"arm {arm.name}: {dest} should be {want} but is {got.get('value')} "
                                 f"({got.get('source')}; {got.get('reason')})")
-        for name, want in arm.settings.items():
-            if name in effective and str(effective[name]) != str(want) and _as_float(effective[name]) != _as_float(want):
-                problems.append(f"arm {arm.name}: {name} should be {want} but Megatron resolved {effective[name]}")
+        for name, text in arm.settings.items():
+            if name in effective and str(effective[name]) != text and _as_float(effective[name]) != _as_float(text):
+                problems.append(f"arm {arm.name}: {name} should be {text} but Megatron resolved {effective[name]}")
     base_arm = baseline_of(arms)
     base = records[list(arms).index(base_arm)].get("effective_args", {})
     for arm, rec in zip(arms, records, strict=True):
@@ -402,9 +402,9 @@ def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, r
                     progress.update(index, run.label, it.iteration, it.total, last_ms, remaining)
             code = proc.wait()
     seconds = time.monotonic() - start
-    status = {"arm": run.arm.name, "block": run.block, "label": run.label,
-              "status": "done" if code == 0 else "failed", "returncode": code, "seconds": seconds,
-              "command": run.command, "env": run.arm.env(), "log": str(log_path)}
+    status: dict[str, Any] = {"arm": run.arm.name, "block": run.block, "label": run.label,
+                              "status": "done" if code == 0 else "failed", "returncode": code, "seconds": seconds,
+                              "command": run.command, "env": run.arm.env(), "log": str(log_path)}
     if code != 0:
         status["error_tail"] = error_tail(log_path.read_text(errors="replace"))
     status_file.write_text(json.dumps(status, indent=1) + "\n")
@@ -628,15 +628,15 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
         block += 1
     if stop_reason:
         print(f"[ablate] stopped: {stop_reason}", file=sys.stderr)
-    runs = [measure_run(s, ns.warmup) for s in statuses]
+    measured = [measure_run(s, ns.warmup) for s in statuses]
     gpus = world_size(statuses, base_name, ns.launch)
-    rows = compare(arms, runs, block, seq, gpus, ns.confidence, ns.effect)
+    rows = compare(arms, measured, block, seq, gpus, ns.confidence, ns.effect)
     return {"design": ns.design, "seed": ns.seed, "repeats": ns.repeats, "blocks_run": block, "block_order": orders,
             "world_size": gpus,
             "warmup_run": ns.warmup_run, "iters": iters, "warmup": ns.warmup, "confidence": ns.confidence,
             "target_ci": ns.target_ci, "budget_min": ns.budget, "stop_reason": stop_reason,
             "derived": {n: sorted(k) for n, k in derived.items()}, "rows": rows,
-            "sizing": sizing(rows, ns.effect, ns.confidence), "runs": runs,
+            "sizing": sizing(rows, ns.effect, ns.confidence), "runs": measured,
             "commands": {a.name: {"env": a.env(), "argv": arm_command(ns.launch, ns.script, args, a)} for a in arms},
             "seconds": clock() - start}
 
