@@ -526,9 +526,9 @@ def plot_ablate(summary: dict[str, dict]) -> None:
         color = "#3a7" if lo > 1 else "#c73" if hi < 1 else "#888"
         # An interval wider than the axis (a noisy part with few blocks) is cut at its edge and
         # marked, so it cannot squeeze every other interval into a sliver.
-        shown_lo, shown_hi = max(lo, PLOT_RANGE[0]), min(hi, PLOT_RANGE[1])
-        ax.errorbar(a["speedup"], y, xerr=[[a["speedup"] - shown_lo], [shown_hi - a["speedup"]]], fmt="o",
-                    color=color, capsize=3)
+        est = min(max(a["speedup"], PLOT_RANGE[0]), PLOT_RANGE[1])
+        shown_lo, shown_hi = min(max(lo, PLOT_RANGE[0]), est), max(min(hi, PLOT_RANGE[1]), est)
+        ax.errorbar(est, y, xerr=[[est - shown_lo], [shown_hi - est]], fmt="o", color=color, capsize=3)
         for cut, edge, marker in ((lo < PLOT_RANGE[0], shown_lo, "<"), (hi > PLOT_RANGE[1], shown_hi, ">")):
             if cut:
                 ax.plot(edge, y, marker=marker, color=color)

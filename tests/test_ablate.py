@@ -100,6 +100,11 @@ def test_every_arm_sets_every_design_toggle_explicitly():
     (lambda: parse_candidates(["alloc=A=1 A=2"]), "set twice"),
     (lambda: parse_candidates(["bf16=GRAD_REDUCE_IN_BF16=0"]), "GRAD_REDUCE_IN_BF16 is this plugin's own"),
     (lambda: parse_candidates(["p=MEGATRON_PERF_TOGGLES_PROFILE=x.json --manual-gc"]), "plugin's own setting"),
+    (lambda: parse_candidates(["p=MEGATRON_PERF_TOGGLES_FUTURE=1"]), "plugin's own setting"),
+    (lambda: parse_candidates(["gpu=CUDA_VISIBLE_DEVICES=1"]), "set by the runner and the launcher"),
+    (lambda: parse_candidates(["r=RANK=3 --manual-gc"]), "set by the runner and the launcher"),
+    # a flag with its -- missing is not an environment variable (only upper-case names are)
+    (lambda: parse_candidates(["bucket=ddp_bucket_size=8e7"]), "must start with a --flag, not 'ddp_bucket_size=8e7'"),
 ])
 def test_bad_input_is_a_clear_error(call, words):
     with pytest.raises(DesignError, match=None) as info:
@@ -291,6 +296,23 @@ def test_an_environment_only_candidate_is_not_a_no_op_but_the_same_one_twice_is(
     twins = expand("candidates", DEFAULT_TOGGLES, [], candidates={"a": ("X=1",), "b": ("X=1",)})
     with pytest.raises(ablate.ConfoundError, match="identical Megatron arguments and environment"):
         ablate.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], twins, {})
+    # the caller's environment already holds the candidate's value: the arm would change nothing
+    with pytest.raises(ablate.ConfoundError, match="identical Megatron arguments and environment"):
+        ablate.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {"PYTORCH_CUDA_ALLOC_CONF": "x"})
+    ablate.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {"PYTORCH_CUDA_ALLOC_CONF": "y"})
+
+
+def test_the_dry_run_gets_the_candidates_environment_as_rank_0(monkeypatch):
+    seen = {}
+
+    def run(cmd, **kwargs):
+        seen.update(kwargs["env"])
+        return argparse.Namespace(returncode=0, stdout="{}", stderr="")
+
+    monkeypatch.setattr(ablate.subprocess, "run", run)
+    arm = expand("candidates", DEFAULT_TOGGLES, [], candidates={"a": ("NCCL_ALGO=Ring", "--manual-gc")})[1]
+    ablate.resolve_arm("s.py", ["--bf16"], arm, {"RANK": "3", "WORLD_SIZE": "8", "NCCL_ALGO": "Tree"})
+    assert seen["NCCL_ALGO"] == "Ring" and seen["RANK"] == "0" and "WORLD_SIZE" not in seen
 
 
 def test_a_candidates_environment_reaches_its_runs_alone(tmp_path, monkeypatch):
@@ -300,6 +322,9 @@ def test_a_candidates_environment_reaches_its_runs_alone(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = {r["arm"]: r for r in data["rows"]}
     assert data["commands"]["+slow"]["env"] == {"FAKE_SLOW": "1"} and data["commands"]["baseline"]["env"] == {}
+    assert data["commands"]["+slow"]["candidate_env"] == {"FAKE_SLOW": "1"}
+    assert data["environment"]["FAKE_SLOW"] is None  # the caller's value of what a candidate sets: unset
+    assert "- +slow: `FAKE_SLOW=1`" in (tmp_path / "out" / "results.md").read_text()
     assert rows["+slow"]["speedup"]["verdict"] == "slower"
     assert rows["+slow"]["speedup"]["estimate"] == pytest.approx(1000 / 1100, rel=1e-3)
 

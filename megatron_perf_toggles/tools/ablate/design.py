@@ -84,7 +84,13 @@ def is_candidate_key(name: str) -> bool:
     return name.startswith("+")
 
 
-_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+# Upper case only: a lower-case ``ddp_bucket_size=8e7`` is a flag with its ``--`` missing, not an
+# environment variable, and must be refused rather than become an arm that changes nothing.
+_ENV_WORD = re.compile(r"[A-Z_][A-Z0-9_]*=")
+# Variables the runner or the launcher sets for each run: a candidate that set them would move an
+# arm to another GPU or rank, a confound rather than a setting.
+RUNNER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "CUDA_VISIBLE_DEVICES")
 
 
 def split_env(words: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -99,8 +105,14 @@ def split_env(words: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     return env, []
 
 
-def _plugin_env_names() -> set[str]:
-    return {t.env for t in TOGGLES} | {s.env for s in SETTINGS}
+def _refused_env(name: str) -> str | None:
+    """Why a candidate may not set ``name`` (None: it may)."""
+    if name in {t.env for t in TOGGLES} or name in {s.env for s in SETTINGS} or name.startswith(
+            "MEGATRON_PERF_TOGGLES"):
+        return "is this plugin's own setting: vary toggles with --toggles and a design, not as a candidate"
+    if name in RUNNER_ENV:
+        return "is set by the runner and the launcher for each run, not by a candidate"
+    return None
 
 
 def parse_toggles(text: str | None) -> tuple[str, ...]:
@@ -161,10 +173,10 @@ def parse_candidates(items: list[str] | None, known_flags: set[str] | None = Non
                               f"with a --flag, not {args[0]!r}")
         if len(env) < len(words) - len(args):
             raise DesignError(f"--candidate {item!r}: an environment variable is set twice")
-        own = sorted(set(env) & _plugin_env_names())
-        if own:
-            raise DesignError(f"--candidate {item!r}: {', '.join(own)} is this plugin's own setting",
-                              "vary toggles with --toggles and a design, not as a candidate")
+        for var in env:
+            why = _refused_env(var)
+            if why:
+                raise DesignError(f"--candidate {item!r}: {var} {why}")
         flags = [w.split("=", 1)[0] for w in args if w.startswith("--")]
         unknown = [f for f in flags if known_flags is not None and f not in known_flags]
         if unknown:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 from collections.abc import Sequence
@@ -166,6 +167,11 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} | {flag} "
                      f"| {_f(r.get('max_allocated_mb'), '.0f')} |")
     lines += _loss_band(rows)
+    adds = {name: c for name, c in result.get("commands", {}).items() if "candidate_args" in c}
+    if adds:  # what each candidate arm adds, so that a reader can run it again
+        lines += ["", "Candidates (added to the baseline's command):", ""]
+        lines += [f"- {name}: `{shlex.join([f'{k}={v}' for k, v in c.get('candidate_env', {}).items()] + c['candidate_args'])}`"
+                  for name, c in adds.items()]
     size = result.get("sizing")
     if size:
         lines += ["", f"Sizing: per-block noise (sd of ln ratio) {size['pooled_sd_log'] * 100:.2f} %. Resolving a "
@@ -241,8 +247,11 @@ def write_results(out: Path, result: dict[str, Any], records: Sequence[dict[str,
         "megatron_perf_toggles": __version__, "python": platform.python_version(),
         "megatron": records[0].get("megatron") if records else None,
         "capabilities": records[0].get("capabilities") if records else None},
-        "environment": {k: v for k, v in os.environ.items()
-                        if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA", "NCCL", "NVTE"))}}
+        # the caller's values, and those of every variable a candidate sets (unset: null)
+        "environment": {**{k: v for k, v in os.environ.items()
+                           if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA", "NCCL", "NVTE"))},
+                        **{k: os.environ.get(k) for c in result.get("commands", {}).values()
+                           for k in c.get("candidate_env", {})}}}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     text = markdown(result)
     (out / "results.md").write_text(text)

@@ -124,7 +124,7 @@ def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: di
     # One process, as rank 0: a dry run under a job's RANK=3 would print no record.
     env = {k: v for k, v in environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, "RANK": "0", **arm.env()},
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, **arm.env(), "RANK": "0"},
                               timeout=DRY_RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise ConfoundError(f"arm {arm.name}: the dry run took over {DRY_RUN_TIMEOUT_S}s and was stopped") from None
@@ -192,7 +192,7 @@ def derived_settings(base_record: dict[str, Any], probe_records: Mapping[str, Se
 
 
 def check_confounds(arms: Sequence[Arm], records: Sequence[dict[str, Any]],
-                    derived: Mapping[str, set[str]] | None = None) -> None:
+                    derived: Mapping[str, set[str]] | None = None, environ: Mapping[str, str] | None = None) -> None:
     """Raise ConfoundError naming every problem; return quietly when the arms are clean.
 
     An arm may differ from the baseline only in the variables it changes and in what those
@@ -225,8 +225,11 @@ def check_confounds(arms: Sequence[Arm], records: Sequence[dict[str, Any]],
             problems.append(f"arm {arm.name} differs from {base_arm.name} beyond the intended variables "
                             f"({', '.join(sorted(changed)) or 'none'}) and what each derives alone:\n"
                             + "\n".join(lines))
-    # A candidate's environment (an allocator or NCCL setting) is part of what its run gets.
-    fingerprints = {json.dumps([r.get("effective_args", {}), a.added_env()], sort_keys=True)
+    # A candidate's environment (an allocator or NCCL setting) is part of what its run gets, on top
+    # of the caller's: a candidate that sets what the caller's environment already holds changes nothing.
+    keys = {k for a in arms for k in a.added_env()}
+    fingerprints = {json.dumps([r.get("effective_args", {}),
+                                {k: a.added_env().get(k, (environ or {}).get(k)) for k in keys}], sort_keys=True)
                     for a, r in zip(arms, records, strict=True)}
     if len(fingerprints) < len(records) and not problems:
         problems.append("two arms resolve to identical Megatron arguments and environment: they cannot "
@@ -255,7 +258,7 @@ def resolve_and_check(resolver: Callable[..., dict[str, Any]], script: str, mega
     records = [resolved[a.signature()] for a in arms]
     base_record = resolved[baseline_of(arms).signature()]
     derived = derived_settings(base_record, {n: [resolved[p.signature()] for p in ps] for n, ps in probes.items()})
-    check_confounds(arms, records, derived)
+    check_confounds(arms, records, derived, environ)
     return records, derived
 
 
@@ -565,7 +568,7 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
             for b in range(ns.repeats):
                 print(f"block {b + 1}: " + ", ".join(r.arm.name for r in runs_of_block(b)))
             for run in runs_of_block(0):
-                env = " ".join(f"{k}={v}" for k, v in run.arm.env().items())
+                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in run.arm.env().items())
                 print(f"{run.arm.name}{' (baseline)' if run.arm.baseline else ''}:\n  {env} {shlex.join(run.command)}")
             return 0
         result = experiment(ns, arms, records, args, out, environ, runs_of_block, iters, derived, clock)
@@ -637,7 +640,9 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
             "target_ci": ns.target_ci, "budget_min": ns.budget, "stop_reason": stop_reason,
             "derived": {n: sorted(k) for n, k in derived.items()}, "rows": rows,
             "sizing": sizing(rows, ns.effect, ns.confidence), "runs": measured,
-            "commands": {a.name: {"env": a.env(), "argv": arm_command(ns.launch, ns.script, args, a)} for a in arms},
+            "commands": {a.name: {"env": a.env(), "argv": arm_command(ns.launch, ns.script, args, a),
+                                  **({"candidate_env": a.added_env(), "candidate_args": a.added_args()}
+                                     if a.adds else {})} for a in arms},
             "seconds": clock() - start}
 
 
