@@ -21,6 +21,8 @@ directory under --out):
                   graph of the whole forward-backward step (which needs the NaN check off)
   dp2-candidates  at DP=2, the plugin defaults against each candidate added to them: overlapping the
                   gradient reduce (and the parameter gather) with compute, and manual GC
+  tp2-candidates  at TP=2 with sequence parallelism (torchrun, 2 GPUs), the plugin defaults against
+                  overlapping the tensor-parallel communication with the GEMMs (--tp-comm-overlap)
   tune            ``megatron-perf-toggles tune`` on this model, one GPU: writes OUT/tune/profile.json
   dp2-tune        the same at DP=2 (torchrun, 2 GPUs)
 
@@ -93,11 +95,13 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
                         "--candidate", "overlap-grad-reduce=--overlap-grad-reduce",
                         "--candidate", "overlap-grad-and-param=--overlap-grad-reduce --overlap-param-gather",
                         "--candidate", "manual-gc=--manual-gc"], [], 2),
+    "tp2-candidates": (["ablate", "--design", "candidates", "--candidate", "tp-comm-overlap=--tp-comm-overlap"],
+                       ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
     "tune": (["tune"], [], 1),
     "dp2-tune": (["tune"], [], 2),
 }
 ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-delayed": 2, "fp8-tensorwise": 2,
-        "dp2": 2, "candidates": 3, "candidates2": 5, "dp2-candidates": 4,
+        "dp2": 2, "candidates": 3, "candidates2": 5, "dp2-candidates": 4, "tp2-candidates": 2,
         # tune, at most: leave-one-out of five toggles (6 arms), then a factorial of up to 3 (8 arms)
         "tune": 14, "dp2-tune": 14}
 # Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
@@ -120,7 +124,7 @@ def model_args(shape: str, data: str | None) -> list[str]:
 
 
 def estimate_s(part: str, repeats: int, iters: int) -> float:
-    per_iter = SECONDS_PER_ITER["dp2" if part.startswith("dp2") else "fp8" if part.startswith("fp8") else "bf16"]
+    per_iter = SECONDS_PER_ITER["dp2" if part.startswith(("dp2", "tp2")) else "fp8" if part.startswith("fp8") else "bf16"]
     runs = 1 + repeats * ARMS[part]
     return DRY_RUNS_S + runs * (STARTUP_S + iters * per_iter)
 
@@ -148,7 +152,9 @@ def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: flo
     env = base_env(megatron, ns.smoke)
     port = part_port(ns, part)
     if ns.smoke:
-        launch = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
+        # the stand-in logs the world it stands in for; behind `env` the launcher's world is not
+        # known to ablate, so --world-size (below) plans the dry runs for it, as on the GPUs
+        launch = f"env FAKE_WORLD_SIZE={gpus} {sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
     elif gpus > 1:
         launch = f"{sys.executable} -m torch.distributed.run --nproc-per-node {gpus} --master-port {port}"
     else:
@@ -162,6 +168,8 @@ def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: flo
            "--warmup", str(ns.warmup)]
     if budget_min is not None:
         cmd += ["--budget", f"{budget_min:.2f}"]
+    if ns.smoke:
+        cmd += ["--world-size", str(gpus)]
     cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(ns.shape, ns.data), *extra]
     return cmd, env
 

@@ -624,3 +624,35 @@ def test_candidate_flags_are_checked_as_flags_not_dests():
     assert parse_candidates(["mask=--no-create-attention-mask-in-dataloader"], flags)
     with pytest.raises(DesignError, match="not a Megatron argument: --create-attention-mask-in-dataloader"):
         parse_candidates(["mask=--create-attention-mask-in-dataloader"], flags)
+
+
+def test_dry_runs_plan_for_the_world_the_runs_will_have():
+    def resolver(script, args, arm, environ, world=None):
+        return world
+
+    arm = expand("headline", ("grad_reduce_in_bf16",), [])[0]
+    for launch, stated, planned, note in [
+        (None, None, None, "one process"),
+        ("torchrun --nproc-per-node 8", None, 8, "a world of 8 (from --launch)"),
+        ("torchrun --nproc-per-node 4 --nnodes 2", 8, 8, "a world of 8 (from --world-size)"),
+        ("srun python", None, None, "say it with --world-size"),
+        ("srun python", 16, 16, "a world of 16 (from --world-size)"),
+    ]:
+        bound, said = ablate.planned_for(resolver, launch, stated)
+        assert bound("s.py", [], arm, {}) == planned and note in said
+    with pytest.raises(DesignError, match="--world-size 4, but --launch starts 8"):
+        ablate.planned_for(resolver, "torchrun --nproc-per-node 8", 4)
+    with pytest.raises(DesignError, match="at least 1"):
+        ablate.planned_for(resolver, None, 0)
+    assert ablate.dry_run_command("s.py", ["--lr", "1"], arm, 8)[3:7] == ["--dry-run", "--world-size", "8", "s.py"]
+    assert "--world-size" not in ablate.dry_run_command("s.py", ["--lr", "1"], arm, 1)
+
+
+def test_a_world_size_the_launcher_contradicts_is_exit_2(tmp_path, capsys):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as info:
+        ablate.main(["--design", "headline", "--out", str(tmp_path / "o"), "--world-size", "4",
+                     "--launch", f"{sys.executable} -m torch.distributed.run --nproc-per-node 8", str(script)],
+                    resolver=_fake_megatron())
+    assert info.value.code == 2 and "--launch starts 8" in capsys.readouterr().err

@@ -91,3 +91,21 @@ def test_candidates_resolve_through_the_real_parser(tree):
     assert effective[4] == effective[0] and derived["+alloc"] == set()
     assert {"overlap_grad_reduce", "overlap_param_gather"} <= derived["+overlap"]
     assert records[0]["decisions"] == records[2]["decisions"] == records[4]["decisions"]
+
+
+@pytest.mark.parametrize("tree", PICKED[-1:], ids=lambda p: p.name)
+def test_model_parallel_arms_resolve_for_the_launchers_world(tree):
+    """Tensor parallelism over two GPUs does not validate in a world of one: the dry runs plan for
+    the world the launcher starts, and --tp-comm-overlap (which needs sequence parallelism) resolves."""
+    cands = ablate.parse_candidates(["overlap=--tp-comm-overlap"], ablate._known_args()[1])
+    arms = expand("candidates", DEFAULT_TOGGLES, [], candidates=cands)
+    args = [*ARGS, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--transformer-impl", "local"]
+    script, environ = str(tree / "pretrain_gpt.py"), {**_environ(tree), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    with pytest.raises(ablate.ConfoundError, match="world size"):  # planned for one process
+        ablate.resolve_and_check(ablate.resolve_arm, script, args, arms, environ)
+    resolver, note = ablate.planned_for(ablate.resolve_arm, "torchrun --nproc-per-node 2")
+    records, derived = ablate.resolve_and_check(resolver, script, args, arms, environ)
+    assert note == "a world of 2 (from --launch)"
+    assert [r["effective_args"]["tensor_model_parallel_size"] for r in records] == [2, 2]
+    assert [r["effective_args"]["tp_comm_overlap"] for r in records] == [False, True]
+    assert derived["+overlap"] == {"tp_comm_overlap"}

@@ -348,6 +348,7 @@ def test_the_factorial_is_skipped_when_one_block_would_not_fit(tmp_path, costs):
     (["--toggles", "warp_drive"], "unknown toggle 'warp_drive'"),
     (["--toggles", "cross_entropy_fusion_impl"], "unknown toggle"),
     (["--launch", "no-such-torchrun --nproc-per-node 8"], "'no-such-torchrun' is not an executable"),
+    (["--world-size", "3"], "--world-size 3, but --launch starts 1"),  # this python: one process
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, words):
     script = tmp_path / "pretrain_gpt.py"

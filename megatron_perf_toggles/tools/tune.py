@@ -252,6 +252,7 @@ class Setup(Struct):
     resolver: Callable[..., dict[str, Any]]
     clock: Callable[[], float]
     start: float
+    planned: str = "one process"  # the world the dry runs plan for, in words (ablate.planned_for)
 
     def minutes_left(self) -> float | None:
         return None if self.ns.budget is None else self.ns.budget - (self.clock() - self.start) / 60
@@ -434,6 +435,7 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     """Every phase; the profile, the toggles that took no part (with why) and each phase's result."""
     ns = setup.ns
     toggles = parse_toggles(ns.toggles)
+    say(f"dry runs plan for {setup.planned}")
     excluded, pins = guarded_off(setup, toggles)
     for dest, why in excluded.items():
         say(f"{dest} takes no part: a guard keeps it off here ({why})")
@@ -546,6 +548,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--toggles", help="comma list of on/off toggle dests to tune (default: all five)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python); "
                    "the profile's world size is the runs' own (Megatron's log), else what it plainly starts")
+    p.add_argument("--world-size", type=int, metavar="N", help=ablate.WORLD_SIZE_HELP)
     p.add_argument("--out", default="tune", help="output directory (default: ./tune); run again to resume")
     p.add_argument("--repeats", type=int, default=3, help="blocks per phase; each block runs every arm once (default 3)")
     p.add_argument("--iters", type=int, help="iterations per run (sets --train-iters; default: the arguments' own)")
@@ -590,7 +593,8 @@ def run_tune(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = a
     input or a confound."""
     try:
         args = _prepare(ns)
-        setup = Setup(ns, args, runs_environ(os.environ), resolver, clock, clock())
+        resolver, planned = ablate.planned_for(resolver, ns.launch, ns.world_size)
+        setup = Setup(ns, args, runs_environ(os.environ), resolver, clock, clock(), planned)
         profile, excluded, results = tune(setup)
         path = write_profile(Path(ns.out), profile, excluded, results)
     except PerfTogglesError as error:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -45,7 +46,7 @@ from .design import (
     parse_vary,
 )
 from .report import compare, measure_run, sizing, widest_interval, write_results
-from .world import world_size
+from .world import launch_world_size, world_size
 
 # Arguments that legitimately differ between arms, or are bookkeeping, not the experiment.
 NOT_COMPARED = {"perf_toggles", "perf_toggles_precision", "rank", "local_rank", "world_size"}
@@ -114,13 +115,18 @@ def arm_args(megatron_args: Sequence[str], arm: Arm, paths: Mapping[str, str | N
     return with_added(set_args(megatron_args, {**_settings_args(arm), **(paths or {})}), arm.added_args())
 
 
-def dry_run_command(script: str, megatron_args: Sequence[str], arm: Arm) -> list[str]:
-    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", script, *arm_args(megatron_args, arm)]
+def dry_run_command(script: str, megatron_args: Sequence[str], arm: Arm, world: int | None = None) -> list[str]:
+    """The arm's dry run, planned for ``world`` processes where the launcher starts more than one
+    (tensor or pipeline parallelism over 8 GPUs does not validate in a world of 1)."""
+    plan = ["--world-size", str(world)] if world and world > 1 else []
+    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", *plan, script,
+            *arm_args(megatron_args, arm)]
 
 
-def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: dict[str, str]) -> dict[str, Any]:
+def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: dict[str, str],
+                world: int | None = None) -> dict[str, Any]:
     """The arm's dry-run record (decisions + effective Megatron arguments after validate_args)."""
-    cmd = dry_run_command(script, megatron_args, arm)
+    cmd = dry_run_command(script, megatron_args, arm, world)
     # One process, as rank 0: a dry run under a job's RANK=3 would print no record.
     env = {k: v for k, v in environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     try:
@@ -135,6 +141,30 @@ def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: di
         return json.loads(proc.stdout)
     except ValueError:
         raise ConfoundError(f"arm {arm.name}: the dry run printed no JSON record") from None
+
+
+def planned_for(resolver: Callable[..., dict[str, Any]], launch: str | None, stated: int | None = None
+                ) -> tuple[Callable[..., dict[str, Any]], str]:
+    """The resolver, planning the dry runs for the world the runs will have, and a note that says
+    which: ``--world-size`` where given, else what ``launch`` plainly starts. A launcher whose world
+    size is not plain (``--nproc-per-node gpu``, elastic nodes, one unknown here) and no
+    ``--world-size`` leave the dry runs at one process, where validate_args refuses model
+    parallelism; the note says so."""
+    launched = launch_world_size(launch)
+    if stated is not None:
+        if stated < 1:
+            raise DesignError(f"--world-size {stated}: at least 1")
+        if launched is not None and launched != stated:
+            raise DesignError(f"--world-size {stated}, but --launch starts {launched} processes",
+                              "leave --world-size out: it is for launchers whose world size is not known here")
+        world, source = stated, "--world-size"
+    elif launched is None:
+        return resolver, "one process (the launcher's world size is not known here: say it with --world-size)"
+    else:
+        world, source = launched, "--launch"
+    if world == 1:
+        return resolver, "one process"
+    return functools.partial(resolver, world=world), f"a world of {world} (from {source})"
 
 
 def resolve_all(resolver: Callable[..., dict[str, Any]], script: str, megatron_args: Sequence[str],
@@ -458,6 +488,11 @@ def build_ablate_parser() -> argparse.ArgumentParser:
     return p
 
 
+WORLD_SIZE_HELP = ("the processes the runs will have, for the dry runs that check every arm first (default: "
+                   "what --launch plainly starts, e.g. torchrun's --nproc-per-node x --nnodes; 1 for this "
+                   "python); needed only where the launcher does not say, as with srun in a batch script")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``ablate`` options, for :func:`main`'s parser and the ``megatron-perf-toggles ablate`` subcommand."""
     p.add_argument("--design", required=True, choices=DESIGNS,
@@ -476,6 +511,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--overlap-param-gather' --candidate alloc='PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True'")
     p.add_argument("--out", default="ablation", help="results directory (default: ./ablation)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python)")
+    p.add_argument("--world-size", type=int, metavar="N", help=WORLD_SIZE_HELP)
     p.add_argument("--repeats", type=int, default=3, help="blocks to run; each block runs every arm once (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seeds each block's arm order (default 0)")
     p.add_argument("--iters", type=int, help="iterations per run (sets --train-iters; default: the arguments' own)")
@@ -542,8 +578,9 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
         if ns.iters is not None:
             args = set_args(args, {"--train-iters": str(ns.iters)})
         environ = dict(os.environ)
+        resolver, world = planned_for(resolver, ns.launch, ns.world_size)
         print(f"[ablate] {len(arms)} arms ({ns.design}); resolving each through Megatron's parser and "
-              "validate_args...", file=sys.stderr, flush=True)
+              f"validate_args, for {world}...", file=sys.stderr, flush=True)
         records, derived = resolve_and_check(resolver, ns.script, args, arms, environ)
         effective = records[arms.index(baseline_of(arms))].get("effective_args", {})
         iters = ns.iters if ns.iters is not None else effective.get("train_iters")
