@@ -15,6 +15,7 @@ from megatron_perf_toggles.tools.ablate import report, world
 from megatron_perf_toggles.tools.ablate import runner as ablate
 from megatron_perf_toggles.tools.ablate.design import (
     DEFAULT_TOGGLES,
+    Arm,
     DesignError,
     expand,
     parse_candidates,
@@ -155,7 +156,7 @@ def _record(arm, **extra):
 
 def _fake_megatron(derives=None, calls=None):
     """A resolver standing in for Megatron's parser: each toggle that is on sets what ``derives`` says."""
-    def resolver(script, args, arm, environ):
+    def resolver(script, args, arm, environ, world=None):
         if calls is not None:
             calls.append(arm.name)
         extra = {}
@@ -235,7 +236,7 @@ def test_a_difference_no_changed_toggle_makes_alone_is_refused():
 def test_an_interaction_only_difference_is_refused():
     arms = expand("factorial", ("grad_reduce_in_bf16", "ddp_average_in_collective"), [])
 
-    def resolver(script, args, arm, environ):
+    def resolver(script, args, arm, environ, world=None):
         both = arm.toggles["grad_reduce_in_bf16"] and arm.toggles["ddp_average_in_collective"]
         return _record(arm, bucket_size=1 if both else 2)
 
@@ -247,7 +248,7 @@ def test_vary_settings_are_checked_and_carried_once():
     arms = expand("factorial", ("grad_reduce_in_bf16",), parse_vary(["adam_eps=1e-8,1e-5"], {"adam_eps"}))
     seen = []
 
-    def resolver(script, args, arm, environ):
+    def resolver(script, args, arm, environ, world=None):
         seen.append(args)
         return _record(arm)
 
@@ -310,7 +311,8 @@ def test_the_dry_run_gets_the_candidates_environment_as_rank_0(monkeypatch):
         return argparse.Namespace(returncode=0, stdout="{}", stderr="")
 
     monkeypatch.setattr(ablate.subprocess, "run", run)
-    arm = expand("candidates", DEFAULT_TOGGLES, [], candidates={"a": ("NCCL_ALGO=Ring", "--manual-gc")})[1]
+    # built by hand: parse_candidates refuses RANK, and the dry run keeps rank 0 even so
+    arm = Arm("+a", {}, adds={"a": ("RANK=3", "NCCL_ALGO=Ring", "--manual-gc")})
     ablate.resolve_arm("s.py", ["--bf16"], arm, {"RANK": "3", "WORLD_SIZE": "8", "NCCL_ALGO": "Tree"})
     assert seen["NCCL_ALGO"] == "Ring" and seen["RANK"] == "0" and "WORLD_SIZE" not in seen
 
@@ -332,7 +334,7 @@ def test_a_candidates_environment_reaches_its_runs_alone(tmp_path, monkeypatch):
 def test_a_candidate_is_its_own_probe_and_a_no_op_candidate_is_refused():
     arms = expand("candidates", DEFAULT_TOGGLES, [], candidates={"gc": ("--manual-gc",), "noop": ("--bf16",)})
 
-    def resolver(script, args, arm, environ):  # --manual-gc also derives an interval; --bf16 is given already
+    def resolver(script, args, arm, environ, world=None):  # --manual-gc also derives an interval; --bf16 is given already
         noop = {"bf16": True} if "--bf16" in args else {}
         return _record(arm, **({"manual_gc_interval": 0} if "--manual-gc" in arm.added_args() else {}), **noop)
 
@@ -640,19 +642,28 @@ def test_dry_runs_plan_for_the_world_the_runs_will_have():
     ]:
         bound, said = ablate.planned_for(resolver, launch, stated)
         assert bound("s.py", [], arm, {}) == planned and note in said
-    with pytest.raises(DesignError, match="--world-size 4, but --launch starts 8"):
-        ablate.planned_for(resolver, "torchrun --nproc-per-node 8", 4)
-    with pytest.raises(DesignError, match="at least 1"):
-        ablate.planned_for(resolver, None, 0)
+    # --world-size wins where given: the launcher's number may miss a launcher nested in a script
+    bound, said = ablate.planned_for(resolver, "torchrun --nproc-per-node 8", 16)
+    assert bound("s.py", [], arm, {}) == 16 and said == "a world of 16 (from --world-size; --launch looks like 8)"
+    assert ablate.launch_world_size("srun -n 2 torchrun --nproc-per-node 8") is None  # nodes x 8, not 2
+    assert ablate.launch_world_size("mpirun -np 2 python -m torch.distributed.run --nproc-per-node 4") is None
+    assert ablate.launch_world_size("torchrun --nproc-per-node 0") is None
     assert ablate.dry_run_command("s.py", ["--lr", "1"], arm, 8)[3:7] == ["--dry-run", "--world-size", "8", "s.py"]
     assert "--world-size" not in ablate.dry_run_command("s.py", ["--lr", "1"], arm, 1)
 
 
-def test_a_world_size_the_launcher_contradicts_is_exit_2(tmp_path, capsys):
+def test_a_bad_world_size_is_exit_2_before_anything_is_created(tmp_path, capsys):
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("")
     with pytest.raises(SystemExit) as info:
-        ablate.main(["--design", "headline", "--out", str(tmp_path / "o"), "--world-size", "4",
-                     "--launch", f"{sys.executable} -m torch.distributed.run --nproc-per-node 8", str(script)],
+        ablate.main(["--design", "headline", "--out", str(tmp_path / "o"), "--world-size", "0", str(script)],
                     resolver=_fake_megatron())
-    assert info.value.code == 2 and "--launch starts 8" in capsys.readouterr().err
+    assert info.value.code == 2 and "--world-size 0: at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_runs_whose_logged_world_differs_from_the_planned_one_are_flagged(tmp_path, monkeypatch, capsys):
+    assert _run_main(tmp_path, "--repeats", "1", env={"FAKE_WORLD_SIZE": "4"}, monkeypatch=monkeypatch) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["world_size"] == 4 and data["planned_world_size"] == 1
+    assert "the runs had a world of 4, the dry runs planned for 1: say --world-size 4" in capsys.readouterr().err

@@ -93,3 +93,19 @@ def test_devices_must_cover_a_multi_gpu_part(tmp_path):
                            "--out", str(tmp_path / "out"), "--print-only", "--parts", "dp2", "--devices", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "needs 2 GPUs" in proc.stderr
+
+
+@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: the preset smoke run needs a tree")
+def test_smoke_path_plans_the_two_gpu_tensor_parallel_part_for_its_world(tmp_path):
+    """TP=2 validates only in a world of 2: the smoke run's real dry runs plan for it (--world-size),
+    and the stand-in runs log that world, which the results take as the runs' own."""
+    tree = megatron_trees()[-1]
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "h200_ablate.py"), "--megatron", str(tree),
+                           "--out", str(tmp_path / "out"), "--smoke", "--parts", "tp2-candidates", "--repeats", "1",
+                           "--iters", "6", "--warmup", "2"],
+                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
+                                                                            "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "out" / "tp2-candidates" / "results.json").read_text())
+    assert data["planned_world_size"] == 2 and data["world_size"] == 2
+    assert data["derived"]["+tp-comm-overlap"] == ["tp_comm_overlap"]

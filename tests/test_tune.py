@@ -132,13 +132,15 @@ def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
 # --- end to end, with a stand-in Megatron --------------------------------------------------------------
 
 
-def stand_in_resolver(guarded=(), calls=None, others=None, environs=None):
+def stand_in_resolver(guarded=(), calls=None, others=None, environs=None, worlds=None):
     """Megatron's parser and the plugin, as a dry run would report them: each pinned toggle as asked,
     except those in ``guarded``, which a guard keeps off; ``others``: what it decides for toggles
     no arm pins."""
-    def resolver(script, args, arm, environ):
+    def resolver(script, args, arm, environ, world=None):
         if calls is not None:
             calls.append(arm.name)
+        if worlds is not None:
+            worlds.append(world)
         if environs is not None:
             environs.append(dict(environ))
         decisions = {d: {"value": v, "source": "default", "reason": "x"} for d, v in (others or {}).items()}
@@ -348,7 +350,7 @@ def test_the_factorial_is_skipped_when_one_block_would_not_fit(tmp_path, costs):
     (["--toggles", "warp_drive"], "unknown toggle 'warp_drive'"),
     (["--toggles", "cross_entropy_fusion_impl"], "unknown toggle"),
     (["--launch", "no-such-torchrun --nproc-per-node 8"], "'no-such-torchrun' is not an executable"),
-    (["--world-size", "3"], "--world-size 3, but --launch starts 1"),  # this python: one process
+    (["--world-size", "0"], "--world-size 0: at least 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, words):
     script = tmp_path / "pretrain_gpt.py"
@@ -372,3 +374,14 @@ def test_the_command_line_refuses_bad_input_without_a_traceback(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "tune", "--help"], capture_output=True,
                                text=True, env={**env, "PYTHONPATH": str(REPO)}, timeout=120).stdout
     assert "leave-one-out" in help_text and "MEGATRON_PERF_TOGGLES_PROFILE" in help_text and "--budget" in help_text
+
+
+def test_every_dry_run_plans_for_the_stated_world_and_the_profile_records_it(tmp_path, capsys):
+    """The stand-in launch is `python fake.py`, one process as far as the launch says; --world-size 2
+    wins: the guard probe and every phase's dry runs plan for it, and with no world in the runs'
+    logs the profile records the stated one."""
+    worlds = []
+    assert tune_main(tmp_path, "--world-size", "2", "--repeats", "1", resolver=stand_in_resolver(worlds=worlds)) == 0
+    assert len(worlds) >= 4 and set(worlds) == {2}
+    assert profile_file.load(str(tmp_path / "out" / "profile.json")).environment.world_size == 2
+    assert "dry runs plan for a world of 2 (from --world-size; --launch looks like 1)" in capsys.readouterr().err

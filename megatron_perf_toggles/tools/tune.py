@@ -229,8 +229,8 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
 def measured_on(record: Mapping[str, Any], world: int | None) -> Environment:
     """What the runs ran on: the baseline's dry-run record (Megatron, TE, torch, the GPU that
     process saw) and ``world``, the runs' world size (``ablate.world.world_size``; None: not
-    recorded). The dry run's own world size is not used: it runs as one process, whatever the
-    launch. No torch is imported here."""
+    recorded). The dry run's record is not asked for it: the dry run is one process planning for
+    a world, not the runs themselves. No torch is imported here."""
     caps = record.get("capabilities") or {}
     te = caps.get("te_version")
     return Environment(megatron=(record.get("megatron") or {}).get("version"),
@@ -311,7 +311,8 @@ def phase_options(setup: Setup, design: str, confidence: float, warmup_run: bool
     ns = setup.ns
     return argparse.Namespace(design=design, seed=ns.seed, repeats=ns.repeats, warmup_run=warmup_run,
                               warmup=ns.warmup, launch=ns.launch, script=ns.script, confidence=confidence,
-                              effect=0.01, target_ci=None, max_repeats=ns.repeats, budget=ns.budget)
+                              effect=0.01, target_ci=None, max_repeats=ns.repeats, budget=ns.budget,
+                              world_size=ns.world_size)
 
 
 def run_phase(setup: Setup, design: str, arms: list[Arm], confidence: float, warmup_run: bool
@@ -465,7 +466,7 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
     profile = Profile(
         toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))],
-                                                 world_size(first["runs"], baseline_of(arms).name, ns.launch)),
+                                                 world_size(first["runs"], baseline_of(arms).name, ns.launch, ns.world_size)),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command), confirmation=confirmation)
     return profile, excluded, results
@@ -547,7 +548,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "unmeasured warm-up run always runs: it times the others)")
     p.add_argument("--toggles", help="comma list of on/off toggle dests to tune (default: all five)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python); "
-                   "the profile's world size is the runs' own (Megatron's log), else what it plainly starts")
+                   "the profile's world size is the runs' own (Megatron's log), else --world-size, else what "
+                   "it plainly starts")
     p.add_argument("--world-size", type=int, metavar="N", help=ablate.WORLD_SIZE_HELP)
     p.add_argument("--out", default="tune", help="output directory (default: ./tune); run again to resume")
     p.add_argument("--repeats", type=int, default=3, help="blocks per phase; each block runs every arm once (default 3)")

@@ -46,7 +46,7 @@ from .design import (
     parse_vary,
 )
 from .report import compare, measure_run, sizing, widest_interval, write_results
-from .world import launch_world_size, world_size
+from .world import launch_world_size, logged_world_size, world_size
 
 # Arguments that legitimately differ between arms, or are bookkeeping, not the experiment.
 NOT_COMPARED = {"perf_toggles", "perf_toggles_precision", "rank", "local_rank", "world_size"}
@@ -127,7 +127,8 @@ def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: di
                 world: int | None = None) -> dict[str, Any]:
     """The arm's dry-run record (decisions + effective Megatron arguments after validate_args)."""
     cmd = dry_run_command(script, megatron_args, arm, world)
-    # One process, as rank 0: a dry run under a job's RANK=3 would print no record.
+    # One process, as rank 0 (a dry run under a job's RANK=3 would print no record), planning for
+    # ``world`` through the dry run's own --world-size rather than the caller's WORLD_SIZE.
     env = {k: v for k, v in environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, **arm.env(), "RANK": "0"},
@@ -143,27 +144,29 @@ def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: di
         raise ConfoundError(f"arm {arm.name}: the dry run printed no JSON record") from None
 
 
+def planned_world(launch: str | None, stated: int | None) -> int:
+    """The world the dry runs plan for: ``--world-size``, else what ``launch`` plainly starts, else 1."""
+    return stated if stated is not None else launch_world_size(launch) or 1
+
+
 def planned_for(resolver: Callable[..., dict[str, Any]], launch: str | None, stated: int | None = None
                 ) -> tuple[Callable[..., dict[str, Any]], str]:
     """The resolver, planning the dry runs for the world the runs will have, and a note that says
-    which: ``--world-size`` where given, else what ``launch`` plainly starts. A launcher whose world
-    size is not plain (``--nproc-per-node gpu``, elastic nodes, one unknown here) and no
-    ``--world-size`` leave the dry runs at one process, where validate_args refuses model
-    parallelism; the note says so."""
+    which: ``--world-size`` where given (it wins over the launcher's number, which may miss a
+    launcher nested in a script), else what ``launch`` plainly starts. A launcher whose world size
+    is not plain (``--nproc-per-node gpu``, elastic nodes, one unknown here) and no ``--world-size``
+    leave the dry runs at one process, where validate_args refuses model parallelism; the note says so."""
     launched = launch_world_size(launch)
     if stated is not None:
-        if stated < 1:
-            raise DesignError(f"--world-size {stated}: at least 1")
-        if launched is not None and launched != stated:
-            raise DesignError(f"--world-size {stated}, but --launch starts {launched} processes",
-                              "leave --world-size out: it is for launchers whose world size is not known here")
         world, source = stated, "--world-size"
+        if launched is not None and launched != stated:
+            source += f"; --launch looks like {launched}"
     elif launched is None:
         return resolver, "one process (the launcher's world size is not known here: say it with --world-size)"
     else:
         world, source = launched, "--launch"
     if world == 1:
-        return resolver, "one process"
+        return resolver, f"one process (from {source})"
     return functools.partial(resolver, world=world), f"a world of {world} (from {source})"
 
 
@@ -258,12 +261,17 @@ def check_confounds(arms: Sequence[Arm], records: Sequence[dict[str, Any]],
     # A candidate's environment (an allocator or NCCL setting) is part of what its run gets, on top
     # of the caller's: a candidate that sets what the caller's environment already holds changes nothing.
     keys = {k for a in arms for k in a.added_env()}
-    fingerprints = {json.dumps([r.get("effective_args", {}),
-                                {k: a.added_env().get(k, (environ or {}).get(k)) for k in keys}], sort_keys=True)
-                    for a, r in zip(arms, records, strict=True)}
-    if len(fingerprints) < len(records) and not problems:
-        problems.append("two arms resolve to identical Megatron arguments and environment: they cannot "
-                        "measure a difference")
+    same: dict[str, list[str]] = {}
+    for a, r in zip(arms, records, strict=True):
+        env = {k: a.added_env().get(k, (environ or {}).get(k)) for k in keys}
+        same.setdefault(json.dumps([r.get("effective_args", {}), env], sort_keys=True, default=str), []).append(a.name)
+    for names in same.values():
+        if len(names) > 1 and not problems:
+            caller = sorted(f"{k}={v}" for a in arms if a.name in names for k, v in a.added_env().items()
+                            if (environ or {}).get(k) == v)
+            problems.append(f"arms {', '.join(names)} resolve to identical Megatron arguments and environment: "
+                            "they cannot measure a difference"
+                            + (f" ({', '.join(caller)} is already set here)" if caller else ""))
     if problems:
         raise ConfoundError("confound check failed, nothing was run:\n  " + "\n  ".join(problems))
 
@@ -488,9 +496,10 @@ def build_ablate_parser() -> argparse.ArgumentParser:
     return p
 
 
-WORLD_SIZE_HELP = ("the processes the runs will have, for the dry runs that check every arm first (default: "
-                   "what --launch plainly starts, e.g. torchrun's --nproc-per-node x --nnodes; 1 for this "
-                   "python); needed only where the launcher does not say, as with srun in a batch script")
+WORLD_SIZE_HELP = ("the processes the runs will have: the dry runs that check every arm first plan for it, and "
+                   "per-GPU figures divide by it where the runs' logs do not say (default: what --launch plainly "
+                   "starts, e.g. torchrun's --nproc-per-node x --nnodes; 1 for this python); needed where the "
+                   "launcher does not say, as with srun around torchrun or a wrapper script")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -548,6 +557,8 @@ def _validate(ns: argparse.Namespace) -> None:
         raise DesignError(f"--target-ci {ns.target_ci}: expected a fraction, e.g. 0.01 for +-1 %")
     if ns.budget is not None and ns.budget <= 0:
         raise DesignError(f"--budget {ns.budget}: expected minutes > 0")
+    if ns.world_size is not None and ns.world_size < 1:
+        raise DesignError(f"--world-size {ns.world_size}: at least 1")
     if not Path(ns.script).is_file():
         raise DesignError(f"script not found: {ns.script}")
 
@@ -644,7 +655,7 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
             if ns.target_ci is None:
                 break
             rows = compare(arms, [measure_run(s, ns.warmup) for s in statuses], block, seq,
-                           world_size(statuses, base_name, ns.launch), ns.confidence)
+                           world_size(statuses, base_name, ns.launch, ns.world_size), ns.confidence)
             width = widest_interval(rows)
             if width <= ns.target_ci:
                 stop_reason = f"every interval within +-{ns.target_ci * 100:g} % after {block} blocks"
@@ -669,10 +680,15 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
     if stop_reason:
         print(f"[ablate] stopped: {stop_reason}", file=sys.stderr)
     measured = [measure_run(s, ns.warmup) for s in statuses]
-    gpus = world_size(statuses, base_name, ns.launch)
+    gpus = world_size(statuses, base_name, ns.launch, ns.world_size)
+    planned = planned_world(ns.launch, ns.world_size)
+    logged = logged_world_size(statuses, base_name)
+    if logged is not None and logged != planned:
+        print(f"[ablate] warning: the runs had a world of {logged}, the dry runs planned for {planned}: "
+              "say --world-size " + str(logged), file=sys.stderr)
     rows = compare(arms, measured, block, seq, gpus, ns.confidence, ns.effect)
     return {"design": ns.design, "seed": ns.seed, "repeats": ns.repeats, "blocks_run": block, "block_order": orders,
-            "world_size": gpus,
+            "world_size": gpus, "planned_world_size": planned,
             "warmup_run": ns.warmup_run, "iters": iters, "warmup": ns.warmup, "confidence": ns.confidence,
             "target_ci": ns.target_ci, "budget_min": ns.budget, "stop_reason": stop_reason,
             "derived": {n: sorted(k) for n, k in derived.items()}, "rows": rows,

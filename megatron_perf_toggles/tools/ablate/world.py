@@ -22,25 +22,31 @@ def _option(words: Sequence[str], names: tuple[str, ...]) -> str | None:
     return None
 
 
+# Launchers that start the training processes themselves: behind srun or mpirun they multiply the
+# count, so the outer launcher's number is not the world.
+_INNER = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
 def launch_world_size(launch: str | None) -> int | None:
     """The world size a launcher prefix starts, where it says so plainly; None where it does not
-    (``--nproc-per-node gpu``, elastic ``--nnodes 1:2``, a launcher not known here): a wrong number
-    would make every run of the profile warn "measured elsewhere", an unknown one is not checked."""
+    (``--nproc-per-node gpu``, elastic ``--nnodes 1:2``, ``srun -n 2 torchrun ...``, a launcher not
+    known here): a wrong number would make every run of the profile warn "measured elsewhere", and
+    plan the dry runs for the wrong world; an unknown one is not checked."""
     if not launch:
         return 1  # this python: one process
     words = shlex.split(launch)
     name = Path(words[0]).name if words else ""
-    if name == "torchrun" or "torch.distributed.run" in words or "torch.distributed.launch" in words:
+    if name in ("srun", "mpirun", "mpiexec"):
+        if any(Path(w).name in _INNER for w in words[1:]):
+            return None
+        count = _option(words, ("-n", "--ntasks") if name == "srun" else ("-np", "-n", "--np", "-c"))
+    elif name == "torchrun" or "torch.distributed.run" in words or "torch.distributed.launch" in words:
         per_node = _option(words, ("--nproc-per-node", "--nproc_per_node")) or "1"
         nodes = _option(words, ("--nnodes",)) or "1"
-        return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
-    if name == "srun":
-        count = _option(words, ("-n", "--ntasks"))
-    elif name in ("mpirun", "mpiexec"):
-        count = _option(words, ("-np", "-n", "--np", "-c"))
+        count = str(int(per_node) * int(nodes)) if per_node.isdigit() and nodes.isdigit() else None
     else:
         return 1 if name.startswith("python") else None  # a script run by python: one process
-    return int(count) if count and count.isdigit() else None
+    return int(count) if count and count.isdigit() and int(count) > 0 else None
 
 
 def logged_world_size(runs: Sequence[Mapping[str, Any]], arm: str) -> int | None:
@@ -59,7 +65,11 @@ def logged_world_size(runs: Sequence[Mapping[str, Any]], arm: str) -> int | None
     return None
 
 
-def world_size(runs: Sequence[Mapping[str, Any]], arm: str, launch: str | None) -> int | None:
-    """The runs' own word where they logged it, else the launcher's, else None (unknown)."""
+def world_size(runs: Sequence[Mapping[str, Any]], arm: str, launch: str | None,
+               stated: int | None = None) -> int | None:
+    """The runs' own word where they logged it, else the user's (``--world-size``), else the
+    launcher's, else None (unknown)."""
     logged = logged_world_size(runs, arm)
-    return logged if logged is not None else launch_world_size(launch)
+    if logged is not None:
+        return logged
+    return stated if stated is not None else launch_world_size(launch)
