@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -51,16 +52,19 @@ def test_expected_time_grows_with_the_work():
     assert h200_ablate.estimate_s("headline", 5, 12) > h200_ablate.estimate_s("headline", 3, 12)
 
 
+def _smoke(tmp_path, part: str, repeats: int) -> dict:
+    """One preset through --smoke on the newest tree given: real dry runs, stand-in runs."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "h200_ablate.py"), "--megatron",
+                           str(megatron_trees()[-1]), "--out", str(tmp_path / "out"), "--smoke", "--parts", part,
+                           "--repeats", str(repeats), "--iters", "6", "--warmup", "2"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads((tmp_path / "out" / part / "results.json").read_text())
+
+
 @pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: the preset smoke run needs a tree")
 def test_smoke_path_runs_the_noop_preset_end_to_end(tmp_path):
-    tree = megatron_trees()[-1]
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "h200_ablate.py"), "--megatron", str(tree),
-                           "--out", str(tmp_path / "out"), "--smoke", "--parts", "noop", "--repeats", "2",
-                           "--iters", "6", "--warmup", "2"],
-                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
-                                                                            "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    data = json.loads((tmp_path / "out" / "noop" / "results.json").read_text())
+    data = _smoke(tmp_path, "noop", 2)
     assert data["blocks_run"] == 2 and [r["arm"] for r in data["rows"]] == ["all-off",
                                                                             "only:ddp_average_in_collective"]
     assert data["rows"][1]["speedup"]["verdict"] == "no detectable difference"
@@ -99,13 +103,6 @@ def test_devices_must_cover_a_multi_gpu_part(tmp_path):
 def test_smoke_path_plans_the_two_gpu_tensor_parallel_part_for_its_world(tmp_path):
     """TP=2 validates only in a world of 2: the smoke run's real dry runs plan for it (--world-size),
     and the stand-in runs log that world, which the results take as the runs' own."""
-    tree = megatron_trees()[-1]
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "h200_ablate.py"), "--megatron", str(tree),
-                           "--out", str(tmp_path / "out"), "--smoke", "--parts", "tp2-candidates", "--repeats", "1",
-                           "--iters", "6", "--warmup", "2"],
-                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
-                                                                            "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    data = json.loads((tmp_path / "out" / "tp2-candidates" / "results.json").read_text())
+    data = _smoke(tmp_path, "tp2-candidates", 1)
     assert data["planned_world_size"] == 2 and data["world_size"] == 2
     assert data["derived"]["+tp-comm-overlap"] == ["tp_comm_overlap"]
