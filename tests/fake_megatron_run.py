@@ -32,9 +32,10 @@ if counter:
     with open(counter, "a") as fh:
         fh.write(os.environ.get("GRAD_REDUCE_IN_BF16", "?") + "\n")
 if os.environ.get("FAKE_WORLD_SIZE"):
-    world = os.environ["FAKE_WORLD_SIZE"]
-    print(f"using world size: {world}, data-parallel size: {world}, context-parallel size: 1, "
-          "tensor-model-parallel size: 1, pipeline-model-parallel size: 1", flush=True)
+    world = int(os.environ["FAKE_WORLD_SIZE"])
+    tp = int(argv[argv.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in argv else 1
+    print(f"using world size: {world}, data-parallel size: {world // tp}, context-parallel size: 1, "
+          f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: 1", flush=True)
 for i in range(1, iters + 1):
     loss = 10.0 - 0.5 * i
     time.sleep(float(os.environ.get("FAKE_SLEEP", "0") or 0))

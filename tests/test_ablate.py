@@ -667,3 +667,24 @@ def test_runs_whose_logged_world_differs_from_the_planned_one_are_flagged(tmp_pa
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["world_size"] == 4 and data["planned_world_size"] == 1
     assert "the runs had a world of 4, the dry runs planned for 1: say --world-size 4" in capsys.readouterr().err
+
+
+def test_a_launch_prefix_may_not_set_what_an_arm_sets(tmp_path, capsys):
+    script = str(tmp_path / "pretrain_gpt.py")
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    common = ["--out", str(tmp_path / "o"), "--dry-run"]
+    toggle = ["--design", "one-at-a-time", "--toggles", "grad_reduce_in_bf16", *common]
+    candidate = ["--design", "candidates", "--candidate", "ring=NCCL_ALGO=Ring", *common]
+    for design, launch, clash in [
+        (toggle, f"env GRAD_REDUCE_IN_BF16=1 {sys.executable}", "GRAD_REDUCE_IN_BF16"),
+        (candidate, f"env NCCL_ALGO=Tree {sys.executable}", "NCCL_ALGO"),
+        (candidate, f"env NCCL_DEBUG=INFO {sys.executable}", None),  # not an arm's variable
+        (candidate, f"env -u X NCCL_ALGO=Tree {sys.executable}", None),  # env's options end the scan
+    ]:
+        argv = [*design, "--launch", launch, script]
+        if clash is None:
+            assert ablate.main(argv, resolver=_fake_megatron()) == 0
+            continue
+        with pytest.raises(SystemExit) as info:
+            ablate.main(argv, resolver=_fake_megatron())
+        assert info.value.code == 2 and f"--launch sets {clash} for every run" in capsys.readouterr().err

@@ -351,6 +351,7 @@ def test_the_factorial_is_skipped_when_one_block_would_not_fit(tmp_path, costs):
     (["--toggles", "cross_entropy_fusion_impl"], "unknown toggle"),
     (["--launch", "no-such-torchrun --nproc-per-node 8"], "'no-such-torchrun' is not an executable"),
     (["--world-size", "0"], "--world-size 0: at least 1"),
+    (["--launch", f"env GRAD_REDUCE_IN_BF16=0 {sys.executable}"], "--launch sets GRAD_REDUCE_IN_BF16 for every run"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, words):
     script = tmp_path / "pretrain_gpt.py"

@@ -47,7 +47,7 @@ from ..core.struct import Struct
 from ..errors import PerfTogglesError, fail
 from .ablate import runner as ablate
 from .ablate import stats
-from .ablate.design import Arm, DesignError, baseline_of, expand, parse_toggles
+from .ablate.design import DEFAULT_TOGGLES, Arm, DesignError, baseline_of, expand, parse_toggles
 from .ablate.report import write_results
 from .ablate.world import world_size
 
@@ -584,7 +584,8 @@ def _prepare(ns: argparse.Namespace) -> list[str]:
     args = ablate.megatron_args_of(ns)
     if ns.iters is not None:
         args = ablate.set_args(args, {"--train-iters": str(ns.iters)})
-    ablate.check_launcher(ns.launch, ns.script, args)
+    # tune's runs set every on/off toggle's variable (those taking part, and the others pinned)
+    ablate.check_launcher(ns.launch, ns.script, args, [Arm("every toggle", dict.fromkeys(DEFAULT_TOGGLES, True))])
     return args
 
 

@@ -464,11 +464,24 @@ def megatron_args_of(ns: argparse.Namespace) -> list[str]:
     return args[1:] if args[:1] == ["--"] else args
 
 
-def check_launcher(launch: str | None, script: str, megatron_args: Sequence[str]) -> None:
-    """The program an arm's command starts must exist, checked before the first GPU minute."""
+def check_launcher(launch: str | None, script: str, megatron_args: Sequence[str], arms: Sequence[Arm] = ()) -> None:
+    """The program an arm's command starts must exist, and the prefix must not set what an arm
+    sets: ``env GRAD_REDUCE_IN_BF16=1 torchrun ...`` would give every arm the same value, after
+    the dry runs had checked them apart. Checked before the first GPU minute."""
     launcher = arm_command(launch, script, megatron_args, Arm("launcher", {}))[0]
     if shutil.which(launcher) is None and not Path(launcher).is_file():
         raise DesignError(f"--launch: {launcher!r} is not an executable on PATH")
+    words = shlex.split(launch) if launch else []
+    prefix_env: set[str] = set()
+    if words and Path(words[0]).name == "env":
+        for word in words[1:]:
+            if "=" not in word or word.startswith("-"):
+                break
+            prefix_env.add(word.split("=", 1)[0])
+    clash = sorted({k for arm in arms for k in arm.env()} & prefix_env)
+    if clash:
+        raise DesignError(f"--launch sets {', '.join(clash)} for every run, over each arm's own value",
+                          "leave it out of --launch: the arms set it")
 
 
 def _check_out(out: Path) -> None:
@@ -602,7 +615,7 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
               + ", ".join(sorted({n for a in arms for n in a.intended()}))
               + (" and what they derive: " + "; ".join(f"{n} -> {', '.join(k)}" for n, k in explained.items())
                  if explained else ""), file=sys.stderr)
-        check_launcher(ns.launch, ns.script, args)
+        check_launcher(ns.launch, ns.script, args, arms)
 
         def runs_of_block(block: int) -> list[Run]:
             return [make_run(out, arms[i], block, ns.launch, ns.script, args, records[i])
