@@ -152,8 +152,8 @@ def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: flo
     env = base_env(megatron, ns.smoke)
     port = part_port(ns, part)
     if ns.smoke:
-        # the stand-in logs the world it stands in for; behind `env` the launcher's world is not
-        # known to ablate, so --world-size (below) plans the dry runs for it, as on the GPUs
+        # one python process standing in for the part's world, which it logs as Megatron would;
+        # --world-size (below) plans the dry runs for that world, as torchrun's would on the GPUs
         launch = f"env FAKE_WORLD_SIZE={gpus} {sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
     elif gpus > 1:
         launch = f"{sys.executable} -m torch.distributed.run --nproc-per-node {gpus} --master-port {port}"

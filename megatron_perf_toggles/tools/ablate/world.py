@@ -35,6 +35,10 @@ def launch_world_size(launch: str | None) -> int | None:
     if not launch:
         return 1  # this python: one process
     words = shlex.split(launch)
+    if words and Path(words[0]).name == "env":  # `env VAR=value ... torchrun ...`: the launcher follows
+        words = words[1:]
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            words = words[1:]
     name = Path(words[0]).name if words else ""
     if name in ("srun", "mpirun", "mpiexec"):
         if any(Path(w).name in _INNER for w in words[1:]):
