@@ -46,7 +46,7 @@ from .design import (
     parse_vary,
 )
 from .report import compare, measure_run, sizing, widest_interval, write_results
-from .world import launch_world_size, logged_world_size, world_size
+from .world import env_prefix, launch_world_size, logged_world_size, stated_or_launched, world_size
 
 # Arguments that legitimately differ between arms, or are bookkeeping, not the experiment.
 NOT_COMPARED = {"perf_toggles", "perf_toggles_precision", "rank", "local_rank", "world_size"}
@@ -146,7 +146,7 @@ def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: di
 
 def planned_world(launch: str | None, stated: int | None) -> int:
     """The world the dry runs plan for: ``--world-size``, else what ``launch`` plainly starts, else 1."""
-    return stated if stated is not None else launch_world_size(launch) or 1
+    return stated_or_launched(launch, stated) or 1
 
 
 def planned_for(resolver: Callable[..., dict[str, Any]], launch: str | None, stated: int | None = None
@@ -156,15 +156,13 @@ def planned_for(resolver: Callable[..., dict[str, Any]], launch: str | None, sta
     launcher nested in a script), else what ``launch`` plainly starts. A launcher whose world size
     is not plain (``--nproc-per-node gpu``, elastic nodes, one unknown here) and no ``--world-size``
     leave the dry runs at one process, where validate_args refuses model parallelism; the note says so."""
-    launched = launch_world_size(launch)
+    launched, world = launch_world_size(launch), planned_world(launch, stated)
     if stated is not None:
-        world, source = stated, "--world-size"
-        if launched is not None and launched != stated:
-            source += f"; --launch looks like {launched}"
+        source = "--world-size" + (f"; --launch looks like {launched}" if launched not in (None, stated) else "")
     elif launched is None:
         return resolver, "one process (the launcher's world size is not known here: say it with --world-size)"
     else:
-        world, source = launched, "--launch"
+        source = "--launch"
     if world == 1:
         return resolver, f"one process (from {source})"
     return functools.partial(resolver, world=world), f"a world of {world} (from {source})"
@@ -471,13 +469,7 @@ def check_launcher(launch: str | None, script: str, megatron_args: Sequence[str]
     launcher = arm_command(launch, script, megatron_args, Arm("launcher", {}))[0]
     if shutil.which(launcher) is None and not Path(launcher).is_file():
         raise DesignError(f"--launch: {launcher!r} is not an executable on PATH")
-    words = shlex.split(launch) if launch else []
-    prefix_env: set[str] = set()
-    if words and Path(words[0]).name == "env":
-        for word in words[1:]:
-            if "=" not in word or word.startswith("-"):
-                break
-            prefix_env.add(word.split("=", 1)[0])
+    prefix_env, _ = env_prefix(shlex.split(launch) if launch else [])
     clash = sorted({k for arm in arms for k in arm.env()} & prefix_env)
     if clash:
         raise DesignError(f"--launch sets {', '.join(clash)} for every run, over each arm's own value",

@@ -27,6 +27,18 @@ def _option(words: Sequence[str], names: tuple[str, ...]) -> str | None:
 _INNER = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 
 
+def env_prefix(words: Sequence[str]) -> tuple[set[str], list[str]]:
+    """``env VAR=value ... CMD ...``: the variables the prefix sets, and the command it runs (the
+    words as given where they do not start with ``env``). ``env``'s own options end the reading."""
+    if not words or Path(words[0]).name != "env":
+        return set(), list(words)
+    rest = list(words[1:])
+    names: set[str] = set()
+    while rest and "=" in rest[0] and not rest[0].startswith("-"):
+        names.add(rest.pop(0).split("=", 1)[0])
+    return names, rest
+
+
 def launch_world_size(launch: str | None) -> int | None:
     """The world size a launcher prefix starts, where it says so plainly; None where it does not
     (``--nproc-per-node gpu``, elastic ``--nnodes 1:2``, ``srun -n 2 torchrun ...``, a launcher not
@@ -34,11 +46,7 @@ def launch_world_size(launch: str | None) -> int | None:
     plan the dry runs for the wrong world; an unknown one is not checked."""
     if not launch:
         return 1  # this python: one process
-    words = shlex.split(launch)
-    if words and Path(words[0]).name == "env":  # `env VAR=value ... torchrun ...`: the launcher follows
-        words = words[1:]
-        while words and "=" in words[0] and not words[0].startswith("-"):
-            words = words[1:]
+    _, words = env_prefix(shlex.split(launch))  # `env VAR=value ... torchrun ...`: the launcher follows
     name = Path(words[0]).name if words else ""
     if name in ("srun", "mpirun", "mpiexec"):
         if any(Path(w).name in _INNER for w in words[1:]):
@@ -74,6 +82,9 @@ def world_size(runs: Sequence[Mapping[str, Any]], arm: str, launch: str | None,
     """The runs' own word where they logged it, else the user's (``--world-size``), else the
     launcher's, else None (unknown)."""
     logged = logged_world_size(runs, arm)
-    if logged is not None:
-        return logged
+    return logged if logged is not None else stated_or_launched(launch, stated)
+
+
+def stated_or_launched(launch: str | None, stated: int | None) -> int | None:
+    """The world the user said (``--world-size``), else what ``launch`` plainly starts, else None."""
     return stated if stated is not None else launch_world_size(launch)
