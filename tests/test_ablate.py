@@ -510,6 +510,34 @@ def test_budget_stops_before_a_block_that_would_not_fit(tmp_path):
     assert "Stopped: --budget 3 min" in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_a_budget_spent_before_the_first_block_says_it_was_timed_by_the_warm_up(tmp_path):
+    assert _run_main(tmp_path, "--repeats", "2", "--budget", "0.0001", clock=lambda: 0.0) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 0 and "block 1 (about" in data["stop_reason"]
+    assert "timed by the warm-up run alone" in data["stop_reason"]
+
+
+def test_a_resumed_block_is_priced_by_its_runs_not_done_earlier(tmp_path, capsys):
+    """A second call after a first one used its budget up goes on: blocks done earlier cost
+    nothing; only the runs still to do count against --budget."""
+    assert _run_main(tmp_path, "--repeats", "2") == 0
+    for status in (tmp_path / "out" / "runs").glob("*/*/status.json"):  # as if each run took 100 s
+        data = json.loads(status.read_text())
+        status.write_text(json.dumps({**data, "seconds": 100.0}))
+    capsys.readouterr()
+    assert _run_main(tmp_path, "--repeats", "3", "--budget", "1", clock=lambda: 0.0) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 2  # both done earlier, then block 3 (2 runs, 200 s) does not fit 60 s
+    assert data["stop_reason"] == "--budget 1 min: block 3 (about 3.3 min) would not fit after 0.0 min"
+    assert capsys.readouterr().err.count("done earlier, skipped") == 5
+    (tmp_path / "out" / "runs" / "block02" / ablate._slug("all-off") / "status.json").unlink()
+    assert _run_main(tmp_path, "--repeats", "2", "--budget", "1", clock=lambda: 0.0) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 1
+    assert data["stop_reason"] == ("--budget 1 min: block 2 (about 1.7 min, 1 of its 2 runs still to do) would not fit "
+                                   "after 0.0 min")
+
+
 def test_plot_or_clear_note(tmp_path):
     assert _run_main(tmp_path, "--repeats", "2") == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())

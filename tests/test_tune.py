@@ -334,12 +334,38 @@ def test_the_budget_stops_before_a_block_that_would_not_fit(tmp_path, costs):
     assert "the factorial did not run (--budget 3 min" in profile.toggles["ddp_average_in_collective"].evidence.rule
 
 
+def _factorial(n):
+    toggles = ("grad_reduce_in_bf16", "ddp_average_in_collective", "cross_entropy_loss_fusion")[:n]
+    return tune.factorial_arms(toggles, {}, {})
+
+
 def test_the_factorial_is_skipped_when_one_block_would_not_fit(tmp_path, costs):
-    setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "s.py"]), [], {}, None,
-                       lambda: 0.0, 0.0)
+    setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "--out", str(tmp_path), "s.py"]),
+                       [], {}, None, lambda: 0.0, 0.0)
     first = {"runs": [{"block": b, "seconds": 120.0} for b in (-1, 0, 1)]}
-    assert tune.factorial_fits(setup, first, 4) is None  # 8 min of 10
-    assert "would not fit" in tune.factorial_fits(setup, first, 8)  # 16 min
+    assert len(_factorial(2)) == 4 and len(_factorial(3)) == 8
+    assert tune.phase_fits(setup, first, "factorial", _factorial(2)) is None  # 8 min of 10
+    assert "one block of 8 arms (about 16.0 min) would not fit" in tune.phase_fits(setup, first, "factorial",
+                                                                                   _factorial(3))
+
+
+def test_a_resumed_phase_is_priced_by_the_runs_not_done_earlier(tmp_path, costs):
+    """A factorial whose first block mostly ran in an earlier call still fits what is left."""
+    setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "--out", str(tmp_path), "s.py"]),
+                       [], {}, None, lambda: 0.0, 0.0)
+    first = {"runs": [{"block": b, "seconds": 120.0} for b in (-1, 0, 1)]}
+    arms = _factorial(3)
+    for arm in arms[:4]:
+        here = ablate.run_dir(tmp_path / "factorial", arm, 0)
+        here.mkdir(parents=True)
+        (here / "status.json").write_text(json.dumps({"status": "done", "env": arm.env(), "seconds": 120.0}))
+    assert tune.phase_fits(setup, first, "factorial", arms) is None  # 4 runs to go: 8 min of 10
+    failed = ablate.run_dir(tmp_path / "factorial", arms[0], 0) / "status.json"
+    failed.write_text(json.dumps({"status": "failed", "env": arms[0].env(), "seconds": 120.0}))
+    other = ablate.run_dir(tmp_path / "factorial", arms[1], 0) / "status.json"
+    other.write_text(json.dumps({"status": "done", "env": {**arms[1].env(), "GRAD_REDUCE_IN_BF16": "x"}}))
+    why = tune.phase_fits(setup, first, "factorial", arms)  # a failed run and another pin run again
+    assert "the 6 runs of its first block not done earlier (about 12.0 min) would not fit" in why
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -335,16 +335,21 @@ def run_phase(setup: Setup, design: str, arms: list[Arm], confidence: float, war
     return result, records
 
 
-def factorial_fits(setup: Setup, first: Mapping[str, Any], arms: int) -> str | None:
-    """Why the factorial cannot start within the budget (None: it can): one block of it, timed
-    by the leave-one-out runs, must end before the budget does."""
+def phase_fits(setup: Setup, first: Mapping[str, Any], design: str, arms: Sequence[Arm]) -> str | None:
+    """Why a later phase cannot start within the budget (None: it can): the runs of its first block
+    not done in an earlier call, timed by the leave-one-out runs, must end before the budget does.
+    (Inside the phase, each block is checked again once the dry runs give the exact commands.)"""
     left = setup.minutes_left()
     seconds = [r["seconds"] for r in first["runs"] if r.get("seconds") and r.get("block", -1) >= 0]
     if left is None or not seconds:
         return None
-    block = statistics.median(seconds) * arms / 60
+    out = Path(setup.ns.out) / design
+    to_run = [a for a in arms if ablate.finished_earlier(ablate.run_dir(out, a, 0), a) is None]
+    block = statistics.median(seconds) * len(to_run) / 60
     if block > left:
-        return f"--budget {setup.ns.budget:g} min: one block of {arms} arms (about {block:.1f} min) would not fit in " \
+        what = f"one block of {len(arms)} arms" if len(to_run) == len(arms) else \
+            f"the {len(to_run)} runs of its first block not done earlier"
+        return f"--budget {setup.ns.budget:g} min: {what} (about {block:.1f} min) would not fit in " \
                f"the {max(left, 0):.1f} min left"
     return None
 
@@ -364,7 +369,7 @@ def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Seque
         return unresolved_kept(unresolved, f"the factorial did not run: {len(unresolved)} unresolved toggles are "
                                f"more than --max-factorial {limit} (more --repeats resolve more of them)")
     arms = factorial_arms(unresolved, decided, pins)
-    why = factorial_fits(setup, first, len(arms))
+    why = phase_fits(setup, first, "factorial", arms)
     if why:
         say(f"factorial skipped: {why}")
         return unresolved_kept(unresolved, f"the factorial did not run ({why})")
@@ -402,7 +407,7 @@ def confirm(setup: Setup, choices: Mapping[str, Choice], pins: Mapping[str, bool
         return dict(choices), None
     arms = [Arm("defaults", dict.fromkeys(chosen, True), baseline=True, fixed=dict(pins)),
             Arm("chosen", dict(chosen), fixed=dict(pins))]  # type: ignore[arg-type]
-    why = factorial_fits(setup, results["leave-one-out"], len(arms))
+    why = phase_fits(setup, results["leave-one-out"], "confirmation", arms)
     if why:
         say(f"confirmation skipped: {why}")
         return dict(choices), Confirmation(outcome=f"not run ({why}): the chosen values are unconfirmed")

@@ -404,6 +404,21 @@ def report_failure(status: dict[str, Any], stream: Any) -> None:
     stream.flush()
 
 
+def finished_earlier(directory: Path, arm: Arm, command: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """The status of a run that finished in an earlier call and need not run again (None: it must
+    run): done, with the arm's plugin variables and, where given, the same command. Without a
+    command (tune, before its dry runs) the answer is a forecast that the run itself confirms."""
+    try:
+        previous = json.loads((directory / "status.json").read_text())
+    except (OSError, ValueError):  # none yet, or torn by a kill: run it
+        return None
+    if previous.get("status") != "done" or previous.get("env") != arm.env():
+        return None
+    if command is not None and previous.get("command") != list(command):
+        return None
+    return previous
+
+
 def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, remaining: int) -> dict[str, Any]:
     """Run one arm once unless its status says done with the same command and the same plugin
     variables (the arm's env: the same command with another toggle pinned is another run); never
@@ -412,15 +427,10 @@ def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, r
 
     run.directory.mkdir(parents=True, exist_ok=True)
     status_file = run.directory / "status.json"
-    if status_file.exists():
-        try:
-            previous = json.loads(status_file.read_text())
-        except ValueError:
-            previous = {}  # torn by a kill: run it again
-        if previous.get("status") == "done" and previous.get("command") == run.command \
-                and previous.get("env") == run.arm.env():
-            progress.stream.write(f"[run {index}/{progress.total}] {run.label}: done earlier, skipped\n")
-            return previous
+    previous = finished_earlier(run.directory, run.arm, run.command)
+    if previous is not None:
+        progress.stream.write(f"[run {index}/{progress.total}] {run.label}: done earlier, skipped\n")
+        return previous
     log_path = run.directory / "log.txt"
     start = time.monotonic()
     last_ms: float | None = None
@@ -668,14 +678,20 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
             if block >= ns.max_repeats:
                 stop_reason = f"--max-repeats {ns.max_repeats} reached (widest interval +-{width * 100:.2f} %)"
                 break
+        runs = runs_of_block(block)
         seconds = [s["seconds"] for s in statuses if s.get("seconds")]
         if ns.budget is not None and seconds:
-            predicted = statistics.median(seconds) * len(arms)
+            # a resumed block costs only its runs not done earlier (a whole block of them stopped
+            # every resumed experiment whose first call had used the budget up)
+            to_run = [r for r in runs if finished_earlier(r.directory, r.arm, r.command) is None]
+            predicted = statistics.median(seconds) * len(to_run)
             if clock() - start + predicted > ns.budget * 60:
-                stop_reason = (f"--budget {ns.budget:g} min: block {block + 1} (about {predicted / 60:.1f} min) "
-                               f"would not fit after {(clock() - start) / 60:.1f} min")
+                left = "" if len(to_run) == len(runs) else f", {len(to_run)} of its {len(runs)} runs still to do"
+                # the first run on a fresh machine also pays one-time costs (kernel and helper builds)
+                timed = ", timed by the warm-up run alone" if block == 0 and ns.warmup_run else ""
+                stop_reason = (f"--budget {ns.budget:g} min: block {block + 1} (about {predicted / 60:.1f} min"
+                               f"{left}{timed}) would not fit after {(clock() - start) / 60:.1f} min")
                 break
-        runs = runs_of_block(block)
         orders.append([r.arm.name for r in runs])
         progress.total = max(progress.total, index + len(runs))
         for run in runs:
