@@ -25,6 +25,8 @@ directory under --out):
                   overlapping the tensor-parallel communication with the GEMMs (--tp-comm-overlap)
   tune            ``megatron-perf-toggles tune`` on this model, one GPU: writes OUT/tune/profile.json
   dp2-tune        the same at DP=2 (torchrun, 2 GPUs)
+  dp2-buckets     at DP=2 with the gradient reduce overlapped, Megatron's gradient bucket size against
+                  10M, 160M and 640M parameters per bucket
 
     python bench/h200_ablate.py --megatron PATH --out DIR --parts headline,noop --budget 20
     python bench/h200_ablate.py --megatron PATH --out DIR --smoke     # CPU: stand-in runs, real dry runs
@@ -99,11 +101,18 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
                        ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
     "tune": (["tune"], [], 1),
     "dp2-tune": (["tune"], [], 2),
+    # Megatron uses buckets only while the reduce overlaps the backward pass (else one buffer-wide
+    # reduce at the end), so every arm overlaps it; the baseline keeps Megatron's own size,
+    # max(40M, 1M x DP) parameters, about 48 buckets on this 1.9B-parameter model
+    "dp2-buckets": (["ablate", "--design", "candidates",
+                     "--candidate", "bucket-10M=--ddp-bucket-size 10000000",
+                     "--candidate", "bucket-160M=--ddp-bucket-size 160000000",
+                     "--candidate", "bucket-640M=--ddp-bucket-size 640000000"], ["--overlap-grad-reduce"], 2),
 }
 ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-delayed": 2, "fp8-tensorwise": 2,
         "dp2": 2, "candidates": 3, "candidates2": 5, "dp2-candidates": 4, "tp2-candidates": 2,
         # tune, at most: leave-one-out of five toggles (6 arms), then a factorial of up to 3 (8 arms)
-        "tune": 14, "dp2-tune": 14}
+        "tune": 14, "dp2-tune": 14, "dp2-buckets": 4}
 # Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
 # start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
 SECONDS_PER_ITER = {"bf16": 1.2, "fp8": 1.0, "dp2": 1.3}

@@ -106,3 +106,17 @@ def test_smoke_path_plans_the_two_gpu_tensor_parallel_part_for_its_world(tmp_pat
     data = _smoke(tmp_path, "tp2-candidates", 1)
     assert data["planned_world_size"] == 2 and data["world_size"] == 2
     assert data["derived"]["+tp-comm-overlap"] == ["tp_comm_overlap"]
+
+
+@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: the preset smoke run needs a tree")
+def test_smoke_path_sweeps_the_bucket_size_with_the_reduce_overlapped(tmp_path):
+    """Megatron ignores the bucket size unless the reduce overlaps the backward pass: every arm of
+    the sweep overlaps it, and each candidate changes the bucket size and nothing else."""
+    data = _smoke(tmp_path, "dp2-buckets", 1)
+    assert data["planned_world_size"] == 2
+    assert [r["arm"] for r in data["rows"]] == ["baseline", "+bucket-10M", "+bucket-160M", "+bucket-640M"]
+    assert all(data["derived"][f"+bucket-{size}"] == ["ddp_bucket_size"] for size in ("10M", "160M", "640M"))
+    for run in data["runs"]:
+        words = run["command"]
+        assert words.count("--overlap-grad-reduce") == 1 and words.count("--ddp-bucket-size") == (
+            run["arm"] != "baseline")
