@@ -281,6 +281,16 @@ def test_a_baseline_that_never_finishes_writes_no_profile(tmp_path, costs, monke
     assert not (tmp_path / "out" / "profile.json").exists() and not (tmp_path / "out" / "factorial").exists()
 
 
+def test_a_budget_that_starts_no_block_says_so_rather_than_blaming_the_runs(tmp_path, costs, capsys):
+    ticks = iter(range(0, 10**6, 400))  # every look at the clock: 400 s later
+    with pytest.raises(SystemExit) as info:
+        tune_main(tmp_path, "--repeats", "2", "--budget", "5", clock=lambda: next(ticks))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and err[-1].startswith("[perf-toggles] error: no block of leave-one-out could start")
+    assert "--budget 5 min: block 1" in err[-1] and "larger --budget" in err[-1] and "logs" not in err[-1]
+    assert not (tmp_path / "out" / "profile.json").exists()
+
+
 def test_a_toggle_whose_arm_failed_is_not_measured_and_kept_out_of_the_factorial(tmp_path, costs, monkeypatch):
     monkeypatch.setenv("FAKE_CRASH_ARM", "0")  # only the arm without bf16 reduction crashes
     assert tune_main(tmp_path, "--repeats", "2", "--no-warmup-run") == 1

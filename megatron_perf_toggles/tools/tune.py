@@ -432,6 +432,10 @@ def check_baseline(first: Mapping[str, Any], arms: Sequence[Arm]) -> None:
     """Every comparison is with the baseline: without one finished run of it, a profile would
     claim measurements that do not exist, so tune stops instead of writing one."""
     base = baseline_of(arms).name
+    if not first.get("blocks_run") and first.get("stop_reason"):  # nothing failed: no block was started
+        raise TuneStopped(f"no block of leave-one-out could start ({first['stop_reason']}), so nothing was "
+                          "measured and no profile was written", "run the same command with a larger --budget: "
+                          "what ran is kept")
     if not finished_blocks(first, base):
         raise TuneStopped(f"the baseline ({base}) did not finish a single measured run, so nothing was measured "
                           "and no profile was written", "see OUT/leave-one-out/ for its logs")
