@@ -26,7 +26,7 @@ directory under --out):
   tune            ``megatron-perf-toggles tune`` on this model, one GPU: writes OUT/tune/profile.json
   dp2-tune        the same at DP=2 (torchrun, 2 GPUs)
   dp2-buckets     at DP=2 with the gradient reduce overlapped, Megatron's gradient bucket size against
-                  10M, 160M and 640M parameters per bucket
+                  buckets of at least 10M, 160M and 640M parameters (18, 6 and 3 buckets, against 14)
 
     python bench/h200_ablate.py --megatron PATH --out DIR --parts headline,noop --budget 20
     python bench/h200_ablate.py --megatron PATH --out DIR --smoke     # CPU: stand-in runs, real dry runs
@@ -103,7 +103,10 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
     "dp2-tune": (["tune"], [], 2),
     # Megatron uses buckets only while the reduce overlaps the backward pass (else one buffer-wide
     # reduce at the end), so every arm overlaps it; the baseline keeps Megatron's own size,
-    # max(40M, 1M x DP) parameters, about 48 buckets on this 1.9B-parameter model
+    # max(40M, 1M x DP) parameters. A bucket holds whole weights (in backward order, closed once it
+    # reaches the size), so on this 1.9B-parameter model, with its two 525M-parameter embedding
+    # and output weights: 14 buckets at 40M, 18 at 10M (one weight each: the finest there is), 6 at
+    # 160M, 3 at 640M
     "dp2-buckets": (["ablate", "--design", "candidates",
                      "--candidate", "bucket-10M=--ddp-bucket-size 10000000",
                      "--candidate", "bucket-160M=--ddp-bucket-size 160000000",

@@ -538,6 +538,24 @@ def test_a_resumed_block_is_priced_by_its_runs_not_done_earlier(tmp_path, capsys
                                    "after 0.0 min")
 
 
+def test_a_block_with_nothing_left_to_run_never_stops_the_call(tmp_path):
+    assert _run_main(tmp_path, "--repeats", "2") == 0
+    ticks = iter(range(0, 10**6, 1000))  # every look at the clock: 1000 s later, far past the budget
+    assert _run_main(tmp_path, "--repeats", "3", "--budget", "1", clock=lambda: next(ticks)) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 2  # both done earlier: nothing to price; block 3 does not fit
+    assert data["stop_reason"].startswith("--budget 1 min: block 3 (about")
+    assert "warm-up" not in data["stop_reason"]
+
+
+def test_the_warm_up_note_only_where_its_price_stopped_the_first_block(tmp_path):
+    ticks = iter(range(0, 10**6, 1000))  # the time used is past the budget whatever the price
+    assert _run_main(tmp_path, "--repeats", "2", "--budget", "1", clock=lambda: next(ticks)) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 0 and "block 1 (about" in data["stop_reason"]
+    assert "warm-up" not in data["stop_reason"]
+
+
 def test_plot_or_clear_note(tmp_path):
     assert _run_main(tmp_path, "--repeats", "2") == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())

@@ -116,7 +116,9 @@ def test_smoke_path_sweeps_the_bucket_size_with_the_reduce_overlapped(tmp_path):
     assert data["planned_world_size"] == 2
     assert [r["arm"] for r in data["rows"]] == ["baseline", "+bucket-10M", "+bucket-160M", "+bucket-640M"]
     assert all(data["derived"][f"+bucket-{size}"] == ["ddp_bucket_size"] for size in ("10M", "160M", "640M"))
+    sizes = {"baseline": None, "+bucket-10M": "10000000", "+bucket-160M": "160000000", "+bucket-640M": "640000000"}
     for run in data["runs"]:
-        words = run["command"]
-        assert words.count("--overlap-grad-reduce") == 1 and words.count("--ddp-bucket-size") == (
-            run["arm"] != "baseline")
+        words = list(run["command"])
+        assert words.count("--overlap-grad-reduce") == 1
+        size = words[words.index("--ddp-bucket-size") + 1] if "--ddp-bucket-size" in words else None
+        assert size == sizes[run["arm"]], run["arm"]

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 from conftest import REPO, full_caps
@@ -281,6 +282,30 @@ def test_a_baseline_that_never_finishes_writes_no_profile(tmp_path, costs, monke
     assert not (tmp_path / "out" / "profile.json").exists() and not (tmp_path / "out" / "factorial").exists()
 
 
+def test_a_later_phase_whose_runs_must_run_again_is_priced_before_its_first_block(tmp_path, costs, monkeypatch):
+    """The factorial has no warm-up run: its first block is priced by the leave-one-out runs. Here
+    the forecast (done earlier, same pins) says it fits, but another --iters changed every command,
+    so the phase's own check finds the whole block to run and stops before it."""
+    assert tune_main(tmp_path, "--repeats", "2") == 0
+    assert list((tmp_path / "out" / "factorial" / "runs").glob("block01/*/status.json"))
+    now = [0.0]
+
+    def monotonic():  # each run takes 15 s: execute reads the clock when it starts and ends a run
+        now[0] += 15.0
+        return now[0]
+
+    monkeypatch.setattr(ablate, "time", types.SimpleNamespace(monotonic=monotonic))
+    assert tune_main(tmp_path, "--repeats", "2", "--iters", "9", "--budget", "4.8", clock=lambda: now[0]) == 0
+    out = tmp_path / "out"
+    assert json.loads((out / "leave-one-out" / "results.json").read_text())["blocks_run"] == 2  # 9 runs: 4.5 min
+    fac = json.loads((out / "factorial" / "results.json").read_text())
+    assert fac["blocks_run"] == 0 and fac["stop_reason"].startswith("--budget 4.8 min: block 1 (about 0.5 min)")
+    assert now[0] <= 4.8 * 60  # nothing ran past the budget
+    profile = profile_file.load(str(out / "profile.json"))
+    kept = [c for c in profile.toggles.values() if "the factorial did not run (--budget 4.8 min" in c.evidence.rule]
+    assert kept and all(c.value is True for c in kept)
+
+
 def test_a_budget_that_starts_no_block_says_so_rather_than_blaming_the_runs(tmp_path, costs, capsys):
     ticks = iter(range(0, 10**6, 400))  # every look at the clock: 400 s later
     with pytest.raises(SystemExit) as info:
@@ -289,6 +314,15 @@ def test_a_budget_that_starts_no_block_says_so_rather_than_blaming_the_runs(tmp_
     assert info.value.code == 1 and err[-1].startswith("[perf-toggles] error: no block of leave-one-out could start")
     assert "--budget 5 min: block 1" in err[-1] and "larger --budget" in err[-1] and "logs" not in err[-1]
     assert not (tmp_path / "out" / "profile.json").exists()
+
+
+def test_a_crashed_warm_up_is_not_blamed_on_the_budget(tmp_path, costs, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_CRASH_ARM", "1")  # all on crashes, its warm-up run too
+    with pytest.raises(SystemExit) as info:
+        tune_main(tmp_path, "--repeats", "2", "--budget", "0.0001", clock=lambda: 0.0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and "did not finish a single measured run" in err[-1] and "logs" in err[-1]
+    assert "larger --budget" not in err[-1]
 
 
 def test_a_toggle_whose_arm_failed_is_not_measured_and_kept_out_of_the_factorial(tmp_path, costs, monkeypatch):
@@ -376,6 +410,16 @@ def test_a_resumed_phase_is_priced_by_the_runs_not_done_earlier(tmp_path, costs)
     other.write_text(json.dumps({"status": "done", "env": {**arms[1].env(), "GRAD_REDUCE_IN_BF16": "x"}}))
     why = tune.phase_fits(setup, first, "factorial", arms)  # a failed run and another pin run again
     assert "the 6 runs of its first block not done earlier (about 12.0 min) would not fit" in why
+    late = tune.Setup(setup.ns, [], {}, None, lambda: 3600.0, 0.0)  # an hour in: 10 min budget long spent
+    pair = [tune.Arm("defaults", {"grad_reduce_in_bf16": True}, baseline=True),
+            tune.Arm("chosen", {"grad_reduce_in_bf16": False})]
+    assert "would not fit" in tune.phase_fits(late, first, "confirmation", pair)
+    for arm in pair:  # a confirmation done in an earlier call costs nothing, however late
+        here = ablate.run_dir(tmp_path / "confirmation", arm, 0)
+        here.mkdir(parents=True)
+        (here / "status.json").write_text(json.dumps({"status": "done", "env": arm.env(), "seconds": 120.0}))
+    assert tune.phase_fits(late, first, "confirmation", pair) is None
+    assert "would not fit" in tune.phase_fits(late, first, "factorial", arms)  # its own directory
 
 
 @pytest.mark.parametrize("extra, words", [

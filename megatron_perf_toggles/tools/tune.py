@@ -315,9 +315,11 @@ def phase_options(setup: Setup, design: str, confidence: float, warmup_run: bool
                               world_size=ns.world_size)
 
 
-def run_phase(setup: Setup, design: str, arms: list[Arm], confidence: float, warmup_run: bool
-              ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One ablate experiment in OUT/<design>: confound check, blocks, results; (result, records)."""
+def run_phase(setup: Setup, design: str, arms: list[Arm], confidence: float, warmup_run: bool,
+              prior_seconds: Sequence[float] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One ablate experiment in OUT/<design>: confound check, blocks, results; (result, records).
+    ``prior_seconds`` (the leave-one-out runs' times) price the first block of a phase without a
+    warm-up run, so that it too starts only where it ends within the budget."""
     out = Path(setup.ns.out) / design
     records, derived = ablate.resolve_and_check(setup.resolver, setup.ns.script, setup.args, arms, setup.environ)
     iters = setup.ns.iters if setup.ns.iters is not None else records[arms.index(baseline_of(arms))].get(
@@ -330,9 +332,14 @@ def run_phase(setup: Setup, design: str, arms: list[Arm], confidence: float, war
 
     out.mkdir(parents=True, exist_ok=True)
     result = ablate.experiment(ns, arms, records, setup.args, out, setup.environ, runs_of_block, iters, derived,
-                               setup.phase_clock())
+                               setup.phase_clock(), prior_seconds)
     write_results(out, result, records)
     return result, records
+
+
+def timed_runs(first: Mapping[str, Any]) -> list[float]:
+    """The leave-one-out runs' seconds (its blocks, not the warm-up): what a later phase's runs cost."""
+    return [r["seconds"] for r in first["runs"] if r.get("seconds") and r.get("block", -1) >= 0]
 
 
 def phase_fits(setup: Setup, first: Mapping[str, Any], design: str, arms: Sequence[Arm]) -> str | None:
@@ -340,11 +347,11 @@ def phase_fits(setup: Setup, first: Mapping[str, Any], design: str, arms: Sequen
     not done in an earlier call, timed by the leave-one-out runs, must end before the budget does.
     (Inside the phase, each block is checked again once the dry runs give the exact commands.)"""
     left = setup.minutes_left()
-    seconds = [r["seconds"] for r in first["runs"] if r.get("seconds") and r.get("block", -1) >= 0]
-    if left is None or not seconds:
-        return None
+    seconds = timed_runs(first)
     out = Path(setup.ns.out) / design
     to_run = [a for a in arms if ablate.finished_earlier(ablate.run_dir(out, a, 0), a) is None]
+    if left is None or not seconds or not to_run:
+        return None
     block = statistics.median(seconds) * len(to_run) / 60
     if block > left:
         what = f"one block of {len(arms)} arms" if len(to_run) == len(arms) else \
@@ -376,8 +383,11 @@ def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Seque
     confidence = family_confidence(setup.ns.confidence, len(arms))
     say(f"phase 2: factorial of {', '.join(unresolved)} ({len(arms)} arms), the others pinned; a combination "
         f"must be faster than all on at {confidence * 100:.2f} % (corrected for {len(arms) - 1} comparisons)")
-    second, _ = run_phase(setup, "factorial", arms, confidence, False)
+    second, _ = run_phase(setup, "factorial", arms, confidence, False, timed_runs(first))
     results["factorial"] = second
+    if not second["blocks_run"] and second.get("stop_reason"):  # its dry runs showed more to run
+        say(f"factorial stopped: {second['stop_reason']}")
+        return unresolved_kept(unresolved, f"the factorial did not run ({second['stop_reason']})")
     return decide_factorial(unresolved, arms, pick_combination(second["rows"], arms))
 
 
@@ -412,9 +422,14 @@ def confirm(setup: Setup, choices: Mapping[str, Choice], pins: Mapping[str, bool
         say(f"confirmation skipped: {why}")
         return dict(choices), Confirmation(outcome=f"not run ({why}): the chosen values are unconfirmed")
     say("confirmation: the chosen values against the defaults (2 arms)")
-    result, _ = run_phase(setup, "confirmation", arms, setup.ns.confidence, False)
+    result, _ = run_phase(setup, "confirmation", arms, setup.ns.confidence, False,
+                          timed_runs(results["leave-one-out"]))
     results["confirmation"] = result
     blocks = result["blocks_run"]
+    if not blocks and result.get("stop_reason"):
+        say(f"confirmation stopped: {result['stop_reason']}")
+        return dict(choices), Confirmation(outcome=f"not run ({result['stop_reason']}): the chosen values are "
+                                           "unconfirmed")
     sp = stats.paired_speedup([_ms(r) for r in _block_values(result["runs"], "defaults", blocks)],
                               [_ms(r) for r in _block_values(result["runs"], "chosen", blocks)], result["confidence"])
     settled, record = settle(choices, sp)
@@ -432,7 +447,8 @@ def check_baseline(first: Mapping[str, Any], arms: Sequence[Arm]) -> None:
     """Every comparison is with the baseline: without one finished run of it, a profile would
     claim measurements that do not exist, so tune stops instead of writing one."""
     base = baseline_of(arms).name
-    if not first.get("blocks_run") and first.get("stop_reason"):  # nothing failed: no block was started
+    crashed = any(r.get("status") == "failed" for r in first["runs"])  # the warm-up run too
+    if not first.get("blocks_run") and first.get("stop_reason") and not crashed:  # the budget alone
         raise TuneStopped(f"no block of leave-one-out could start ({first['stop_reason']}), so nothing was "
                           "measured and no profile was written", "run the same command with a larger --budget: "
                           "what ran is kept")
@@ -554,7 +570,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``tune`` options, for :func:`main`'s parser and the ``megatron-perf-toggles tune`` subcommand."""
     p.add_argument("--budget", type=float, metavar="MINUTES",
                    help="no block starts that would end later than this many minutes after the start (the first, "
-                   "unmeasured warm-up run always runs: it times the others)")
+                   "unmeasured warm-up run always runs, unless done in an earlier call: it times the others); "
+                   "run the same command again to resume, with a fresh budget in which runs done earlier cost "
+                   "nothing")
     p.add_argument("--toggles", help="comma list of on/off toggle dests to tune (default: all five)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python); "
                    "the profile's world size is the runs' own (Megatron's log), else --world-size, else what "

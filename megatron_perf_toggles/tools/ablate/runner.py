@@ -550,7 +550,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(0.01 = +-1 %%), --budget is spent or --max-repeats is reached")
     p.add_argument("--max-repeats", type=int, default=30, help="most blocks --target-ci may run (default 30)")
     p.add_argument("--budget", type=float, metavar="MINUTES",
-                   help="do not start a block that would end after this many minutes from the start")
+                   help="do not start a block that would end after this many minutes from the start (of "
+                   "this call: run it again to resume, and runs done earlier cost nothing)")
     p.add_argument("--dry-run", action="store_true",
                    help="check confounds, print arms, block order and commands; run and write nothing")
     p.add_argument("script", help="the Megatron training script, e.g. pretrain_gpt.py")
@@ -644,8 +645,13 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
 
 def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[dict[str, Any]], args: Sequence[str],
                out: Path, environ: dict[str, str], runs_of_block: Callable[[int], list[Run]], iters: Any,
-               derived: Mapping[str, set[str]], clock: Callable[[], float]) -> dict[str, Any]:
-    """Warm-up run, then blocks until --repeats (and --target-ci) are met or --budget would be passed."""
+               derived: Mapping[str, set[str]], clock: Callable[[], float],
+               prior_seconds: Sequence[float] = ()) -> dict[str, Any]:
+    """Warm-up run, then blocks until --repeats (and --target-ci) are met or --budget would be passed.
+
+    ``prior_seconds``: run times from an earlier experiment on the same job (tune's later phases,
+    which have no warm-up run), used to price a block until this experiment has timed a run of its
+    own; without them and without a warm-up run, the first block is not priced."""
     # Longer than 50 lines on purpose: the stopping rules (repeats, target interval, budget) share
     # the loop's state and read best in the order they are checked.
     start = clock()
@@ -657,10 +663,14 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
         base = baseline_of(arms)
         warm = make_run(out, base, -1, ns.launch, ns.script, args, records[list(arms).index(base)])
         index += 1
+        earlier = finished_earlier(warm.directory, warm.arm, warm.command) is not None
         statuses.append(execute(warm, environ, progress, index, planned - index))
         per_run = statuses[-1]["seconds"]
-        print(f"[ablate] the warm-up run took {per_run:.0f}s: about {per_run * (planned - 1) / 60:.1f} min "
-              "for the blocks", file=sys.stderr, flush=True)
+        to_do = sum(finished_earlier(r.directory, r.arm, r.command) is None
+                    for b in range(ns.repeats) for r in runs_of_block(b))
+        print(f"[ablate] the warm-up run took {per_run:.0f}s{' (in an earlier call)' if earlier else ''}: about "
+              f"{per_run * to_do / 60:.1f} min for the {to_do} runs of the blocks still to do",
+              file=sys.stderr, flush=True)
     seq = records[0].get("effective_args", {}).get("seq_length")
     base_name = baseline_of(arms).name
     block, stop_reason = 0, None
@@ -679,18 +689,22 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
                 stop_reason = f"--max-repeats {ns.max_repeats} reached (widest interval +-{width * 100:.2f} %)"
                 break
         runs = runs_of_block(block)
-        seconds = [s["seconds"] for s in statuses if s.get("seconds")]
-        if ns.budget is not None and seconds:
-            # a resumed block costs only its runs not done earlier (a whole block of them stopped
-            # every resumed experiment whose first call had used the budget up)
-            to_run = [r for r in runs if finished_earlier(r.directory, r.arm, r.command) is None]
+        seconds = [s["seconds"] for s in statuses if s.get("seconds")] or list(prior_seconds)
+        # a resumed block costs only its runs not done earlier (a whole block of them stopped
+        # every resumed experiment whose first call had used the budget up); one with none left
+        # costs nothing and is never the reason to stop
+        to_run = [r for r in runs if finished_earlier(r.directory, r.arm, r.command) is None]
+        if ns.budget is not None and seconds and to_run:
             predicted = statistics.median(seconds) * len(to_run)
-            if clock() - start + predicted > ns.budget * 60:
+            used = clock() - start
+            if used + predicted > ns.budget * 60:
                 left = "" if len(to_run) == len(runs) else f", {len(to_run)} of its {len(runs)} runs still to do"
-                # the first run on a fresh machine also pays one-time costs (kernel and helper builds)
-                timed = ", timed by the warm-up run alone" if block == 0 and ns.warmup_run else ""
+                # the first run on a fresh machine also pays one-time costs (kernel and helper
+                # builds): say so where that price, not the time already used, stopped it
+                timed = ", timed by the warm-up run alone" if (block == 0 and ns.warmup_run and statuses
+                                                                 and used <= ns.budget * 60) else ""
                 stop_reason = (f"--budget {ns.budget:g} min: block {block + 1} (about {predicted / 60:.1f} min"
-                               f"{left}{timed}) would not fit after {(clock() - start) / 60:.1f} min")
+                               f"{left}{timed}) would not fit after {used / 60:.1f} min")
                 break
         orders.append([r.arm.name for r in runs])
         progress.total = max(progress.total, index + len(runs))
