@@ -556,6 +556,30 @@ def test_the_warm_up_note_only_where_its_price_stopped_the_first_block(tmp_path)
     assert "warm-up" not in data["stop_reason"]
 
 
+def test_without_a_warm_up_run_a_resumed_first_block_is_priced_by_its_runs_done_earlier(tmp_path):
+    assert _run_main(tmp_path, "--repeats", "1", "--no-warmup-run") == 0
+    for status in (tmp_path / "out" / "runs").glob("*/*/status.json"):  # as if each run took 100 s
+        status.write_text(json.dumps({**json.loads(status.read_text()), "seconds": 100.0}))
+    (tmp_path / "out" / "runs" / "block01" / ablate._slug("all-off") / "status.json").unlink()
+    assert _run_main(tmp_path, "--repeats", "1", "--no-warmup-run", "--budget", "1", clock=lambda: 0.0) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 0
+    assert data["stop_reason"] == ("--budget 1 min: block 1 (about 1.7 min, 1 of its 2 runs still to do) would not "
+                                   "fit after 0.0 min")
+
+
+def test_a_failed_warm_up_run_prices_nothing(tmp_path, monkeypatch, capsys):
+    """A crash takes a second or two: as a price it would start a block of real runs that cannot
+    fit. The first block then starts unpriced, and its failures are reported as any others."""
+    code = _run_main(tmp_path, "--repeats", "1", "--budget", "0.0001", env={"FAKE_CRASH_ARM": "0"},
+                     monkeypatch=monkeypatch, clock=lambda: 0.0)
+    assert code == 1  # the baseline failed in every block
+    err = capsys.readouterr().err
+    assert "the warm-up run failed after" in err and "it prices nothing" in err
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 1 and data["stop_reason"] is None
+
+
 def test_plot_or_clear_note(tmp_path):
     assert _run_main(tmp_path, "--repeats", "2") == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())

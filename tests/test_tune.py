@@ -282,28 +282,53 @@ def test_a_baseline_that_never_finishes_writes_no_profile(tmp_path, costs, monke
     assert not (tmp_path / "out" / "profile.json").exists() and not (tmp_path / "out" / "factorial").exists()
 
 
-def test_a_later_phase_whose_runs_must_run_again_is_priced_before_its_first_block(tmp_path, costs, monkeypatch):
-    """The factorial has no warm-up run: its first block is priced by the leave-one-out runs. Here
-    the forecast (done earlier, same pins) says it fits, but another --iters changed every command,
-    so the phase's own check finds the whole block to run and stops before it."""
+@pytest.mark.parametrize("budget, factorial, confirmation", [
+    ("4.8", "did not run (--budget 4.8 min: block 1 (about 1.0 min)", "did not run"),
+    ("6", "stopped after 1 block(s), too few to compare (--budget 6 min: block 2", "did not run"),
+    ("7", None, "did not run (--budget 7 min: block 1 (about 1.0 min)"),
+    ("8", None, "stopped after 1 block(s), too few to compare (--budget 8 min: block 2"),
+])
+def test_later_phases_are_priced_by_the_leave_one_out_runs_and_a_cut_short_one_decides_nothing(
+        tmp_path, costs, monkeypatch, budget, factorial, confirmation):
+    """The factorial and the confirmation have no warm-up run: their first block is priced by the
+    leave-one-out runs. A first call ran every phase; the second changes --iters, so every run is
+    new (the forecast from the pins alone said "done earlier"), and each run takes 30 s: leave-one-out
+    ends at 4.5 min, the factorial (2 arms) at 6.5, the confirmation (2 arms) at 8.5. Whatever the
+    budget cuts short keeps the defaults of the unresolved (factorial) or leaves the chosen values
+    unconfirmed (confirmation), as a phase that could not start would."""
     assert tune_main(tmp_path, "--repeats", "2") == 0
-    assert list((tmp_path / "out" / "factorial" / "runs").glob("block01/*/status.json"))
-    now = [0.0]
+    first = profile_file.load(str(tmp_path / "out" / "profile.json"))
+    assert first.toggles["cross_entropy_loss_fusion"].value is False and first.confirmation.blocks == 2
+    now, reads = [0.0], [0]
 
-    def monotonic():  # each run takes 15 s: execute reads the clock when it starts and ends a run
-        now[0] += 15.0
+    def monotonic():  # execute reads it as a run starts and as it ends: each run takes 30 s
+        reads[0] += 1
+        now[0] += 30.0 if reads[0] % 2 == 0 else 0.0
         return now[0]
 
     monkeypatch.setattr(ablate, "time", types.SimpleNamespace(monotonic=monotonic))
-    assert tune_main(tmp_path, "--repeats", "2", "--iters", "9", "--budget", "4.8", clock=lambda: now[0]) == 0
+    assert tune_main(tmp_path, "--repeats", "2", "--iters", "9", "--budget", budget, clock=lambda: now[0]) == 0
+    assert now[0] <= float(budget) * 60  # nothing ran past the budget
     out = tmp_path / "out"
-    assert json.loads((out / "leave-one-out" / "results.json").read_text())["blocks_run"] == 2  # 9 runs: 4.5 min
-    fac = json.loads((out / "factorial" / "results.json").read_text())
-    assert fac["blocks_run"] == 0 and fac["stop_reason"].startswith("--budget 4.8 min: block 1 (about 0.5 min)")
-    assert now[0] <= 4.8 * 60  # nothing ran past the budget
+    assert json.loads((out / "leave-one-out" / "results.json").read_text())["blocks_run"] == 2
     profile = profile_file.load(str(out / "profile.json"))
-    kept = [c for c in profile.toggles.values() if "the factorial did not run (--budget 4.8 min" in c.evidence.rule]
-    assert kept and all(c.value is True for c in kept)
+    unresolved = profile.toggles["ddp_average_in_collective"]
+    assert unresolved.value is True
+    if factorial:
+        assert f"the factorial {factorial}" in unresolved.evidence.rule
+    else:
+        assert unresolved.evidence.design == "factorial" and unresolved.evidence.blocks == 2
+    assert profile.toggles["cross_entropy_loss_fusion"].value is False  # chosen, kept, but unconfirmed
+    assert confirmation in profile.confirmation.outcome and "unconfirmed" in profile.confirmation.outcome
+
+
+def test_a_failed_run_prices_nothing(tmp_path, costs):
+    setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "--out", str(tmp_path), "s.py"]),
+                       [], {}, None, lambda: 0.0, 0.0)
+    done = [{"block": b, "status": "done", "seconds": 120.0} for b in (0, 1)]
+    crashed = [{"block": 0, "status": "failed", "seconds": 1.0}] * 5  # a quick crash: no run time
+    assert tune.timed_runs({"runs": done + crashed}) == [120.0, 120.0]
+    assert "would not fit" in tune.phase_fits(setup, {"runs": done + crashed}, "factorial", _factorial(3))
 
 
 def test_a_budget_that_starts_no_block_says_so_rather_than_blaming_the_runs(tmp_path, costs, capsys):
@@ -386,7 +411,7 @@ def _factorial(n):
 def test_the_factorial_is_skipped_when_one_block_would_not_fit(tmp_path, costs):
     setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "--out", str(tmp_path), "s.py"]),
                        [], {}, None, lambda: 0.0, 0.0)
-    first = {"runs": [{"block": b, "seconds": 120.0} for b in (-1, 0, 1)]}
+    first = {"runs": [{"block": b, "status": "done", "seconds": 120.0} for b in (-1, 0, 1)]}
     assert len(_factorial(2)) == 4 and len(_factorial(3)) == 8
     assert tune.phase_fits(setup, first, "factorial", _factorial(2)) is None  # 8 min of 10
     assert "one block of 8 arms (about 16.0 min) would not fit" in tune.phase_fits(setup, first, "factorial",
@@ -397,7 +422,7 @@ def test_a_resumed_phase_is_priced_by_the_runs_not_done_earlier(tmp_path, costs)
     """A factorial whose first block mostly ran in an earlier call still fits what is left."""
     setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "--out", str(tmp_path), "s.py"]),
                        [], {}, None, lambda: 0.0, 0.0)
-    first = {"runs": [{"block": b, "seconds": 120.0} for b in (-1, 0, 1)]}
+    first = {"runs": [{"block": b, "status": "done", "seconds": 120.0} for b in (-1, 0, 1)]}
     arms = _factorial(3)
     for arm in arms[:4]:
         here = ablate.run_dir(tmp_path / "factorial", arm, 0)

@@ -21,8 +21,11 @@ measured, a toggle that does nothing costs nothing, and turning one off on the s
 would make a profile worse than no profile. Only an effect the experiment resolves moves a value.
 
 Toggles a guard keeps off on this setup (no TE kernel, FSDP, ...) take no part: the guard decides
-them in every run, with or without a profile. Every block that starts ends within ``--budget``; a
-re-run of the same command resumes (finished runs are skipped), as ablate's does. The result is
+them in every run, with or without a profile. No block starts that is expected to end after
+``--budget`` (priced by the runs finished so far; in the later phases, by leave-one-out's); a
+re-run of the same command resumes (finished runs are skipped and cost nothing), as ablate's does.
+A phase the budget cuts short before any comparison decides nothing: the unresolved toggles keep
+their defaults, and chosen values stay unconfirmed. The result is
 OUT/profile.json (``core.profile.render_profile``) and OUT/profile.md; each phase keeps ablate's own
 results in OUT/leave-one-out/, OUT/factorial/ and OUT/confirmation/.
 """
@@ -338,8 +341,9 @@ def run_phase(setup: Setup, design: str, arms: list[Arm], confidence: float, war
 
 
 def timed_runs(first: Mapping[str, Any]) -> list[float]:
-    """The leave-one-out runs' seconds (its blocks, not the warm-up): what a later phase's runs cost."""
-    return [r["seconds"] for r in first["runs"] if r.get("seconds") and r.get("block", -1) >= 0]
+    """The finished leave-one-out runs' seconds (its blocks, not the warm-up): what a later phase's
+    runs cost."""
+    return ablate.run_seconds([r for r in first["runs"] if r.get("block", -1) >= 0])
 
 
 def phase_fits(setup: Setup, first: Mapping[str, Any], design: str, arms: Sequence[Arm]) -> str | None:
@@ -385,10 +389,23 @@ def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Seque
         f"must be faster than all on at {confidence * 100:.2f} % (corrected for {len(arms) - 1} comparisons)")
     second, _ = run_phase(setup, "factorial", arms, confidence, False, timed_runs(first))
     results["factorial"] = second
-    if not second["blocks_run"] and second.get("stop_reason"):  # its dry runs showed more to run
-        say(f"factorial stopped: {second['stop_reason']}")
-        return unresolved_kept(unresolved, f"the factorial did not run ({second['stop_reason']})")
+    cut = cut_short(second)
+    if cut:  # the budget stopped it before a comparison could be made
+        say(f"factorial {cut}")
+        return unresolved_kept(unresolved, f"the factorial {cut}")
     return decide_factorial(unresolved, arms, pick_combination(second["rows"], arms))
+
+
+def cut_short(result: Mapping[str, Any]) -> str | None:
+    """What to say of a later phase that the budget stopped before any arm had blocks enough to be
+    compared (None: it compared, or stopped for another reason): no verdict can be read from it."""
+    reason = result.get("stop_reason")
+    if not reason or not str(reason).startswith("--budget"):
+        return None
+    if any((r.get("speedup") or {}).get("verdict") != stats.TOO_FEW for r in result["rows"] if not r.get("baseline")):
+        return None
+    blocks = result.get("blocks_run", 0)
+    return f"did not run ({reason})" if not blocks else f"stopped after {blocks} block(s), too few to compare ({reason})"
 
 
 def settle(choices: Mapping[str, Choice], sp: Mapping[str, Any]) -> tuple[dict[str, Choice], Confirmation]:
@@ -426,10 +443,10 @@ def confirm(setup: Setup, choices: Mapping[str, Choice], pins: Mapping[str, bool
                           timed_runs(results["leave-one-out"]))
     results["confirmation"] = result
     blocks = result["blocks_run"]
-    if not blocks and result.get("stop_reason"):
-        say(f"confirmation stopped: {result['stop_reason']}")
-        return dict(choices), Confirmation(outcome=f"not run ({result['stop_reason']}): the chosen values are "
-                                           "unconfirmed")
+    cut = cut_short(result)
+    if cut:  # like a confirmation that could not start: unconfirmed, not measured against
+        say(f"confirmation {cut}")
+        return dict(choices), Confirmation(outcome=f"{cut}: the chosen values are unconfirmed", blocks=blocks)
     sp = stats.paired_speedup([_ms(r) for r in _block_values(result["runs"], "defaults", blocks)],
                               [_ms(r) for r in _block_values(result["runs"], "chosen", blocks)], result["confidence"])
     settled, record = settle(choices, sp)
@@ -570,9 +587,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``tune`` options, for :func:`main`'s parser and the ``megatron-perf-toggles tune`` subcommand."""
     p.add_argument("--budget", type=float, metavar="MINUTES",
                    help="no block starts that would end later than this many minutes after the start (the first, "
-                   "unmeasured warm-up run always runs, unless done in an earlier call: it times the others); "
-                   "run the same command again to resume, with a fresh budget in which runs done earlier cost "
-                   "nothing")
+                   "unmeasured warm-up run always runs, unless done in an earlier call: it times the others; "
+                   "with --no-warmup-run the first block starts unpriced unless runs of it were done earlier; "
+                   "the factorial and the confirmation are priced by the leave-one-out runs); run the same "
+                   "command again to resume, with a fresh budget in which runs done earlier cost nothing")
     p.add_argument("--toggles", help="comma list of on/off toggle dests to tune (default: all five)")
     p.add_argument("--launch", help="launcher prefix, e.g. 'torchrun --nproc-per-node 8' (default: this python); "
                    "the profile's world size is the runs' own (Megatron's log), else --world-size, else what "

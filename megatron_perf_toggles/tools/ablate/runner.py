@@ -404,6 +404,12 @@ def report_failure(status: dict[str, Any], stream: Any) -> None:
     stream.flush()
 
 
+def run_seconds(statuses: Sequence[Mapping[str, Any] | None]) -> list[float]:
+    """How long the finished runs took: what prices the runs still to do (a crash, often quick,
+    says nothing about how long a run takes)."""
+    return [s["seconds"] for s in statuses if s and s.get("status") == "done" and s.get("seconds")]
+
+
 def finished_earlier(directory: Path, arm: Arm, command: Sequence[str] | None = None) -> dict[str, Any] | None:
     """The status of a run that finished in an earlier call and need not run again (None: it must
     run): done, with the arm's plugin variables and, where given, the same command. Without a
@@ -550,8 +556,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(0.01 = +-1 %%), --budget is spent or --max-repeats is reached")
     p.add_argument("--max-repeats", type=int, default=30, help="most blocks --target-ci may run (default 30)")
     p.add_argument("--budget", type=float, metavar="MINUTES",
-                   help="do not start a block that would end after this many minutes from the start (of "
-                   "this call: run it again to resume, and runs done earlier cost nothing)")
+                   help="no block starts that would end later than this many minutes after this call's start "
+                   "(the warm-up run always runs, unless done in an earlier call: it times the others; with "
+                   "--no-warmup-run the first block starts unpriced unless runs of it were done earlier); run "
+                   "the same command again to resume, with a fresh budget in which runs done earlier cost nothing")
     p.add_argument("--dry-run", action="store_true",
                    help="check confounds, print arms, block order and commands; run and write nothing")
     p.add_argument("script", help="the Megatron training script, e.g. pretrain_gpt.py")
@@ -668,9 +676,13 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
         per_run = statuses[-1]["seconds"]
         to_do = sum(finished_earlier(r.directory, r.arm, r.command) is None
                     for b in range(ns.repeats) for r in runs_of_block(b))
-        print(f"[ablate] the warm-up run took {per_run:.0f}s{' (in an earlier call)' if earlier else ''}: about "
-              f"{per_run * to_do / 60:.1f} min for the {to_do} runs of the blocks still to do",
-              file=sys.stderr, flush=True)
+        if statuses[-1]["status"] != "done":
+            print(f"[ablate] the warm-up run failed after {per_run:.0f}s: it prices nothing", file=sys.stderr,
+                  flush=True)
+        else:
+            print(f"[ablate] the warm-up run took {per_run:.0f}s{' (in an earlier call)' if earlier else ''}: "
+                  f"about {per_run * to_do / 60:.1f} min for the {to_do} runs of --repeats blocks still to do",
+                  file=sys.stderr, flush=True)
     seq = records[0].get("effective_args", {}).get("seq_length")
     base_name = baseline_of(arms).name
     block, stop_reason = 0, None
@@ -689,11 +701,13 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
                 stop_reason = f"--max-repeats {ns.max_repeats} reached (widest interval +-{width * 100:.2f} %)"
                 break
         runs = runs_of_block(block)
-        seconds = [s["seconds"] for s in statuses if s.get("seconds")] or list(prior_seconds)
+        previous = [finished_earlier(r.directory, r.arm, r.command) for r in runs]
         # a resumed block costs only its runs not done earlier (a whole block of them stopped
         # every resumed experiment whose first call had used the budget up); one with none left
-        # costs nothing and is never the reason to stop
-        to_run = [r for r in runs if finished_earlier(r.directory, r.arm, r.command) is None]
+        # costs nothing and is never the reason to stop. Priced by this call's finished runs, else
+        # (no warm-up run) by this block's runs done earlier, else by the caller's prior times.
+        to_run = [r for r, done in zip(runs, previous, strict=True) if done is None]
+        seconds = run_seconds(statuses) or run_seconds(previous) or list(prior_seconds)
         if ns.budget is not None and seconds and to_run:
             predicted = statistics.median(seconds) * len(to_run)
             used = clock() - start
@@ -701,7 +715,7 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
                 left = "" if len(to_run) == len(runs) else f", {len(to_run)} of its {len(runs)} runs still to do"
                 # the first run on a fresh machine also pays one-time costs (kernel and helper
                 # builds): say so where that price, not the time already used, stopped it
-                timed = ", timed by the warm-up run alone" if (block == 0 and ns.warmup_run and statuses
+                timed = ", timed by the warm-up run alone" if (block == 0 and ns.warmup_run
                                                                  and used <= ns.budget * 60) else ""
                 stop_reason = (f"--budget {ns.budget:g} min: block {block + 1} (about {predicted / 60:.1f} min"
                                f"{left}{timed}) would not fit after {used / 60:.1f} min")
