@@ -320,6 +320,9 @@ def test_later_phases_are_priced_by_the_leave_one_out_runs_and_a_cut_short_one_d
         assert unresolved.evidence.design == "factorial" and unresolved.evidence.blocks == 2
     assert profile.toggles["cross_entropy_loss_fusion"].value is False  # chosen, kept, but unconfirmed
     assert confirmation in profile.confirmation.outcome and "unconfirmed" in profile.confirmation.outcome
+    md = (out / "profile.md").read_text()
+    assert f"Confirmation (defaults over chosen): {profile.confirmation.outcome}." in md
+    assert "with no warm-up run." in (out / "confirmation" / "results.md").read_text()
 
 
 def test_a_failed_run_prices_nothing(tmp_path, costs):

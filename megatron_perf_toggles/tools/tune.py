@@ -547,9 +547,12 @@ def summary(profile: Profile, path: Path, excluded: Mapping[str, str], results: 
               "corrected confidence they were decided with."]
     conf = profile.confirmation
     if conf is not None:
-        interval = "-" if conf.speedup is None else _interval(Evidence(False, conf.speedup, conf.low, conf.high))
-        lines += ["", f"Confirmation (defaults over chosen, {conf.blocks or 0} block(s)): {interval}, "
-                  f"{conf.verdict or 'not run'}; {conf.outcome}."]
+        if conf.verdict:
+            interval = "-" if conf.speedup is None else _interval(Evidence(False, conf.speedup, conf.low, conf.high))
+            lines += ["", f"Confirmation (defaults over chosen, {conf.blocks or 0} block(s)): {interval}, "
+                      f"{conf.verdict}; {conf.outcome}."]
+        else:  # not run, or cut short before a comparison: the outcome says which
+            lines += ["", f"Confirmation (defaults over chosen): {conf.outcome}."]
     for phase, result in results.items():
         lines.append(f"- {phase}: {result['blocks_run']} block(s), results in `{phase}/results.md`"
                      + (f"; stopped: {result['stop_reason']}" if result.get("stop_reason") else ""))

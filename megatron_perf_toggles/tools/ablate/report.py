@@ -143,7 +143,8 @@ def markdown(result: dict[str, Any]) -> str:
     pct = f"{conf * 100:g} %"
     lines = [f"# Ablation ({result['design']})", "",
              f"{result['blocks_run']} block(s) of {len(rows)} arms, each block in its own order (seed "
-             f"{result['seed']}), after {1 if result.get('warmup_run') else 0} unmeasured warm-up run. "
+             f"{result['seed']}), " + ("after 1 unmeasured warm-up run. " if result.get("warmup_run") else
+                                        "with no warm-up run. ") +
              f"{result['iters']} iterations per run; medians over iterations after the first {result['warmup']}. "
              f"Speedup: baseline ms / arm ms per block, geometric mean with a paired {pct} t-interval.", "",
              f"| arm | runs | ms/iter (median of run medians) | range of run medians | TFLOP/s/GPU | tokens/s/GPU "
