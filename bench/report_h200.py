@@ -50,9 +50,15 @@ MISMATCH = {"seconds_to_exit": 35.6, "iterations_run": 0, "ranks_raising_RankMis
 
 
 def ablate_results() -> dict[str, dict]:
-    """``ablate`` results copied to raw/ablate/PART.json (results.json of bench/h200_ablate.py's parts)."""
-    folder = RAW / "ablate"
-    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
+    """``ablate`` results copied to raw/ablate/PART.json (results.json of bench/h200_ablate.py's parts),
+    then the phases of tune kept in raw/tune/ (the same results; tune-NAME for leave-one-out-NAME.json;
+    its profiles have no rows)."""
+    out = {p.stem: json.loads(p.read_text()) for p in sorted((RAW / "ablate").glob("*.json"))}
+    for path in sorted((RAW / "tune").glob("*.json")):
+        data = json.loads(path.read_text())
+        if "rows" in data:
+            out[f"tune-{path.stem.removeprefix('leave-one-out-')}"] = data
+    return out
 
 
 def ablate_summary(results: dict[str, dict]) -> dict[str, dict]:
@@ -520,7 +526,7 @@ def plot_ablate(summary: dict[str, dict]) -> None:
     rows = [(f"{part}: {arm}" + (" (small)" if s["shape"].startswith("hidden 1024") else ""), a)
             for part, s in summary.items() for arm, a in s["arms"].items()
             if not a["baseline"] and a["ci"][0] is not None]
-    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.2))
     for y, (_, a) in enumerate(rows):
         lo, hi = a["ci"]
         color = "#3a7" if lo > 1 else "#c73" if hi < 1 else "#888"
