@@ -319,9 +319,12 @@ def test_the_dry_run_gets_the_candidates_environment_as_rank_0(monkeypatch):
 
 def test_a_candidates_environment_reaches_its_runs_alone(tmp_path, monkeypatch):
     assert _run_main(tmp_path, "--repeats", "2", "--candidate", "slow=FAKE_SLOW=1",
-                     env={"FAKE_EXTRA_MS": "FAKE_SLOW=100"}, monkeypatch=monkeypatch,
+                     env={"FAKE_EXTRA_MS": "FAKE_SLOW=100", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                          "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}, monkeypatch=monkeypatch,
                      design=("--design", "candidates")) == 0
     data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["environment"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # every arm's setting
+    assert data["environment"]["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1" and "FAKE_EXTRA_MS" not in data["environment"]
     rows = {r["arm"]: r for r in data["rows"]}
     assert data["commands"]["+slow"]["env"] == {"FAKE_SLOW": "1"} and data["commands"]["baseline"]["env"] == {}
     assert data["commands"]["+slow"]["candidate_env"] == {"FAKE_SLOW": "1"}

@@ -137,6 +137,9 @@ def _loss_band(rows: Sequence[dict[str, Any]]) -> list[str]:
                 "between its own repeats."]
 
 
+RECORDED_ENV = ("MEGATRON_PERF_TOGGLES", "CUDA", "NCCL", "NVTE", "PYTORCH_", "TORCH_NCCL")
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     conf = result["confidence"]
@@ -248,9 +251,9 @@ def write_results(out: Path, result: dict[str, Any], records: Sequence[dict[str,
         "megatron_perf_toggles": __version__, "python": platform.python_version(),
         "megatron": records[0].get("megatron") if records else None,
         "capabilities": records[0].get("capabilities") if records else None},
-        # the caller's values, and those of every variable a candidate sets (unset: null)
-        "environment": {**{k: v for k, v in os.environ.items()
-                           if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA", "NCCL", "NVTE"))},
+        # the caller's values of what can change the speed of every arm alike (the allocator and
+        # torch's NCCL settings among them), and of every variable a candidate sets (unset: null)
+        "environment": {**{k: v for k, v in os.environ.items() if k.startswith(RECORDED_ENV)},
                         **{k: os.environ.get(k) for c in result.get("commands", {}).values()
                            for k in c.get("candidate_env", {})}}}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
