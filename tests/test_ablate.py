@@ -317,14 +317,20 @@ def test_the_dry_run_gets_the_candidates_environment_as_rank_0(monkeypatch):
     assert seen["NCCL_ALGO"] == "Ring" and seen["RANK"] == "0" and "WORLD_SIZE" not in seen
 
 
+def test_results_record_the_callers_settings_that_change_every_arms_speed(tmp_path, monkeypatch):
+    assert _run_main(tmp_path, "--repeats", "1", monkeypatch=monkeypatch,
+                     env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+                          "NCCL_ALGO": "Ring", "FAKE_EXTRA_MS": "X=1"}) == 0
+    env = json.loads((tmp_path / "out" / "results.json").read_text())["environment"]
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and env["NCCL_ALGO"] == "Ring"
+    assert env["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1" and "FAKE_EXTRA_MS" not in env
+
+
 def test_a_candidates_environment_reaches_its_runs_alone(tmp_path, monkeypatch):
     assert _run_main(tmp_path, "--repeats", "2", "--candidate", "slow=FAKE_SLOW=1",
-                     env={"FAKE_EXTRA_MS": "FAKE_SLOW=100", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                          "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}, monkeypatch=monkeypatch,
+                     env={"FAKE_EXTRA_MS": "FAKE_SLOW=100"}, monkeypatch=monkeypatch,
                      design=("--design", "candidates")) == 0
     data = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert data["environment"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # every arm's setting
-    assert data["environment"]["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1" and "FAKE_EXTRA_MS" not in data["environment"]
     rows = {r["arm"]: r for r in data["rows"]}
     assert data["commands"]["+slow"]["env"] == {"FAKE_SLOW": "1"} and data["commands"]["baseline"]["env"] == {}
     assert data["commands"]["+slow"]["candidate_env"] == {"FAKE_SLOW": "1"}
