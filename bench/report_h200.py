@@ -92,7 +92,8 @@ def shape_of(res: dict) -> str:
 def ablate_section(summary: dict[str, dict]) -> list[str]:
     lines = ["## Repeated, interleaved ablations (`bench/h200_ablate.py`)", ""]
     for part, s in summary.items():
-        lines += [f"### {part} ({s['design']}, {s['blocks']} blocks, {s['iters']} iterations, first {s['warmup']} "
+        blocks = f"{s['blocks']} block" + ("" if s["blocks"] == 1 else "s")
+        lines += [f"### {part} ({s['design']}, {blocks}, {s['iters']} iterations, first {s['warmup']} "
                   f"left out, seed {s['seed']}; {s['shape']})", "",
                   f"| arm | ms/iter | speedup [{s['confidence'] * 100:g} % CI] | verdict |", "|---|---|---|---|"]
         for arm, a in s["arms"].items():
