@@ -398,9 +398,10 @@ def second_phase(setup: Setup, decided: Mapping[str, Decided], unresolved: Seque
 
 def cut_short(result: Mapping[str, Any]) -> str | None:
     """What to say of a later phase that the budget stopped before any arm had blocks enough to be
-    compared (None: it compared, or stopped for another reason): no verdict can be read from it."""
+    compared (None: it compared, or ran all its blocks): no verdict can be read from it. A phase of
+    tune has no --target-ci, so the budget is the only thing that stops one early."""
     reason = result.get("stop_reason")
-    if not reason or not str(reason).startswith("--budget"):
+    if not reason:
         return None
     if any((r.get("speedup") or {}).get("verdict") != stats.TOO_FEW for r in result["rows"] if not r.get("baseline")):
         return None
