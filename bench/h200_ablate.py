@@ -182,6 +182,8 @@ def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: flo
         cmd += ["--budget", f"{budget_min:.2f}"]
     if ns.smoke:
         cmd += ["--world-size", str(gpus)]
+    if ns.toggles:
+        cmd += ["--toggles", ns.toggles]
     cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(ns.shape, ns.data), *extra]
     return cmd, env
 
@@ -197,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, metavar="MINUTES",
                     help="time for all parts together: no block starts that would end after it")
+    ap.add_argument("--toggles", metavar="LIST",
+                    help="comma list of toggle dests for the parts that vary toggles (default: all five), e.g. "
+                         "tune on the toggles an earlier leave-one-out left unresolved")
     ap.add_argument("--shape", choices=("llama3-8b-4l", "small"), default="llama3-8b-4l")
     ap.add_argument("--data", metavar="PREFIX", help="a real-text indexed dataset instead of mock data")
     ap.add_argument("--port", type=int, default=29511, help="first port; each part uses its own (default 29511)")
@@ -209,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         ap.error(f"--parts: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
+    fixed = [p for p in parts if "--toggles" in PARTS[p][0] or "candidates" in PARTS[p][0]]
+    if ns.toggles and fixed:
+        ap.error(f"--toggles: part {', '.join(fixed)} sets its own toggles or varies none (it compares candidates)")
     if not (Path(ns.megatron) / "pretrain_gpt.py").is_file():
         ap.error(f"--megatron {ns.megatron}: no pretrain_gpt.py there")
     out = Path(ns.out)

@@ -122,3 +122,18 @@ def test_smoke_path_sweeps_the_bucket_size_with_the_reduce_overlapped(tmp_path):
         assert words.count("--overlap-grad-reduce") == 1
         size = words[words.index("--ddp-bucket-size") + 1] if "--ddp-bucket-size" in words else None
         assert size == sizes[run["arm"]], run["arm"]
+
+
+def test_toggles_reach_the_parts_that_vary_toggles_and_are_refused_elsewhere(tmp_path):
+    _, cmds = _commands(tmp_path, "--parts", "tune,headline", "--toggles", "fused_single_qkv_rope")
+    for part in ("tune", "headline"):
+        assert cmds[part][cmds[part].index("--toggles") + 1] == "fused_single_qkv_rope"
+        assert cmds[part].index("--toggles") < cmds[part].index("--")  # the subcommand's option, not Megatron's
+    _, plain = _commands(tmp_path, "--parts", "tune")
+    assert "--toggles" not in plain["tune"]
+    for part in ("noop", "candidates"):  # noop names its own toggle; candidates vary none
+        tree = tmp_path / "Megatron-LM"
+        proc = subprocess.run([sys.executable, str(REPO / "bench" / "h200_ablate.py"), "--megatron", str(tree),
+                               "--out", str(tmp_path / "out"), "--print-only", "--parts", part, "--toggles",
+                               "fused_single_qkv_rope"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and f"part {part}" in proc.stderr and "Traceback" not in proc.stderr
