@@ -17,8 +17,9 @@ from megatron_perf_toggles.core.registry import BY_DEST
 from megatron_perf_toggles.runtime import profile_file, provider
 from megatron_perf_toggles.runtime.controller import Controller
 from megatron_perf_toggles.tools import tune
+from megatron_perf_toggles.tools.ablate import report, stats, world
 from megatron_perf_toggles.tools.ablate import runner as ablate
-from megatron_perf_toggles.tools.ablate import stats, world
+from megatron_perf_toggles.tools.ablate.design import Arm
 from megatron_perf_toggles.tools.surfaces import replay
 
 FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
@@ -128,6 +129,25 @@ def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
     assert ev.low < ev.speedup < ev.high and ev.verdict == stats.FASTER and ev.against is True
     assert ev.blocks == 3 and ev.design == "leave-one-out" and ev.rule == "turned off"
     assert ev.loss_ratio is not None and ev.loss_within_noise is not None
+
+
+def test_the_profile_flags_a_loss_against_the_same_band_as_the_phase_table():
+    """The phase's table flags each arm against its baseline's noise band; the profile states the
+    same pair the other way round (chosen all-on against the arm) and must flag it alike."""
+    base_loss, arm_loss = [2.0, 2.004, 1.996], [2.001, 2.001, 2.001]  # arm: tight repeats, inside base's band
+    runs = [_run("all-on", b, 1000.0, x) for b, x in enumerate(base_loss)]
+    runs += [_run("without:x", b, 1005.0, x) for b, x in enumerate(arm_loss)]
+    arms = [Arm("all-on", {"fused_single_qkv_rope": True}, baseline=True),
+            Arm("without:x", {"fused_single_qkv_rope": False})]
+    result = {"blocks_run": 3, "runs": runs, "confidence": 0.95, "rows": report.compare(arms, runs, 3, None, 1)}
+    table = next(r for r in result["rows"] if r["arm"] == "without:x")["loss"]
+    assert table["outside_noise_band"] is False
+    decided = tune.Decided("x", True, "kept on", "leave-one-out", "all-on", "without:x")
+    ev = tune.evidence(decided, result)
+    assert ev.loss_within_noise is True  # with the other arm's tight repeats as the band, it was "outside"
+    assert ev.loss_ratio == pytest.approx(1 / table["ratio"], rel=1e-3)
+    no_band = tune.evidence(decided, {**result, "runs": runs[3:] + runs[:1]})  # one baseline run: no band
+    assert no_band.loss_within_noise is None and no_band.loss_ratio is not None
 
 
 # --- end to end, with a stand-in Megatron --------------------------------------------------------------

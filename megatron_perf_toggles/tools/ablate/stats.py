@@ -178,7 +178,8 @@ def spread(values: Sequence[float]) -> dict[str, Any] | None:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
 
 
-def loss_comparison(baseline_loss: Sequence[float | None], arm_loss: Sequence[float | None]) -> dict[str, Any] | None:
+def loss_comparison(baseline_loss: Sequence[float | None], arm_loss: Sequence[float | None],
+                    band_from: Sequence[float | None] | None = None) -> dict[str, Any] | None:
     """Per-block loss ratios at the last common iteration, against the baseline's own noise band.
 
     The band is how far the baseline's loss moved between its own repeats (relative to their
@@ -187,11 +188,13 @@ def loss_comparison(baseline_loss: Sequence[float | None], arm_loss: Sequence[fl
     A toggle that changes numerics (bf16 reduction) is expected to leave the band of a deterministic
     baseline; the size of the ratio says whether that matters. One baseline run gives no band: band
     and flag are then ``None`` (unknown), not a band of zero that every arm would leave.
+    ``band_from``: the runs whose repeats set the band, where the pair compared does not include
+    the experiment's baseline (default: ``baseline_loss``).
     """
     ratios = [a / b for b, a in zip(baseline_loss, arm_loss, strict=True) if a is not None and b]
-    base = [b for b in baseline_loss if b]
-    if not ratios or not base:
+    if not ratios:
         return None
+    base = [b for b in (baseline_loss if band_from is None else band_from) if b]
     band: float | None = None
     outside: bool | None = None
     if len(base) > 1:
