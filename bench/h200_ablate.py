@@ -135,9 +135,16 @@ def model_args(shape: str, data: str | None) -> list[str]:
     return args
 
 
-def estimate_s(part: str, repeats: int, iters: int) -> float:
+def arms_of(part: str, toggles: int | None = None) -> int:
+    """Arms a block of the part runs; ``toggles``: how many --toggles names (default: all five)."""
+    if toggles is None or part not in ("one-at-a-time", "leave-one-out", "tune", "dp2-tune"):
+        return ARMS[part]
+    return toggles + 1 + (2 ** min(toggles, 3) if "tune" in part else 0)
+
+
+def estimate_s(part: str, repeats: int, iters: int, toggles: int | None = None) -> float:
     per_iter = SECONDS_PER_ITER["dp2" if part.startswith(("dp2", "tp2")) else "fp8" if part.startswith("fp8") else "bf16"]
-    runs = 1 + repeats * ARMS[part]
+    runs = 1 + repeats * arms_of(part, toggles)
     return DRY_RUNS_S + runs * (STARTUP_S + iters * per_iter)
 
 
@@ -224,14 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plan: {ns.repeats} blocks per part, {ns.iters} iterations per run ({ns.warmup} left out), "
           f"1 warm-up run per part; about {STARTUP_S:.0f}s start-up per run" + (" (smoke: stand-in runs)"
                                                                                 if ns.smoke else ""))
+    n_toggles = len([t for t in ns.toggles.split(",") if t.strip()]) if ns.toggles else None
     for part in parts:
-        est = estimate_s(part, ns.repeats, ns.iters)
+        est = estimate_s(part, ns.repeats, ns.iters, n_toggles)
         total += est
-        print(f"  {part:<15} {1 + ns.repeats * ARMS[part]:>3} runs  ~{est / 60:5.1f} min  -> {out / part}")
+        print(f"  {part:<15} {1 + ns.repeats * arms_of(part, n_toggles):>3} runs  ~{est / 60:5.1f} min  -> {out / part}")
     devices = [d.strip() for d in ns.devices.split(",") if d.strip()] if ns.devices else []
     if devices:  # side by side: a phase takes about as long as its parts spread over the devices
-        total = sum(max(max(estimate_s(p, ns.repeats, ns.iters) for p in ph),
-                        sum(estimate_s(p, ns.repeats, ns.iters) for p in ph) / len(devices))
+        total = sum(max(max(estimate_s(p, ns.repeats, ns.iters, n_toggles) for p in ph),
+                        sum(estimate_s(p, ns.repeats, ns.iters, n_toggles) for p in ph) / len(devices))
                     for ph in phases(parts, devices))
     print(f"expected: ~{total / 60:.1f} min on the H200" + (f" on GPUs {','.join(devices)}" if devices else "")
           + (f" (budget {ns.budget:g} min)" if ns.budget else ""), flush=True)

@@ -439,7 +439,9 @@ def test_repeats_blocks_warmup_and_results(tmp_path, capsys):
     assert "7 runs: 1 unmeasured warm-up run, then 3 block(s) x 2 arms (seed 5); 8 iterations per run" in err
     # a second call resumes: every run is done with the same command
     assert _run_main(tmp_path, "--repeats", "3", "--seed", "5", "--iters", "8", "--warmup", "2") == 0
-    assert capsys.readouterr().err.count("done earlier, skipped") == 7
+    err = capsys.readouterr().err
+    assert err.count("done earlier, skipped") == 7
+    assert "(in an earlier call): every run of the --repeats blocks is done" in err and "0 runs" not in err
 
 
 def test_noise_gives_an_interval_and_a_no_op_no_verdict(tmp_path, monkeypatch):

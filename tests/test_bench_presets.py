@@ -50,6 +50,10 @@ def test_presets_are_ablate_calls_without_checkpoints(tmp_path):
 def test_expected_time_grows_with_the_work():
     assert h200_ablate.estimate_s("one-at-a-time", 3, 12) > h200_ablate.estimate_s("headline", 3, 12)
     assert h200_ablate.estimate_s("headline", 5, 12) > h200_ablate.estimate_s("headline", 3, 12)
+    # --toggles: tune on two toggles is a leave-one-out of 3 arms and a factorial of at most 4
+    assert h200_ablate.arms_of("tune", 2) == 7 and h200_ablate.arms_of("tune") == h200_ablate.ARMS["tune"]
+    assert h200_ablate.arms_of("tune", 5) == h200_ablate.ARMS["tune"] and h200_ablate.arms_of("headline", 2) == 2
+    assert h200_ablate.estimate_s("tune", 3, 10, 2) < h200_ablate.estimate_s("tune", 3, 10)
 
 
 def _smoke(tmp_path, part: str, repeats: int) -> dict:
@@ -125,7 +129,9 @@ def test_smoke_path_sweeps_the_bucket_size_with_the_reduce_overlapped(tmp_path):
 
 
 def test_toggles_reach_the_parts_that_vary_toggles_and_are_refused_elsewhere(tmp_path):
-    _, cmds = _commands(tmp_path, "--parts", "tune,headline", "--toggles", "fused_single_qkv_rope")
+    text, cmds = _commands(tmp_path, "--parts", "tune,headline", "--toggles", "fused_single_qkv_rope")
+    assert "tune             13 runs" in text  # a warm-up run; 3 blocks of 2 leave-one-out and 2 factorial arms
+
     for part in ("tune", "headline"):
         assert cmds[part][cmds[part].index("--toggles") + 1] == "fused_single_qkv_rope"
         assert cmds[part].index("--toggles") < cmds[part].index("--")  # the subcommand's option, not Megatron's
