@@ -524,7 +524,8 @@ def plot_ablate(summary: dict[str, dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(f"{part}: {arm}" + (" (small)" if s["shape"].startswith("hidden 1024") else ""), a)
+    rows = [(f"{part}: {arm}" + (" (small)" if s["shape"].startswith("hidden 1024") else "")
+             + ("" if s["confidence"] == 0.95 else f" ({s['confidence'] * 100:.3g} %)"), a)
             for part, s in summary.items() for arm, a in s["arms"].items()
             if not a["baseline"] and a["ci"][0] is not None]
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.2))
@@ -547,7 +548,8 @@ def plot_ablate(summary: dict[str, dict]) -> None:
     ax.minorticks_off()
     ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("speedup against the part's baseline (log scale), 95 % interval over blocks")
+    ax.set_xlabel("speedup against the part's baseline (log scale)\n"
+                  "interval over blocks: 95 %, or the confidence given after the name")
     ax.set_title("H200 ablate parts ((small): hidden 1024, seq 1024; the rest: Llama-3-8B-shaped, 4 layers)\n"
                  "green: faster, orange: slower, grey: no detectable difference\n"
                  f"< or >: the interval goes on beyond {PLOT_RANGE[0]:g} or {PLOT_RANGE[1]:g}", fontsize=8)
