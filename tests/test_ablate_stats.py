@@ -146,3 +146,14 @@ def test_report_says_when_the_band_is_unknown():
 def test_relative_half_width():
     assert st.relative_half_width({"low": 1.0, "high": 1.0201}) == pytest.approx(0.01)
     assert st.relative_half_width({"low": None, "high": None}) is None
+
+
+def test_loss_comparison_takes_its_band_from_the_runs_given():
+    base, arm = [2.0, 2.0, 2.0], [2.001, 2.001, 2.001]
+    assert st.loss_comparison(base, arm)["outside_noise_band"] is True  # the baseline's band is 0
+    wide = st.loss_comparison(base, arm, band_from=[2.0, 2.004, 1.996])
+    assert wide["noise_band"] == pytest.approx(0.002) and wide["outside_noise_band"] is False
+    assert wide["ratio"] == pytest.approx(1.0005)
+    one = st.loss_comparison(base, arm, band_from=[2.0])  # one run: no band, still a ratio
+    assert one["noise_band"] is None and one["outside_noise_band"] is None and one["ratio"] == pytest.approx(1.0005)
+    assert st.loss_comparison(base, arm, band_from=[])["outside_noise_band"] is None

@@ -123,7 +123,8 @@ def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
     runs = [_run("without:x", b, ms, 2.0) for b, ms in enumerate(chosen_ms)]
     runs += [_run("all-on", b, ms, 2.0 + 0.01 * b) for b, ms in enumerate(against_ms)]
     decided = tune.Decided("x", False, "turned off", "leave-one-out", "without:x", "all-on")
-    ev = tune.evidence(decided, {"blocks_run": 3, "runs": runs, "confidence": 0.95})
+    ev = tune.evidence(decided, {"blocks_run": 3, "runs": runs, "confidence": 0.95,
+                                 "rows": [{"arm": "all-on", "baseline": True}, {"arm": "without:x"}]})
     logs = [math.log(a / c) for a, c in zip(against_ms, chosen_ms, strict=True)]
     assert ev.speedup == pytest.approx(math.exp(sum(logs) / 3))
     assert ev.low < ev.speedup < ev.high and ev.verdict == stats.FASTER and ev.against is True
@@ -148,6 +149,40 @@ def test_the_profile_flags_a_loss_against_the_same_band_as_the_phase_table():
     assert ev.loss_ratio == pytest.approx(1 / table["ratio"], rel=1e-3)
     no_band = tune.evidence(decided, {**result, "runs": runs[3:] + runs[:1]})  # one baseline run: no band
     assert no_band.loss_within_noise is None and no_band.loss_ratio is not None
+
+
+def test_the_profile_and_the_table_flag_every_pair_with_the_baseline_alike_even_at_the_band_edge():
+    base_loss = [2.0, 2.0006, 1.9994]  # a band of 0.03 %
+    arms = [Arm("all-on", {"fused_single_qkv_rope": True}, baseline=True),
+            Arm("without:x", {"fused_single_qkv_rope": False})]
+    for factor in (0.9997, 0.99970001, 0.99969999, 1.0003, 1.00029999, 1.00030001, 0.999, 1.0):
+        runs = [_run("all-on", b, 1000.0, x) for b, x in enumerate(base_loss)]
+        runs += [_run("without:x", b, 1005.0, x * factor) for b, x in enumerate(base_loss)]
+        result = {"blocks_run": 3, "runs": runs, "confidence": 0.95, "rows": report.compare(arms, runs, 3, None, 1)}
+        table = next(r for r in result["rows"] if r["arm"] == "without:x")["loss"]["outside_noise_band"]
+        for chosen, against in (("all-on", "without:x"), ("without:x", "all-on")):
+            ev = tune.evidence(tune.Decided("x", chosen == "all-on", "r", "leave-one-out", chosen, against), result)
+            assert ev.loss_within_noise is (not table), (factor, chosen)
+
+
+def test_a_factorial_pair_without_the_baseline_is_flagged_against_the_baseline_band():
+    runs = [_run("a+b", blk, 1000.0, x) for blk, x in enumerate([2.0, 2.002, 1.998])]  # baseline: band 0.1 %
+    runs += [_run("a", blk, 990.0, 2.0005) for blk in range(3)]  # tight repeats of their own
+    runs += [_run("b", blk, 995.0, 2.0) for blk in range(3)]
+    rows = [{"arm": "a+b", "baseline": True}, {"arm": "a"}, {"arm": "b"}]
+    decided = tune.Decided("b", False, "r", "factorial", "a", "b")  # neither arm is the baseline
+    ev = tune.evidence(decided, {"blocks_run": 3, "runs": runs, "confidence": 0.95, "rows": rows})
+    assert ev.loss_ratio == pytest.approx(2.0005 / 2.0) and ev.loss_within_noise is True
+    tight = tune.evidence(decided, {"blocks_run": 3, "runs": runs, "confidence": 0.95,
+                                    "rows": [{"arm": "b", "baseline": True}, {"arm": "a"}]})
+    assert tight.loss_within_noise is False  # b's own repeats (no spread) make a band of 0
+    # a baseline run that logged no loss takes nothing from the pair's ratio
+    silent = [dict(r, iterations=[]) if r["arm"] == "a+b" and r["block"] == 0 else r for r in runs]
+    ev2 = tune.evidence(decided, {"blocks_run": 3, "runs": silent, "confidence": 0.95, "rows": rows})
+    assert ev2.loss_ratio == pytest.approx(2.0005 / 2.0) and ev2.loss_within_noise is True
+    # a phase result without rows names no baseline: a ratio, but no band to flag it against
+    bare = tune.evidence(decided, {"blocks_run": 3, "runs": runs, "confidence": 0.95})
+    assert bare.loss_ratio == pytest.approx(2.0005 / 2.0) and bare.loss_within_noise is None
 
 
 # --- end to end, with a stand-in Megatron --------------------------------------------------------------

@@ -196,36 +196,45 @@ def _ms(run: Mapping[str, Any] | None) -> float | None:
     return ((run or {}).get("summary", {}).get("ms_per_iter") or {}).get("median")
 
 
-def _losses(*arms: list[Mapping[str, Any] | None]) -> list[list[float | None]]:
-    """Each block's loss of every arm given, at the last iteration all of their runs reached."""
+def _losses(chosen: Sequence[Mapping[str, Any] | None], against: Sequence[Mapping[str, Any] | None],
+            band: Sequence[Mapping[str, Any] | None] = ()) -> tuple[list[float | None], list[float | None], list[float | None]]:
+    """Each block's loss of both arms at the last iteration every one of their runs reached, and
+    the ``band`` arm's losses at that same iteration (None where a run did not log it)."""
     def by_it(run: Mapping[str, Any] | None) -> dict[int, float]:
         return {it["iteration"]: it["lm_loss"] for it in (run or {}).get("iterations", []) if "lm_loss" in it}
 
-    tables = [by_it(r) for runs in arms for r in runs if r is not None]
+    tables = [by_it(r) for r in [*chosen, *against] if r is not None]
     common = set.intersection(*(set(t) for t in tables)) if tables else set()
     if not common:
-        return [[] for _ in arms]
+        return [], [], []
     last = max(common)
-    return [[by_it(r).get(last) for r in runs] for runs in arms]
+    return ([by_it(r).get(last) for r in chosen], [by_it(r).get(last) for r in against],
+            [by_it(r).get(last) for r in band if r is not None])
 
 
 def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
     """Step time with the other value over step time with the chosen one, paired by block. The
-    loss is flagged against the phase's one noise band, its baseline's (the band its results.md
-    states), so the profile and the phase's table never disagree on the same pair of arms."""
+    loss ratio is the chosen value's over the other's; it is flagged against the phase's one noise
+    band, its baseline's (the band its results.md states). Where one of the two arms is the
+    baseline, the flag is the table's own comparison (the other arm against the baseline), so the
+    profile and the table agree on that pair; without a baseline there is no band."""
     blocks = result["blocks_run"]
     chosen = _block_values(result["runs"], decided.chosen, blocks)
     against = _block_values(result["runs"], decided.against, blocks)
     sp = stats.paired_speedup([_ms(r) for r in against], [_ms(r) for r in chosen],
                               decided.confidence or result["confidence"])
-    base = next((r["arm"] for r in result.get("rows", []) if r.get("baseline")), decided.against)
-    chosen_loss, against_loss, base_loss = _losses(chosen, against, _block_values(result["runs"], base, blocks))
+    base = next((r["arm"] for r in result.get("rows", []) if r.get("baseline")), None)
+    chosen_loss, against_loss, base_loss = _losses(chosen, against,
+                                                   _block_values(result["runs"], base, blocks) if base else [])
     loss = stats.loss_comparison(against_loss, chosen_loss, band_from=base_loss) if chosen_loss else None
+    flagged = loss
+    if loss and base == decided.chosen:  # the table's orientation: the other arm over the baseline
+        flagged = stats.loss_comparison(chosen_loss, against_loss)
     return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
                     verdict=sp["verdict"], confidence=sp["confidence"], blocks=sp["blocks"],
                     design=decided.phase, loss_ratio=loss["ratio"] if loss else None,
-                    loss_within_noise=None if not loss or loss["outside_noise_band"] is None
-                    else not loss["outside_noise_band"], rule=decided.rule)
+                    loss_within_noise=None if not flagged or flagged["outside_noise_band"] is None
+                    else not flagged["outside_noise_band"], rule=decided.rule)
 
 
 # --- the environment measured, from the dry-run records ------------------------------------------
