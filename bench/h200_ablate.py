@@ -32,6 +32,9 @@ directory under --out):
     python bench/h200_ablate.py --megatron PATH --out DIR --smoke     # CPU: stand-in runs, real dry runs
     python bench/h200_ablate.py --megatron PATH --out DIR --devices 0,1 --parts one-at-a-time,leave-one-out,dp2
 
+--toggles LIST narrows the parts that vary toggles (headline, one-at-a-time, leave-one-out, the fp8
+and dp2 headlines, tune) to the toggles named; the others stay on in every arm.
+
 With --devices, one-GPU parts run side by side, one per listed GPU (each with its own port and log
 OUT/PART.log); a part that needs several GPUs waits until the parts before it are done and then runs
 alone. Arms are only ever compared inside one part, so a neighbour on another GPU cannot favour one
@@ -55,6 +58,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_perf_toggles.errors import PerfTogglesError  # noqa: E402
+from megatron_perf_toggles.tools.ablate.design import parse_toggles  # noqa: E402
 from megatron_perf_toggles.tools.ablate.runner import set_args  # noqa: E402
 from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_BF16  # noqa: E402
 
@@ -114,8 +119,9 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
 }
 ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-delayed": 2, "fp8-tensorwise": 2,
         "dp2": 2, "candidates": 3, "candidates2": 5, "dp2-candidates": 4, "tp2-candidates": 2,
-        # tune, at most: leave-one-out of five toggles (6 arms), then a factorial of up to 3 (8 arms)
-        "tune": 14, "dp2-tune": 14, "dp2-buckets": 4}
+        # tune, at most: leave-one-out of five toggles (6 arms), a factorial of up to 3 (8 arms), then
+        # the confirmation (2 arms) where the chosen values differ from the defaults
+        "tune": 16, "dp2-tune": 16, "dp2-buckets": 4}
 # Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
 # start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
 SECONDS_PER_ITER = {"bf16": 1.2, "fp8": 1.0, "dp2": 1.3}
@@ -139,7 +145,7 @@ def arms_of(part: str, toggles: int | None = None) -> int:
     """Arms a block of the part runs; ``toggles``: how many --toggles names (default: all five)."""
     if toggles is None or part not in ("one-at-a-time", "leave-one-out", "tune", "dp2-tune"):
         return ARMS[part]
-    return toggles + 1 + (2 ** min(toggles, 3) if "tune" in part else 0)
+    return toggles + 1 + (2 ** min(toggles, 3) + 2 if "tune" in part else 0)
 
 
 def estimate_s(part: str, repeats: int, iters: int, toggles: int | None = None) -> float:
@@ -189,8 +195,8 @@ def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: flo
         cmd += ["--budget", f"{budget_min:.2f}"]
     if ns.smoke:
         cmd += ["--world-size", str(gpus)]
-    if ns.toggles:
-        cmd += ["--toggles", ns.toggles]
+    if ns.toggles:  # the toggles not named stay at the plugin defaults, whatever the caller's shell sets
+        cmd += ["--toggles", ns.toggles, *(["--others", "on"] if design[0] == "ablate" else [])]
     cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(ns.shape, ns.data), *extra]
     return cmd, env
 
@@ -208,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="time for all parts together: no block starts that would end after it")
     ap.add_argument("--toggles", metavar="LIST",
                     help="comma list of toggle dests for the parts that vary toggles (default: all five), e.g. "
-                         "tune on the toggles an earlier leave-one-out left unresolved")
+                         "tune on the toggles an earlier leave-one-out left unresolved; the toggles not named "
+                         "stay on (the plugin defaults) in every arm. Not for noop or the candidates parts")
     ap.add_argument("--shape", choices=("llama3-8b-4l", "small"), default="llama3-8b-4l")
     ap.add_argument("--data", metavar="PREFIX", help="a real-text indexed dataset instead of mock data")
     ap.add_argument("--port", type=int, default=29511, help="first port; each part uses its own (default 29511)")
@@ -221,9 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         ap.error(f"--parts: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
-    fixed = [p for p in parts if "--toggles" in PARTS[p][0] or "candidates" in PARTS[p][0]]
-    if ns.toggles and fixed:
-        ap.error(f"--toggles: part {', '.join(fixed)} sets its own toggles or varies none (it compares candidates)")
+    if ns.toggles is not None:
+        try:
+            parse_toggles(ns.toggles)
+        except PerfTogglesError as exc:
+            ap.error(str(exc))
+        for part in parts:
+            if "--toggles" in PARTS[part][0]:
+                ap.error(f"--toggles: part {part} names its own toggles")
+            if "candidates" in PARTS[part][0]:
+                ap.error(f"--toggles: part {part} compares candidates with every toggle at its default, "
+                         "it varies no toggle")
     if not (Path(ns.megatron) / "pretrain_gpt.py").is_file():
         ap.error(f"--megatron {ns.megatron}: no pretrain_gpt.py there")
     out = Path(ns.out)
@@ -231,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plan: {ns.repeats} blocks per part, {ns.iters} iterations per run ({ns.warmup} left out), "
           f"1 warm-up run per part; about {STARTUP_S:.0f}s start-up per run" + (" (smoke: stand-in runs)"
                                                                                 if ns.smoke else ""))
-    n_toggles = len([t for t in ns.toggles.split(",") if t.strip()]) if ns.toggles else None
+    n_toggles = len(parse_toggles(ns.toggles)) if ns.toggles is not None else None
     for part in parts:
         est = estimate_s(part, ns.repeats, ns.iters, n_toggles)
         total += est

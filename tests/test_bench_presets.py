@@ -50,8 +50,9 @@ def test_presets_are_ablate_calls_without_checkpoints(tmp_path):
 def test_expected_time_grows_with_the_work():
     assert h200_ablate.estimate_s("one-at-a-time", 3, 12) > h200_ablate.estimate_s("headline", 3, 12)
     assert h200_ablate.estimate_s("headline", 5, 12) > h200_ablate.estimate_s("headline", 3, 12)
-    # --toggles: tune on two toggles is a leave-one-out of 3 arms and a factorial of at most 4
-    assert h200_ablate.arms_of("tune", 2) == 7 and h200_ablate.arms_of("tune") == h200_ablate.ARMS["tune"]
+    # --toggles: tune on two toggles is a leave-one-out of 3 arms, a factorial of at most 4 and a
+    # confirmation of at most 2
+    assert h200_ablate.arms_of("tune", 2) == 9 and h200_ablate.arms_of("tune") == h200_ablate.ARMS["tune"]
     assert h200_ablate.arms_of("tune", 5) == h200_ablate.ARMS["tune"] and h200_ablate.arms_of("headline", 2) == 2
     assert h200_ablate.estimate_s("tune", 3, 10, 2) < h200_ablate.estimate_s("tune", 3, 10)
 
@@ -130,16 +131,24 @@ def test_smoke_path_sweeps_the_bucket_size_with_the_reduce_overlapped(tmp_path):
 
 def test_toggles_reach_the_parts_that_vary_toggles_and_are_refused_elsewhere(tmp_path):
     text, cmds = _commands(tmp_path, "--parts", "tune,headline", "--toggles", "fused_single_qkv_rope")
-    assert "tune             13 runs" in text  # a warm-up run; 3 blocks of 2 leave-one-out and 2 factorial arms
-
+    # a warm-up run; 3 blocks of 2 leave-one-out arms, 2 factorial arms and at most 2 confirmation arms
+    assert "tune             19 runs" in text
     for part in ("tune", "headline"):
         assert cmds[part][cmds[part].index("--toggles") + 1] == "fused_single_qkv_rope"
         assert cmds[part].index("--toggles") < cmds[part].index("--")  # the subcommand's option, not Megatron's
-    _, plain = _commands(tmp_path, "--parts", "tune")
-    assert "--toggles" not in plain["tune"]
-    for part in ("noop", "candidates"):  # noop names its own toggle; candidates vary none
-        tree = tmp_path / "Megatron-LM"
+    # the toggles not named stay on in ablate's arms, not whatever the caller's shell exports
+    assert cmds["headline"][cmds["headline"].index("--others") + 1] == "on"
+    assert "--others" not in cmds["tune"]  # tune keeps the others at their defaults itself
+    _, plain = _commands(tmp_path, "--parts", "tune,headline")
+    assert "--toggles" not in plain["tune"] and "--others" not in plain["headline"]
+    tree = tmp_path / "Megatron-LM"
+    refused = [p for p, (design, _, _) in h200_ablate.PARTS.items() if "--toggles" in design or "candidates" in design]
+    assert set(refused) >= {"noop", "candidates", "candidates2", "dp2-candidates", "tp2-candidates", "dp2-buckets"}
+    for part, toggles, why in [*((p, "fused_single_qkv_rope", f"part {p}") for p in refused),
+                               ("tune", "no_such_toggle", "unknown toggle"), ("tune", ",,", "is empty"),
+                               ("tune", "fused_single_qkv_rope,fused_single_qkv_rope", "twice")]:
         proc = subprocess.run([sys.executable, str(REPO / "bench" / "h200_ablate.py"), "--megatron", str(tree),
                                "--out", str(tmp_path / "out"), "--print-only", "--parts", part, "--toggles",
-                               "fused_single_qkv_rope"], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and f"part {part}" in proc.stderr and "Traceback" not in proc.stderr
+                               toggles], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, (part, proc.stderr)
+        assert "plan:" not in proc.stdout  # refused before the plan is printed
