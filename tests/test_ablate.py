@@ -771,3 +771,12 @@ def test_a_launch_prefix_may_not_set_what_an_arm_sets(tmp_path, capsys):
         with pytest.raises(SystemExit) as info:
             ablate.main(argv, resolver=_fake_megatron())
         assert info.value.code == 2 and f"--launch sets {clash} for every run" in capsys.readouterr().err
+
+
+def test_the_warm_up_estimate_says_when_target_ci_may_add_blocks(tmp_path, capsys):
+    assert _run_main(tmp_path, "--repeats", "2", "--target-ci", "0.01", "--max-repeats", "4") == 0
+    assert "(--target-ci may add blocks)" in capsys.readouterr().err
+    (tmp_path / "b").mkdir()
+    assert _run_main(tmp_path / "b", "--repeats", "2", "--target-ci", "0.01", "--max-repeats", "2") == 0
+    err = capsys.readouterr().err
+    assert "the warm-up run took" in err and "may add blocks" not in err  # --max-repeats leaves no room

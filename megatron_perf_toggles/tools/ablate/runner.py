@@ -680,7 +680,7 @@ def experiment(ns: argparse.Namespace, arms: Sequence[Arm], records: Sequence[di
             print(f"[ablate] the warm-up run failed after {per_run:.0f}s: it prices nothing", file=sys.stderr,
                   flush=True)
         else:
-            more = " (--target-ci may add blocks)" if ns.target_ci is not None else ""
+            more = " (--target-ci may add blocks)" if ns.target_ci is not None and ns.max_repeats > ns.repeats else ""
             left = (f"about {per_run * to_do / 60:.1f} min for the {to_do} runs of --repeats blocks still to do"
                     if to_do else "every run of the --repeats blocks is done")
             print(f"[ablate] the warm-up run took {per_run:.0f}s{' (in an earlier call)' if earlier else ''}: "
