@@ -95,7 +95,7 @@ def ablate_section(summary: dict[str, dict]) -> list[str]:
         blocks = f"{s['blocks']} block" + ("" if s["blocks"] == 1 else "s")
         lines += [f"### {part} ({s['design']}, {blocks}, {s['iters']} iterations, first {s['warmup']} "
                   f"left out, seed {s['seed']}; {s['shape']})", "",
-                  f"| arm | ms/iter | speedup [{s['confidence'] * 100:g} % CI] | verdict |", "|---|---|---|---|"]
+                  f"| arm | ms/iter | speedup [{s['confidence'] * 100:.3g} % CI] | verdict |", "|---|---|---|---|"]
         for arm, a in s["arms"].items():
             med = (a["ms_per_iter"] or {}).get("median")
             if a["baseline"]:
