@@ -48,8 +48,8 @@ from ..core.profile import Choice, Confirmation, Environment, Evidence, Profile,
 from ..core.registry import BY_DEST, format_value
 from ..core.struct import Struct
 from ..errors import PerfTogglesError, fail
+from .ablate import report, stats
 from .ablate import runner as ablate
-from .ablate import stats
 from .ablate.design import DEFAULT_TOGGLES, Arm, DesignError, baseline_of, expand, parse_toggles
 from .ablate.report import write_results
 from .ablate.world import world_size
@@ -196,45 +196,43 @@ def _ms(run: Mapping[str, Any] | None) -> float | None:
     return ((run or {}).get("summary", {}).get("ms_per_iter") or {}).get("median")
 
 
-def _losses(chosen: Sequence[Mapping[str, Any] | None], against: Sequence[Mapping[str, Any] | None],
-            band: Sequence[Mapping[str, Any] | None] = ()) -> tuple[list[float | None], list[float | None], list[float | None]]:
-    """Each block's loss of both arms at the last iteration every one of their runs reached, and
-    the ``band`` arm's losses at that same iteration (None where a run did not log it)."""
-    def by_it(run: Mapping[str, Any] | None) -> dict[int, float]:
-        return {it["iteration"]: it["lm_loss"] for it in (run or {}).get("iterations", []) if "lm_loss" in it}
-
-    tables = [by_it(r) for r in [*chosen, *against] if r is not None]
-    common = set.intersection(*(set(t) for t in tables)) if tables else set()
+def _loss(decided: Decided, result: Mapping[str, Any], chosen: Sequence[Mapping[str, Any] | None],
+          against: Sequence[Mapping[str, Any] | None]) -> tuple[float | None, bool | None]:
+    """The loss with the chosen value over the loss with the other, and whether it left the phase's
+    one noise band, the baseline's (the band its results.md states). Where one of the two arms is
+    the baseline, both come from the other arm's row of the phase's table, so the profile says what
+    the table says; otherwise the pair is compared at its own last logged iteration against the
+    baseline's band. Without a baseline row there is no band."""
+    rows = {r["arm"]: r for r in result.get("rows", [])}
+    base = next((name for name, r in rows.items() if r.get("baseline")), None)
+    if base is not None and base in (decided.chosen, decided.against):
+        other = decided.against if base == decided.chosen else decided.chosen
+        row = (rows.get(other) or {}).get("loss")
+        if not row or not row.get("ratio"):
+            return None, None
+        return (row["ratio"] if base == decided.against else 1.0 / row["ratio"]), row.get("outside_noise_band")
+    common = report.loss_iterations(chosen) & report.loss_iterations(against)
     if not common:
-        return [], [], []
+        return None, None
     last = max(common)
-    return ([by_it(r).get(last) for r in chosen], [by_it(r).get(last) for r in against],
-            [by_it(r).get(last) for r in band if r is not None])
+    band = report.losses_at(_block_values(result["runs"], base, result["blocks_run"]), last) if base else []
+    cmp_ = stats.loss_comparison(report.losses_at(against, last), report.losses_at(chosen, last), band_from=band)
+    return (cmp_["ratio"], cmp_["outside_noise_band"]) if cmp_ else (None, None)
 
 
 def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
-    """Step time with the other value over step time with the chosen one, paired by block. The
-    loss ratio is the chosen value's over the other's; it is flagged against the phase's one noise
-    band, its baseline's (the band its results.md states). Where one of the two arms is the
-    baseline, the flag is the table's own comparison (the other arm against the baseline), so the
-    profile and the table agree on that pair; without a baseline there is no band."""
+    """Step time with the other value over step time with the chosen one, paired by block; the
+    loss as :func:`_loss` compares it."""
     blocks = result["blocks_run"]
     chosen = _block_values(result["runs"], decided.chosen, blocks)
     against = _block_values(result["runs"], decided.against, blocks)
     sp = stats.paired_speedup([_ms(r) for r in against], [_ms(r) for r in chosen],
                               decided.confidence or result["confidence"])
-    base = next((r["arm"] for r in result.get("rows", []) if r.get("baseline")), None)
-    chosen_loss, against_loss, base_loss = _losses(chosen, against,
-                                                   _block_values(result["runs"], base, blocks) if base else [])
-    loss = stats.loss_comparison(against_loss, chosen_loss, band_from=base_loss) if chosen_loss else None
-    flagged = loss
-    if loss and base == decided.chosen:  # the table's orientation: the other arm over the baseline
-        flagged = stats.loss_comparison(chosen_loss, against_loss)
+    ratio, outside = _loss(decided, result, chosen, against)
     return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
                     verdict=sp["verdict"], confidence=sp["confidence"], blocks=sp["blocks"],
-                    design=decided.phase, loss_ratio=loss["ratio"] if loss else None,
-                    loss_within_noise=None if not flagged or flagged["outside_noise_band"] is None
-                    else not flagged["outside_noise_band"], rule=decided.rule)
+                    design=decided.phase, loss_ratio=ratio, loss_within_noise=None if outside is None else not outside,
+                    rule=decided.rule)
 
 
 # --- the environment measured, from the dry-run records ------------------------------------------

@@ -9,7 +9,7 @@ import os
 import shlex
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,19 @@ def _median_of(run: dict[str, Any], key: str) -> float | None:
     return (run.get("summary", {}).get(key) or {}).get("median")
 
 
-def _loss_at(run: dict[str, Any], iteration: int) -> float | None:
+def _loss_at(run: Mapping[str, Any], iteration: int) -> float | None:
     return next((it["lm_loss"] for it in run.get("iterations", []) if it["iteration"] == iteration
                  and "lm_loss" in it), None)
+
+
+def loss_iterations(runs: Sequence[Mapping[str, Any] | None]) -> set[int]:
+    """Iterations that logged a loss in any of these runs (None: a block without a finished run)."""
+    return {it["iteration"] for r in runs if r for it in r.get("iterations", []) if "lm_loss" in it}
+
+
+def losses_at(runs: Sequence[Mapping[str, Any] | None], iteration: int) -> list[float | None]:
+    """Each block's loss at ``iteration`` (None where the block has no finished run or no such loss)."""
+    return [_loss_at(r, iteration) if r else None for r in runs]
 
 
 def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, seq_length: int | None, gpus: int | None,
@@ -59,11 +69,12 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
         return [_median_of(by[(arm.name, b)], key) if by.get((arm.name, b), {}).get("status") == "done" else None
                 for b in range(blocks)]
 
-    def done_runs(arm: Arm) -> list[dict[str, Any]]:
-        return [by[(arm.name, b)] for b in range(blocks) if by.get((arm.name, b), {}).get("status") == "done"]
+    def done_by_block(arm: Arm) -> list[dict[str, Any] | None]:
+        return [by[(arm.name, b)] if by.get((arm.name, b), {}).get("status") == "done" else None
+                for b in range(blocks)]
 
-    def last_loss_iteration(arm: Arm) -> set[int]:
-        return {it["iteration"] for r in done_runs(arm) for it in r.get("iterations", []) if "lm_loss" in it}
+    def done_runs(arm: Arm) -> list[dict[str, Any]]:
+        return [r for r in done_by_block(arm) if r is not None]
 
     base_ms = per_block(base, "ms_per_iter")
     rows: list[dict[str, Any]] = []
@@ -89,11 +100,10 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
             if sd is not None:
                 row["blocks_to_resolve"] = {"effect": effect, "power": 0.8,
                                             "blocks": stats.blocks_to_resolve(sd, effect, confidence)}
-        common = last_loss_iteration(arm) & last_loss_iteration(base)
-        if common:
+        common = loss_iterations(done_by_block(arm)) & loss_iterations(done_by_block(base))
+        if common:  # finished runs only, as for the step times: a failed run's loss says nothing
             last = max(common)
-            bl = [_loss_at(by[(base.name, b)], last) if (base.name, b) in by else None for b in range(blocks)]
-            al = [_loss_at(by[(arm.name, b)], last) if (arm.name, b) in by else None for b in range(blocks)]
+            bl, al = losses_at(done_by_block(base), last), losses_at(done_by_block(arm), last)
             cmp_ = stats.loss_comparison(bl, al)
             if cmp_:
                 row["loss"] = {"iteration": last, "arm_losses": al, "baseline_losses": bl, **cmp_}
