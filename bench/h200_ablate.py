@@ -33,7 +33,8 @@ directory under --out):
     python bench/h200_ablate.py --megatron PATH --out DIR --devices 0,1 --parts one-at-a-time,leave-one-out,dp2
 
 --toggles LIST narrows the parts that vary toggles (headline, one-at-a-time, leave-one-out, the fp8
-and dp2 headlines, tune) to the toggles named; the others stay on in every arm.
+and dp2 headlines, tune) to the toggles named; the others keep the plugin defaults in every arm. No
+part takes the plugin's variables (a toggle's, a profile, the switch) from the caller's shell.
 
 With --devices, one-GPU parts run side by side, one per listed GPU (each with its own port and log
 OUT/PART.log); a part that needs several GPUs waits until the parts before it are done and then runs
@@ -58,6 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_perf_toggles.core.registry import SETTINGS, TOGGLES  # noqa: E402
 from megatron_perf_toggles.errors import PerfTogglesError  # noqa: E402
 from megatron_perf_toggles.tools.ablate.design import parse_toggles  # noqa: E402
 from megatron_perf_toggles.tools.ablate.runner import set_args  # noqa: E402
@@ -124,6 +126,7 @@ ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-d
         "tune": 16, "dp2-tune": 16, "dp2-buckets": 4}
 # Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
 # start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
+PLUGIN_VARS = frozenset(t.env for t in TOGGLES) | frozenset(s.env for s in SETTINGS)
 SECONDS_PER_ITER = {"bf16": 1.2, "fp8": 1.0, "dp2": 1.3}
 STARTUP_S = 40.0
 DRY_RUNS_S = 30.0
@@ -155,7 +158,9 @@ def estimate_s(part: str, repeats: int, iters: int, toggles: int | None = None) 
 
 
 def base_env(megatron: Path, smoke: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    # every part measures the plugin's own defaults: none of its variables (a toggle's, a profile,
+    # the switch) comes from the caller's shell, so a toggle no arm names is at its default
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES") and k not in PLUGIN_VARS}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(megatron), str(REPO), env.get("PYTHONPATH", "")) if p)
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     env.setdefault("NO_VCS_VERSION", "1")  # else Megatron appends `git rev-parse HEAD` of an enclosing checkout
@@ -195,8 +200,8 @@ def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: flo
         cmd += ["--budget", f"{budget_min:.2f}"]
     if ns.smoke:
         cmd += ["--world-size", str(gpus)]
-    if ns.toggles:  # the toggles not named stay at the plugin defaults, whatever the caller's shell sets
-        cmd += ["--toggles", ns.toggles, *(["--others", "on"] if design[0] == "ablate" else [])]
+    if ns.toggles:
+        cmd += ["--toggles", ns.toggles]
     cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(ns.shape, ns.data), *extra]
     return cmd, env
 
@@ -215,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--toggles", metavar="LIST",
                     help="comma list of toggle dests for the parts that vary toggles (default: all five), e.g. "
                          "tune on the toggles an earlier leave-one-out left unresolved; the toggles not named "
-                         "stay on (the plugin defaults) in every arm. Not for noop or the candidates parts")
+                         "keep the plugin defaults in every arm (the presets pass on none of the plugin's variables "
+                         "from the shell). Not for noop, candidates, candidates2, dp2-candidates, tp2-candidates "
+                         "or dp2-buckets")
     ap.add_argument("--shape", choices=("llama3-8b-4l", "small"), default="llama3-8b-4l")
     ap.add_argument("--data", metavar="PREFIX", help="a real-text indexed dataset instead of mock data")
     ap.add_argument("--port", type=int, default=29511, help="first port; each part uses its own (default 29511)")
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         ap.error(f"--parts: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
-    if ns.toggles is not None:
+    if ns.toggles:  # an empty list is the default: all five
         try:
             parse_toggles(ns.toggles)
         except PerfTogglesError as exc:
@@ -237,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             if "--toggles" in PARTS[part][0]:
                 ap.error(f"--toggles: part {part} names its own toggles")
             if "candidates" in PARTS[part][0]:
-                ap.error(f"--toggles: part {part} compares candidates with every toggle at its default, "
-                         "it varies no toggle")
+                ap.error(f"--toggles: part {part} compares candidates, it varies no toggle")
     if not (Path(ns.megatron) / "pretrain_gpt.py").is_file():
         ap.error(f"--megatron {ns.megatron}: no pretrain_gpt.py there")
     out = Path(ns.out)
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plan: {ns.repeats} blocks per part, {ns.iters} iterations per run ({ns.warmup} left out), "
           f"1 warm-up run per part; about {STARTUP_S:.0f}s start-up per run" + (" (smoke: stand-in runs)"
                                                                                 if ns.smoke else ""))
-    n_toggles = len(parse_toggles(ns.toggles)) if ns.toggles is not None else None
+    n_toggles = len(parse_toggles(ns.toggles)) if ns.toggles else None
     for part in parts:
         est = estimate_s(part, ns.repeats, ns.iters, n_toggles)
         total += est

@@ -136,11 +136,8 @@ def test_toggles_reach_the_parts_that_vary_toggles_and_are_refused_elsewhere(tmp
     for part in ("tune", "headline"):
         assert cmds[part][cmds[part].index("--toggles") + 1] == "fused_single_qkv_rope"
         assert cmds[part].index("--toggles") < cmds[part].index("--")  # the subcommand's option, not Megatron's
-    # the toggles not named stay on in ablate's arms, not whatever the caller's shell exports
-    assert cmds["headline"][cmds["headline"].index("--others") + 1] == "on"
-    assert "--others" not in cmds["tune"]  # tune keeps the others at their defaults itself
-    _, plain = _commands(tmp_path, "--parts", "tune,headline")
-    assert "--toggles" not in plain["tune"] and "--others" not in plain["headline"]
+    _, plain = _commands(tmp_path, "--parts", "tune,headline", "--toggles", "")  # empty: all five
+    assert "--toggles" not in plain["tune"] and "--toggles" not in plain["headline"]
     tree = tmp_path / "Megatron-LM"
     refused = [p for p, (design, _, _) in h200_ablate.PARTS.items() if "--toggles" in design or "candidates" in design]
     assert set(refused) >= {"noop", "candidates", "candidates2", "dp2-candidates", "tp2-candidates", "dp2-buckets"}
@@ -152,3 +149,15 @@ def test_toggles_reach_the_parts_that_vary_toggles_and_are_refused_elsewhere(tmp
                                toggles], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, (part, proc.stderr)
         assert "plan:" not in proc.stdout  # refused before the plan is printed
+
+
+def test_no_part_takes_the_plugin_s_variables_from_the_shell(tmp_path, monkeypatch):
+    """A toggle no arm names keeps the plugin default, in ablate's parts and tune's alike, whatever
+    the caller exported; everything else in the environment is passed on."""
+    for name in ("GRAD_REDUCE_IN_BF16", "CROSS_ENTROPY_FUSION_IMPL", "FP4_BF16_START", "MEGATRON_PERF_TOGGLES_PROFILE"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    env = h200_ablate.base_env(tmp_path, smoke=False)
+    assert not {"GRAD_REDUCE_IN_BF16", "CROSS_ENTROPY_FUSION_IMPL", "FP4_BF16_START",
+                "MEGATRON_PERF_TOGGLES_PROFILE"} & set(env)
+    assert env["NCCL_DEBUG"] == "WARN"
