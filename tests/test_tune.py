@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import types
@@ -157,7 +158,7 @@ _EDGE_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(_EDGE_CASES))
-@pytest.mark.parametrize("factor", [0.9997, 0.99970001, 0.99969999, 1.0003, 1.00030001, 0.999, 1.0])
+@pytest.mark.parametrize("factor", [0.9997, 0.99970001, 0.99969999, 1.0003, 1.00030001, 0.999, 1.0, 0.97])
 def test_the_profile_says_what_the_table_says_for_every_pair_with_the_baseline(case, factor):
     """The phase's table flags each arm against its baseline's noise band. The profile states the
     same pair from either side (the chosen value may be the baseline's or the arm's) and must give
@@ -177,7 +178,11 @@ def test_the_profile_says_what_the_table_says_for_every_pair_with_the_baseline(c
             continue
         expected = None if table["outside_noise_band"] is None else not table["outside_noise_band"]
         assert ev.loss_within_noise is expected, (case, factor, chosen)
-        assert ev.loss_ratio == pytest.approx(table["ratio"] if chosen == "without:x" else 1 / table["ratio"])
+        # chosen over other: the median of the per-block ratios that way up, exactly
+        mine, other = ((table["arm_losses"], table["baseline_losses"]) if chosen == "without:x"
+                       else (table["baseline_losses"], table["arm_losses"]))
+        by_block = [c / o for c, o in zip(mine, other, strict=True) if c is not None and o]
+        assert ev.loss_ratio == pytest.approx(statistics.median(by_block), rel=1e-12)
 
 
 def test_the_band_is_the_baseline_s_even_where_the_other_arm_repeats_more_tightly():
@@ -189,6 +194,16 @@ def test_the_band_is_the_baseline_s_even_where_the_other_arm_repeats_more_tightl
     assert next(r for r in result["rows"] if r["arm"] == "without:x")["loss"]["outside_noise_band"] is False
     ev = tune.evidence(tune.Decided("x", True, "kept on", "leave-one-out", "all-on", "without:x"), result)
     assert ev.loss_within_noise is True and ev.loss_ratio == pytest.approx(2.0 / 2.0004)
+
+
+def test_the_chosen_baseline_s_loss_ratio_is_the_median_its_own_way_up():
+    """Over an even number of blocks the median of the inverted ratios is not the inverted median:
+    the profile gives the chosen value's loss over the other's, block by block, then the median."""
+    runs = [_run("all-on", b, 1000.0, 2.0) for b in range(2)]
+    runs += [_run("without:x", b, 1000.0, x) for b, x in enumerate([2.0, 2.04])]
+    result = _phase(runs, ["all-on", "without:x"], "all-on", blocks=2)
+    ev = tune.evidence(tune.Decided("x", True, "r", "leave-one-out", "all-on", "without:x"), result)
+    assert ev.loss_ratio == pytest.approx((1.0 + 2.0 / 2.04) / 2, rel=1e-12)
 
 
 def test_a_failed_run_takes_no_part_in_the_table_loss():

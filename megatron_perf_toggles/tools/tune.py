@@ -208,9 +208,13 @@ def _loss(decided: Decided, result: Mapping[str, Any], chosen: Sequence[Mapping[
     if base is not None and base in (decided.chosen, decided.against):
         other = decided.against if base == decided.chosen else decided.chosen
         row = (rows.get(other) or {}).get("loss")
-        if not row or not row.get("ratio"):
+        if not row:
             return None, None
-        return (row["ratio"] if base == decided.against else 1.0 / row["ratio"]), row.get("outside_noise_band")
+        if base == decided.against:
+            return row.get("ratio"), row.get("outside_noise_band")
+        # the chosen value is the baseline's: the median of its per-block ratios, the table's the other way up
+        flipped = stats.loss_comparison(row["arm_losses"], row["baseline_losses"])
+        return (flipped or {}).get("ratio"), row.get("outside_noise_band")
     common = report.loss_iterations(chosen) & report.loss_iterations(against)
     if not common:
         return None, None
