@@ -126,6 +126,9 @@ ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-d
         "tune": 16, "dp2-tune": 16, "dp2-buckets": 4}
 # Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
 # start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
+# Parts that take no --toggles, with why.
+FIXED_TOGGLES = {part: "names its own toggles" if "--toggles" in design else "compares candidates, it varies no toggle"
+                 for part, (design, _, _) in PARTS.items() if "--toggles" in design or "candidates" in design}
 PLUGIN_VARS = frozenset(t.env for t in TOGGLES) | frozenset(s.env for s in SETTINGS)
 SECONDS_PER_ITER = {"bf16": 1.2, "fp8": 1.0, "dp2": 1.3}
 STARTUP_S = 40.0
@@ -221,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of toggle dests for the parts that vary toggles (default: all five), e.g. "
                          "tune on the toggles an earlier leave-one-out left unresolved; the toggles not named "
                          "keep the plugin defaults in every arm (the presets pass on none of the plugin's variables "
-                         "from the shell). Not for noop, candidates, candidates2, dp2-candidates, tp2-candidates "
-                         "or dp2-buckets")
+                         f"from the shell). Not for {', '.join(FIXED_TOGGLES)}")
     ap.add_argument("--shape", choices=("llama3-8b-4l", "small"), default="llama3-8b-4l")
     ap.add_argument("--data", metavar="PREFIX", help="a real-text indexed dataset instead of mock data")
     ap.add_argument("--port", type=int, default=29511, help="first port; each part uses its own (default 29511)")
@@ -241,10 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         except PerfTogglesError as exc:
             ap.error(str(exc))
         for part in parts:
-            if "--toggles" in PARTS[part][0]:
-                ap.error(f"--toggles: part {part} names its own toggles")
-            if "candidates" in PARTS[part][0]:
-                ap.error(f"--toggles: part {part} compares candidates, it varies no toggle")
+            if part in FIXED_TOGGLES:
+                ap.error(f"--toggles: part {part} {FIXED_TOGGLES[part]}")
     if not (Path(ns.megatron) / "pretrain_gpt.py").is_file():
         ap.error(f"--megatron {ns.megatron}: no pretrain_gpt.py there")
     out = Path(ns.out)

@@ -136,11 +136,12 @@ def test_toggles_reach_the_parts_that_vary_toggles_and_are_refused_elsewhere(tmp
     for part in ("tune", "headline"):
         assert cmds[part][cmds[part].index("--toggles") + 1] == "fused_single_qkv_rope"
         assert cmds[part].index("--toggles") < cmds[part].index("--")  # the subcommand's option, not Megatron's
+    assert "--others" not in cmds["headline"]  # unnamed toggles: the defaults of a clean environment
     _, plain = _commands(tmp_path, "--parts", "tune,headline", "--toggles", "")  # empty: all five
     assert "--toggles" not in plain["tune"] and "--toggles" not in plain["headline"]
     tree = tmp_path / "Megatron-LM"
-    refused = [p for p, (design, _, _) in h200_ablate.PARTS.items() if "--toggles" in design or "candidates" in design]
-    assert set(refused) >= {"noop", "candidates", "candidates2", "dp2-candidates", "tp2-candidates", "dp2-buckets"}
+    refused = list(h200_ablate.FIXED_TOGGLES)
+    assert set(refused) == {"noop", "candidates", "candidates2", "dp2-candidates", "tp2-candidates", "dp2-buckets"}
     for part, toggles, why in [*((p, "fused_single_qkv_rope", f"part {p}") for p in refused),
                                ("tune", "no_such_toggle", "unknown toggle"), ("tune", ",,", "is empty"),
                                ("tune", "fused_single_qkv_rope,fused_single_qkv_rope", "twice")]:
