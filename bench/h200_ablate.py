@@ -124,12 +124,13 @@ ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-d
         # tune, at most: leave-one-out of five toggles (6 arms), a factorial of up to 3 (8 arms), then
         # the confirmation (2 arms) where the chosen values differ from the defaults
         "tune": 16, "dp2-tune": 16, "dp2-buckets": 4}
-# Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
-# start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
 # Parts that take no --toggles, with why.
 FIXED_TOGGLES = {part: "names its own toggles" if "--toggles" in design else "compares candidates, it varies no toggle"
                  for part, (design, _, _) in PARTS.items() if "--toggles" in design or "candidates" in design}
+# The plugin's variables, which no part takes from the caller's shell (see base_env).
 PLUGIN_VARS = frozenset(t.env for t in TOGGLES) | frozenset(s.env for s in SETTINGS)
+# Seconds per iteration on one H200 (bf16 and fp8, from earlier runs of this model), and the
+# start-up of one run (Python, Megatron, TE, CUDA context, mock dataset).
 SECONDS_PER_ITER = {"bf16": 1.2, "fp8": 1.0, "dp2": 1.3}
 STARTUP_S = 40.0
 DRY_RUNS_S = 30.0
