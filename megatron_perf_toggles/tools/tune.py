@@ -91,11 +91,11 @@ def correct_turn_offs(first: Mapping[str, Any], base: str, verdicts: Mapping[str
     not survive becomes unresolved and goes to the factorial, which corrects for its own arms."""
     corrected = 1 - (1 - confidence) / max(len(verdicts), 1)
     blocks = first["blocks_run"]
-    base_ms = [_ms(r) for r in _block_values(first["runs"], base, blocks)]
+    base_ms = [_ms(r) for r in report.done_by_block(first["runs"], base, blocks)]
     out = dict(verdicts)
     for dest, verdict in verdicts.items():
         if verdict == stats.FASTER:
-            arm_ms = [_ms(r) for r in _block_values(first["runs"], f"without:{dest}", blocks)]
+            arm_ms = [_ms(r) for r in report.done_by_block(first["runs"], f"without:{dest}", blocks)]
             out[dest] = stats.paired_speedup(base_ms, arm_ms, corrected)["verdict"]
     return out, corrected
 
@@ -187,11 +187,6 @@ def decide_factorial(unresolved: Sequence[str], arms: Sequence[Arm], chosen: Arm
 # --- evidence: the chosen arm against the arm that differs in this toggle alone ------------------
 
 
-def _block_values(runs: Sequence[Mapping[str, Any]], arm: str, blocks: int) -> list[Mapping[str, Any] | None]:
-    by = {(r["arm"], r["block"]): r for r in runs if r.get("block", -1) >= 0 and r.get("status") == "done"}
-    return [by.get((arm, b)) for b in range(blocks)]
-
-
 def _ms(run: Mapping[str, Any] | None) -> float | None:
     return ((run or {}).get("summary", {}).get("ms_per_iter") or {}).get("median")
 
@@ -219,7 +214,7 @@ def _loss(decided: Decided, result: Mapping[str, Any], chosen: Sequence[Mapping[
     if not common:
         return None, None
     last = max(common)
-    band = report.losses_at(_block_values(result["runs"], base, result["blocks_run"]), last) if base else []
+    band = report.losses_at(report.done_by_block(result["runs"], base, result["blocks_run"]), last) if base else []
     cmp_ = stats.loss_comparison(report.losses_at(against, last), report.losses_at(chosen, last), band_from=band)
     return (cmp_["ratio"], cmp_["outside_noise_band"]) if cmp_ else (None, None)
 
@@ -228,8 +223,8 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
     """Step time with the other value over step time with the chosen one, paired by block; the
     loss as :func:`_loss` compares it."""
     blocks = result["blocks_run"]
-    chosen = _block_values(result["runs"], decided.chosen, blocks)
-    against = _block_values(result["runs"], decided.against, blocks)
+    chosen = report.done_by_block(result["runs"], decided.chosen, blocks)
+    against = report.done_by_block(result["runs"], decided.against, blocks)
     sp = stats.paired_speedup([_ms(r) for r in against], [_ms(r) for r in chosen],
                               decided.confidence or result["confidence"])
     ratio, outside = _loss(decided, result, chosen, against)
@@ -461,8 +456,8 @@ def confirm(setup: Setup, choices: Mapping[str, Choice], pins: Mapping[str, bool
     if cut:  # like a confirmation that could not start: unconfirmed, not measured against
         say(f"confirmation {cut}")
         return dict(choices), Confirmation(outcome=f"{cut}: the chosen values are unconfirmed", blocks=blocks)
-    sp = stats.paired_speedup([_ms(r) for r in _block_values(result["runs"], "defaults", blocks)],
-                              [_ms(r) for r in _block_values(result["runs"], "chosen", blocks)], result["confidence"])
+    sp = stats.paired_speedup([_ms(r) for r in report.done_by_block(result["runs"], "defaults", blocks)],
+                              [_ms(r) for r in report.done_by_block(result["runs"], "chosen", blocks)], result["confidence"])
     settled, record = settle(choices, sp)
     say(f"confirmation: {record.outcome}")
     return settled, record

@@ -36,13 +36,20 @@ def measure_run(status: dict[str, Any], warmup: int) -> dict[str, Any]:
     return out
 
 
-def _median_of(run: dict[str, Any], key: str) -> float | None:
+def _median_of(run: Mapping[str, Any], key: str) -> float | None:
     return (run.get("summary", {}).get(key) or {}).get("median")
 
 
 def _loss_at(run: Mapping[str, Any], iteration: int) -> float | None:
     return next((it["lm_loss"] for it in run.get("iterations", []) if it["iteration"] == iteration
                  and "lm_loss" in it), None)
+
+
+def done_by_block(runs: Sequence[Mapping[str, Any]], arm: str, blocks: int) -> list[Mapping[str, Any] | None]:
+    """The arm's finished run in each block (None where it failed or did not run; the warm-up run,
+    block -1, is in none): what every comparison between arms pairs."""
+    by = {(r["arm"], r["block"]): r for r in runs if r.get("block", -1) >= 0 and r.get("status") == "done"}
+    return [by.get((arm, b)) for b in range(blocks)]
 
 
 def loss_iterations(runs: Sequence[Mapping[str, Any] | None]) -> set[int]:
@@ -64,22 +71,15 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
     measured = [r for r in runs if r.get("block", -1) >= 0]
     by: dict[tuple[str, int], dict[str, Any]] = {(r["arm"], r["block"]): r for r in measured}
     base = baseline_of(arms)
+    done = {arm.name: done_by_block(runs, arm.name, blocks) for arm in arms}
 
     def per_block(arm: Arm, key: str) -> list[float | None]:
-        return [_median_of(by[(arm.name, b)], key) if by.get((arm.name, b), {}).get("status") == "done" else None
-                for b in range(blocks)]
-
-    def done_by_block(arm: Arm) -> list[dict[str, Any] | None]:
-        return [by[(arm.name, b)] if by.get((arm.name, b), {}).get("status") == "done" else None
-                for b in range(blocks)]
-
-    def done_runs(arm: Arm) -> list[dict[str, Any]]:
-        return [r for r in done_by_block(arm) if r is not None]
+        return [_median_of(r, key) if r else None for r in done[arm.name]]
 
     base_ms = per_block(base, "ms_per_iter")
     rows: list[dict[str, Any]] = []
     for arm in arms:
-        ok = done_runs(arm)
+        ok = [r for r in done[arm.name] if r is not None]
         row: dict[str, Any] = {"arm": arm.name, "baseline": arm is base, "intended": arm.intended(),
                                "env": arm.env(), "runs_done": len(ok), "runs_failed": sum(
                                    1 for b in range(blocks) if by.get((arm.name, b), {}).get("status") == "failed")}
@@ -100,10 +100,10 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
             if sd is not None:
                 row["blocks_to_resolve"] = {"effect": effect, "power": 0.8,
                                             "blocks": stats.blocks_to_resolve(sd, effect, confidence)}
-        common = loss_iterations(done_by_block(arm)) & loss_iterations(done_by_block(base))
+        common = loss_iterations(done[arm.name]) & loss_iterations(done[base.name])
         if common:  # finished runs only, as for the step times: a failed run's loss says nothing
             last = max(common)
-            bl, al = losses_at(done_by_block(base), last), losses_at(done_by_block(arm), last)
+            bl, al = losses_at(done[base.name], last), losses_at(done[arm.name], last)
             cmp_ = stats.loss_comparison(bl, al)
             if cmp_:
                 row["loss"] = {"iteration": last, "arm_losses": al, "baseline_losses": bl, **cmp_}
