@@ -12,6 +12,11 @@ directory under --out):
   leave-one-out   all on, then each toggle off
   fp8-delayed     headline with FP8 (hybrid format, delayed scaling)
   fp8-tensorwise  headline with FP8 (e4m3, tensorwise scaling)
+  fp8-one-at-a-time  one-at-a-time with FP8 (hybrid format, delayed scaling): each toggle's memory
+                  under FP8
+  lean-ce         the plugin defaults (cross-entropy fusion through Transformer Engine, where the
+                  Megatron version allows it) against the same with Megatron's native fused cross
+                  entropy: speed and peak memory of the two implementations
   dp2             headline at DP=2 (torchrun, 2 GPUs)
   candidates      at DP=1, the plugin defaults against each candidate added to them: manual GC, and
                   CUDA graphs of the transformer layers through Transformer Engine
@@ -83,6 +88,12 @@ SMALL = {"--num-layers": "4", "--hidden-size": "1024", "--ffn-hidden-size": "358
          "--micro-batch-size": "8", "--global-batch-size": "32"}
 FP8 = {"delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
        "tensorwise": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]}
+# A logits-heavy model: a large vocabulary over a small hidden size and four sequences of 4096 tokens
+# per micro-batch, so the output layer's logits dominate the activations (peak-memory validation).
+LOGITS_HEAVY = {"--hidden-size": "1024", "--ffn-hidden-size": "3584", "--num-attention-heads": "16",
+                "--num-query-groups": "4", "--micro-batch-size": "4", "--global-batch-size": "16",
+                "--vocab-size": "256000"}
+SHAPES = {"llama3-8b-4l": {}, "small": SMALL, "logits-heavy": LOGITS_HEAVY}
 # part -> (the subcommand and its design options, extra Megatron args, GPUs)
 PARTS: dict[str, tuple[list[str], list[str], int]] = {
     "headline": (["ablate", "--design", "headline"], [], 1),
@@ -91,6 +102,9 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
     "leave-one-out": (["ablate", "--design", "leave-one-out"], [], 1),
     "fp8-delayed": (["ablate", "--design", "headline"], FP8["delayed"], 1),
     "fp8-tensorwise": (["ablate", "--design", "headline"], FP8["tensorwise"], 1),
+    "fp8-one-at-a-time": (["ablate", "--design", "one-at-a-time"], FP8["delayed"], 1),
+    "lean-ce": (["ablate", "--design", "candidates",
+                 "--candidate", "native-ce=--cross-entropy-fusion-impl native"], [], 1),
     "dp2": (["ablate", "--design", "headline"], [], 2),
     "candidates": (["ablate", "--design", "candidates", "--candidate", "manual-gc=--manual-gc",
                     "--candidate", "cuda-graphs-te=--cuda-graph-impl transformer_engine"], [], 1),
@@ -120,6 +134,7 @@ PARTS: dict[str, tuple[list[str], list[str], int]] = {
                      "--candidate", "bucket-640M=--ddp-bucket-size 640000000"], ["--overlap-grad-reduce"], 2),
 }
 ARMS = {"headline": 2, "noop": 2, "one-at-a-time": 6, "leave-one-out": 6, "fp8-delayed": 2, "fp8-tensorwise": 2,
+        "fp8-one-at-a-time": 6, "lean-ce": 2,
         "dp2": 2, "candidates": 3, "candidates2": 5, "dp2-candidates": 4, "tp2-candidates": 2,
         # tune, at most: leave-one-out of five toggles (6 arms), a factorial of up to 3 (8 arms), then
         # the confirmation (2 arms) where the chosen values differ from the defaults
@@ -138,9 +153,8 @@ DRY_RUNS_S = 30.0
 
 def model_args(shape: str, data: str | None) -> list[str]:
     args = list(MODEL)
-    if shape == "small":
-        for flag, value in SMALL.items():
-            args[args.index(flag) + 1] = value
+    for flag, value in SHAPES[shape].items():
+        args[args.index(flag) + 1] = value
     if data:  # bytes as tokens, NullTokenizer's EOD 256 (megatron_perf_toggles.tools.text_corpus)
         args[args.index("--vocab-size") + 1] = "257"
         args.remove("--mock-data")
@@ -150,14 +164,14 @@ def model_args(shape: str, data: str | None) -> list[str]:
 
 def arms_of(part: str, toggles: int | None = None) -> int:
     """Arms a block of the part runs; ``toggles``: how many --toggles names (default: all five)."""
-    if toggles is None or part not in ("one-at-a-time", "leave-one-out", "tune", "dp2-tune"):
+    if toggles is None or part not in ("one-at-a-time", "fp8-one-at-a-time", "leave-one-out", "tune", "dp2-tune"):
         return ARMS[part]
     return toggles + 1 + (2 ** min(toggles, 3) + 2 if "tune" in part else 0)
 
 
-def estimate_s(part: str, repeats: int, iters: int, toggles: int | None = None) -> float:
+def estimate_s(part: str, repeats: int, iters: int, toggles: int | None = None, no_warmup_run: bool = False) -> float:
     per_iter = SECONDS_PER_ITER["dp2" if part.startswith(("dp2", "tp2")) else "fp8" if part.startswith("fp8") else "bf16"]
-    runs = 1 + repeats * arms_of(part, toggles)
+    runs = (0 if no_warmup_run else 1) + repeats * arms_of(part, toggles)
     return DRY_RUNS_S + runs * (STARTUP_S + iters * per_iter)
 
 
@@ -200,6 +214,8 @@ def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: flo
     cmd = [sys.executable, "-m", "megatron_perf_toggles", *design, "--out", str(out / part),
            "--launch", launch, "--repeats", str(ns.repeats), "--seed", str(ns.seed), "--iters", str(ns.iters),
            "--warmup", str(ns.warmup)]
+    if ns.no_warmup_run:  # e.g. peak-memory runs, which need no timed steady state
+        cmd += ["--no-warmup-run"]
     if budget_min is not None:
         cmd += ["--budget", f"{budget_min:.2f}"]
     if ns.smoke:
@@ -219,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=12, help="iterations per run (default 12)")
     ap.add_argument("--warmup", type=int, default=5, help="iterations left out of each run's median (default 5)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-warmup-run", action="store_true",
+                    help="no unmeasured warm-up run per part (peak-memory runs need no timed steady state)")
     ap.add_argument("--budget", type=float, metavar="MINUTES",
                     help="time for all parts together: no block starts that would end after it")
     ap.add_argument("--toggles", metavar="LIST",
@@ -226,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                          "tune on the toggles an earlier leave-one-out left unresolved; the toggles not named "
                          "keep the plugin defaults in every arm (the presets pass on none of the plugin's variables "
                          f"from the shell). Not for {', '.join(FIXED_TOGGLES)}")
-    ap.add_argument("--shape", choices=("llama3-8b-4l", "small"), default="llama3-8b-4l")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b-4l")
     ap.add_argument("--data", metavar="PREFIX", help="a real-text indexed dataset instead of mock data")
     ap.add_argument("--port", type=int, default=29511, help="first port; each part uses its own (default 29511)")
     ap.add_argument("--devices", metavar="LIST",
@@ -255,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                                 if ns.smoke else ""))
     n_toggles = len(parse_toggles(ns.toggles)) if ns.toggles else None
     for part in parts:
-        est = estimate_s(part, ns.repeats, ns.iters, n_toggles)
+        est = estimate_s(part, ns.repeats, ns.iters, n_toggles, ns.no_warmup_run)
         total += est
-        print(f"  {part:<15} {1 + ns.repeats * arms_of(part, n_toggles):>3} runs  ~{est / 60:5.1f} min  -> {out / part}")
+        print(f"  {part:<15} {(0 if ns.no_warmup_run else 1) + ns.repeats * arms_of(part, n_toggles):>3} runs  ~{est / 60:5.1f} min  -> {out / part}")
     devices = [d.strip() for d in ns.devices.split(",") if d.strip()] if ns.devices else []
     if devices:  # side by side: a phase takes about as long as its parts spread over the devices
-        total = sum(max(max(estimate_s(p, ns.repeats, ns.iters, n_toggles) for p in ph),
-                        sum(estimate_s(p, ns.repeats, ns.iters, n_toggles) for p in ph) / len(devices))
+        total = sum(max(max(estimate_s(p, ns.repeats, ns.iters, n_toggles, ns.no_warmup_run) for p in ph),
+                        sum(estimate_s(p, ns.repeats, ns.iters, n_toggles, ns.no_warmup_run) for p in ph) / len(devices))
                     for ph in phases(parts, devices))
     print(f"expected: ~{total / 60:.1f} min on the H200" + (f" on GPUs {','.join(devices)}" if devices else "")
           + (f" (budget {ns.budget:g} min)" if ns.budget else ""), flush=True)
