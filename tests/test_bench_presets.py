@@ -141,7 +141,7 @@ def test_toggles_reach_the_parts_that_vary_toggles_and_are_refused_elsewhere(tmp
     assert "--toggles" not in plain["tune"] and "--toggles" not in plain["headline"]
     tree = tmp_path / "Megatron-LM"
     refused = list(h200_ablate.FIXED_TOGGLES)
-    assert set(refused) == {"noop", "candidates", "candidates2", "dp2-candidates", "tp2-candidates", "dp2-buckets"}
+    assert set(refused) == {"noop", "candidates", "candidates2", "dp2-candidates", "tp2-candidates", "dp2-buckets", "lean-ce"}
     for part, toggles, why in [*((p, "fused_single_qkv_rope", f"part {p}") for p in refused),
                                ("tune", "no_such_toggle", "unknown toggle"), ("tune", ",,", "is empty"),
                                ("tune", "fused_single_qkv_rope,fused_single_qkv_rope", "twice")]:
