@@ -14,6 +14,7 @@ it should still train, and the warning names what the profile lost here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CannotHonourError, DependencyError, RegistryError
@@ -22,7 +23,6 @@ from .env import EnvSettings
 from .facts import Capabilities, version_tuple
 from .precision import log_dir_warnings, precision_tag, tagged_log_dirs
 from .registry import BY_DEST, CAPABILITIES, TOGGLES, flag_of
-from .struct import Struct, field
 
 if TYPE_CHECKING:  # the profile module loads only when a profile is set (import time)
     from .profile import Observed, Profile
@@ -36,7 +36,8 @@ ADAM_EPS_ADVICE = (5e-4, 1e-6)  # (lr at or above, eps below)
 WGRAD_FALLBACK_WORDS = "torch.addmm with fp32 accumulation"
 
 
-class Decision(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Decision:
     """One toggle's value, where it came from, and why: a line of the start-up table and of the record."""
 
     value: Any
@@ -47,14 +48,16 @@ class Decision(Struct, frozen=True):
         return {"value": self.value, "source": self.source, "reason": self.reason}
 
 
-class Message(Struct):
+@dataclass(slots=True)
+class Message:
     """A warning or advice line for the start-up table."""
 
     level: str  # warning | advice | profile (a warning about the profile in use)
     text: str
 
 
-class Plan(Struct):
+@dataclass(slots=True)
+class Plan:
     """Everything decided for one command line."""
 
     decisions: dict[str, Decision]
@@ -68,7 +71,8 @@ class Plan(Struct):
         return {dest: d.value for dest, d in self.decisions.items()}
 
 
-class Change(Struct):
+@dataclass(slots=True)
+class Change:
     """What a guard wants: ``dest`` becomes ``value`` because ``reason``."""
 
     dest: str
@@ -90,7 +94,8 @@ class Change(Struct):
                                 "which is not in registry.CAPABILITIES")
 
 
-class Context(Struct):
+@dataclass(slots=True)
+class Context:
     """What a guard may look at: parsed args, the decisions so far, capabilities, environment,
     and what is known of the checkpoint ``--load`` will resume from."""
 

@@ -26,10 +26,10 @@ import os
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..core.env import read_bool_setting
-from ..core.struct import Struct, field
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import provider as plugin
 from ..runtime import target as planned
@@ -126,7 +126,8 @@ def dry_run_requested(environ: Mapping[str, str] | None = None) -> bool:
 # --- the chain that runs inside Megatron's parse_args ---------------------------------------------
 
 
-class ProviderRun(Struct):
+@dataclass(slots=True)
+class ProviderRun:
     """One provider as it ran on one parser: the argument dests it added."""
 
     name: str
@@ -168,7 +169,8 @@ class Chain:
 # --- installing into Megatron ---------------------------------------------------------------------
 
 
-class Hooks(Struct):
+@dataclass(slots=True)
+class Hooks:
     """What is installed: our providers, dry-run or not, and the Megatron functions we replaced."""
 
     providers: list[Provider]

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
-
-from ..core.struct import Struct
 
 _MISSING: Any = object()
 
 
-class Change(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Change:
     """One change to the process: what it was (for people) and how to take it back."""
 
     label: str

@@ -21,14 +21,15 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from ..core.struct import Struct
 from ..errors import PerfTogglesError, did_you_mean
 from .patches import ProcessPatches
 
 
-class Gpu(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Gpu:
     """The facts about one GPU that Megatron's argument checks and the plugin's guards ask for."""
 
     name: str  # h100, or the arch itself for a bare arch (sm_90)
@@ -77,7 +78,8 @@ def gpu_named(text: str) -> Gpu:
                       f"{', '.join(ROCM_ARCHS)}")
 
 
-class Target(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Target:
     """What a dry run plans for. ``None`` fields keep this machine's own answer."""
 
     world_size: int | None = None

@@ -20,10 +20,10 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.env import read_text_setting
-from ..core.struct import Struct
 from ..errors import PREFIX, OneLineArgumentParser, PerfTogglesError, report
 
 PROG = "megatron-perf-toggles patch"
@@ -51,7 +51,8 @@ class PatchError(PerfTogglesError):
     """The tree cannot be identified or the patch set does not apply."""
 
 
-class Tree(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Tree:
     """A Megatron-LM checkout as far as patching needs to know it."""
 
     root: Path
@@ -136,7 +137,8 @@ def patch_files(directory: Path, name: str) -> list[Path]:
     return files
 
 
-class Outcome(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Outcome:
     ok: bool
     detail: str  # the tool's first meaningful line when it refused
 
