@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 from ..core.facts import (
@@ -21,11 +20,10 @@ from ..core.facts import (
     TE_MIN_FUSED_QKV_ROPE,
     Capabilities,
     MegatronFacts,
-    parse_assume,
     version_tuple,
     with_assumptions,
 )
-from ..errors import AssumeError
+from .assume import assumed, assumed_device  # noqa: F401 - asked of this module by its callers
 
 
 def _installed(module: str) -> bool:
@@ -225,23 +223,6 @@ def detect(deep: bool = False) -> Capabilities:
         notes=notes,
         **_detect_torch(deep),
     )
-
-
-def assumed(key: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """One fact MEGATRON_PERF_TOGGLES_ASSUME plans for (``device``, ``te_version``), read through the
-    registry. A bad spelling gives None here: the provider reports it as its one line."""
-    from ..core.env import read_text_setting
-
-    spec = read_text_setting("MEGATRON_PERF_TOGGLES_ASSUME", os.environ if environ is None else environ)
-    try:
-        return parse_assume(spec).get(key) if spec else None
-    except AssumeError:
-        return None
-
-
-def assumed_device() -> str | None:
-    """``cuda`` or ``rocm`` where MEGATRON_PERF_TOGGLES_ASSUME names one."""
-    return assumed("device")
 
 
 def resolve(spec: str | None, deep: bool = False) -> Capabilities:

@@ -162,7 +162,7 @@ def add_options(group: Any) -> None:
 
 def from_options(ns: Any) -> Target:
     """The target the parsed planning options (``add_options``) ask for."""
-    from .capabilities import assumed_device
+    from .assume import assumed_device
 
     return make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
 
