@@ -209,6 +209,7 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
     import torch
 
     from megatron_perf_toggles import extra_args_provider
+    from megatron_perf_toggles.runtime.patches import PATCHES
 
     _clean_environ(base_env, {**env, **MODE_ENV[mode]})
     _fresh_dirs(dirs)
@@ -222,6 +223,8 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
     dist = getattr(torch, "distributed", None)
     init_pg = getattr(dist, "init_process_group", None)
     api["te_reset"]()
+    undo = contextlib.ExitStack()
+    undo.enter_context(PATCHES.scope())  # the plugin's wrappers, if it installs any, are undone after
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -252,10 +255,7 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
         _global_restore(snapshot)
         if dist is not None and init_pg is not None:
             dist.init_process_group = init_pg
-        with contextlib.suppress(Exception):
-            from megatron_perf_toggles.launcher import megatron_hooks as hooks
-
-            hooks.unhook_parse_path()
+        undo.close()
     if args is not None and hasattr(args, "perf_toggles"):
         result["perf_toggles"] = args.perf_toggles
         result["net"] = sorted(d for d, rec in args.perf_toggles.items() if NET_WORDS in str(rec.get("reason", "")))

@@ -8,6 +8,7 @@ as many at once as there are CPUs. Trees come from MEGATRON_LM_TREES (':'-separa
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -360,9 +361,9 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from megatron_perf_toggles.launcher import launch as run
-    from megatron_perf_toggles.launcher import megatron_hooks as hooks
     from megatron_perf_toggles.launcher.import_shims import megatron_importable
     from megatron_perf_toggles.runtime import safety_net, target
+    from megatron_perf_toggles.runtime.patches import PATCHES
 
     device_queries = {name: getattr(torch.cuda, name) for name in (
         "is_available", "device_count", "get_device_capability", "get_device_properties")}
@@ -381,6 +382,8 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     error = None
     started = time.perf_counter()
     sys.stdout, sys.stderr = out, err
+    undo = contextlib.ExitStack()
+    undo.enter_context(PATCHES.scope())  # what the run changes through PATCHES (hooks, net) is undone
     try:
         _plan_te_version(case.get("te_version"))
         _plan_device_arch(case.get("device_arch"))
@@ -409,7 +412,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module  # type: ignore[assignment]
-        hooks.unhook_parse_path()
+        undo.close()
         safety_net.NET.uninstall()
         _plan_te_version(None)
         _plan_device_arch(None)

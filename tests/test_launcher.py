@@ -23,6 +23,7 @@ from megatron_perf_toggles import chain_providers, extra_args_provider
 from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.errors import PerfTogglesError
 from megatron_perf_toggles.launcher import megatron_hooks as hooks
+from megatron_perf_toggles.runtime.patches import PATCHES
 from megatron_perf_toggles.tools.patching import inspect_tree
 
 REPO = runs.REPO
@@ -342,17 +343,17 @@ def test_install_rebinds_stale_references_and_uninstall_restores(tmp_path: Path,
     for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
         monkeypatch.delitem(sys.modules, name)
     try:
-        installed = hooks.hook_parse_path([extra_args_provider])
-        from megatron.training import arguments, initialize, training
+        with PATCHES.scope():  # the hooks' changes are undone at its end, newest first
+            installed = hooks.hook_parse_path([extra_args_provider])
+            from megatron.training import arguments, initialize, training
 
-        original = installed.originals["parse_args"]
-        assert arguments.parse_args is initialize.parse_args is installed.wrappers["parse_args"]
-        assert training.initialize_megatron is initialize.initialize_megatron is installed.wrappers[
-            "initialize_megatron"]
-        assert hooks.hook_parse_path([]) is installed  # a second install updates, never wraps twice
-        assert getattr(arguments.parse_args, hooks.ORIGINAL_ATTR) is original
+            original = installed.originals["parse_args"]
+            assert arguments.parse_args is initialize.parse_args is installed.wrappers["parse_args"]
+            assert training.initialize_megatron is initialize.initialize_megatron is installed.wrappers[
+                "initialize_megatron"]
+            assert hooks.hook_parse_path([]) is installed  # a second install updates, never wraps twice
+            assert getattr(arguments.parse_args, hooks.ORIGINAL_ATTR) is original
     finally:
-        hooks.unhook_parse_path()
         for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
             del sys.modules[name]
     assert initialize.parse_args is original

@@ -24,13 +24,8 @@ from ..core.facts import (
     with_assumptions,
 )
 from .assume import assumed, assumed_device  # noqa: F401 - asked of this module by its callers
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+from .probe import installed as _installed
+from .probe import torch_module
 
 
 def _dist_version(*names: str) -> str | None:
@@ -132,12 +127,7 @@ def _detect(root: str | None) -> tuple[str, ...] | None:
 
 
 def _detect_torch(deep: bool) -> dict[str, Any]:
-    torch = sys.modules.get("torch")
-    if torch is None and deep and _installed("torch"):
-        try:
-            torch = importlib.import_module("torch")
-        except Exception:  # noqa: BLE001
-            torch = None
+    torch = torch_module(import_it=deep)
     if torch is None:
         return {"torch_version": _dist_version("torch") if deep else None}
     version = getattr(torch, "version", None)

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..errors import PerfTogglesError, did_you_mean
 from .patches import ProcessPatches
+from .probe import torch_module
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,14 +105,9 @@ def _positive(flag: str, value: int | None) -> int | None:
 
 
 def _visible_gpu() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import importlib
-
-        try:
-            torch = importlib.import_module("torch")
-        except Exception:  # noqa: BLE001 - no torch: no GPU either
-            return False
+    torch = torch_module()
+    if torch is None:  # no torch: no GPU either
+        return False
     try:
         return bool(torch.cuda.is_available())
     except Exception:  # noqa: BLE001
