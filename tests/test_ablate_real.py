@@ -11,7 +11,7 @@ from megatron_perf_toggles.tools.ablate import runner as ablate
 from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, expand
 
 TREES = megatron_trees()
-pytestmark = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron suite skipped")
+pytestmark = pytest.mark.real_megatron
 # The oldest and the newest tree given, for the checks that need extra dry runs (~8 s each).
 PICKED = sorted({TREES[0], TREES[-1]}, key=str) if TREES else []
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",

@@ -22,7 +22,7 @@ from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.runtime.capabilities import detect_rules
 
 TREES = megatron_trees()
-pytestmark = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron suite skipped")
+pytestmark = pytest.mark.real_megatron
 
 CAPABLE = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20"}
 BF16 = ["--bf16"]

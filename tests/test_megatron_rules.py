@@ -65,7 +65,7 @@ def _label(tree: Path) -> str:
 TREES = megatron_trees()
 
 
-@pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: rule detection on real trees skipped")
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREES, ids=[t.name for t in TREES])
 def test_detected_rules_match_the_recorded_versions(tree: Path):
     label = _label(tree)
