@@ -270,8 +270,24 @@ def _run_version(tree: str, work: Path) -> dict[str, dict[str, Any]]:
         {"tree": str(copy.resolve()), "cases": patched_cases(str(copy), has_fused_field(tree))},
         {"tree": str(injected.resolve()), "cases": net_cases(str(injected))},
     ]}
-    plan_file = work / f"plan-{tree_id(tree)}.json"
-    results_file = work / f"results-{tree_id(tree)}.json"
+    return _drive_in_subprocess(plan, work, tree_id(tree))
+
+
+def run_cases(tree: str, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``cases`` on ``tree`` in ONE subprocess that imports Megatron once: how a test batches many
+    dry runs of one tree (e.g. every arm of an ablation) instead of starting a process for each."""
+    work = Path(tempfile.mkdtemp(prefix="ptt-batch-"))
+    try:
+        _prepare(work)
+        return _drive_in_subprocess({"phases": [{"tree": str(Path(tree).resolve()), "cases": cases}]}, work,
+                                    tree_id(tree))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _drive_in_subprocess(plan: dict[str, Any], work: Path, tag: str) -> dict[str, dict[str, Any]]:
+    plan_file = work / f"plan-{tag}.json"
+    results_file = work / f"results-{tag}.json"
     plan_file.write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "PTT_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(work), str(REPO / "tests")])
@@ -279,7 +295,7 @@ def _run_version(tree: str, work: Path) -> dict[str, dict[str, Any]]:
     done = subprocess.run([sys.executable, __file__, str(plan_file), str(results_file)], env=env, cwd=work,
                           capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0 or not results_file.exists():
-        raise AssertionError(f"driver for {tree} failed ({done.returncode}):\n{done.stderr[-5000:]}")
+        raise AssertionError(f"driver for {tag} failed ({done.returncode}):\n{done.stderr[-5000:]}")
     return {r["name"]: r for r in json.loads(results_file.read_text())}
 
 

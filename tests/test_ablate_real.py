@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 
+import megatron_runs as runs
 import pytest
 from conftest import REPO, megatron_trees
 
@@ -33,14 +35,33 @@ def _has_fused_single_qkv_rope(tree) -> bool:
     return "fused_single_qkv_rope" in config.read_text()
 
 
+def _one_process_for_all_arms(tree, script, args, arms, environ):
+    """A resolver for ``resolve_and_check`` whose dry runs (every arm and probe it will ask for) ran
+    in one process for the tree, Megatron imported once, instead of one ``resolve_arm`` process
+    each: the same launcher dry run (``dry_run_command``), as rank 0, in the arm's environment."""
+    wanted = {a.signature(): a for a in [*arms, *(p for ps in ablate.probe_arms(arms).values() for p in ps)]}
+    plugin_env = {k: v for k, v in environ.items() if k.startswith("MEGATRON_PERF_TOGGLES")}
+    cases = [{"name": str(i), "mode": "launcher", "argv": ablate.dry_run_command(script, args, arm)[3:],
+              "env": {**plugin_env, **arm.env(), "RANK": "0"}} for i, arm in enumerate(wanted.values())]
+    done = runs.run_cases(str(tree), cases)
+    records = {}
+    for i, (signature, arm) in enumerate(wanted.items()):
+        result = done[str(i)]
+        assert result["code"] == 0 and not result["error"], f"arm {arm.name}: {result['error'] or result['stderr'][-2000:]}"
+        records[signature] = json.loads(result["stdout"])
+    return lambda script_, args_, arm, environ_: records[arm.signature()]
+
+
 @pytest.mark.parametrize("tree", TREES, ids=lambda p: p.name)
 def test_each_toggle_can_be_varied_alone(tree):
-    """One dry run per arm; each single-toggle arm is also its own probe: what it derives is allowed."""
+    """Every arm and probe dry-run in one process for the tree; each single-toggle arm is also its
+    own probe: what it derives is allowed."""
     script = str(tree / "pretrain_gpt.py")
     toggles = tuple(t for t in DEFAULT_TOGGLES if t != "fused_single_qkv_rope" or _has_fused_single_qkv_rope(tree))
     arms = expand("one-at-a-time", toggles, [])
     env = _environ(tree)
-    records, derived = ablate.resolve_and_check(ablate.resolve_arm, script, ARGS, arms, env)
+    resolver = _one_process_for_all_arms(tree, script, ARGS, arms, env)
+    records, derived = ablate.resolve_and_check(resolver, script, ARGS, arms, env)
     # Megatron keeps grads in fp32 for the reduction exactly when they are not reduced in bf16.
     assert "accumulate_allreduce_grads_in_fp32" in derived["grad_reduce_in_bf16"]
     assert set(derived) == set(toggles)
