@@ -37,6 +37,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import tree_driver
+
 TE_VERSION = os.environ.get("PTT_TE_VERSION", "2.12.0")
 GPU_BOX = f"apex,te={TE_VERSION},cuda"
 MODE_ENV: dict[str, dict[str, str]] = {
@@ -73,14 +75,12 @@ def answer_like_a_gpu_machine() -> None:
     stays as it is, so nothing tries to create a CUDA context.
     """
     import torch
-    from megatron.core import utils as core_utils
-    from packaging.version import Version
 
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     torch.cuda.get_device_properties = lambda device=None: _H100Properties()
     torch.cuda.device_count = lambda: 8
     torch.cuda.get_device_name = lambda device=None: _H100Properties.name
-    core_utils._te_version = Version(TE_VERSION)
+    tree_driver.plan_te_version(TE_VERSION)
     # TransformerConfig checks that TE's fused kernels imported (RoPE, MoE permutation): without TE
     # these module attributes are None (or, on older trees, missing). A stand-in answers "present";
     # nothing here calls it.
@@ -394,16 +394,13 @@ def main() -> int:
 
     with megatron_importable(tree):
         from megatron.core import package_info
-        from megatron.core import utils as core_utils
         from megatron.training import arguments
     import_seconds = time.perf_counter() - started
     answer_like_a_gpu_machine()
     cache_parser_help_text()
     cache_megatron_facts()
-    from packaging.version import Version
-
     def te_reset() -> None:
-        core_utils._te_version = Version(TE_VERSION)
+        tree_driver.plan_te_version(TE_VERSION)
 
     api = {
         "module": arguments,
