@@ -37,6 +37,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import tree_driver
+
 TE_VERSION = os.environ.get("PTT_TE_VERSION", "2.12.0")
 GPU_BOX = f"apex,te={TE_VERSION},cuda"
 MODE_ENV: dict[str, dict[str, str]] = {
@@ -73,14 +75,12 @@ def answer_like_a_gpu_machine() -> None:
     stays as it is, so nothing tries to create a CUDA context.
     """
     import torch
-    from megatron.core import utils as core_utils
-    from packaging.version import Version
 
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     torch.cuda.get_device_properties = lambda device=None: _H100Properties()
     torch.cuda.device_count = lambda: 8
     torch.cuda.get_device_name = lambda device=None: _H100Properties.name
-    core_utils._te_version = Version(TE_VERSION)
+    tree_driver.plan_te_version(TE_VERSION)
     # TransformerConfig checks that TE's fused kernels imported (RoPE, MoE permutation): without TE
     # these module attributes are None (or, on older trees, missing). A stand-in answers "present";
     # nothing here calls it.
@@ -209,6 +209,7 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
     import torch
 
     from megatron_perf_toggles import extra_args_provider
+    from megatron_perf_toggles.runtime.patches import PATCHES
 
     _clean_environ(base_env, {**env, **MODE_ENV[mode]})
     _fresh_dirs(dirs)
@@ -222,6 +223,8 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
     dist = getattr(torch, "distributed", None)
     init_pg = getattr(dist, "init_process_group", None)
     api["te_reset"]()
+    undo = contextlib.ExitStack()
+    undo.enter_context(PATCHES.scope())  # the plugin's wrappers, if it installs any, are undone after
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -252,10 +255,7 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
         _global_restore(snapshot)
         if dist is not None and init_pg is not None:
             dist.init_process_group = init_pg
-        with contextlib.suppress(Exception):
-            from megatron_perf_toggles.launcher import megatron_hooks as hooks
-
-            hooks.unhook_parse_path()
+        undo.close()
     if args is not None and hasattr(args, "perf_toggles"):
         result["perf_toggles"] = args.perf_toggles
         result["net"] = sorted(d for d, rec in args.perf_toggles.items() if NET_WORDS in str(rec.get("reason", "")))
@@ -394,16 +394,13 @@ def main() -> int:
 
     with megatron_importable(tree):
         from megatron.core import package_info
-        from megatron.core import utils as core_utils
         from megatron.training import arguments
     import_seconds = time.perf_counter() - started
     answer_like_a_gpu_machine()
     cache_parser_help_text()
     cache_megatron_facts()
-    from packaging.version import Version
-
     def te_reset() -> None:
-        core_utils._te_version = Version(TE_VERSION)
+        tree_driver.plan_te_version(TE_VERSION)
 
     api = {
         "module": arguments,

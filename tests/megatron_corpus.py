@@ -23,20 +23,14 @@ a ``[a, b]`` value is split into words. Then, for a CPU box without data, this m
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import tree_driver
 import yaml
 
 TESTS = Path(__file__).resolve().parent
@@ -75,12 +69,7 @@ MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
 CI_GPUS_PER_NODE = 8
 
 
-def trees() -> list[str]:
-    return [t for t in os.environ.get(TREES_ENV, "").split(os.pathsep) if t.strip()]
-
-
-def tree_id(tree: str) -> str:
-    return Path(tree).name
+trees, tree_id, workers, PerTree = tree_driver.trees, tree_driver.tree_id, tree_driver.workers, tree_driver.PerTree
 
 
 # --- YAML the way yq reads it: scalars keep their text, only true/false/null are typed -----------
@@ -231,58 +220,10 @@ def corpus_cases(tree: str, work: Path) -> tuple[list[dict[str, Any]], Counter[s
 # --- running the driver ---------------------------------------------------------------------------
 
 
-def _driver_env(work: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "PTT_FUZZ"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env["TMPDIR"] = str(work)
-    return env
-
-
 def run_driver(tree: str, plan: dict[str, Any], work: Path, timeout: int = 1800) -> dict[str, Any]:
-    work.mkdir(parents=True, exist_ok=True)
-    plan_file, results_file = work / "plan.json", work / "results.json"
-    plan_file.write_text(json.dumps(plan))
-    done = subprocess.run([sys.executable, str(DRIVER), tree, str(plan_file), str(results_file)],
-                          env=_driver_env(work), cwd=work, capture_output=True, text=True, timeout=timeout, check=False)
-    if done.returncode != 0 or not results_file.exists():
-        raise AssertionError(f"corpus driver for {tree} failed ({done.returncode}):\n{done.stderr[-5000:]}")
-    return json.loads(results_file.read_text())
-
-
-def workers(count: int) -> int:
-    """Trees run in parallel, one per CPU (PTT_CORPUS_WORKERS overrides)."""
-    wanted = int(os.environ.get("PTT_CORPUS_WORKERS", "0") or 0) or (os.cpu_count() or 1)
-    return max(1, min(count, wanted))
-
-
-class PerTree:
-    """Runs ``job(tree, work)`` for every tree once, in parallel, and caches the outcome."""
-
-    def __init__(self, prefix: str, job: Any) -> None:
-        self.prefix = prefix
-        self.job = job
-        self.lock = threading.Lock()
-        self.cache: dict[str, dict[str, Any]] = {}
-
-    def get(self, tree: str) -> dict[str, Any]:
-        with self.lock:
-            if not self.cache:
-                names = trees()
-                work = Path(tempfile.mkdtemp(prefix=self.prefix))
-                try:
-                    with ThreadPoolExecutor(max_workers=workers(len(names))) as pool:
-                        futures = {t: pool.submit(self.job, t, work / f"{i}-{tree_id(t)}") for i, t in enumerate(names)}
-                        for t, future in futures.items():
-                            try:
-                                self.cache[t] = future.result()
-                            except Exception as error:  # noqa: BLE001 - reported per tree by the test
-                                self.cache[t] = {"__error__": str(error)}
-                finally:
-                    shutil.rmtree(work, ignore_errors=True)
-        found = self.cache[tree]
-        assert "__error__" not in found, found["__error__"]
-        return found
+    """The corpus driver on ``tree`` (tree_driver.run_driver); PTT_TE_VERSION reaches it."""
+    env = tree_driver.driver_env(work, drop=("MEGATRON_PERF_TOGGLES", "PTT_FUZZ"))
+    return tree_driver.run_driver(DRIVER, [tree], plan, work, env=env, timeout=timeout)
 
 
 def _corpus_job(tree: str, work: Path) -> dict[str, Any]:

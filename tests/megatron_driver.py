@@ -1,8 +1,8 @@
 """Run parse_args + validate_args + TransformerConfig for many cases inside ONE process per tree.
 
-Usage (by tests/test_megatron_real.py): ``python megatron_driver.py TREE < cases.json > results.json``.
-Megatron trees share module names, so each version needs its own interpreter; within one
-version the cases run back to back, each with its own environment and argv.
+Usage (by tests/test_megatron_real.py, through tree_driver): ``python megatron_driver.py TREE
+CASES.json RESULTS.json``. Megatron trees share module names, so each version needs its own
+interpreter; within one version the cases run back to back, each with its own environment and argv.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
+
+import tree_driver
 
 COMMON = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
@@ -40,21 +43,7 @@ def run_case(case: dict, api: dict) -> dict:
     finally:
         os.environ.clear()
         os.environ.update(saved_environ)
-        _planned_te_version(None)
-
-
-def _planned_te_version(version: str | None) -> None:
-    """Let Megatron's own ``is_te_min_version`` checks see ``version`` (a machine with that
-    Transformer Engine, as MEGATRON_PERF_TOGGLES_ASSUME=te=... plans for the plugin); ``None``
-    goes back to detection."""
-    from megatron.core import utils
-
-    if version is None:
-        utils._te_version = None
-        return
-    from packaging.version import Version
-
-    utils._te_version = Version(version)
+        tree_driver.plan_te_version(None)
 
 
 def _run_case(case: dict, api: dict) -> dict:
@@ -62,7 +51,7 @@ def _run_case(case: dict, api: dict) -> dict:
     from megatron_perf_toggles.core.registry import TOGGLES
 
     _clean_environ(case.get("env", {}))
-    _planned_te_version(case.get("te_version"))
+    tree_driver.plan_te_version(case.get("te_version"))
     for path, text in case.get("files", {}).items():  # e.g. a checkpoint directory to resume from
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as fh:
@@ -154,8 +143,8 @@ def wgrad_sites() -> dict:
 
 
 def main() -> int:
-    tree = sys.argv[1]
-    cases = json.load(sys.stdin)
+    tree, cases_file, results_file = sys.argv[1:4]
+    cases = json.loads(Path(cases_file).read_text())
     saved_argv = list(sys.argv)
     from megatron_perf_toggles.launcher.import_shims import megatron_importable
 
@@ -174,7 +163,8 @@ def main() -> int:
         with megatron_importable(None):
             results.append({"id": "wgrad_sites", **wgrad_sites()})
     sys.argv = saved_argv
-    json.dump({"version": package_info.__version__, "tree": tree, "results": results}, sys.stdout, default=repr)
+    Path(results_file).write_text(json.dumps({"version": package_info.__version__, "tree": tree, "results": results},
+                                             default=repr))
     return 0
 
 

@@ -1,30 +1,30 @@
-"""Real-Megatron runs shared by test_launcher.py and test_patches.py, and their subprocess driver.
+"""Real-Megatron runs of the launcher, patched checkouts and the safety net, and their cases.
 
-Importing a Megatron tree costs ~10 s, so each version gets ONE subprocess (this file run as a
-script) that runs every case in-process: first on the tree itself, then, after dropping the
-tree's modules (a re-import costs ~2 s), on a patched copy of it. The versions run in parallel,
-as many at once as there are CPUs. Trees come from MEGATRON_LM_TREES (':'-separated) only.
+On tree_driver's skeleton (one subprocess per tree, the trees in parallel): this file, run as a
+script, runs every case in-process, first on the tree itself, then, after dropping the tree's
+modules (a re-import costs ~2 s), on a patched copy of it. ``run_cases`` runs any batch of
+launcher cases on one tree the same way. Trees come from MEGATRON_LM_TREES (':'-separated) only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import runpy
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import tree_driver
+
 REPO = Path(__file__).resolve().parents[1]
-TREES_ENV = "MEGATRON_LM_TREES"
+TREES_ENV = tree_driver.TREES_ENV
 SKIP_REASON = (f"{TREES_ENV} is unset: real-Megatron tests SKIPPED (set it to ':'-separated Megatron-LM "
                "checkouts, one per version; each needs Megatron-LM's Python requirements, see the README's "
                "'Plan on a CPU-only machine')")
@@ -94,12 +94,7 @@ raise SystemExit("unreachable: a dry run exits inside initialize_megatron")
 '''
 
 
-def trees() -> list[str]:
-    return [t for t in os.environ.get(TREES_ENV, "").split(":") if t.strip()]
-
-
-def tree_id(tree: str | None) -> str:
-    return Path(tree).name if tree else "no-trees"
+trees, tree_id = tree_driver.trees, tree_driver.tree_id
 
 
 def has_fused_field(tree: str) -> bool:
@@ -223,8 +218,6 @@ def net_cases(copy: str) -> list[dict[str, Any]]:
     ]
 
 
-_lock = threading.Lock()
-_cache: dict[str, dict[str, dict[str, Any]]] = {}
 
 
 # A real launch, as far as a CPU machine can take one: Megatron's own parse and validate with the
@@ -262,6 +255,7 @@ def patch_copy(tree: str, dest: Path) -> Path:
 
 
 def _run_version(tree: str, work: Path) -> dict[str, dict[str, Any]]:
+    _prepare(work)
     copy = patch_copy(tree, work / "patched" / tree_id(tree))
     injected = inject_copy(tree, work / "injected" / tree_id(tree))
     plan = {"phases": [
@@ -269,41 +263,32 @@ def _run_version(tree: str, work: Path) -> dict[str, dict[str, Any]]:
         {"tree": str(copy.resolve()), "cases": patched_cases(str(copy), has_fused_field(tree))},
         {"tree": str(injected.resolve()), "cases": net_cases(str(injected))},
     ]}
-    plan_file = work / f"plan-{tree_id(tree)}.json"
-    results_file = work / f"results-{tree_id(tree)}.json"
-    plan_file.write_text(json.dumps(plan))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "PTT_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(work), str(REPO / "tests")])
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    done = subprocess.run([sys.executable, __file__, str(plan_file), str(results_file)], env=env, cwd=work,
-                          capture_output=True, text=True, timeout=900, check=False)
-    if done.returncode != 0 or not results_file.exists():
-        raise AssertionError(f"driver for {tree} failed ({done.returncode}):\n{done.stderr[-5000:]}")
-    return {r["name"]: r for r in json.loads(results_file.read_text())}
+    return _drive_in_subprocess(plan, work)
+
+
+def run_cases(tree: str, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``cases`` on ``tree`` in ONE subprocess that imports Megatron once: how a test batches many
+    dry runs of one tree (e.g. every arm of an ablation) instead of starting a process for each."""
+    work = Path(tempfile.mkdtemp(prefix="ptt-batch-"))
+    try:
+        _prepare(work)
+        return _drive_in_subprocess({"phases": [{"tree": str(Path(tree).resolve()), "cases": cases}]}, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _drive_in_subprocess(plan: dict[str, Any], work: Path) -> dict[str, dict[str, Any]]:
+    env = tree_driver.driver_env(path=[work])
+    found = tree_driver.run_driver(Path(__file__), [], plan, work, env=env, timeout=900)
+    return {r["name"]: r for r in found}
+
+
+RUNS = tree_driver.PerTree("ptt-megatron-", _run_version)
 
 
 def results(tree: str) -> dict[str, dict[str, Any]]:
     """Every case's result for ``tree``; the first call runs all trees, in parallel."""
-    with _lock:
-        if not _cache:
-            work = Path(tempfile.mkdtemp(prefix="ptt-megatron-"))
-            _prepare(work)
-            names = trees()
-            workers = max(1, min(len(names), os.cpu_count() or 1))
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                futures = {t: pool.submit(_run_version, t, work) for t in names}
-                errors = {}
-                for t, future in futures.items():
-                    try:
-                        _cache[t] = future.result()
-                    except Exception as error:  # noqa: BLE001 - reported per tree below
-                        errors[t] = error
-                for t, error in errors.items():
-                    _cache[t] = {"__error__": {"error": str(error)}}
-            shutil.rmtree(work, ignore_errors=True)
-    found = _cache[tree]
-    assert "__error__" not in found, found.get("__error__", {}).get("error")
-    return found
+    return RUNS.get(tree)
 
 
 # --- the driver: runs in the subprocess -----------------------------------------------------------
@@ -317,24 +302,6 @@ def _drop_tree_modules(root: str) -> None:
         path = getattr(module, "__file__", None) or ""
         if name == "megatron" or name.startswith("megatron.") or path.startswith(root + os.sep):
             del sys.modules[name]
-
-
-def _plan_te_version(version: str | None) -> None:
-    """Let Megatron's own ``is_te_min_version`` see Transformer Engine ``version`` (validate_args
-    wants TE >= 2.7 for FP4): the machine the case plans for, as MEGATRON_PERF_TOGGLES_ASSUME
-    does for the plugin. ``None`` goes back to detection."""
-    if version is None and "megatron.core.utils" not in sys.modules:
-        return
-    from megatron_perf_toggles.launcher.import_shims import megatron_importable
-
-    with megatron_importable():
-        from megatron.core import utils
-    if version is None:
-        utils._te_version = None
-        return
-    from packaging.version import Version
-
-    utils._te_version = Version(version)
 
 
 _ARCH_ORIGINAL: dict[str, Any] = {}
@@ -360,9 +327,9 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from megatron_perf_toggles.launcher import launch as run
-    from megatron_perf_toggles.launcher import megatron_hooks as hooks
     from megatron_perf_toggles.launcher.import_shims import megatron_importable
     from megatron_perf_toggles.runtime import safety_net, target
+    from megatron_perf_toggles.runtime.patches import PATCHES
 
     device_queries = {name: getattr(torch.cuda, name) for name in (
         "is_available", "device_count", "get_device_capability", "get_device_properties")}
@@ -381,8 +348,10 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     error = None
     started = time.perf_counter()
     sys.stdout, sys.stderr = out, err
+    undo = contextlib.ExitStack()
+    undo.enter_context(PATCHES.scope())  # what the run changes through PATCHES (hooks, net) is undone
     try:
-        _plan_te_version(case.get("te_version"))
+        tree_driver.plan_te_version(case.get("te_version"))
         _plan_device_arch(case.get("device_arch"))
         if case["mode"] == "launcher":
             code = run.main(case["argv"])
@@ -409,9 +378,9 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module  # type: ignore[assignment]
-        hooks.unhook_parse_path()
+        undo.close()
         safety_net.NET.uninstall()
-        _plan_te_version(None)
+        tree_driver.plan_te_version(None)
         _plan_device_arch(None)
     undone = (all(getattr(torch.cuda, name) is fn for name, fn in device_queries.items())
               and (torch.version.cuda, torch.version.hip) == versions and target.active() is None

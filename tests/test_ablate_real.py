@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 
+import megatron_runs as runs
 import pytest
 from conftest import REPO, megatron_trees
 
@@ -11,7 +14,7 @@ from megatron_perf_toggles.tools.ablate import runner as ablate
 from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, expand
 
 TREES = megatron_trees()
-pytestmark = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron suite skipped")
+pytestmark = pytest.mark.real_megatron
 # The oldest and the newest tree given, for the checks that need extra dry runs (~8 s each).
 PICKED = sorted({TREES[0], TREES[-1]}, key=str) if TREES else []
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
@@ -33,14 +36,47 @@ def _has_fused_single_qkv_rope(tree) -> bool:
     return "fused_single_qkv_rope" in config.read_text()
 
 
+def _one_process_for_all_arms(tree, arms):
+    """A resolver for ``resolve_and_check`` (as ``resolve_arm``, ``world`` included, so
+    ``planned_for`` can wrap it) whose dry runs, every arm and probe of ``arms``, run in ONE process
+    for the tree, Megatron imported once, at the first call: the same launcher dry run
+    (``dry_run_command``), as rank 0, in the arm's environment. An arm whose dry run failed raises
+    the ConfoundError ``resolve_arm`` would."""
+    wanted = {a.signature(): a for a in [*arms, *(p for ps in ablate.probe_arms(arms).values() for p in ps)]}
+    batches: dict = {}
+    lock = threading.Lock()  # resolve_and_check asks for several arms at once, from threads
+
+    def batch(script, args, environ, world):
+        with lock:
+            if world not in batches:
+                plugin_env = {k: v for k, v in environ.items() if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA_DEVICE"))}
+                cases = [{"name": str(i), "mode": "launcher", "argv": ablate.dry_run_command(script, args, arm, world)[3:],
+                          "env": {**plugin_env, **arm.env(), "RANK": "0"}} for i, arm in enumerate(wanted.values())]
+                done = runs.run_cases(str(tree), cases)
+                batches[world] = {signature: done[str(i)] for i, signature in enumerate(wanted)}
+            return batches[world]
+
+    def resolver(script, args, arm, environ, world=None):
+        result = batch(script, args, environ, world)[arm.signature()]
+        assert not result["error"], f"arm {arm.name}: {result['error']}"
+        if result["code"] != 0:
+            tail = " | ".join(result["stderr"].strip().splitlines()[-3:])
+            raise ablate.ConfoundError(f"arm {arm.name}: the dry run failed (exit {result['code']}): {tail}")
+        return json.loads(result["stdout"])
+
+    return resolver
+
+
 @pytest.mark.parametrize("tree", TREES, ids=lambda p: p.name)
 def test_each_toggle_can_be_varied_alone(tree):
-    """One dry run per arm; each single-toggle arm is also its own probe: what it derives is allowed."""
+    """Every arm and probe dry-run in one process for the tree; each single-toggle arm is also its
+    own probe: what it derives is allowed."""
     script = str(tree / "pretrain_gpt.py")
     toggles = tuple(t for t in DEFAULT_TOGGLES if t != "fused_single_qkv_rope" or _has_fused_single_qkv_rope(tree))
     arms = expand("one-at-a-time", toggles, [])
     env = _environ(tree)
-    records, derived = ablate.resolve_and_check(ablate.resolve_arm, script, ARGS, arms, env)
+    resolver = _one_process_for_all_arms(tree, arms)
+    records, derived = ablate.resolve_and_check(resolver, script, ARGS, arms, env)
     # Megatron keeps grads in fp32 for the reduction exactly when they are not reduced in bf16.
     assert "accumulate_allreduce_grads_in_fp32" in derived["grad_reduce_in_bf16"]
     assert set(derived) == set(toggles)
@@ -64,8 +100,9 @@ def test_guard_forced_factorial_is_refused_with_the_guard_reason(tree):
     script = str(tree / "pretrain_gpt.py")
     fsdp = [*ARGS, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--ckpt-format", "torch_dist"]
     arms = expand("factorial", ("gradient_accumulation_fusion",), [])
+    resolver = _one_process_for_all_arms(tree, arms)
     with pytest.raises(ablate.ConfoundError) as info:
-        ablate.resolve_and_check(ablate.resolve_arm, script, fsdp, arms, _environ(tree))
+        ablate.resolve_and_check(resolver, script, fsdp, arms, _environ(tree))
     assert "gradient_accumulation_fusion should be True but is False" in str(info.value)
     assert "--use-torch-fsdp2" in str(info.value)
 
@@ -80,8 +117,9 @@ def test_candidates_resolve_through_the_real_parser(tree):
                                     ablate._known_args()[1])
     arms = expand("candidates", DEFAULT_TOGGLES, [], candidates=cands)
     args = [*ARGS, "--use-distributed-optimizer"]
-    records, derived = ablate.resolve_and_check(ablate.resolve_arm, str(tree / "pretrain_gpt.py"), args, arms,
-                                                _environ(tree))
+    script, env = str(tree / "pretrain_gpt.py"), _environ(tree)
+    resolver = _one_process_for_all_arms(tree, arms)
+    records, derived = ablate.resolve_and_check(resolver, script, args, arms, env)
     effective = [r["effective_args"] for r in records]
     assert [e["overlap_grad_reduce"] for e in effective] == [False, True, False, False, False]
     assert [e["overlap_param_gather"] for e in effective] == [False, True, False, False, False]
@@ -102,8 +140,8 @@ def test_model_parallel_arms_resolve_for_the_launchers_world(tree):
     args = [*ARGS, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--transformer-impl", "local"]
     script, environ = str(tree / "pretrain_gpt.py"), {**_environ(tree), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     with pytest.raises(ablate.ConfoundError, match="world size"):  # planned for one process
-        ablate.resolve_and_check(ablate.resolve_arm, script, args, arms, environ)
-    resolver, note = ablate.planned_for(ablate.resolve_arm, "torchrun --nproc-per-node 2")
+        ablate.resolve_and_check(_one_process_for_all_arms(tree, arms), script, args, arms, environ)
+    resolver, note = ablate.planned_for(_one_process_for_all_arms(tree, arms), "torchrun --nproc-per-node 2")
     records, derived = ablate.resolve_and_check(resolver, script, args, arms, environ)
     assert note == "a world of 2 (from --launch)"
     assert [r["effective_args"]["tensor_model_parallel_size"] for r in records] == [2, 2]

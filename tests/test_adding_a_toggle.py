@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import full_caps
 
-from megatron_perf_toggles.core import decide, registry
+from megatron_perf_toggles.core import decide, guards, registry
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.errors import CannotHonourError, EnvValueError, RegistryError
 from megatron_perf_toggles.runtime import provider
@@ -34,7 +34,9 @@ EXAMPLE = registry.Toggle(
 )
 
 
-# 2. Its guard: off where the kernel it needs is missing, naming the capability it rests on.
+# 2. Its guard, declared once: the toggle it may move (and the Megatron rules it answers: none here,
+# it is about this machine); off where the kernel it needs is missing, naming the capability.
+@decide.guard(moves=(EXAMPLE.dest,))
 def example_kernel_missing(ctx: decide.Context) -> Iterator[decide.Change]:
     need = decide.lacking(ctx, EXAMPLE.dest) if ctx.values.get(EXAMPLE.dest) else None
     if need:
@@ -54,6 +56,7 @@ def with_example(monkeypatch: pytest.MonkeyPatch) -> None:
                 if new is not None:
                     monkeypatch.setattr(module, attr, new)
     monkeypatch.setattr(decide, "GUARDS", (*decide.GUARDS, example_kernel_missing))
+    assert example_kernel_missing.name == "example_kernel_missing"
     registry._validate()  # the declaration-time checks accept it
 
 
@@ -99,3 +102,8 @@ def test_a_guard_cannot_rest_on_an_undeclared_capability() -> None:
 
 def test_the_readme_table_lists_it(with_example: None) -> None:
     assert "`FUSED_EXAMPLE_KERNEL`" in readme_tables.toggles_table()
+
+
+def test_the_guard_table_lists_its_guard(with_example: None) -> None:
+    row = next(line for line in guards.guards_table(decide.GUARDS).splitlines() if "example_kernel_missing" in line)
+    assert "`fused_example_kernel`" in row and "none" in row

@@ -187,7 +187,7 @@ def test_help_explains_commands_and_env_vars():
         assert word in out
 
 
-@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: explain on a real tree skipped")
+@pytest.mark.real_megatron
 def test_explain_with_a_real_tree():
     tree = megatron_trees()[-1]
     proc = run_cli("explain", "--megatron", str(tree), "--json", timeout=300)
@@ -214,7 +214,7 @@ print(PATCHES.labels, hasattr(arguments.validate_args, "__wrapped__"), getattr(t
 """
 
 
-@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: planning on a real tree skipped")
+@pytest.mark.real_megatron
 def test_planning_on_a_real_tree_leaves_the_process_as_it_was():
     """explain --megatron hooks Megatron's parse path and installs the safety net as a launch does,
     flags --megatron imports the tree; afterwards nothing of either is left: no recorded change,
@@ -233,7 +233,7 @@ def test_explain_on_the_fork_surface_takes_an_enum_flag():
     assert json.loads(proc.stdout)["precision"] == "mxfp4"
 
 
-@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: surface recording skipped")
+@pytest.mark.real_megatron
 def test_recorded_surfaces_match_the_trees(tmp_path):
     # The packaged surface of each tree is what `surface TREE` records from it now, enum choices
     # included (by the names Megatron's own enum flags accept).

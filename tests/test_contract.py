@@ -7,6 +7,8 @@ Megatron release that adds, moves or removes a flag shows up here as a deliberat
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_perf_toggles.core.registry import TOGGLES
@@ -82,7 +84,7 @@ def test_defaults_and_version_guards_follow_recorded_facts(name):
     from megatron_perf_toggles.runtime.capabilities import resolve
 
     caps = resolve("apex,te=2.20")
-    caps = type(caps)(**{**caps.__dict__, "megatron": megatron_facts_from_surface(surface)})
+    caps = dataclasses.replace(caps, megatron=megatron_facts_from_surface(surface))
     plan = decide(vars(args), {}, read_env(ASSUME_ALL), caps)
     impl = plan.decisions["cross_entropy_fusion_impl"]
     assert impl.value == ("native" if facts["asserts_te_cross_entropy"] else "te"), name

@@ -23,12 +23,13 @@ from megatron_perf_toggles import chain_providers, extra_args_provider
 from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.errors import PerfTogglesError
 from megatron_perf_toggles.launcher import megatron_hooks as hooks
+from megatron_perf_toggles.runtime.patches import PATCHES
 from megatron_perf_toggles.tools.patching import inspect_tree
 
 REPO = runs.REPO
 PLUGIN = "megatron_perf_toggles:extra_args_provider"  # the name users write, whichever module defines it
 TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
-    pytest.param(None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))
+    pytest.param(None, id="no-trees")
 ]
 
 
@@ -342,17 +343,17 @@ def test_install_rebinds_stale_references_and_uninstall_restores(tmp_path: Path,
     for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
         monkeypatch.delitem(sys.modules, name)
     try:
-        installed = hooks.hook_parse_path([extra_args_provider])
-        from megatron.training import arguments, initialize, training
+        with PATCHES.scope():  # the hooks' changes are undone at its end, newest first
+            installed = hooks.hook_parse_path([extra_args_provider])
+            from megatron.training import arguments, initialize, training
 
-        original = installed.originals["parse_args"]
-        assert arguments.parse_args is initialize.parse_args is installed.wrappers["parse_args"]
-        assert training.initialize_megatron is initialize.initialize_megatron is installed.wrappers[
-            "initialize_megatron"]
-        assert hooks.hook_parse_path([]) is installed  # a second install updates, never wraps twice
-        assert getattr(arguments.parse_args, hooks.ORIGINAL_ATTR) is original
+            original = installed.originals["parse_args"]
+            assert arguments.parse_args is initialize.parse_args is installed.wrappers["parse_args"]
+            assert training.initialize_megatron is initialize.initialize_megatron is installed.wrappers[
+                "initialize_megatron"]
+            assert hooks.hook_parse_path([]) is installed  # a second install updates, never wraps twice
+            assert getattr(arguments.parse_args, hooks.ORIGINAL_ATTR) is original
     finally:
-        hooks.unhook_parse_path()
         for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
             del sys.modules[name]
     assert initialize.parse_args is original
@@ -370,6 +371,7 @@ def _expected_path(tree: str) -> str:
     return "parse_and_validate_args" if inspect_tree(tree).script_parses_itself else "initialize_megatron"
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_real_pretrain_gpt_dry_run(tree: str) -> None:
     payload = runs.payload(runs.results(tree)["plain"])
@@ -382,6 +384,7 @@ def test_real_pretrain_gpt_dry_run(tree: str) -> None:
     assert set(payload["after_validate"]) >= {t.dest for t in TOGGLES if t.dest != "fused_single_qkv_rope"}
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_dry_run_decides_as_a_real_launch(tree: str) -> None:
     """The launcher without --dry-run (Megatron's own parse and validate, then the namespace the run
@@ -397,6 +400,7 @@ def test_dry_run_decides_as_a_real_launch(tree: str) -> None:
         assert str(dry["effective_args"].get(key)) == str(value), key
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_real_pretrain_gpt_dry_run_with_extra_providers(tree: str) -> None:
     payload = runs.payload(runs.results(tree)["provider"])  # dry run from the environment variable
@@ -409,12 +413,14 @@ def test_real_pretrain_gpt_dry_run_with_extra_providers(tree: str) -> None:
     assert payload["after_validate"]["grad_reduce_in_bf16"] is False
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_real_unknown_flag_without_its_provider_is_rejected(tree: str) -> None:
     result = runs.results(tree)["unknown-flag"]
     assert result["code"] == 2 and "--my-flag" in result["stderr"]
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_real_refused_request_is_one_line(tree: str) -> None:
     result = runs.results(tree)["cannot-honour"]
@@ -424,6 +430,7 @@ def test_real_refused_request_is_one_line(tree: str) -> None:
     assert len(errors) == 1 and "--cross-entropy-fusion-impl te" in errors[0]
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 @pytest.mark.parametrize("style", ["upstream", "rocm"])
 def test_real_chaining_with_the_scripts_own_provider(tree: str, style: str) -> None:
@@ -448,6 +455,7 @@ LAYOUTS = {layout.name: layout for layout in all_layouts("/unused")}
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_real_example_layout_dry_run_with_world_size(tree: str, name: str) -> None:
     layout = LAYOUTS[name]
@@ -488,9 +496,10 @@ def _spread(trees: list[str]) -> list[str]:
 EXPLAIN_MATRIX = [pytest.param(t, name, gpu, id=f"{runs.tree_id(t)}-{name}-{gpu}")
                   for t in _spread(runs.trees()) for name, gpu in (
                       ("gpt3-175b-tp8-pp16", "h100"), ("llama3-8b-fp8", "h200"), ("llama3-70b-tp8-pp4", "mi355x"))] or [
-    pytest.param(None, None, None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))]
+    pytest.param(None, None, None, id="no-trees")]
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize(("tree", "name", "gpu"), EXPLAIN_MATRIX)
 def test_explain_decides_as_the_launcher_dry_run_on_the_same_tree(tmp_path: Path, tree: str, name: str,
                                                                  gpu: str) -> None:

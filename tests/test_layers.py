@@ -43,13 +43,24 @@ def _rank(module: str) -> int:
     return RANKS.get(parts[1], ENTRY_RANK)
 
 
-def _imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+def _for_checkers(tree: ast.AST) -> set[int]:
+    """The ids of the nodes inside ``if TYPE_CHECKING:`` blocks: only type checkers read them."""
+    return {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+            and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            for stmt in block.body for n in ast.walk(stmt)}
+
+
+def _imports(path: Path, source: str | None = None, *, run_time_only: bool = False) -> list[tuple[int, str]]:
     """(line, absolute module) for every import of this package in ``path`` (or ``source``, as if
-    it were that file)."""
+    it were that file); ``run_time_only`` leaves out those only type checkers read."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text() if source is None else source, str(path))):
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    skip = _for_checkers(tree) if run_time_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == PACKAGE]
         elif isinstance(node, ast.ImportFrom):
@@ -86,9 +97,7 @@ def test_core_imports_only_the_standard_library(path: Path) -> None:
     tree = ast.parse(path.read_text())
     # Only type checkers read an ``if TYPE_CHECKING:`` block; there the standard library's typing
     # backport may stand in for what typing has only on newer Pythons. Nothing else is allowed there.
-    for_checkers = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                    and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-                    for stmt in block.body for n in ast.walk(stmt)}
+    for_checkers = _for_checkers(tree)
     found = []
     for node in ast.walk(tree):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
@@ -110,3 +119,49 @@ def test_the_layering_test_sees_an_upward_import() -> None:
     found = [(m, _rank(m)) for _, m in _imports(probe, source)]
     assert found == [(f"{PACKAGE}.runtime.provider", 2), (PACKAGE, ENTRY_RANK)]
     assert all(rank > _rank(_module_name(probe)) for _, rank in found)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle in ``graph`` (module -> modules it imports), as a path that ends where it
+    began; empty where there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return []
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every module of the package and what it imports when it runs, function-level (lazy) imports
+    included: a lazy import only delays a cycle. Imports only type checkers read are left out."""
+    return {_module_name(p): {m for _, m in _imports(p, run_time_only=True)} - {_module_name(p)} for p in MODULES}
+
+
+def test_no_import_cycle_inside_or_between_wings() -> None:
+    cycle = _cycle(_import_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_test_sees_a_lazy_cycle() -> None:
+    graph = _import_graph()
+    a, b = f"{PACKAGE}.runtime.target", f"{PACKAGE}.runtime.capabilities"
+    probe = ROOT / "runtime" / "target.py"
+    lazy = {m for _, m in _imports(probe, "def f():\n    from .capabilities import detect\n", run_time_only=True)}
+    assert lazy == {b}
+    assert _cycle({**graph, a: graph[a] | lazy, b: graph[b] | {a}})
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .capabilities import detect\n"
+    assert not _imports(probe, typed, run_time_only=True)

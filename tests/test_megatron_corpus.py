@@ -23,7 +23,7 @@ import pytest
 from conftest import megatron_trees
 
 TREES = megatron_trees()
-needs_trees = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron corpus suite skipped")
+needs_trees = pytest.mark.real_megatron
 
 
 def _failure_text(tree: str, failures: list[tuple[str, str, str]]) -> str:

@@ -20,7 +20,7 @@ import pytest
 from conftest import megatron_trees
 
 TREES = megatron_trees()
-needs_trees = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron fuzz suite skipped")
+needs_trees = pytest.mark.real_megatron
 
 
 @needs_trees

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from functools import cache
 from pathlib import Path
 
 import pytest
+import tree_driver
 from conftest import REPO, megatron_trees
 
 from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.runtime.capabilities import detect_rules
 
 TREES = megatron_trees()
-pytestmark = pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: real-Megatron suite skipped")
+pytestmark = pytest.mark.real_megatron
 
 CAPABLE = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.20"}
 BF16 = ["--bf16"]
@@ -144,34 +141,24 @@ def _version_of(tree: Path) -> tuple[int, ...]:
     return tuple(parts)
 
 
-@cache
-def _run_all(tmp: str) -> dict[str, dict]:
-    def one(tree: Path) -> tuple[str, dict]:
-        cases = _cases(f"{tmp}/{tree.name}", tree)
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "tests" / "megatron_driver.py"), str(tree)],
-            input=json.dumps(cases), capture_output=True, text=True, timeout=900,
-            env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-        )
-        if proc.returncode != 0:
-            return str(tree), {"crash": proc.stderr[-3000:]}
-        data = json.loads(proc.stdout)
-        data["by_id"] = {r["id"]: r for r in data["results"]}
-        return str(tree), data
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(one, TREES))
+def _run_tree(tree: str, work: Path, cases_dir: Path) -> dict:
+    """Every case of ``tree`` in one driver process (tree_driver's skeleton); what the cases write
+    (records, checkpoints) goes under ``cases_dir``, which outlives the run for the tests to read."""
+    data = tree_driver.run_driver(REPO / "tests" / "megatron_driver.py", [tree], _cases(str(cases_dir), Path(tree)),
+                                  work, timeout=900)
+    data["by_id"] = {r["id"]: r for r in data["results"]}
+    return data
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return _run_all(str(tmp_path_factory.mktemp("megatron")))
+    base = tmp_path_factory.mktemp("megatron")
+    return tree_driver.PerTree("ptt-real-", lambda tree, work: _run_tree(tree, work, base / Path(tree).name))
 
 
 @pytest.fixture(params=TREES, ids=lambda p: p.name)
 def tree(request, results):
-    data = results[str(request.param)]
-    assert "crash" not in data, data.get("crash")
+    data = results.get(str(request.param))
     return request.param, _version_of(request.param), data["by_id"]
 
 

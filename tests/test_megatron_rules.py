@@ -1,4 +1,4 @@
-"""Megatron's rules about the toggles: the table is consistent, the guards name real rules, and
+"""Megatron's rules about the toggles: the table is consistent, every rule has its declared answer, and
 the recorded versions of each rule match what the real trees (MEGATRON_LM_TREES) carry."""
 
 from __future__ import annotations
@@ -7,10 +7,13 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO, megatron_trees
+from conftest import megatron_trees
 
 from megatron_perf_toggles.core import megatron_rules
+from megatron_perf_toggles.core.guard_base import rule
+from megatron_perf_toggles.core.guards import GUARDS, NEEDS
 from megatron_perf_toggles.core.registry import BY_DEST
+from megatron_perf_toggles.errors import RegistryError
 from megatron_perf_toggles.runtime.capabilities import detect_rules
 
 PLUGIN_DESTS = set(BY_DEST) | {"first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"}
@@ -25,15 +28,23 @@ def test_rule_ids_are_unique_and_name_known_toggles():
         assert r.handling.split(":")[0] in ("guard", "dependency", "none needed"), r.id
 
 
-def test_every_rule_a_guard_consults_is_declared():
-    source = (REPO / "megatron_perf_toggles" / "core" / "decide.py").read_text()
-    consulted = set(re.findall(r'has_rule\("([a-z0-9_]+)"\)', source))
-    consulted |= set(re.findall(r'^\s*\("[a-z_]+", (?:True|False), "([a-z0-9_]+)",', source, re.M))
-    assert consulted, "the guards consult no rule: the pattern above no longer matches decide.py"
-    missing = consulted - set(megatron_rules.BY_ID)
-    assert not missing
-    undetectable = {r.id for r in megatron_rules.RULES if not r.phrase}
-    assert not consulted & undetectable, "a guard consults a rule no phrase can detect"
+def test_every_rule_has_its_declared_answer():
+    """A rule handled by a guard is answered by a declared guard, a dependency by a declared Need,
+    and a guard or Need answers only rules marked so (the declarations, not the prose, are read)."""
+    by_guard = {r.id for g in GUARDS for r in g.answers}
+    by_need = {n.rule.id for n in NEEDS}
+    kind = {r.id: r.handling.split(":")[0] for r in megatron_rules.RULES}
+    assert {i for i, k in kind.items() if k == "guard"} == by_guard
+    assert {i for i, k in kind.items() if k == "dependency"} == by_need
+    for g in GUARDS:
+        assert set(g.moves) <= PLUGIN_DESTS, g.name
+        for r in g.answers:
+            assert megatron_rules.BY_ID[r.id] is r, (g.name, r.id)
+
+
+def test_a_rule_is_named_by_its_declaration():
+    with pytest.raises(RegistryError, match="no Megatron rule 'no_such_rule'"):
+        rule("no_such_rule")
 
 
 def test_unknown_checkout_is_unknown_not_empty(tmp_path: Path):
@@ -54,7 +65,7 @@ def _label(tree: Path) -> str:
 TREES = megatron_trees()
 
 
-@pytest.mark.skipif(not TREES, reason="MEGATRON_LM_TREES is not set: rule detection on real trees skipped")
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREES, ids=[t.name for t in TREES])
 def test_detected_rules_match_the_recorded_versions(tree: Path):
     label = _label(tree)

@@ -246,7 +246,7 @@ def test_parity_on_the_fork_surface(case, capsys):
 # --- real Megatron trees: one subprocess per tree, every environment in it --------------------------
 
 TREE_PARAMS = [pytest.param(Path(t), id=runs.tree_id(t)) for t in runs.trees()] or [
-    pytest.param(None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))
+    pytest.param(None, id="no-trees")
 ]
 _lock = threading.Lock()
 _results: dict[str, dict[str, dict[str, Any]]] = {}
@@ -292,6 +292,7 @@ def tree_results(tree: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c["id"])
 def test_parity_on_real_megatron(tree, case):

@@ -20,7 +20,7 @@ PATCHES = runs.REPO / "patches"
 SET_NAMES = [name for _, name in patching.PATCH_SETS]
 NO_FIELD = {"core_v0.13.0", "core_v0.14.0"}
 TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
-    pytest.param(None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))
+    pytest.param(None, id="no-trees")
 ]
 TOUCHED = ("pretrain_gpt.py", "megatron/training/arguments.py")
 
@@ -129,6 +129,7 @@ def _expected_set(tree: str) -> str | None:
     return name if name in SET_NAMES else None
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_detects_the_version(tree: str) -> None:
     found = patching.inspect_tree(tree)
@@ -137,6 +138,7 @@ def test_detects_the_version(tree: str) -> None:
         assert patching.patch_set_for(found) == expected
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_check_applies_cleanly_and_changes_nothing(tree: str, capsys: pytest.CaptureFixture[str]) -> None:
     before = {f: (Path(tree) / f).read_bytes() for f in TOUCHED}
@@ -146,6 +148,7 @@ def test_check_applies_cleanly_and_changes_nothing(tree: str, capsys: pytest.Cap
 
 
 @pytest.mark.parametrize("tool", ["git", "patch"])
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_apply_again_reverse_round_trip(tree: str, tool: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -182,6 +185,7 @@ def test_apply_again_reverse_round_trip(tree: str, tool: str, tmp_path: Path, mo
     assert sorted(p.name for p in copy.rglob("*") if p.suffix in (".orig", ".rej")) == []
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_patched_pretrain_gpt_chains_named_providers(tree: str) -> None:
     payload = runs.payload(runs.results(tree)["patched-plugin"])
@@ -195,6 +199,7 @@ def test_patched_pretrain_gpt_chains_named_providers(tree: str) -> None:
         assert fused["value"] is False
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_patched_arguments_expose_fused_single_qkv_rope(tree: str) -> None:
     payload = runs.payload(runs.results(tree)["patched-own-only"])  # the plugin is not in this chain
@@ -205,6 +210,7 @@ def test_patched_arguments_expose_fused_single_qkv_rope(tree: str) -> None:
         assert "fused_single_qkv_rope" not in payload["after_validate"]
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_patched_pretrain_gpt_without_the_package_is_one_clear_line(tree: str) -> None:
     result = runs.results(tree)["patched-package-missing"]

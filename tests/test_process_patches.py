@@ -214,7 +214,7 @@ def test_stand_in_imports_last_only_as_long_as_their_block(monkeypatch: pytest.M
 
     from megatron_perf_toggles.launcher import import_shims
 
-    monkeypatch.setattr(import_shims, "_really_installed", lambda name: False)  # as on a box without triton
+    monkeypatch.setattr(import_shims, "installed", lambda name: False)  # as on a box without triton
     real = builtins.__import__
     with pytest.raises(SystemExit), megatron_importable(None):
         assert builtins.__import__ is not real

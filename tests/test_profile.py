@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from conftest import LLAMA_ARGS, REPO, full_caps
@@ -27,7 +28,6 @@ from megatron_perf_toggles.core.profile import (
     render_profile,
 )
 from megatron_perf_toggles.core.registry import SETTING_BY_ENV, TOGGLES
-from megatron_perf_toggles.core.struct import replace
 from megatron_perf_toggles.errors import ProfileError
 from megatron_perf_toggles.runtime import profile_file, provider
 from megatron_perf_toggles.tools.surfaces import replay

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from megatron_perf_toggles.core import registry, struct
+from megatron_perf_toggles.core import registry
 from megatron_perf_toggles.errors import RegistryError
 
 # The product specification, written out independently of the code under test.
@@ -47,7 +49,7 @@ def _validate_with(monkeypatch, toggles):
     ],
 )
 def test_bad_declaration_is_rejected_naming_the_entry(monkeypatch, change, message):
-    bad = struct.replace(registry.BY_DEST["grad_reduce_in_bf16"], **change)
+    bad = replace(registry.BY_DEST["grad_reduce_in_bf16"], **change)
     others = [t for t in registry.TOGGLES if t.dest != "grad_reduce_in_bf16"]
     with pytest.raises(RegistryError, match=message) as info:
         _validate_with(monkeypatch, [*others, bad])
@@ -61,7 +63,7 @@ def test_duplicate_dest_is_rejected(monkeypatch):
 
 
 def test_choice_default_must_be_a_choice(monkeypatch):
-    bad = struct.replace(registry.BY_DEST["cross_entropy_fusion_impl"], default="cudnn")
+    bad = replace(registry.BY_DEST["cross_entropy_fusion_impl"], default="cudnn")
     others = [t for t in registry.TOGGLES if t.kind == "bool"]
     with pytest.raises(RegistryError, match="among its choices"):
         _validate_with(monkeypatch, [*others, bad])

@@ -20,7 +20,7 @@ from megatron_perf_toggles.core.facts import Capabilities
 from megatron_perf_toggles.runtime import provider, safety_net
 
 TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
-    pytest.param(None, id="no-trees", marks=pytest.mark.skip(reason=runs.SKIP_REASON))
+    pytest.param(None, id="no-trees")
 ]
 CAPS = Capabilities(apex_fused_wgrad=True, te_version="2.20", te_cross_entropy=True, te_fused_qkv_rope=True)
 
@@ -184,6 +184,7 @@ def _decisions(result):
     return json.loads(result["stdout"])["decisions"]
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_injected_rule_is_backed_off_through_the_launcher_dry_run(tree):
     d = _decisions(runs.results(tree)["net-launcher"])["ddp_average_in_collective"]
@@ -191,6 +192,7 @@ def test_injected_rule_is_backed_off_through_the_launcher_dry_run(tree):
     assert runs.INJECTED_RULE in d["reason"] and safety_net.FOUND_AT_RUN_TIME in d["reason"]
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_injected_rule_is_backed_off_through_the_provider_path(tree):
     r = runs.results(tree)["net-provider"]
@@ -206,6 +208,7 @@ def test_injected_rule_is_backed_off_through_the_provider_path(tree):
     assert r["stdout"].count(runs.INJECTED_CHATTER) == 1, r["stdout"]
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 @pytest.mark.parametrize("case", ["net-env-explicit", "net-cli-explicit"])
 def test_injected_rule_against_an_explicit_value_surfaces_megatrons_error(tree, case):
@@ -214,6 +217,7 @@ def test_injected_rule_against_an_explicit_value_surfaces_megatrons_error(tree, 
     assert runs.INJECTED_RULE in (r["error"] or "") + r["stderr"]
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
 def test_master_switch_off_is_stock_and_the_net_has_nothing_to_do(tree):
     r = runs.results(tree)["net-stock-off"]

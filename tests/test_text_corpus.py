@@ -35,7 +35,7 @@ def test_stdlib_corpus_is_real_text(tmp_path):
     assert stats["documents"] > 5 and 100_000 < stats["tokens"] <= 200_000 + stats["documents"]
 
 
-@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: reading with Megatron skipped")
+@pytest.mark.real_megatron
 def test_megatron_reads_it(tmp_path):
     text_corpus.write_indexed(tmp_path / "c", DOCS)
     tree = megatron_trees()[-1]

@@ -8,10 +8,10 @@ registry is read, validated and documented with no code here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from ..errors import EnvValueError, RegistryError
 from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTING_BY_ENV, SETTINGS, TOGGLES, Setting, Toggle
-from .struct import Struct, field
 
 
 def parse_bool(var: str, raw: str | None) -> bool | None:
@@ -82,7 +82,8 @@ def read_text_setting(var: str, environ: Mapping[str, str]) -> str | None:
     return parse_text(var, environ.get(var))
 
 
-class EnvSettings(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class EnvSettings:
     """Everything the plugin takes from the environment, validated. ``None`` means unset.
 
     One field per ``registry.SETTINGS`` entry (its ``field``), with the value an unset variable

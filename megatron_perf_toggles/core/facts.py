@@ -7,10 +7,10 @@ helpers and the ``MEGATRON_PERF_TOGGLES_ASSUME`` overrides, so the pure policy (
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import AssumeError
-from .struct import Struct, asdict, field, fields, replace
 
 # Earliest Transformer Engine releases with the kernels the toggles use. Only consulted when a
 # run is planned with MEGATRON_PERF_TOGGLES_ASSUME=te=VERSION; real runs import the kernels.
@@ -20,7 +20,8 @@ TE_MIN_CROSS_ENTROPY = (2, 0)
 ASSUME_NAMES = ("apex", "aiter", "rocm", "cuda", "te=VERSION", "none")
 
 
-class MegatronFacts(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class MegatronFacts:
     """Facts about the Megatron-LM in use. ``None`` means unknown (no Megatron imported)."""
 
     version: str | None = None
@@ -36,7 +37,8 @@ class MegatronFacts(Struct, frozen=True):
         return self.rules is None or rule_id in self.rules
 
 
-class Capabilities(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Capabilities:
     """What this machine (or the planned one) offers the toggles: Megatron, TE, APEX, aiter, device."""
 
     megatron: MegatronFacts = field(default_factory=MegatronFacts)
@@ -144,7 +146,7 @@ def with_assumptions(caps: Capabilities, spec: str | None) -> Capabilities:
 
 def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:
     """Megatron facts from a recorded surface (planning without a checkout)."""
-    known = set(fields(MegatronFacts))
+    known = {f.name for f in fields(MegatronFacts)}
     facts = {k: v for k, v in surface.get("facts", {}).items() if k in known}
     if isinstance(facts.get("rules"), list):
         facts["rules"] = tuple(facts["rules"])

@@ -17,14 +17,14 @@ Pure data: no file is read and nothing is imported here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
-
-from .struct import Struct
 
 Stage = Literal["validate", "config", "runtime"]
 
 
-class MegatronRule(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class MegatronRule:
     """One of Megatron's rules about a toggle.
 
     ``phrase`` is a short piece of Megatron's source that identifies the rule in ``where`` (paths

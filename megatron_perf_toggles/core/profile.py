@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ProfileError, did_you_mean
 from .facts import version_tuple
 from .registry import BY_DEST, format_value
-from .struct import Struct, field
 
 FORMAT = "megatron-perf-toggles/profile"
 SCHEMA = 1
@@ -38,7 +38,8 @@ CONFIRMATION_NUMBERS = ("speedup", "low", "high", "confidence")
 CONFIRMATION_KEYS = (*CONFIRMATION_NUMBERS, "verdict", "blocks", "outcome")
 
 
-class Evidence(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Evidence:
     """Why a value was chosen: ``speedup`` is ms/iter with ``against`` over ms/iter with the chosen
     value (above 1: the chosen value is faster), with its interval and the verdict on it."""
 
@@ -63,7 +64,8 @@ class Evidence(Struct, frozen=True):
         return f"x{self.speedup:.3f}{interval} vs {format_value(self.against)}{verdict}"
 
 
-class Confirmation(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Confirmation:
     """The chosen values, all together, against the defaults: each toggle's evidence is one
     comparison, and the set they make was never run until this check (``speedup``: ms/iter with
     the defaults over ms/iter with the chosen values). ``outcome`` says what tune did with it."""
@@ -81,13 +83,15 @@ class Confirmation(Struct, frozen=True):
                 if (v := getattr(self, k)) not in (None, "")}
 
 
-class Choice(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Choice:
     value: bool | str
     evidence: Evidence | None = None
     note: str = ""
 
 
-class Environment(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Environment:
     """What a profile was measured on, or what a run has. ``None``: not recorded / not known."""
 
     megatron: str | None = None
@@ -100,7 +104,8 @@ class Environment(Struct, frozen=True):
         return {key: getattr(self, key) for key in ENVIRONMENT_WORDS}
 
 
-class Profile(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Profile:
     toggles: dict[str, Choice]
     environment: Environment = field(default_factory=Environment)
     created: str = ""  # ISO 8601 date and time of the measurement
@@ -314,7 +319,8 @@ def _same(key: str, made: Any, here: Any) -> bool:
     return str(made) == str(here)
 
 
-class EnvironmentCheck(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class EnvironmentCheck:
     """The profile's environment against the run's: what differs, and what could not be checked."""
 
     mismatches: dict[str, tuple[Any, Any]]  # key -> (profile's, this run's)
@@ -341,7 +347,8 @@ class EnvironmentCheck(Struct, frozen=True):
                 "unchecked": dict(self.unchecked)}
 
 
-class Observed(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Observed:
     """This run's environment as far as it is known when the toggles are decided, and for each fact
     that is not (a CPU dry run has no GPU; ``explain`` plans for no particular world), why not."""
 

@@ -6,16 +6,17 @@ provenance schema are all derived from these records.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import RegistryError
-from .struct import Struct
 
 Kind = Literal["bool", "choice"]
 Bucket = Literal["gpt", "extra"]
 
 
-class Group(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Group:
     """Where Megatron keeps a kind of setting: a new flag joins the group of its neighbours."""
 
     key: str
@@ -56,7 +57,8 @@ def flag_of(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-class Toggle(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Toggle:
     """One Megatron setting the plugin turns on by default. ``flag`` and ``off_flag`` follow from
     ``dest`` (``--x`` / ``--no-x``, as Megatron spells them) unless declared."""
 
@@ -96,7 +98,8 @@ class Toggle(Struct, frozen=True):
         return [self.flag if value else self.off_flag]
 
 
-class Setting(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Setting:
     """A plugin-wide environment variable that is not a Megatron toggle. ``core.env`` parses every
     one by its ``kind`` into the ``EnvSettings`` attribute ``field``; unset keeps that attribute's
     default, which ``default`` states for people (the README table)."""

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.env import rank_of
 from ..core.registry import TOGGLES
@@ -24,7 +24,9 @@ from ..runtime import provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import assumed, gpu_name_here
 from ..runtime.provenance import jsonable
-from .megatron_hooks import Hooks, Provider
+
+if TYPE_CHECKING:  # types only: the hooks call the dry run, so it never imports them when it runs
+    from .megatron_hooks import Hooks, Provider
 
 
 class MegatronRejectedError(PerfTogglesError):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import builtins
 import functools
-import importlib.util
 import os
 import sys
 import traceback
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.patches import PATCHES, ProcessPatches
+from ..runtime.probe import installed
 
 STAND_IN_PACKAGES = ("triton",)
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
@@ -95,13 +95,6 @@ def _stand_in_import(real_import: Callable[..., types.ModuleType]) -> Callable[.
     return importer
 
 
-def _really_installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 @contextmanager
 def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: bool = True) -> Iterator[None]:
     """Within this block, ``import megatron.training.arguments`` works from ``tree`` on a CPU box.
@@ -116,7 +109,7 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
     if not hasattr(typing, "override"):
         PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
     scoped = ProcessPatches()  # the stand-ins last only as long as the block, however it ends
-    if stand_ins and any(not _really_installed(name) for name in STAND_IN_PACKAGES):
+    if stand_ins and any(not installed(name) for name in STAND_IN_PACKAGES):
         scoped.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
     try:
         yield

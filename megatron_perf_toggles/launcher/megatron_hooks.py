@@ -26,17 +26,17 @@ import os
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..core.env import read_bool_setting
-from ..core.struct import Struct, field
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import provider as plugin
 from ..runtime import target as planned
-from ..runtime.controller import PROCESS_CONTROLLER, Controller, Outcome, use_for_process
+from ..runtime.controller import Controller, Outcome, use_for_process
 from ..runtime.patches import PATCHES
 from ..runtime.provider import flatten
-from ..runtime.rebinding import megatron_root, rebind
+from ..runtime.rebinding import ORIGINAL_ATTR, megatron_root, rebind
 from .import_shims import import_failure
 
 Provider = plugin.Provider
@@ -45,7 +45,6 @@ PROVIDER_FLAG = "--extra-args-provider"
 DRY_RUN_ENV = "MEGATRON_PERF_TOGGLES_DRY_RUN"  # registered in core.registry.SETTINGS
 DEFAULT_PROVIDER_ATTR = "extra_args_provider"
 MEGATRON_HINT = "put the Megatron-LM checkout on PYTHONPATH, e.g. PYTHONPATH=/path/to/Megatron-LM"
-ORIGINAL_ATTR = "__perf_toggles_original__"
 
 
 class ProviderSpecError(PerfTogglesError):
@@ -126,7 +125,8 @@ def dry_run_requested(environ: Mapping[str, str] | None = None) -> bool:
 # --- the chain that runs inside Megatron's parse_args ---------------------------------------------
 
 
-class ProviderRun(Struct):
+@dataclass(slots=True)
+class ProviderRun:
     """One provider as it ran on one parser: the argument dests it added."""
 
     name: str
@@ -140,7 +140,6 @@ class Chain:
         self.providers = tuple(providers)
         self.hooks = hooks
         self.runs: list[ProviderRun] = []
-        self.parser: argparse.ArgumentParser | None = None
 
     def __call__(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         self.runs = []
@@ -157,7 +156,6 @@ class Chain:
             parser = parser if result is None else result
             added = [a.dest for a in parser._actions if id(a) not in before and a.dest != argparse.SUPPRESS]
             self.runs.append(ProviderRun(provider_name(p), list(dict.fromkeys(added))))
-        self.parser = parser
         return parser
 
     @property
@@ -168,7 +166,8 @@ class Chain:
 # --- installing into Megatron ---------------------------------------------------------------------
 
 
-class Hooks(Struct):
+@dataclass(slots=True)
+class Hooks:
     """What is installed: our providers, dry-run or not, and the Megatron functions we replaced."""
 
     providers: list[Provider]
@@ -338,18 +337,6 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
             PATCHES.on_uninstall(f"Megatron's {attr}, rebound wherever it was imported",
                                  functools.partial(rebind, wrapper, original, root))
     return hooks
-
-
-def unhook_parse_path() -> None:
-    """Put Megatron's own functions back wherever a wrapper was bound."""
-    hooks = active()
-    if hooks is None:
-        return
-    for key, wrapper in hooks.wrappers.items():
-        rebind(wrapper, hooks.originals[key], hooks.root)
-    # Runs as an undo too: forget without recording (an undo must not add changes).
-    PATCHES.drop(PROCESS_CONTROLLER)
-    PATCHES.drop(HOOKS)
 
 
 def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:

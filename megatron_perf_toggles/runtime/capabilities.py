@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 from ..core.facts import (
@@ -21,18 +20,12 @@ from ..core.facts import (
     TE_MIN_FUSED_QKV_ROPE,
     Capabilities,
     MegatronFacts,
-    parse_assume,
     version_tuple,
     with_assumptions,
 )
-from ..errors import AssumeError
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+from .assume import assumed, assumed_device  # noqa: F401 - asked of this module by its callers
+from .probe import installed as _installed
+from .probe import torch_module
 
 
 def _dist_version(*names: str) -> str | None:
@@ -134,12 +127,7 @@ def _detect(root: str | None) -> tuple[str, ...] | None:
 
 
 def _detect_torch(deep: bool) -> dict[str, Any]:
-    torch = sys.modules.get("torch")
-    if torch is None and deep and _installed("torch"):
-        try:
-            torch = importlib.import_module("torch")
-        except Exception:  # noqa: BLE001
-            torch = None
+    torch = torch_module(import_it=deep)
     if torch is None:
         return {"torch_version": _dist_version("torch") if deep else None}
     version = getattr(torch, "version", None)
@@ -225,23 +213,6 @@ def detect(deep: bool = False) -> Capabilities:
         notes=notes,
         **_detect_torch(deep),
     )
-
-
-def assumed(key: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """One fact MEGATRON_PERF_TOGGLES_ASSUME plans for (``device``, ``te_version``), read through the
-    registry. A bad spelling gives None here: the provider reports it as its one line."""
-    from ..core.env import read_text_setting
-
-    spec = read_text_setting("MEGATRON_PERF_TOGGLES_ASSUME", os.environ if environ is None else environ)
-    try:
-        return parse_assume(spec).get(key) if spec else None
-    except AssumeError:
-        return None
-
-
-def assumed_device() -> str | None:
-    """``cuda`` or ``rocm`` where MEGATRON_PERF_TOGGLES_ASSUME names one."""
-    return assumed("device")
 
 
 def resolve(spec: str | None, deep: bool = False) -> Capabilities:

@@ -22,13 +22,13 @@ import functools
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..core.ckpt_layout import checkpoint_facts
 from ..core.decide import Decision, Message, Plan, decide
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
-from ..core.struct import Struct, field
 from . import provenance, resume
 from .capabilities import resolve
 from .patches import PATCHES
@@ -48,7 +48,8 @@ class _Unset:
 UNSET: Any = _Unset()  # the default of every watched dest: "the command line did not say"
 
 
-class Registration(Struct):
+@dataclass(slots=True)
+class Registration:
     """What the argparse adapter learned from one parser: enough to plan each of its parses."""
 
     controller: Controller
@@ -57,7 +58,8 @@ class Registration(Struct):
     added_flags: list[str] = field(default_factory=list)  # the flag forms this parser lacked
 
 
-class Outcome(Struct):
+@dataclass(slots=True)
+class Outcome:
     """One parse's plan, what it rests on, and what it changed on the namespace."""
 
     plan: Plan

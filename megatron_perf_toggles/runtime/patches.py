@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
-
-from ..core.struct import Struct
 
 _MISSING: Any = object()
 
 
-class Change(Struct, frozen=True):
-    """One change to the process: what it was (for people) and how to take it back."""
+@dataclass(frozen=True, slots=True)
+class Undo:
+    """One entry of the undo log: the change to the process (for people) and how to take it back."""
 
     label: str
     undo: Callable[[], object]  # what it returns (a rebind's count) is not used
@@ -45,13 +45,13 @@ class ProcessPatches:
     """Records changes as they are made; :meth:`uninstall` undoes them in reverse order."""
 
     def __init__(self) -> None:
-        self._changes: list[Change] = []
+        self._changes: list[Undo] = []
         self._held: dict[str, Any] = {}
 
     def install(self, label: str, apply: Callable[[], object], undo: Callable[[], object]) -> None:
         """Make a change by calling ``apply`` and own it: ``undo`` takes it back on uninstall."""
         apply()
-        self._changes.append(Change(label, undo))
+        self._changes.append(Undo(label, undo))
 
     def hold(self, key: str, value: Any) -> None:
         """Keep process state that must outlive a call (the active parse hooks, the launch's
@@ -81,7 +81,7 @@ class ProcessPatches:
                 setattr(owner, name, old)
 
         setattr(owner, name, value)
-        self._changes.append(Change(label or f"{getattr(owner, '__name__', type(owner).__name__)}.{name}", undo))
+        self._changes.append(Undo(label or f"{getattr(owner, '__name__', type(owner).__name__)}.{name}", undo))
 
     def set_item(self, mapping: MutableMapping[str, Any], key: str, value: Any, label: str | None = None) -> None:
         """``mapping[key] = value`` (``sys.modules``, ``os.environ``), remembering the old entry."""
@@ -94,11 +94,11 @@ class ProcessPatches:
                 mapping[key] = old
 
         mapping[key] = value
-        self._changes.append(Change(label or f"[{key!r}]", undo))
+        self._changes.append(Undo(label or f"[{key!r}]", undo))
 
     def on_uninstall(self, label: str, undo: Callable[[], object]) -> None:
         """A change already made elsewhere (rebinding a function across modules), with its own undo."""
-        self._changes.append(Change(label, undo))
+        self._changes.append(Undo(label, undo))
 
     def uninstall(self) -> None:
         """Undo every recorded change, newest first. Idempotent."""

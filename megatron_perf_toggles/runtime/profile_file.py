@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 
 from ..core.facts import Capabilities
 from ..core.profile import PROFILE_ENV, Environment, Observed, Profile, parse_profile
-from ..core.struct import replace
 from ..errors import ProfileError
 from . import target as planned
 from .capabilities import gpu_name_here

@@ -13,6 +13,10 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+# What a wrapper of a Megatron function carries: the function it wraps, so that wrapping twice
+# finds the original and undoing puts it back.
+ORIGINAL_ATTR = "__perf_toggles_original__"
+
 
 def megatron_root(module: Any) -> str | None:
     """The checkout a ``megatron.training.*`` module was imported from."""

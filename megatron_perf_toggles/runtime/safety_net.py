@@ -34,15 +34,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .patches import PATCHES
-from .rebinding import megatron_root, rebind
+from .rebinding import ORIGINAL_ATTR, megatron_root, rebind
 
-PREFIX = "[perf-toggles]"
 FOUND_AT_RUN_TIME = "a rule found at run time"
 # Only values nobody asked for for this run are backed off: defaults, and a profile's values. A
 # profile is a set of measured defaults, often confirming the plugin's own; without this a profile
 # would take away the net that protects those defaults on a Megatron with a rule nobody listed.
 BACKED_OFF_SOURCES = ("default", "profile")
-ORIGINAL_ATTR = "__perf_toggles_original__"
 # The Megatron functions the net wraps (in megatron.training.arguments, and wherever imported by name).
 TARGETS = ("validate_args", "core_transformer_config_from_args")
 

@@ -21,14 +21,16 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from ..core.struct import Struct
 from ..errors import PerfTogglesError, did_you_mean
 from .patches import ProcessPatches
+from .probe import torch_module
 
 
-class Gpu(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Gpu:
     """The facts about one GPU that Megatron's argument checks and the plugin's guards ask for."""
 
     name: str  # h100, or the arch itself for a bare arch (sm_90)
@@ -77,7 +79,8 @@ def gpu_named(text: str) -> Gpu:
                       f"{', '.join(ROCM_ARCHS)}")
 
 
-class Target(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Target:
     """What a dry run plans for. ``None`` fields keep this machine's own answer."""
 
     world_size: int | None = None
@@ -102,14 +105,9 @@ def _positive(flag: str, value: int | None) -> int | None:
 
 
 def _visible_gpu() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import importlib
-
-        try:
-            torch = importlib.import_module("torch")
-        except Exception:  # noqa: BLE001 - no torch: no GPU either
-            return False
+    torch = torch_module()
+    if torch is None:  # no torch: no GPU either
+        return False
     try:
         return bool(torch.cuda.is_available())
     except Exception:  # noqa: BLE001
@@ -160,7 +158,7 @@ def add_options(group: Any) -> None:
 
 def from_options(ns: Any) -> Target:
     """The target the parsed planning options (``add_options``) ask for."""
-    from .capabilities import assumed_device
+    from .assume import assumed_device
 
     return make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
 

@@ -15,6 +15,7 @@ import types
 from typing import Any
 
 from .patches import PATCHES
+from .probe import torch_module
 
 MODULE_NAME = "fused_weight_gradient_mlp_cuda"
 # Where Megatron looks: module attribute + availability flag, and lazy importers (core.utils).
@@ -77,17 +78,9 @@ def wgrad_gemm_accum_fp16(input: Any, grad_output: Any, main_grad: Any) -> None:
 
 def usable() -> tuple[bool, str]:
     """Whether the fast path exists here, judged without touching a GPU (no context created)."""
-    torch = sys.modules.get("torch")
+    torch = torch_module()
     if torch is None:
-        import importlib
-        import importlib.util
-
-        if importlib.util.find_spec("torch") is None:
-            return False, "torch is not installed"
-        try:
-            torch = importlib.import_module("torch")
-        except Exception:  # noqa: BLE001
-            return False, "torch is not installed"
+        return False, "torch is not installed"
     if not hasattr(torch.ops.aten.addmm, "dtype_out"):
         return False, f"torch {torch.__version__} has no addmm out_dtype (needs a newer torch)"
     if not torch.cuda.is_available():

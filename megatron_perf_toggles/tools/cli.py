@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict, replace
 from typing import Any
 
 from .._version import __version__
@@ -19,7 +20,6 @@ from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surfac
 from ..core.precision import LOG_DIR_DESTS
 from ..core.profile import ENVIRONMENT_WORDS, Profile
 from ..core.registry import SETTINGS, TOGGLES, format_value
-from ..core.struct import asdict, replace
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import profile_file, provenance
 from ..runtime import target as planned

@@ -20,10 +20,10 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.env import read_text_setting
-from ..core.struct import Struct
 from ..errors import PREFIX, OneLineArgumentParser, PerfTogglesError, report
 
 PROG = "megatron-perf-toggles patch"
@@ -51,7 +51,8 @@ class PatchError(PerfTogglesError):
     """The tree cannot be identified or the patch set does not apply."""
 
 
-class Tree(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Tree:
     """A Megatron-LM checkout as far as patching needs to know it."""
 
     root: Path
@@ -136,7 +137,10 @@ def patch_files(directory: Path, name: str) -> list[Path]:
     return files
 
 
-class Outcome(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class PatchResult:
+    """What applying (or checking) a patch series gave: whether it applied, and why not."""
+
     ok: bool
     detail: str  # the tool's first meaningful line when it refused
 
@@ -151,7 +155,7 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
-def _git_apply(root: Path, files: list[Path], check: bool, reverse: bool) -> Outcome:
+def _git_apply(root: Path, files: list[Path], check: bool, reverse: bool) -> PatchResult:
     env = dict(os.environ)
     for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
         env.pop(var, None)
@@ -163,11 +167,11 @@ def _git_apply(root: Path, files: list[Path], check: bool, reverse: bool) -> Out
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
     text = done.stdout + done.stderr
     if done.returncode == 0 and "Skipped patch" in text:
-        return Outcome(False, "git apply skipped a file (is the tree inside another git repository?)")
-    return Outcome(done.returncode == 0, _first_line(text))
+        return PatchResult(False, "git apply skipped a file (is the tree inside another git repository?)")
+    return PatchResult(done.returncode == 0, _first_line(text))
 
 
-def _patch_p1(root: Path, files: list[Path], check: bool, reverse: bool) -> Outcome:
+def _patch_p1(root: Path, files: list[Path], check: bool, reverse: bool) -> PatchResult:
     # Exact context only (no fuzz), no .orig/.rej files left behind, and --forward: never take a
     # patch that looks already applied (or already reversed) the other way round.
     base = ["patch", "-p1", "--batch", "--silent", "--forward", "--fuzz=0", "--no-backup-if-mismatch",
@@ -176,16 +180,16 @@ def _patch_p1(root: Path, files: list[Path], check: bool, reverse: bool) -> Outc
         done = subprocess.run([*base, "--dry-run", "-i", str(f)], cwd=root, capture_output=True, text=True,
                               check=False)
         if done.returncode != 0:
-            return Outcome(False, f"{f.name}: {_first_line(done.stdout + done.stderr)}")
+            return PatchResult(False, f"{f.name}: {_first_line(done.stdout + done.stderr)}")
     if not check:
         for f in files:
             done = subprocess.run([*base, "-i", str(f)], cwd=root, capture_output=True, text=True, check=False)
             if done.returncode != 0:
-                return Outcome(False, f"{f.name}: {_first_line(done.stdout + done.stderr)}")
-    return Outcome(True, "")
+                return PatchResult(False, f"{f.name}: {_first_line(done.stdout + done.stderr)}")
+    return PatchResult(True, "")
 
 
-def apply(root: Path, files: list[Path], *, check: bool = False, reverse: bool = False) -> Outcome:
+def apply(root: Path, files: list[Path], *, check: bool = False, reverse: bool = False) -> PatchResult:
     """Apply (or check, or reverse) all ``files`` in ``root``, all or nothing."""
     if shutil.which("git"):
         return _git_apply(root, files, check, reverse)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from ..core.guards import guards_table
 from ..core.megatron_rules import rules_table
 from ..core.registry import SETTINGS, TOGGLES, format_value
 from .surfaces import replay
@@ -66,10 +67,11 @@ def compatibility_table() -> str:
 
 TABLES = {"toggles": toggles_table, "settings": settings_table, "compatibility": compatibility_table,
           "megatron-rules": rules_table}
+DOC_TABLES = {"guards": guards_table}  # generated blocks of docs/architecture.md (same markers)
 
 
 def render_block(name: str) -> str:
-    return f"{BEGIN.format(name=name)}\n{TABLES[name]()}\n{END.format(name=name)}"
+    return f"{BEGIN.format(name=name)}\n{({**TABLES, **DOC_TABLES})[name]()}\n{END.format(name=name)}"
 
 
 def _update_block(text: str, name: str) -> str:
@@ -81,7 +83,7 @@ def _update_block(text: str, name: str) -> str:
 
 def update(text: str) -> str:
     """``text`` with every generated block replaced by its current rendering."""
-    for name in TABLES:
+    for name in (*TABLES, *DOC_TABLES):  # a block the file does not have is left alone
         text = _update_block(text, name)
     return text
 

@@ -40,13 +40,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._version import __version__
 from ..core.profile import Choice, Confirmation, Environment, Evidence, Profile, render_profile
 from ..core.registry import BY_DEST, format_value
-from ..core.struct import Struct
 from ..errors import PerfTogglesError, fail
 from .ablate import report, stats
 from .ablate import runner as ablate
@@ -57,7 +57,8 @@ from .ablate.world import world_size
 DEFAULT_MAX_FACTORIAL = 3  # 8 arms a block; 4 would be 16
 
 
-class Decided(Struct):
+@dataclass(slots=True)
+class Decided:
     """One toggle's value and how it was reached: the experiment, its two arms and the rule."""
 
     dest: str
@@ -253,7 +254,8 @@ def measured_on(record: Mapping[str, Any], world: int | None) -> Environment:
 # --- running the phases --------------------------------------------------------------------------
 
 
-class Setup(Struct):
+@dataclass(slots=True)
+class Setup:
     """What every phase shares: the parsed options, the Megatron arguments, the environment, the
     dry-run resolver and the clock (the last two are stand-ins in tests)."""
 

@@ -11,9 +11,9 @@ import itertools
 import re
 import shlex
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ...core.registry import BY_DEST, SETTINGS, TOGGLES, flag_of
-from ...core.struct import Struct, field
 from ...errors import PerfTogglesError
 
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline", "candidates")
@@ -25,7 +25,8 @@ class DesignError(PerfTogglesError):
     """The experiment is ill-specified (unknown design, toggle or setting, or no arms)."""
 
 
-class Vary(Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class Vary:
     name: str  # a toggle dest or a Megatron argument dest
     values: tuple[str, ...]
 
@@ -35,7 +36,8 @@ class Vary(Struct, frozen=True):
         return flag_of(self.name)
 
 
-class Arm(Struct):
+@dataclass(slots=True)
+class Arm:
     name: str
     toggles: dict[str, bool]  # dest -> intended value
     settings: dict[str, str] = field(default_factory=dict)  # Megatron dest -> value (from --vary)

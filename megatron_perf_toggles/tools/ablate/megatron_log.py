@@ -12,9 +12,8 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
-
-from ...core.struct import Struct, field
 
 ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|(?P<fields>.*)$")
 MEMORY = re.compile(r"memory \(MB\)(?P<fields>(\s*\|\s*[^|]+:\s*[-+0-9.eE]+)+)")
@@ -50,7 +49,8 @@ def _fields(text: str) -> dict[str, float]:
     return out
 
 
-class Iteration(Struct):
+@dataclass(slots=True)
+class Iteration:
     iteration: int
     total: int
     values: dict[str, float]
@@ -59,7 +59,8 @@ class Iteration(Struct):
         return self.values.get(name)
 
 
-class MegatronLog(Struct):
+@dataclass(slots=True)
+class MegatronLog:
     iterations: list[Iteration] = field(default_factory=list)
     memory_mb: dict[str, float] = field(default_factory=dict)  # the last memory report seen
     errors: list[str] = field(default_factory=list)  # tail lines that look like a crash

@@ -28,10 +28,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...core.struct import Struct, field
 from ...errors import PerfTogglesError, fail
 from .design import (
     DESIGNS,
@@ -309,7 +309,8 @@ def block_order(seed: int, block: int, n_arms: int) -> list[int]:
     return order
 
 
-class Run(Struct):
+@dataclass(slots=True)
+class Run:
     arm: Arm
     block: int  # 0-based; -1 for the unmeasured warm-up run
     directory: Path

@@ -108,7 +108,8 @@ def megatron_parser() -> argparse.ArgumentParser:
 
 def code_facts() -> dict[str, Any]:
     """The Megatron facts that decide guards (which asserts and hooks exist), as detected."""
-    from ...core.struct import asdict
+    from dataclasses import asdict
+
     from ...runtime.capabilities import megatron_facts
 
     facts = asdict(megatron_facts())

@@ -1,0 +1,48 @@
+"""Every test that needs a real Megatron-LM tree says so with the ``real_megatron`` marker, so
+``-m "not real_megatron"`` runs the fast set and a run without trees skips them for one reason."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+# What a test reaches real trees through: the trees themselves, or parameters made from them.
+TREE_NAMES = {"TREES", "TREE_PARAMS", "EXPLAIN_MATRIX", "PICKED", "megatron_trees"}
+
+
+def _marked(decorators: list[ast.expr]) -> bool:
+    return any("real_megatron" in ast.unparse(d) or ast.unparse(d) == "needs_trees" for d in decorators)
+
+
+def _unmarked_tree_tests(source: str) -> list[str]:
+    tree = ast.parse(source)
+    module_marked = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                        and "real_megatron" in ast.unparse(n.value) for n in tree.body)
+    if module_marked:
+        return []
+    found = []
+    for node in tree.body:
+        if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+            continue
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        names |= {n.id for d in node.decorator_list for n in ast.walk(d) if isinstance(n, ast.Name)}
+        if names & TREE_NAMES and not _marked(node.decorator_list):
+            found.append(node.name)
+    return found
+
+
+def test_every_real_tree_test_is_marked():
+    unmarked = {path.name: names for path in sorted((REPO / "tests").glob("test_*.py"))
+                if (names := _unmarked_tree_tests(path.read_text()))}
+    assert not unmarked, f"tests that reach real trees without @pytest.mark.real_megatron: {unmarked}"
+
+
+def test_the_marker_check_sees_an_unmarked_tree_test():
+    source = ("import pytest\n@pytest.mark.parametrize('tree', TREE_PARAMS)\ndef test_a(tree):\n    pass\n"
+              "@pytest.mark.real_megatron\n@pytest.mark.parametrize('tree', TREE_PARAMS)\ndef test_b(tree):\n    pass\n"
+              "def test_c():\n    assert 1\n")
+    assert _unmarked_tree_tests(source) == ["test_a"]
+    assert _unmarked_tree_tests("import pytest\npytestmark = pytest.mark.real_megatron\n" + source) == []
+    assert Path(__file__).name == "test_markers.py"
