@@ -63,6 +63,7 @@ class Plan(Struct):
     messages: list[Message] = field(default_factory=list)
     wgrad_path: str = "off"  # apex | fallback | off: who computes fused weight gradients
     profile: dict[str, Any] | None = None  # the profile in use and how its environment compares (the record)
+    memory: dict[str, Any] | None = None  # each decision's peak-memory change and stock's peak (memory_guard)
 
     def values(self) -> dict[str, Any]:
         return {dest: d.value for dest, d in self.decisions.items()}
@@ -723,6 +724,11 @@ def decide(
         for change in guard(ctx):
             resolution.apply(ctx, change)
     messages.extend(resolution.overridden.values())
+    # --- memory: price each decision, back off defaults that would tip a fitting job (core/memory_guard.py)
+    from .memory_guard import guard_memory
+
+    memory, memory_messages = guard_memory(args, decisions, caps, env, stock)
+    messages.extend(memory_messages)
     profile_record = None
     if profile is not None:
         from .profile import profile_in_use
@@ -739,4 +745,4 @@ def decide(
     wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else (
         "fallback" if caps.wgrad_fallback and env.wgrad_fallback else "missing"))
     return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages, wgrad_path=wgrad_path,
-                profile=profile_record)
+                profile=profile_record, memory=memory.to_record())
