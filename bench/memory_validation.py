@@ -30,6 +30,8 @@ RAW = REPO / "docs" / "benchmarks" / "raw"
 OUT = REPO / "docs" / "benchmarks"
 FOLDERS = ("ablate", "tune", "memory")
 REL_TOL, ABS_TOL_MB = 0.15, 300.0
+TOGGLE_DESTS = {t.dest for t in TOGGLES}
+TOGGLE_ENVS = {t.env for t in TOGGLES}
 RUN_ONLY = ("--tensorboard-dir", "--wandb-save-dir", "--save", "--load", "--train-iters")  # not the shape
 
 
@@ -97,7 +99,8 @@ def validate_file(name: str, results: dict[str, Any]) -> list[dict[str, Any]]:
         cmd = commands.get(row["arm"])
         if row is base or cmd is None or row.get("max_allocated_mb") is None:
             continue
-        if _shape_argv(cmd["argv"]) != _shape_argv(base_argv) or cmd.get("env") == commands[base["arm"]].get("env"):
+        toggles_only = set(row.get("intended") or {}) <= TOGGLE_DESTS and set(cmd.get("env") or {}) <= TOGGLE_ENVS
+        if _shape_argv(cmd["argv"]) != _shape_argv(base_argv) or not toggles_only or not row.get("intended"):
             continue  # a candidate arm that changes something other than the toggles
         values = _values(row, impl)
         terms = {t.dest: toggle_delta_mb(t.dest, values, base_values, layout, te) for t in TOGGLES}
