@@ -154,10 +154,13 @@ def cross_entropy_mb(layout: Layout, fused: bool, impl: str) -> float:
     into the softmax in place, for the backward.
 
     native: Megatron's fused version (fusions/fused_cross_entropy.py) runs the same steps inside
-    ``jit_fuser`` functions, which are ``torch.compile``d. The in-place steps of the unfused code
-    (subtract the max, exp, divide by the sum) mutate a compiled function's input, so the compiled
-    graph writes its result to a new buffer while the caller still holds the upcast input: one more
-    fp32 copy of the logits is alive at the peak. +4 B x tokens x vocab / TP.
+    ``jit_fuser`` functions, which are ``torch.compile``d (torch >= 2.2). The forward keeps the
+    upcast tensor, as stock does. The backward's compiled function changes the saved fp32 softmax in
+    place (subtract one at the target, scale by the incoming gradient) and returns it cast to bf16;
+    the compiled graph computes that result into a fresh fp32 buffer of the logits' size and copies
+    it back into the saved tensor, so for a moment the softmax, that buffer and the bf16 gradient
+    are all alive: one more fp32 copy of the logits than stock's eager in-place steps.
+    +4 B x tokens x vocab / TP.
 
     te: Transformer Engine's parallel cross entropy (a Triton kernel) reads the bf16 logits, keeps
     the sums in fp32 registers and writes the gradient back into the bf16 logits in place: no fp32
