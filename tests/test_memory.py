@@ -13,10 +13,11 @@ from megatron_perf_toggles.core import memory
 from megatron_perf_toggles.core.decide import decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.memory_guard import HEADROOM_VAR, headroom_mb
+from megatron_perf_toggles.core.struct import replace
 from megatron_perf_toggles.errors import EnvValueError
 
 sys.path.insert(0, str(REPO / "bench"))
-import memory_validation  # noqa: E402
+import memory_validation
 
 RAW = REPO / "docs" / "benchmarks" / "raw"
 # The reference model as the H200 runs had it (docs/benchmarks/raw/ablate/one-at-a-time.json).
@@ -66,11 +67,11 @@ def test_stock_estimate_is_near_the_measured_all_off_peak():
 
 def test_layout_terms_follow_tp_cp_and_pipeline():
     base = memory.layout_from_args(memory_validation.args_of(REFERENCE_ARGV))
-    tp2 = memory.Layout(**{**base.__dict__, "tp": 2, "sequence_parallel": True})
-    cp2 = memory.Layout(**{**base.__dict__, "cp": 2})
+    tp2 = replace(base, tp=2, sequence_parallel=True)
+    cp2 = replace(base, cp=2)
     assert memory.fp32_logits_mb(tp2) == memory.fp32_logits_mb(base) / 2  # the vocabulary is split
     assert memory.fp32_logits_mb(cp2) == memory.fp32_logits_mb(base) / 2  # the sequence is split
-    pp2 = memory.Layout(**{**base.__dict__, "pp": 2})
+    pp2 = replace(base, pp=2)
     assert pp2.last_stage_params() < base.last_stage_params()
 
 

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from .struct import Struct
 
 MB = 2**20
 FP32, BF16 = 4, 2
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(Struct, frozen=True):
     """The few facts about a dense GPT job that peak memory depends on, per rank."""
 
     hidden: int
@@ -239,8 +239,7 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
 # --- stock's own peak ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Estimate:
+class Estimate(Struct, frozen=True):
     """Stock Megatron's peak allocated MB for a layout, the parts it adds up, and whose formula."""
 
     peak_mb: float

@@ -11,7 +11,6 @@ peak. Where the layout or the GPU's memory is unknown, the plan says so instead 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EnvValueError
@@ -20,6 +19,7 @@ from .env import EnvSettings
 from .facts import Capabilities
 from .memory import Estimate, Unknown, layout_from_args, stock_peak, toggle_delta_mb
 from .registry import BY_DEST, TOGGLES, format_value
+from .struct import Struct, field
 
 HEADROOM_VAR = "MEGATRON_PERF_TOGGLES_MEMORY_HEADROOM"
 DEFAULT_HEADROOM = "10%"
@@ -80,8 +80,7 @@ def stock_values(stock: Mapping[str, Any], caps: Capabilities) -> dict[str, Any]
     return out
 
 
-@dataclass
-class MemoryPlan:
+class MemoryPlan(Struct):
     """The record of what the plan does to peak memory (``Plan.memory``)."""
 
     deltas: dict[str, float | None] = field(default_factory=dict)

@@ -37,7 +37,10 @@ def memory_words(plan: Plan, dest: str) -> str:
     """A decision's peak-memory change as the tables show it ('' where the plan has no memory record)."""
     from ..core.memory_guard import delta_words
 
-    deltas = (plan.memory or {}).get("peak_memory_delta_mb") or {}
+    memory = plan.memory or {}
+    if memory.get("stock_peak_mb") is None:  # no estimate for this layout: the summary line says why
+        return ""
+    deltas = memory.get("peak_memory_delta_mb") or {}
     return delta_words(deltas.get(dest)) if dest in deltas else ""
 
 
@@ -63,7 +66,7 @@ def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], comman
         "package": "megatron-perf-toggles",
         "version": __version__,
         "precision": plan.precision,
-        "decisions": {dest: _with_memory(plan, dest, d.to_record()) for dest, d in plan.decisions.items()},
+        "decisions": decision_records(plan),
         "log_dirs": plan.log_dirs,
         "wgrad_path": plan.wgrad_path,
         "messages": [{"level": m.level, "text": m.text} for m in plan.messages],
@@ -78,12 +81,16 @@ def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], comman
     return record
 
 
-def _with_memory(plan: Plan, dest: str, record: dict[str, Any]) -> dict[str, Any]:
-    """A toggle decision's record gains its peak_memory_delta_mb (per GPU; None where unknown)."""
+def decision_records(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Each decision as the record and ``args.perf_toggles`` hold it; a toggle's gains its
+    peak_memory_delta_mb (per GPU against stock; None where unknown)."""
     deltas = (plan.memory or {}).get("peak_memory_delta_mb") or {}
-    if dest in deltas:
-        record["peak_memory_delta_mb"] = deltas[dest]
-    return record
+    out = {}
+    for dest, d in plan.decisions.items():
+        out[dest] = d.to_record()
+        if dest in deltas:
+            out[dest]["peak_memory_delta_mb"] = deltas[dest]
+    return out
 
 
 def record_dir(plan: Plan, args: dict[str, Any]) -> str | None:

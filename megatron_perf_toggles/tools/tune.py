@@ -259,8 +259,8 @@ def within_memory_limit(choices: Mapping[str, Choice], first: Mapping[str, Any],
     base = peak_mb(first, "all-on")
     if base is None:
         return dict(choices), f"--memory-limit-gb {limit_gb:g}: not applied, leave-one-out logged no peak memory"
-    saving = {d: peak_mb(first, f"without:{d}") for d in choices}
-    saving = {d: base - mb for d, mb in saving.items() if mb is not None}
+    without = {d: peak_mb(first, f"without:{d}") for d in choices}
+    saving: dict[str, float] = {d: base - mb for d, mb in without.items() if mb is not None}
 
     def peak(cs: Mapping[str, Choice]) -> float:
         return base - sum(saving.get(d, 0.0) for d, c in cs.items() if c.value is False)
