@@ -202,3 +202,22 @@ def test_real_tree_h100_backs_off_and_h200_keeps(tree):
     h200 = run_cli("explain", "--json", "--megatron", str(tree), "--gpu", "h200", "--", *heavy_argv(), env=env)
     assert h200.returncode == 0, h200.stderr[-2000:]
     assert json.loads(h200.stdout)["decisions"]["cross_entropy_loss_fusion"]["value"] is True
+
+
+def test_the_start_up_and_dry_run_lines_give_each_decisions_memory():
+    from megatron_perf_toggles.runtime import provenance
+
+    args = memory_validation.args_of(REFERENCE_ARGV)
+    caps = full_caps(apex_fused_wgrad=False, wgrad_fallback=True, gpu_memory_mb=H200_MB, gpu_name="NVIDIA H200")
+    plan = decide(args, {}, read_env({"CROSS_ENTROPY_FUSION_IMPL": "native"}), caps)
+    lines = provenance.lines(plan)
+    ce = next(x for x in lines if "cross_entropy_loss_fusion:" in x)
+    wgrad = next(x for x in lines if "gradient_accumulation_fusion:" in x)
+    assert ce.endswith("; +3.9 GB peak per GPU)")  # 4008 MB
+    assert wgrad.endswith("; +1.4 GB peak per GPU)")  # 1418 MB: TE's placeholders, stock has no APEX
+    assert any("memory: stock's estimated peak" in x and "limit 126.9 GB" in x for x in lines)
+    record = provenance.build_record(plan, caps, {})
+    total = record["memory"]["total_peak_memory_delta_mb"]
+    assert total == pytest.approx(sum(d["peak_memory_delta_mb"] for d in record["decisions"].values()
+                                      if "peak_memory_delta_mb" in d))
+    assert within(total, measured_change(json.loads((RAW / "ablate" / "headline.json").read_text()), "all-on"))

@@ -612,6 +612,9 @@ def test_the_profile_records_each_choice_s_memory_change(tmp_path, costs, monkey
     assert "peak memory vs the other (MB)" in md and "| -4008 |" in md
     loo = (tmp_path / "out" / "leave-one-out" / "results.md").read_text()
     assert "vs baseline MB" in loo and "| +3668 |" in loo  # without:grad_reduce_in_bf16 against all-on
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "out" / "leave-one-out" / "results.json").read_text())["rows"]}
+    assert rows["without:cross_entropy_loss_fusion"]["max_allocated_delta_mb"] == -4008
+    assert rows["all-on"]["max_allocated_delta_mb"] == 0
 
 
 def test_a_memory_limit_turns_off_what_saves_most_until_the_choices_fit(tmp_path, monkeypatch):

@@ -247,8 +247,8 @@ class Estimate(Struct, frozen=True):
     parts: dict[str, float]
 
 
-MEGATRON_FORMULA = "Megatron's theoretical memory formula (training/theoretical_memory_usage.py)"
-PLUGIN_ESTIMATE = "the plugin's own estimate (Megatron's weight and optimizer formula, the plugin's activations)"
+MEGATRON_FORMULA = "Megatron's theoretical memory formula, training/theoretical_memory_usage.py"
+PLUGIN_ESTIMATE = "the plugin's own estimate: Megatron's weight and optimizer formula, the plugin's activations"
 
 
 def bytes_per_param(layout: Layout) -> float:
