@@ -44,6 +44,7 @@ class Layout(Struct, frozen=True):
     distributed_optimizer: bool = False
     recompute: str | None = None  # None | "selective" | "full"
     bias: bool = False
+    fp8: bool = False  # TE keeps an fp8 copy of each transformer layer's linear weights
 
     @property
     def tokens(self) -> int:
@@ -136,7 +137,7 @@ def layout_from_args(args: Mapping[str, Any]) -> Layout:
         untied=bool(args.get("untie_embeddings_and_output_weights")), swiglu=bool(args.get("swiglu")),
         distributed_optimizer=bool(args.get("use_distributed_optimizer")),
         recompute=recompute if recompute in ("selective", "full") else None,
-        bias=bool(args.get("add_bias_linear", False)),
+        bias=bool(args.get("add_bias_linear", False)), fp8=bool(args.get("fp8") or args.get("fp8_format")),
     )
 
 
@@ -290,6 +291,8 @@ def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool) -> E
             parts["logits"] = (FP32 + BF16) * layout.tokens * layout.vocab_per_rank / MB + FP32 * sbh / MB
         if not last or layout.pp == 1:
             parts["embedding_output"] = in_flight * BF16 * sbh / MB
+        if layout.fp8:  # 1 B per linear weight of the stage's layers (the output layer stays bf16)
+            parts["fp8_weights"] = layout.stage_layers * sum(r * c for r, c in layout.linear_shapes().values()) / MB
         if grad_accum_fusion and te_installed:
             parts["placeholder_wgrads"] = dummy_wgrads_mb(layout, last_stage=last)
         stages.append(parts)
