@@ -136,8 +136,8 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
         return memory, []
     limit = caps.gpu_memory_mb - headroom_mb(env, caps.gpu_memory_mb)
     memory.limit_mb = round(limit, 1)
-    where = (f"{caps.gpu_name or 'the GPU'} has {size_words(caps.gpu_memory_mb)}, less "
-             f"{env.memory_headroom or DEFAULT_HEADROOM} headroom ({HEADROOM_VAR}) = {size_words(limit)}")
+    where = (f"{caps.gpu_name or 'the GPU'}: {size_words(caps.gpu_memory_mb)} less "
+             f"{env.memory_headroom or DEFAULT_HEADROOM} headroom = {size_words(limit)}")
     messages: list[Message] = []
     planned = estimate.peak_mb + (memory.total_mb or 0.0)
     if planned <= limit:
@@ -152,9 +152,9 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
         decision, cost = decisions[dest], memory.deltas[dest] or 0.0
         if decision.source != "default" or not env.plugin_enabled or _needed(dest, args):
             continue
-        reason = (f"memory: stock's estimated peak {size_words(estimate.peak_mb)} fits ({where}), but with the "
-                  f"defaults the peak would be {size_words(planned)}; this default adds {delta_words(cost)} "
-                  f"({estimate.source}), so it is backed off to stock's {format_value(base[dest])}")
+        reason = (f"memory: stock's estimated peak {size_words(estimate.peak_mb)} fits the limit ({where}), but with "
+                  f"the defaults the peak would be {size_words(planned)}; this default adds {delta_words(cost)}, "
+                  f"so it is backed off to stock's {format_value(base[dest])} ({HEADROOM_VAR} sets the headroom)")
         decisions[dest] = Decision(base[dest], "guard", reason)
         values[dest] = base[dest]
         memory.deltas = _deltas(values, base, layout, te)
