@@ -10,6 +10,11 @@ Writes docs/benchmarks/memory_validation.{json,md}; exits 1 when a prediction mi
 
     python bench/memory_validation.py            # write
     python bench/memory_validation.py --check    # also fail if the committed files differ
+    python bench/memory_validation.py --add NAME=DIR/results.json ...   # copy new results in first
+
+``--add`` copies an ablate results.json to docs/benchmarks/raw/memory/NAME.json with the machine's
+paths made generic (the Megatron checkout becomes /path/to/Megatron-LM, the interpreter python3,
+the output directory out/), as the other raw results are committed.
 """
 
 from __future__ import annotations
@@ -33,6 +38,42 @@ REL_TOL, ABS_TOL_MB = 0.15, 300.0
 TOGGLE_DESTS = {t.dest for t in TOGGLES}
 TOGGLE_ENVS = {t.env for t in TOGGLES}
 RUN_ONLY = ("--tensorboard-dir", "--wandb-save-dir", "--save", "--load", "--train-iters")  # not the shape
+
+
+def _generic(value: Any, prefixes: list[tuple[str, str]]) -> Any:
+    if isinstance(value, dict):
+        return {k: _generic(v, prefixes) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_generic(v, prefixes) for v in value]
+    if isinstance(value, str):
+        for prefix, generic in prefixes:
+            if value == prefix or value.startswith(prefix.rstrip("/") + "/"):
+                return generic + value[len(prefix.rstrip("/")):]
+    return value
+
+
+def import_results(name: str, path: Path, raw: Path = RAW) -> Path:
+    """Copy ``path`` (an ablate results.json) to raw/memory/NAME.json with generic paths; refuses a
+    file that still names a machine path afterwards."""
+    data = json.loads(path.read_text())
+    megatron = ((data.get("versions") or {}).get("megatron") or {}).get("path") or "/nonexistent"
+    first = (data.get("runs") or [{}])[0]
+    python = (first.get("command") or ["python3"])[0]
+    out_dir = str(first.get("log", "")).split("/runs/")[0]
+    prefixes = [(megatron, "/path/to/Megatron-LM"), (python, "python3")]
+    if out_dir.startswith("/"):
+        prefixes.append((out_dir.rsplit("/", 1)[0], "out"))
+    cxx = (data.get("environment") or {}).get("CUDAHOSTCXX")
+    if cxx:
+        prefixes.append((cxx, "/path/to/g++"))
+    text = json.dumps(_generic(data, prefixes), indent=1) + "\n"
+    for word in ("/work", "/root", "/tmp", "/home", "/opt"):
+        if f'"{word}' in text:
+            raise SystemExit(f"{path}: a machine path ({word}...) is left after making paths generic")
+    target = raw / "memory" / f"{name}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    return target
 
 
 def args_of(argv: list[str]) -> dict[str, Any]:
@@ -73,11 +114,34 @@ def _shape_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _values(row: dict[str, Any], impl: str) -> dict[str, Any]:
-    values = {t.dest: t.stock_default for t in TOGGLES}
-    values.update(row.get("intended") or {})
+def _values(row: dict[str, Any], impl: str, cmd: dict[str, Any]) -> dict[str, Any]:
+    """What the arm ran with: the plugin's defaults (an arm's environment sets every toggle it
+    varies; a candidates baseline sets none), the implementation the guards leave, and the toggle
+    flags a candidate arm adds."""
+    values: dict[str, Any] = {t.dest: t.default for t in TOGGLES}
+    values.update({d: v for d, v in (row.get("intended") or {}).items() if d in TOGGLE_DESTS})
     values["cross_entropy_fusion_impl"] = (row.get("env") or {}).get("CROSS_ENTROPY_FUSION_IMPL", impl)
+    values.update(_toggle_flags(cmd.get("candidate_args") or [])[0])
     return values
+
+
+def _toggle_flags(words: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The toggle values a list of Megatron flags sets, and the words that are not toggle flags."""
+    values: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        toggle = next((t for t in TOGGLES if word in t.flags), None)
+        if toggle is None:
+            rest.append(word)
+        elif toggle.kind == "choice":
+            values[toggle.dest] = words[i + 1] if i + 1 < len(words) else None
+            i += 1
+        else:
+            values[toggle.dest] = word == toggle.flag
+        i += 1
+    return values, rest
 
 
 def validate_file(name: str, results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -93,16 +157,19 @@ def validate_file(name: str, results: dict[str, Any]) -> list[dict[str, Any]]:
     impl = "native" if (caps.get("megatron") or {}).get("asserts_te_cross_entropy") or not te else "te"
     base_argv = commands[base["arm"]]["argv"]
     layout = layout_from_args(args_of(base_argv))
-    base_values = _values(base, impl)
+    base_values = _values(base, impl, commands[base["arm"]])
     out = []
     for row in rows:
         cmd = commands.get(row["arm"])
         if row is base or cmd is None or row.get("max_allocated_mb") is None:
             continue
-        toggles_only = set(row.get("intended") or {}) <= TOGGLE_DESTS and set(cmd.get("env") or {}) <= TOGGLE_ENVS
-        if _shape_argv(cmd["argv"]) != _shape_argv(base_argv) or not toggles_only or not row.get("intended"):
+        added, other_words = _toggle_flags(cmd.get("candidate_args") or [])
+        toggles_only = set(cmd.get("env") or {}) <= TOGGLE_ENVS and not other_words and (
+            set(row.get("intended") or {}) <= TOGGLE_DESTS or added)
+        same_shape = _shape_argv(_toggle_flags(cmd["argv"])[1]) == _shape_argv(_toggle_flags(base_argv)[1])
+        if not same_shape or not toggles_only or not (row.get("intended") or added):
             continue  # a candidate arm that changes something other than the toggles
-        values = _values(row, impl)
+        values = _values(row, impl, cmd)
         terms = {t.dest: toggle_delta_mb(t.dest, values, base_values, layout, te) for t in TOGGLES}
         predicted = None if any(v is None for v in terms.values()) else round(sum(terms.values()), 1)
         measured = round(row["max_allocated_mb"] - base["max_allocated_mb"], 1)
@@ -172,7 +239,12 @@ def stock_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if the committed files are not what this writes")
+    parser.add_argument("--add", action="append", default=[], metavar="NAME=RESULTS_JSON",
+                        help="copy an ablate results.json into docs/benchmarks/raw/memory/NAME.json first")
     ns = parser.parse_args(argv)
+    for item in ns.add:
+        name, _, path = item.partition("=")
+        print(f"added {import_results(name, Path(path)).relative_to(REPO)}")
     rows, stock = validate(), stock_rows()
     payload = json.dumps({"tolerance": {"relative": REL_TOL, "absolute_mb": ABS_TOL_MB}, "rows": rows,
                           "stock_estimate": stock}, indent=1) + "\n"

@@ -37,8 +37,12 @@ def within(predicted: float | None, measured: float, rel: float = 0.15) -> bool:
 
 def test_every_measured_toggle_arm_is_predicted_within_tolerance():
     rows = memory_validation.validate()
-    assert len({r["shape"] for r in rows}) >= 3  # reference bf16, small, FP8
-    assert len(rows) >= 20
+    shapes = {r["shape"] for r in rows}
+    assert len(shapes) >= 3
+    assert any("vocab 256000" in s for s in shapes)  # large vocabulary, small hidden size
+    assert any("fp8" in s and "hidden 4096" in s for s in shapes)  # the reference model under FP8
+    assert any("bf16" in s and "hidden 4096" in s for s in shapes)
+    assert len(rows) >= 40
     missed = [r for r in rows if not r["within"]]
     assert not missed, missed
 
@@ -53,6 +57,16 @@ def test_reference_terms_match_the_h200_one_at_a_time_run():
                   measured_change(REFERENCE, "only:cross_entropy_loss_fusion"), 0.02)
     assert within(memory.dummy_wgrads_mb(layout), measured_change(REFERENCE, "only:gradient_accumulation_fusion"), 0.02)
     assert within(memory.grad_reduce_bf16_mb(layout), measured_change(REFERENCE, "only:grad_reduce_in_bf16"), 0.02)
+
+
+def test_te_cross_entropy_is_the_leaner_path_measured():
+    """Megatron 0.18 with TE: the te implementation against the native one on the logits-heavy shape."""
+    data = json.loads((RAW / "memory" / "lean-ce-core_v0.18.0.json").read_text())
+    layout = memory.layout_from_args(memory_validation.args_of(data["commands"]["baseline"]["argv"]))
+    predicted = memory.cross_entropy_mb(layout, True, "native") - memory.cross_entropy_mb(layout, True, "te")
+    assert within(predicted, measured_change(data, "+native-ce"), 0.02)
+    rows = {r["arm"]: r for r in data["rows"]}
+    assert rows["baseline"]["ms_per_iter"]["max"] < rows["+native-ce"]["ms_per_iter"]["min"]  # te is also faster
 
 
 def test_stock_estimate_is_near_the_measured_all_off_peak():
