@@ -235,3 +235,23 @@ def test_the_start_up_and_dry_run_lines_give_each_decisions_memory():
     assert total == pytest.approx(sum(d["peak_memory_delta_mb"] for d in record["decisions"].values()
                                       if "peak_memory_delta_mb" in d))
     assert within(total, measured_change(json.loads((RAW / "ablate" / "headline.json").read_text()), "all-on"))
+
+
+def test_a_live_gpu_reports_its_own_memory():
+    from types import SimpleNamespace
+
+    from megatron_perf_toggles.runtime.capabilities import gpu_memory_here
+
+    props = SimpleNamespace(total_memory=143771 * 2**20)
+    cuda = SimpleNamespace(is_available=lambda: True, get_device_properties=lambda index: props)
+    assert gpu_memory_here(SimpleNamespace(cuda=cuda)) == 143771
+    assert gpu_memory_here(SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: False))) is None
+
+
+def test_sequence_parallel_with_selective_recompute_uses_megatrons_formula():
+    args = {**memory_validation.args_of(REFERENCE_ARGV), "tensor_model_parallel_size": 2, "sequence_parallel": True,
+            "recompute_granularity": "selective"}
+    estimate = memory.stock_peak(memory.layout_from_args(args), False, True)
+    assert estimate.source == memory.MEGATRON_FORMULA
+    assert memory.stock_peak(memory.layout_from_args(memory_validation.args_of(REFERENCE_ARGV)), False, True
+                             ).source == memory.PLUGIN_ESTIMATE

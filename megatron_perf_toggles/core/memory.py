@@ -250,7 +250,8 @@ class Estimate(Struct, frozen=True):
     parts: dict[str, float]
 
 
-MEGATRON_FORMULA = "Megatron's theoretical memory formula, training/theoretical_memory_usage.py"
+MEGATRON_FORMULA = ("Megatron's theoretical memory formula (training/theoretical_memory_usage.py) for weights, "
+                    "optimizer and layer activations, with the plugin's logits term")
 PLUGIN_ESTIMATE = "the plugin's own estimate: Megatron's weight and optimizer formula, the plugin's activations"
 
 
