@@ -255,3 +255,9 @@ def test_sequence_parallel_with_selective_recompute_uses_megatrons_formula():
     assert estimate.source == memory.MEGATRON_FORMULA
     assert memory.stock_peak(memory.layout_from_args(memory_validation.args_of(REFERENCE_ARGV)), False, True
                              ).source == memory.PLUGIN_ESTIMATE
+
+
+def test_data_parallel_size_comes_from_the_world_before_validate_args():
+    args = {**memory_validation.args_of(REFERENCE_ARGV), "world_size": 16, "tensor_model_parallel_size": 2}
+    assert memory.layout_from_args(args).dp == 8
+    assert memory.layout_from_args({**args, "data_parallel_size": 4}).dp == 4

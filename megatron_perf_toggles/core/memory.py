@@ -127,13 +127,16 @@ def layout_from_args(args: Mapping[str, Any]) -> Layout:
     heads = _int(args, "num_attention_heads")
     groups = _int(args, "num_query_groups", heads) if args.get("group_query_attention") else heads
     tp = _int(args, "tensor_model_parallel_size", 1)
+    pp, cp = _int(args, "pipeline_model_parallel_size", 1), _int(args, "context_parallel_size", 1)
+    world = args.get("world_size")
+    # validate_args sets data_parallel_size; before it, the world size (parse_args reads WORLD_SIZE) gives it
+    dp_default = world // (tp * pp * cp) if isinstance(world, int) and world >= tp * pp * cp else 1
     recompute = args.get("recompute_granularity")
     return Layout(
         hidden=hidden, ffn=_int(args, "ffn_hidden_size", 4 * hidden), layers=_int(args, "num_layers"),
         heads=heads, query_groups=groups, kv_channels=_int(args, "kv_channels", hidden // heads),
         seq=_int(args, "seq_length"), micro_batch=_int(args, "micro_batch_size"), padded_vocab=padded_vocab(args),
-        tp=tp, pp=_int(args, "pipeline_model_parallel_size", 1), cp=_int(args, "context_parallel_size", 1),
-        dp=_int(args, "data_parallel_size", 1), sequence_parallel=bool(args.get("sequence_parallel")) and tp > 1,
+        tp=tp, pp=pp, cp=cp, dp=_int(args, "data_parallel_size", max(dp_default, 1)), sequence_parallel=bool(args.get("sequence_parallel")) and tp > 1,
         untied=bool(args.get("untie_embeddings_and_output_weights")), swiglu=bool(args.get("swiglu")),
         distributed_optimizer=bool(args.get("use_distributed_optimizer")),
         recompute=recompute if recompute in ("selective", "full") else None,

@@ -124,7 +124,8 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     te = caps.te_version is not None
     try:
         layout = layout_from_args(args)
-    except Unknown as why:
+        layout.last_stage_params()  # a layout whose numbers do not divide (e.g. heads by TP) is not modelled
+    except (Unknown, ArithmeticError, TypeError, ValueError) as why:
         memory.deltas = {t.dest: None for t in TOGGLES}
         memory.note = f"no memory estimate: {why}; each decision's memory change is unknown"
         return memory, []
