@@ -261,3 +261,19 @@ def test_data_parallel_size_comes_from_the_world_before_validate_args():
     args = {**memory_validation.args_of(REFERENCE_ARGV), "world_size": 16, "tensor_model_parallel_size": 2}
     assert memory.layout_from_args(args).dp == 8
     assert memory.layout_from_args({**args, "data_parallel_size": 4}).dp == 4
+
+
+def test_added_results_name_no_machine_paths(tmp_path):
+    results = {"versions": {"megatron": {"path": "/srv/x/Megatron-LM"}}, "environment": {"CUDAHOSTCXX": "/opt/gcc/g++"},
+               "runs": [{"command": ["/venv/bin/python", "-m", "m", "/srv/x/Megatron-LM/pretrain_gpt.py"],
+                         "log": "/scratch/out/part/runs/block01/a/log.txt"}], "rows": []}
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(results))
+    written = json.loads(memory_validation.import_results("part", src, raw=tmp_path).read_text())
+    assert written["runs"][0]["command"] == ["python3", "-m", "m", "/path/to/Megatron-LM/pretrain_gpt.py"]
+    assert written["runs"][0]["log"] == "out/part/runs/block01/a/log.txt"
+    assert written["environment"]["CUDAHOSTCXX"] == "/path/to/g++"
+    results["rows"] = [{"note": "/srv/elsewhere/file"}]
+    src.write_text(json.dumps(results))
+    with pytest.raises(SystemExit, match="machine paths"):
+        memory_validation.import_results("part", src, raw=tmp_path)
