@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     for part in parts:
         est = estimate_s(part, ns.repeats, ns.iters, n_toggles, ns.no_warmup_run)
         total += est
-        print(f"  {part:<15} {(0 if ns.no_warmup_run else 1) + ns.repeats * arms_of(part, n_toggles):>3} runs  ~{est / 60:5.1f} min  -> {out / part}")
+        runs = (0 if ns.no_warmup_run else 1) + ns.repeats * arms_of(part, n_toggles)
+        print(f"  {part:<15} {runs:>3} runs  ~{est / 60:5.1f} min  -> {out / part}")
     devices = [d.strip() for d in ns.devices.split(",") if d.strip()] if ns.devices else []
     if devices:  # side by side: a phase takes about as long as its parts spread over the devices
         total = sum(max(max(estimate_s(p, ns.repeats, ns.iters, n_toggles, ns.no_warmup_run) for p in ph),

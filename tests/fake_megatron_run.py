@@ -9,6 +9,7 @@ run's own command line: run-to-run drift, as on a shared GPU.
 FAKE_SLEEP=s sleeps s seconds per iteration.
 FAKE_WORLD_SIZE=n prints Megatron's "using world size: n" start-up line.
 FAKE_EXTRA_MS=VAR=ms[,VAR=ms] adds ms to each iteration of a run whose VAR is 1 (a toggle that costs time).
+FAKE_EXTRA_MB=VAR=mb[,VAR=mb] adds mb to the max allocated memory of a run whose VAR is 1 (a toggle that costs memory).
 Invoked as: python fake_megatron_run.py -m megatron_perf_toggles.run SCRIPT [args...]
 """
 
@@ -48,5 +49,9 @@ for i in range(1, iters + 1):
     if i == 3 and crash is not None and crash == os.environ.get("GRAD_REDUCE_IN_BF16", ""):
         print("Traceback (most recent call last):\nRuntimeError: CUDA error: an illegal memory access", flush=True)
         sys.exit(1)
-print("[Rank 0] (after 6 iterations) memory (MB) | allocated: 100.00 | max allocated: 200.50 | "
+peak = 200.5
+for item in filter(None, os.environ.get("FAKE_EXTRA_MB", "").split(",")):
+    var, _, extra = item.partition("=")
+    peak += float(extra) if os.environ.get(var) == "1" else 0.0
+print(f"[Rank 0] (after 6 iterations) memory (MB) | allocated: 100.00 | max allocated: {peak:.2f} | "
       "reserved: 300.00 | max reserved: 400.00", flush=True)

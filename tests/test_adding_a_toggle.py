@@ -81,7 +81,8 @@ def test_the_decision_comes_from_command_line_environment_or_default(with_exampl
     assert args.fused_example_kernel is True and args.perf_toggles["fused_example_kernel"]["source"] == "default"
     args, _ = _parse([], {"FUSED_EXAMPLE_KERNEL": "0"})
     assert args.perf_toggles["fused_example_kernel"] == {"value": False, "source": "env",
-                                                         "reason": "FUSED_EXAMPLE_KERNEL=0"}
+                                                         "reason": "FUSED_EXAMPLE_KERNEL=0",
+                                                         "peak_memory_delta_mb": None}  # no term in core/memory.py
     args, _ = _parse(["--no-fused-example-kernel"], {"FUSED_EXAMPLE_KERNEL": "1"})
     assert args.perf_toggles["fused_example_kernel"]["source"] == "cli"
 

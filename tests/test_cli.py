@@ -38,7 +38,7 @@ def test_explain_json_with_assumed_machine():
     data = json.loads(proc.stdout)
     assert data["decisions"]["gradient_accumulation_fusion"]["value"] is True
     assert data["decisions"]["cross_entropy_fusion_impl"] == {
-        "value": "native", "source": "guard",
+        "value": "native", "source": "guard", "peak_memory_delta_mb": 0.0,
         "reason": "Megatron 0.20.0 rejects the te impl with --cross-entropy-loss-fusion (stability assertion in validate_args)"}
     assert data["capabilities"]["assumed"]
 

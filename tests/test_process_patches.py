@@ -147,14 +147,16 @@ def test_after_uninstall_the_process_is_as_it_was(monkeypatch: pytest.MonkeyPatc
 
 def test_a_dry_run_controller_plans_without_touching_the_process() -> None:
     """plan() writes the decisions onto the namespace and nothing else; a dry run applies nothing."""
-    from megatron_perf_toggles.runtime import provider
+    from megatron_perf_toggles.runtime import provenance, provider
 
     PATCHES.uninstall()
     controller = Controller({"MEGATRON_PERF_TOGGLES_ASSUME": "cuda,te=2.8"}, mode="dry-run")
     parser = provider.attach(argparse.ArgumentParser(), controller=controller)
     args = parser.parse_args([])
     assert controller.last is not None and controller.last.plan.wgrad_path == "fallback"
-    assert args.perf_toggles == {dest: d.to_record() for dest, d in controller.last.plan.decisions.items()}
+    assert args.perf_toggles == provenance.decision_records(controller.last.plan)
+    assert {dest: {k: v for k, v in r.items() if k != "peak_memory_delta_mb"} for dest, r in args.perf_toggles.items()} \
+        == {dest: d.to_record() for dest, d in controller.last.plan.decisions.items()}
     assert PATCHES.labels == [] and not PATCHES.held(rank_check.FINGERPRINT) and wgrad_fallback.MODULE_NAME not in sys.modules
 
 

@@ -40,7 +40,8 @@ def test_explicit_flags_are_detected_both_directions():
 def test_explicit_value_equal_to_megatron_default_still_counts_as_cli():
     args, _ = parse(["--cross-entropy-fusion-impl", "native"])
     assert args.perf_toggles["cross_entropy_fusion_impl"] == {
-        "value": "native", "source": "cli", "reason": "set on the command line (--cross-entropy-fusion-impl native)"}
+        "value": "native", "source": "cli", "reason": "set on the command line (--cross-entropy-fusion-impl native)",
+        "peak_memory_delta_mb": None}  # no model shape given: the memory change is unknown
 
 
 def test_env_sets_defaults():

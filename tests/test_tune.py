@@ -596,3 +596,41 @@ def test_every_dry_run_plans_for_the_stated_world_and_the_profile_records_it(tmp
     assert len(worlds) >= 4 and set(worlds) == {2}
     assert profile_file.load(str(tmp_path / "out" / "profile.json")).environment.world_size == 2
     assert "dry runs plan for a world of 2 (from --world-size; --launch looks like 1)" in capsys.readouterr().err
+
+
+# --- memory: each choice's measured change, and --memory-limit-gb -----------------------------------
+
+
+def test_the_profile_records_each_choice_s_memory_change(tmp_path, costs, monkeypatch):
+    monkeypatch.setenv("FAKE_EXTRA_MB", "CROSS_ENTROPY_LOSS_FUSION=4008,GRAD_REDUCE_IN_BF16=-3668")
+    assert tune_main(tmp_path, "--repeats", "2") == 0
+    profile = profile_file.load(str(tmp_path / "out" / "profile.json"))
+    evidence = {d: c.evidence for d, c in profile.toggles.items()}
+    assert evidence["cross_entropy_loss_fusion"].peak_memory_delta_mb == -4008  # chosen off, against on
+    assert evidence["grad_reduce_in_bf16"].peak_memory_delta_mb == -3668  # chosen on, against off
+    md = (tmp_path / "out" / "profile.md").read_text()
+    assert "peak memory vs the other (MB)" in md and "| -4008 |" in md
+    loo = (tmp_path / "out" / "leave-one-out" / "results.md").read_text()
+    assert "vs baseline MB" in loo and "| +3668 |" in loo  # without:grad_reduce_in_bf16 against all-on
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "out" / "leave-one-out" / "results.json").read_text())["rows"]}
+    assert rows["without:cross_entropy_loss_fusion"]["max_allocated_delta_mb"] == -4008
+    assert rows["all-on"]["max_allocated_delta_mb"] == 0
+
+
+def test_a_memory_limit_turns_off_what_saves_most_until_the_choices_fit(tmp_path, monkeypatch):
+    # Fusion costs 4008 MB, the DDP average 1000 MB (stand-in numbers); bf16 reduction is the fast one.
+    monkeypatch.setenv("FAKE_EXTRA_MB", "CROSS_ENTROPY_LOSS_FUSION=4008,DDP_AVERAGE_IN_COLLECTIVE=1000")
+    monkeypatch.setenv("FAKE_EXTRA_MS", "GRAD_REDUCE_IN_BF16=100")
+    limit_gb = (200.5 + 1000 + 500) / 1024  # all on peaks at 5208.5 MB: both must go to fit
+    assert tune_main(tmp_path, "--repeats", "2", "--memory-limit-gb", f"{limit_gb:.6f}") == 0
+    profile = profile_file.load(str(tmp_path / "out" / "profile.json"))
+    ce, ddp = profile.toggles["cross_entropy_loss_fusion"], profile.toggles["ddp_average_in_collective"]
+    assert ce.value is False and "--memory-limit-gb" in ce.evidence.rule and "saves 4008 MB" in ce.evidence.rule
+    assert ddp.value is True  # 5208.5 - 4008 = 1200.5 MB fits 1700.5: the cheaper one stays
+    assert "peak at 1.2 GB per GPU" in profile.notes
+
+
+def test_a_memory_limit_must_be_positive(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        tune_main(tmp_path, "--memory-limit-gb", "0")
+    assert stop.value.code == 2 and "--memory-limit-gb 0" in capsys.readouterr().err

@@ -94,6 +94,11 @@ def decide(
         for change in each(ctx):
             resolution.apply(ctx, change)
     messages.extend(resolution.overridden.values())
+    # --- memory: price each decision, back off defaults that would tip a fitting job (core/memory_guard.py)
+    from .memory_guard import guard_memory
+
+    memory, memory_messages = guard_memory(args, decisions, caps, env, stock)
+    messages.extend(memory_messages)
     profile_record = None
     if profile is not None:
         from .profile import profile_in_use
@@ -110,4 +115,4 @@ def decide(
     wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else (
         "fallback" if caps.wgrad_fallback and env.wgrad_fallback else "missing"))
     return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages, wgrad_path=wgrad_path,
-                profile=profile_record)
+                profile=profile_record, memory=memory.to_record())

@@ -102,6 +102,7 @@ class EnvSettings:
     dry_run: bool = False
     patches_dir: str | None = None
     profile_path: str | None = None  # the file is read by the runtime, parsed by core.profile
+    memory_headroom: str | None = None  # parsed by core.memory_guard (a percentage or GB)
 
     def raw_for_record(self, environ: Mapping[str, str]) -> dict[str, str]:
         """The plugin's variables as they were set, for the provenance record."""

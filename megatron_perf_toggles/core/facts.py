@@ -53,6 +53,7 @@ class Capabilities:
     gpu_arch: str | None = None
     gpu_name: str | None = None  # the product, where gpu_arch is known: "NVIDIA H200"
     gpu_source: str | None = None  # "detected", or what a dry run planned for ("--gpu h100", ...)
+    gpu_memory_mb: float | None = None  # the GPU's total memory (MB of 2**20 B): the device's, or the planned GPU's
     assumed: tuple[str, ...] = ()  # capability names that came from MEGATRON_PERF_TOGGLES_ASSUME
     notes: dict[str, str] = field(default_factory=dict)  # capability -> why it is missing
 

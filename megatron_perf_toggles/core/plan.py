@@ -47,6 +47,7 @@ class Plan:
     messages: list[Message] = field(default_factory=list)
     wgrad_path: str = "off"  # apex | fallback | off: who computes fused weight gradients
     profile: dict[str, Any] | None = None  # the profile in use and how its environment compares (the record)
+    memory: dict[str, Any] | None = None  # each decision's peak-memory change and stock's peak (memory_guard)
 
     def values(self) -> dict[str, Any]:
         return {dest: d.value for dest, d in self.decisions.items()}

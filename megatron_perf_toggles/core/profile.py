@@ -32,7 +32,7 @@ ENVIRONMENT_WORDS = {"megatron": "Megatron", "transformer_engine": "Transformer 
                      "gpu": "GPU", "world_size": "world size"}
 TOP_KEYS = ("format", "schema", "created", "made_by", "command", "environment", "toggles", "confirmation", "notes")
 CHOICE_KEYS = ("value", "evidence", "note")
-EVIDENCE_NUMBERS = ("speedup", "low", "high", "confidence", "loss_ratio")
+EVIDENCE_NUMBERS = ("speedup", "low", "high", "confidence", "loss_ratio", "peak_memory_delta_mb")
 EVIDENCE_KEYS = ("against", *EVIDENCE_NUMBERS, "verdict", "blocks", "design", "loss_within_noise", "rule")
 CONFIRMATION_NUMBERS = ("speedup", "low", "high", "confidence")
 CONFIRMATION_KEYS = (*CONFIRMATION_NUMBERS, "verdict", "blocks", "outcome")
@@ -54,6 +54,8 @@ class Evidence:
     loss_ratio: float | None = None  # loss with the chosen value / loss with ``against``
     loss_within_noise: bool | None = None
     rule: str = ""  # the decision rule that picked the value, in words
+    # measured peak allocated MB with the chosen value minus with ``against`` (per GPU; None: not measured)
+    peak_memory_delta_mb: float | None = None
 
     def brief(self) -> str:
         """``x1.036 [1.025, 1.047] vs off, faster``: what a decision's reason quotes."""

@@ -224,6 +224,10 @@ SETTINGS: tuple[Setting, ...] = (
             "A profile file (JSON, written by `megatron-perf-toggles tune`) whose toggle values replace the plugin "
             "defaults: command line > environment variable > profile > plugin default; guards still apply.",
             field="profile_path"),
+    Setting("MEGATRON_PERF_TOGGLES_MEMORY_HEADROOM", "text", "10%",
+            "Memory the guard keeps free per GPU: a percentage of its memory (10%) or GB (8). A default whose "
+            "estimated peak-memory cost would tip a job that fits stock Megatron over the rest is backed off.",
+            field="memory_headroom"),
     Setting("MEGATRON_PERF_TOGGLES_PATCHES", "text", "",
             "Where `megatron-perf-toggles patch` finds its patch sets: a directory laid out like the "
             "repository's patches/ (default: the copy installed with the package, else the source tree's).",

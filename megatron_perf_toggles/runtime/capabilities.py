@@ -138,8 +138,9 @@ def _detect_torch(deep: bool) -> dict[str, Any]:
     planned = active()
     if planned is not None and planned.gpu is not None:  # a dry run's planned GPU (runtime/target.py)
         out.update(device=planned.gpu.vendor, gpu_arch=planned.gpu.arch, gpu_name=planned.gpu.product,
-                   gpu_source=planned.gpu_source)
+                   gpu_source=planned.gpu_source, gpu_memory_mb=float(planned.gpu.memory_gib * 1024))
         return out
+    out["gpu_memory_mb"] = gpu_memory_here(torch)  # the memory guard's denominator (core/memory_guard.py)
     if deep:
         try:
             if torch.cuda.is_available():
@@ -151,6 +152,17 @@ def _detect_torch(deep: bool) -> dict[str, Any]:
         except Exception:  # noqa: BLE001
             pass
     return out
+
+
+def gpu_memory_here(torch: Any) -> float | None:
+    """The first visible GPU's total memory in MB, from the device itself; None without one. Like
+    gpu_name_here it initialises CUDA without creating a context."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        return float(torch.cuda.get_device_properties(0).total_memory) / 2**20
+    except Exception:  # noqa: BLE001 - no answer is "unknown", not an error
+        return None
 
 
 def gpu_name_here() -> str | None:

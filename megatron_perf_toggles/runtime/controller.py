@@ -141,7 +141,7 @@ class Controller:
         for dest, path in plan.log_dirs.items():
             setattr(ns, dest, path)
         ns.perf_toggles_precision = plan.precision
-        ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+        ns.perf_toggles = provenance.decision_records(plan)
         if self.here:
             if caps.assumed:
                 plan.messages.append(Message("warning", "MEGATRON_PERF_TOGGLES_ASSUME is set: these decisions rest "
@@ -210,7 +210,7 @@ class Controller:
         changed = {}
         for dest in dests:
             changed[dest] = plan.decisions[dest] = Decision(getattr(ns, dest), "guard", reason)
-        ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+        ns.perf_toggles = provenance.decision_records(plan)
         warning = Message("warning", f"Megatron rejected {backed_off_values(sources)}, {FOUND_AT_RUN_TIME}; "
                                      f"{'it was' if len(dests) == 1 else 'they were'} turned back to Megatron's "
                                      "default for this run. Please report it to megatron-perf-toggles so a guard "

@@ -33,8 +33,26 @@ def jsonable(value: Any, *, enum_name: bool = False, other: Callable[[Any], Any]
     return other(value)
 
 
+def memory_words(plan: Plan, dest: str) -> str:
+    """A decision's peak-memory change as the tables show it ('' where the plan has no memory record)."""
+    from ..core.memory_guard import delta_words
+
+    memory = plan.memory or {}
+    if memory.get("stock_peak_mb") is None:  # no estimate for this layout: the summary line says why
+        return ""
+    deltas = memory.get("peak_memory_delta_mb") or {}
+    return delta_words(deltas.get(dest)) if dest in deltas else ""
+
+
 def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
-    out = [f"{PREFIX} {dest}: {format_value(d.value)} ({d.source}; {d.reason})" for dest, d in plan.decisions.items()]
+    out = []
+    for dest, d in plan.decisions.items():
+        memory = memory_words(plan, dest)
+        out.append(f"{PREFIX} {dest}: {format_value(d.value)} ({d.source}; {d.reason}{'; ' + memory if memory else ''})")
+    if plan.memory is not None:
+        from ..core.memory_guard import summary
+
+        out.append(f"{PREFIX} {summary(plan.memory)}")
     for dest, path in plan.log_dirs.items():
         before = (original_dirs or {}).get(dest)
         note = "already tagged" if before == path else f"tagged by precision {plan.precision}"
@@ -48,7 +66,7 @@ def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], comman
         "package": "megatron-perf-toggles",
         "version": __version__,
         "precision": plan.precision,
-        "decisions": {dest: d.to_record() for dest, d in plan.decisions.items()},
+        "decisions": decision_records(plan),
         "log_dirs": plan.log_dirs,
         "wgrad_path": plan.wgrad_path,
         "messages": [{"level": m.level, "text": m.text} for m in plan.messages],
@@ -56,9 +74,23 @@ def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], comman
         "environment": environ,
         "command": command,
     }
+    if plan.memory is not None:
+        record["memory"] = plan.memory  # stock's estimated peak, the GPU, the limit and the total change
     if plan.profile is not None:
         record["profile"] = plan.profile  # the file, what it was measured on, and how this run differs
     return record
+
+
+def decision_records(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Each decision as the record and ``args.perf_toggles`` hold it; a toggle's gains its
+    peak_memory_delta_mb (per GPU against stock; None where unknown)."""
+    deltas = (plan.memory or {}).get("peak_memory_delta_mb") or {}
+    out = {}
+    for dest, d in plan.decisions.items():
+        out[dest] = d.to_record()
+        if dest in deltas:
+            out[dest]["peak_memory_delta_mb"] = deltas[dest]
+    return out
 
 
 def record_dir(plan: Plan, args: dict[str, Any]) -> str | None:

@@ -204,8 +204,13 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     if not ns.megatron_args:
         print("Command:  built-in Llama-3-8B bf16 command line (pass your own after --)")
     print()
-    rows = [[dest, format_value(d.value), d.source, d.reason] for dest, d in plan.decisions.items()]
-    print(_table(rows, ["toggle", "value", "source", "reason"]))
+    rows = [[dest, format_value(d.value), d.source, d.reason, provenance.memory_words(plan, dest)]
+            for dest, d in plan.decisions.items()]
+    print(_table(rows, ["toggle", "value", "source", "reason", "peak memory"]))
+    if plan.memory is not None:
+        from ..core.memory_guard import summary
+
+        print(f"\n{summary(plan.memory)}")
     print()
     print(f"precision tag: {plan.precision}")
     print(f"fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}")

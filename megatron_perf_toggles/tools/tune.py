@@ -232,7 +232,54 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
     return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
                     verdict=sp["verdict"], confidence=sp["confidence"], blocks=sp["blocks"],
                     design=decided.phase, loss_ratio=ratio, loss_within_noise=None if outside is None else not outside,
-                    rule=decided.rule)
+                    rule=decided.rule, peak_memory_delta_mb=memory_change(result, decided.chosen, decided.against))
+
+
+def peak_mb(result: Mapping[str, Any], arm: str) -> float | None:
+    """An arm's measured peak allocated MB (the highest over its finished runs), None if not logged."""
+    row = next((r for r in result.get("rows", []) if r["arm"] == arm), None)
+    return None if row is None else row.get("max_allocated_mb")
+
+
+def memory_change(result: Mapping[str, Any], chosen: str, against: str) -> float | None:
+    """Peak allocated MB with the chosen arm minus with the other one."""
+    a, b = peak_mb(result, chosen), peak_mb(result, against)
+    return None if a is None or b is None else round(a - b, 1)
+
+
+def within_memory_limit(choices: Mapping[str, Choice], first: Mapping[str, Any], limit_gb: float | None
+                        ) -> tuple[dict[str, Choice], str]:
+    """Keep the choices within ``--memory-limit-gb``: the peak of a set of choices is read from
+    leave-one-out as all-on's peak plus, for each toggle chosen off, what removing it changed
+    (measured; the toggles' memory terms add up, docs/memory.md). While it is above the limit, the
+    toggle whose removal lowers the peak most is turned off, with the numbers in its rule. Returns
+    the choices and a line for the profile's review ('' where no limit was given)."""
+    if limit_gb is None:
+        return dict(choices), ""
+    limit = limit_gb * 1024
+    base = peak_mb(first, "all-on")
+    if base is None:
+        return dict(choices), f"--memory-limit-gb {limit_gb:g}: not applied, leave-one-out logged no peak memory"
+    without = {d: peak_mb(first, f"without:{d}") for d in choices}
+    saving: dict[str, float] = {d: base - mb for d, mb in without.items() if mb is not None}
+
+    def peak(cs: Mapping[str, Choice]) -> float:
+        return base - sum(saving.get(d, 0.0) for d, c in cs.items() if c.value is False)
+
+    out = dict(choices)
+    while peak(out) > limit:
+        candidates = [d for d, c in out.items() if c.value is not False and saving.get(d, 0.0) > 0]
+        if not candidates:
+            return out, (f"--memory-limit-gb {limit_gb:g}: the choices peak at {peak(out) / 1024:.1f} GB per GPU "
+                         "(measured), and no toggle left on lowers it: above the limit")
+        dest = max(candidates, key=lambda d: saving[d])
+        before = peak(out)
+        rule = (f"off: --memory-limit-gb {limit_gb:g}; with it on the choices peak at {before / 1024:.1f} GB per GPU "
+                f"(measured), removing it saves {saving[dest]:.0f} MB")
+        out[dest] = Choice(False, Evidence(against=True, verdict="memory limit", design="leave-one-out", rule=rule,
+                                           peak_memory_delta_mb=-round(saving[dest], 1)))
+        say(f"{dest} off: {rule}")
+    return out, f"--memory-limit-gb {limit_gb:g}: the choices peak at {peak(out) / 1024:.1f} GB per GPU (measured)"
 
 
 # --- the environment measured, from the dry-run records ------------------------------------------
@@ -516,12 +563,17 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     choices = {d: Choice(True, fallback[d]) if d in fallback else
                Choice(decided[d].value, evidence(decided[d], results[decided[d].phase])) for d in taking_part}
     choices, confirmation = confirm(setup, choices, {d: v for d, v in pins.items() if d not in choices}, results)
+    # After the confirmation, which weighs speed alone: the limit is a constraint, not a preference.
+    choices, memory_line = within_memory_limit(choices, first, getattr(ns, "memory_limit_gb", None))
+    if memory_line:
+        say(memory_line)
     command = ablate.arm_command(ns.launch, ns.script, setup.args, baseline_of(arms))
     profile = Profile(
         toggles=choices, environment=measured_on(records[arms.index(baseline_of(arms))],
                                                  world_size(first["runs"], baseline_of(arms).name, ns.launch, ns.world_size)),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command), confirmation=confirmation)
+        made_by=f"megatron-perf-toggles tune {__version__}", command=shlex.join(command), confirmation=confirmation,
+        notes=memory_line)
     return profile, excluded, results
 
 
@@ -544,16 +596,21 @@ def summary(profile: Profile, path: Path, excluded: Mapping[str, str], results: 
              f"Measured {profile.created} with {profile.made_by}: Megatron {env.megatron or '?'}, Transformer Engine "
              f"{env.transformer_engine or 'none'}, torch {env.torch or '?'}, GPU {env.gpu or 'not known'}, world size "
              f"{env.world_size or 'not recorded'}.", "", f"Command: `{profile.command}`", "",
-             "| toggle | value | speedup of the value over the other [CI] | verdict | loss ratio | how |",
-             "|---|---|---|---|---|---|"]
+             "| toggle | value | speedup of the value over the other [CI] | verdict | loss ratio "
+             "| peak memory vs the other (MB) | how |",
+             "|---|---|---|---|---|---|---|"]
     for dest, choice in profile.toggles.items():
         ev = choice.evidence
         assert ev is not None  # tune records evidence for every toggle it decides
         loss = "-" if ev.loss_ratio is None else f"{ev.loss_ratio:.4f}" + (
             "" if ev.loss_within_noise in (None, True) else " (outside noise band)")
-        lines.append(f"| {dest} | {format_value(choice.value)} | {_interval(ev)} | {ev.verdict} | {loss} | {ev.rule} |")
+        memory = "-" if ev.peak_memory_delta_mb is None else f"{ev.peak_memory_delta_mb:+.0f}"
+        lines.append(f"| {dest} | {format_value(choice.value)} | {_interval(ev)} | {ev.verdict} | {loss} | {memory} "
+                     f"| {ev.rule} |")
     for dest, why in excluded.items():
-        lines.append(f"| {dest} | (not in the profile) | - | - | - | a guard keeps it off here: {why} |")
+        lines.append(f"| {dest} | (not in the profile) | - | - | - | - | a guard keeps it off here: {why} |")
+    if profile.notes:
+        lines += ["", profile.notes + "."]
     lines += ["", "Intervals: paired t over blocks; a value turned off in leave-one-out and the factorial's at the "
               "corrected confidence they were decided with."]
     conf = profile.confirmation
@@ -621,6 +678,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with more, they stay on")
     p.add_argument("--no-warmup-run", dest="warmup_run", action="store_false",
                    help="skip the unmeasured warm-up run before the first block")
+    p.add_argument("--memory-limit-gb", type=float, metavar="GB",
+                   help="keep the choices' peak allocated memory per GPU (measured in leave-one-out) within this "
+                   "many GB (of 1024 MB): while above it, the toggle whose removal saves most is turned off")
     p.add_argument("script", help="the Megatron training script, e.g. pretrain_gpt.py")
     p.add_argument("megatron_args", nargs=argparse.REMAINDER, help="Megatron arguments")
 
@@ -637,6 +697,8 @@ def _prepare(ns: argparse.Namespace) -> list[str]:
     """Every check before the first dry run, and the Megatron arguments as the runs get them."""
     ns.effect, ns.target_ci = 0.01, None  # what ablate's checks read; tune has no such options
     ablate._validate(ns)
+    if ns.memory_limit_gb is not None and not ns.memory_limit_gb > 0:
+        raise DesignError(f"--memory-limit-gb {ns.memory_limit_gb:g}: a positive number of GB per GPU")
     if not 1 <= ns.max_factorial <= 5:
         raise DesignError(f"--max-factorial {ns.max_factorial}: between 1 and 5 (2 to 32 arms a block)")
     ablate._check_out(Path(ns.out))

@@ -108,6 +108,10 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
             if cmp_:
                 row["loss"] = {"iteration": last, "arm_losses": al, "baseline_losses": bl, **cmp_}
         rows.append(row)
+    base_mb = next((r.get("max_allocated_mb") for r in rows if r["baseline"]), None)
+    for row in rows:  # the peak's change from the baseline, next to the speedup
+        if base_mb is not None and row.get("max_allocated_mb") is not None:
+            row["max_allocated_delta_mb"] = round(row["max_allocated_mb"] - base_mb, 2)
     return rows
 
 
@@ -133,6 +137,11 @@ def widest_interval(rows: Sequence[dict[str, Any]]) -> float:
 
 def _f(v: Any, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def _signed(mb: Any) -> str:
+    """A change in MB with its sign (the baseline's own row shows 0)."""
+    return "-" if not isinstance(mb, (int, float)) else ("0" if abs(mb) < 0.5 else f"{mb:+.0f}")
 
 
 def _loss_band(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -161,8 +170,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['iters']} iterations per run; medians over iterations after the first {result['warmup']}. "
              f"Speedup: baseline ms / arm ms per block, geometric mean with a paired {pct} t-interval.", "",
              f"| arm | runs | ms/iter (median of run medians) | range of run medians | TFLOP/s/GPU | tokens/s/GPU "
-             f"| speedup [{pct} CI] | verdict | loss ratio [range] (it) | loss | max alloc MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| speedup [{pct} CI] | verdict | loss ratio [range] (it) | loss | max alloc MB | vs baseline MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ms = r.get("ms_per_iter") or {}
         sp = r.get("speedup") or {}
@@ -179,7 +188,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['arm']} | {runs} | {_f(ms.get('median'), '.1f')} | {_f(ms.get('min'), '.1f')}–"
                      f"{_f(ms.get('max'), '.1f')} | {_f((r.get('tflops_per_gpu') or {}).get('median'), '.1f')} "
                      f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} | {flag} "
-                     f"| {_f(r.get('max_allocated_mb'), '.0f')} |")
+                     f"| {_f(r.get('max_allocated_mb'), '.0f')} | {_signed(r.get('max_allocated_delta_mb'))} |")
     lines += _loss_band(rows)
     adds = {name: c for name, c in result.get("commands", {}).items() if "candidate_args" in c}
     if adds:  # what each candidate arm adds, so that a reader can run it again

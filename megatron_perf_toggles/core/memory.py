@@ -1,0 +1,311 @@
+"""Peak allocated memory per GPU: what each toggle value adds to stock Megatron's, and stock's own.
+
+Pure arithmetic over the parsed arguments (no torch, no Megatron): a plan can show, before anything
+runs, what every decision costs in memory. Units are MB of 2**20 bytes, as torch's
+``max_memory_allocated`` and Megatron's memory report count them. Every figure is for the GPU that
+holds the most, which for the toggles' terms is a rank of the last pipeline stage (it holds the
+output layer and the logits).
+
+Each term below names the code path in Megatron-LM (and Transformer Engine) that creates the tensor
+it counts; docs/memory.md has the derivations and the H200 validation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MB = 2**20
+FP32, BF16 = 4, 2
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The few facts about a dense GPT job that peak memory depends on, per rank."""
+
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    query_groups: int
+    kv_channels: int
+    seq: int
+    micro_batch: int
+    padded_vocab: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    untied: bool = True
+    swiglu: bool = True
+    distributed_optimizer: bool = False
+    recompute: str | None = None  # None | "selective" | "full"
+    bias: bool = False
+    fp8: bool = False  # TE keeps an fp8 copy of each transformer layer's linear weights
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one rank: the logits' rows (the output layer gathers the
+        sequence-parallel shards back, so SP does not divide them; CP does)."""
+        return self.seq // self.cp * self.micro_batch
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return self.padded_vocab // self.tp
+
+    @property
+    def stage_layers(self) -> int:
+        return math.ceil(self.layers / self.pp)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each distinct weight matrix of one transformer layer on this rank (rows, columns)."""
+        q = self.heads * self.kv_channels
+        kv = 2 * self.query_groups * self.kv_channels
+        fc1 = self.ffn * (2 if self.swiglu else 1)
+        return {"qkv": ((q + kv) // self.tp, self.hidden), "proj": (self.hidden, q // self.tp),
+                "fc1": (fc1 // self.tp, self.hidden), "fc2": (self.hidden, self.ffn // self.tp)}
+
+    def layer_params(self) -> int:
+        weights = sum(r * c for r, c in self.linear_shapes().values())
+        return weights + 2 * self.hidden  # two RMSNorm/LayerNorm weights (replicated across TP)
+
+    def embedding_params(self) -> int:
+        return self.vocab_per_rank * self.hidden
+
+    def last_stage_params(self) -> int:
+        """Parameters on one rank of the last stage: its layers, the final norm, the output layer
+        (its own weight when untied; a copy of the embedding when tied and PP > 1), and the input
+        embedding too when PP == 1."""
+        params = self.stage_layers * self.layer_params() + self.hidden + self.embedding_params()
+        if self.pp == 1 and self.untied:
+            params += self.embedding_params()
+        return params
+
+    def first_stage_params(self) -> int:
+        if self.pp == 1:
+            return self.last_stage_params()
+        return self.stage_layers * self.layer_params() + self.embedding_params()
+
+
+class Unknown(Exception):
+    """The arguments do not describe a layout the model covers; the message says why."""
+
+
+def _int(args: Mapping[str, Any], dest: str, default: int | None = None) -> int:
+    value = args.get(dest)
+    if value is None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise Unknown(f"--{dest.replace('_', '-')} is not known")
+    return value
+
+
+def padded_vocab(args: Mapping[str, Any]) -> int:
+    """Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP
+    (training/tokenizer: the padded size is computed where the tokenizer is built)."""
+    padded = args.get("padded_vocab_size")
+    if isinstance(padded, int) and padded > 0:
+        return padded
+    vocab = args.get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise Unknown("the vocabulary size is not known before the tokenizer loads (pass --vocab-size)")
+    multiple = (args.get("make_vocab_size_divisible_by") or 128) * (args.get("tensor_model_parallel_size") or 1)
+    return -(-vocab // multiple) * multiple
+
+
+def layout_from_args(args: Mapping[str, Any]) -> Layout:
+    """The layout Megatron's parsed (and validated) namespace describes; raises Unknown for what the
+    model does not cover (MoE, MLA, hybrid models, a vocabulary not known yet)."""
+    for dest, words in (("num_experts", "mixture-of-experts layers"), ("multi_latent_attention", "multi-latent attention"),
+                        ("hybrid_override_pattern", "hybrid (Mamba) layers"), ("mtp_num_layers", "multi-token prediction")):
+        if args.get(dest):
+            raise Unknown(f"{words} are not in the memory model")
+    hidden = _int(args, "hidden_size")
+    heads = _int(args, "num_attention_heads")
+    groups = _int(args, "num_query_groups", heads) if args.get("group_query_attention") else heads
+    tp = _int(args, "tensor_model_parallel_size", 1)
+    pp, cp = _int(args, "pipeline_model_parallel_size", 1), _int(args, "context_parallel_size", 1)
+    world = args.get("world_size")
+    # validate_args sets data_parallel_size; before it, the world size (parse_args reads WORLD_SIZE) gives it
+    dp_default = world // (tp * pp * cp) if isinstance(world, int) and world >= tp * pp * cp else 1
+    recompute = args.get("recompute_granularity")
+    return Layout(
+        hidden=hidden, ffn=_int(args, "ffn_hidden_size", 4 * hidden), layers=_int(args, "num_layers"),
+        heads=heads, query_groups=groups, kv_channels=_int(args, "kv_channels", hidden // heads),
+        seq=_int(args, "seq_length"), micro_batch=_int(args, "micro_batch_size"), padded_vocab=padded_vocab(args),
+        tp=tp, pp=pp, cp=cp, dp=_int(args, "data_parallel_size", max(dp_default, 1)),
+        sequence_parallel=bool(args.get("sequence_parallel")) and tp > 1,
+        untied=bool(args.get("untie_embeddings_and_output_weights")), swiglu=bool(args.get("swiglu")),
+        distributed_optimizer=bool(args.get("use_distributed_optimizer")),
+        recompute=recompute if recompute in ("selective", "full") else None,
+        bias=bool(args.get("add_bias_linear", False)), fp8=bool(args.get("fp8") or args.get("fp8_format")),
+    )
+
+
+# --- the toggles' terms: each one's change in peak allocated MB against its stock value ----------
+
+
+def fp32_logits_mb(layout: Layout) -> float:
+    """One fp32 copy of one micro-batch's logits on one rank: 4 B x tokens x vocabulary / TP."""
+    return FP32 * layout.tokens * layout.vocab_per_rank / MB
+
+
+def cross_entropy_mb(layout: Layout, fused: bool, impl: str) -> float:
+    """Cross entropy against stock's unfused path, which upcasts the bf16 logits once (the
+    ``.float()`` at the start of the vocab-parallel cross entropy) and keeps that fp32 tensor, turned
+    into the softmax in place, for the backward.
+
+    native: Megatron's fused version (fusions/fused_cross_entropy.py) runs the same steps inside
+    ``jit_fuser`` functions, which are ``torch.compile``d (torch >= 2.2). The forward keeps the
+    upcast tensor, as stock does. The backward's compiled function changes the saved fp32 softmax in
+    place (subtract one at the target, scale by the incoming gradient) and returns it cast to bf16;
+    the compiled graph computes that result into a fresh fp32 buffer of the logits' size and copies
+    it back into the saved tensor, so for a moment the softmax, that buffer and the bf16 gradient
+    are all alive: one more fp32 copy of the logits than stock's eager in-place steps.
+    +4 B x tokens x vocab / TP.
+
+    te: Transformer Engine's parallel cross entropy (a Triton kernel) reads the bf16 logits, keeps
+    its sums in fp32 registers and writes the gradient into a bf16 tensor: no fp32 copy of the
+    logits at all. Its peak holds two bf16 logits-sized tensors where stock's holds the fp32
+    softmax and a bf16 one: -2 B x tokens x vocab / TP, as measured on the H200 (Megatron 0.18,
+    TE 2.20: te 24000 MB below native on a 16384-token, 256000-vocabulary micro-batch, where
+    native is +4 B and te -2 B).
+    """
+    if not fused:
+        return 0.0
+    return fp32_logits_mb(layout) if impl == "native" else -fp32_logits_mb(layout) / 2
+
+
+def dummy_wgrads_mb(layout: Layout, last_stage: bool = True) -> float:
+    """What gradient accumulation fusion adds where Transformer Engine is installed.
+
+    With fusion, a linear layer's weight-gradient GEMM accumulates into ``main_grad`` directly, and
+    the autograd function still returns a placeholder gradient of the weight's shape (in the
+    activations' dtype) so the DDP backward hooks fire on the main thread. Megatron's own layers
+    (the output layer, tensor_parallel/layers.py) and TE's linear modules take that placeholder from
+    TE's ``get_dummy_wgrad``, which caches ONE tensor per (shape, dtype) for the rest of the job. So
+    the cost is one bf16 weight-sized tensor per distinct weight shape: the output layer's
+    (vocab/TP x hidden) plus one of each of a layer's QKV, projection, FC1 and FC2 weights.
+
+    Without fusion the weight gradient is a transient bf16 tensor that the hook adds into
+    ``main_grad`` and frees: nothing persists. Reference model (hidden 4096, ffn 14336, 32 heads,
+    8 KV groups, vocab 128256, TP 1): 2 B x (128256x4096 + 6144x4096 + 4096x4096 + 28672x4096 +
+    4096x14336) = 1002 + 416 = 1418 MB.
+    """
+    shapes = set(layout.linear_shapes().values())
+    if last_stage and (layout.untied or layout.pp > 1):
+        shapes.add((layout.vocab_per_rank, layout.hidden))
+    return BF16 * sum(r * c for r, c in shapes) / MB
+
+
+def grad_reduce_bf16_mb(layout: Layout, last_stage: bool = True) -> float:
+    """bf16 gradient reduction: the distributed data-parallel gradient buffers
+    (distributed/param_and_grad_buffer.py) hold every parameter's gradient in bf16 instead of fp32
+    (stock bf16 training sets accumulate_allreduce_grads_in_fp32). -2 B x parameters on the rank.
+
+    With the distributed optimizer, the optimizer step then upcasts its shard of the bf16 gradients
+    into fp32 main gradients (4 B x parameters / DP, transient); that step is not where a dense
+    model peaks, so the term is the buffer's saving alone."""
+    params = layout.last_stage_params() if last_stage else layout.first_stage_params()
+    return -BF16 * params / MB
+
+
+ZERO_TERMS = ("ddp_average_in_collective", "fused_single_qkv_rope")  # measured 0 MB on the H200
+
+
+def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Layout,
+                    te_installed: bool) -> float | None:
+    """The change in peak MB that ``values[dest]`` makes against ``stock[dest]``. The terms add up to
+    the plan's change: the cross-entropy pair is priced as the fusion (with this plan's
+    implementation) plus the implementation (where stock fuses too). None: not modelled."""
+    if dest in ZERO_TERMS:
+        return 0.0
+    if dest == "gradient_accumulation_fusion":
+        now, before = bool(values.get(dest)), bool(stock.get(dest))
+        if now == before:
+            return 0.0
+        if not te_installed:
+            return None  # without TE, Megatron makes a fresh placeholder per call: not modelled
+        return (now - before) * dummy_wgrads_mb(layout)
+    if dest == "grad_reduce_in_bf16":
+        now, before = bool(values.get(dest)), bool(stock.get(dest))
+        return (now - before) * grad_reduce_bf16_mb(layout)
+    fused, impl = bool(values.get("cross_entropy_loss_fusion")), str(values.get("cross_entropy_fusion_impl", "native"))
+    stock_fused = bool(stock.get("cross_entropy_loss_fusion"))
+    if dest == "cross_entropy_loss_fusion":  # with this plan's implementation
+        return cross_entropy_mb(layout, fused, impl) - cross_entropy_mb(layout, stock_fused, impl)
+    if dest == "cross_entropy_fusion_impl":  # only where stock fuses too: the two add up to the pair's change
+        return cross_entropy_mb(layout, stock_fused, impl) - cross_entropy_mb(
+            layout, stock_fused, str(stock.get(dest, "native")))
+    return None
+
+
+# --- stock's own peak ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Stock Megatron's peak allocated MB for a layout, the parts it adds up, and whose formula."""
+
+    peak_mb: float
+    source: str
+    parts: dict[str, float]
+
+
+MEGATRON_FORMULA = ("Megatron's theoretical memory formula (training/theoretical_memory_usage.py) for weights, "
+                    "optimizer and layer activations, with the plugin's logits term")
+PLUGIN_ESTIMATE = "the plugin's own estimate: Megatron's weight and optimizer formula, the plugin's activations"
+
+
+def bytes_per_param(layout: Layout) -> float:
+    """Megatron's theoretical memory report: bf16 weight, fp32 gradient, fp32 main weight and two
+    Adam moments = 18 B, of which the distributed optimizer shards the 12 B of optimizer state."""
+    return 6 + 12 / layout.dp if layout.distributed_optimizer else 18
+
+
+def layer_activation_bytes(layout: Layout) -> tuple[float, bool]:
+    """One layer's saved activations for one micro-batch, and whether Megatron's own formula applies.
+
+    Megatron's formula (Korthikanti et al., Table 2, as its theoretical memory report writes it) is
+    s*b*h*(18 + 4*ffn/h) / TP, for sequence parallelism with selective recompute. Without sequence
+    parallelism the 10*s*b*h of norms, residuals and dropout masks is not divided by TP; with flash
+    attention (TE's default) there is no s^2 term to recompute, so plain and selective are alike.
+    Full recompute keeps only each layer's input."""
+    sbh = layout.seq // layout.cp * layout.micro_batch * layout.hidden
+    if layout.recompute == "full":
+        return BF16 * sbh / (layout.tp if layout.sequence_parallel else 1), False
+    split = 8 + 4 * layout.ffn / layout.hidden
+    if layout.sequence_parallel:
+        return sbh * (10 + split) / layout.tp, layout.recompute == "selective"
+    return sbh * (10 + split / layout.tp), False
+
+
+def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool) -> Estimate:
+    """Stock's peak on the busier of the first and last pipeline stage: weights and optimizer state,
+    saved activations (PP micro-batches in flight on the first stage, one on the last), and on the
+    last stage the logits as stock's unfused cross entropy holds them (the bf16 output plus its
+    fp32 copy, 6 B x tokens x vocab / TP), and the placeholder gradients if fusion is on."""
+    per_layer, megatron_applies = layer_activation_bytes(layout)
+    sbh = layout.tokens * layout.hidden
+    stages = []
+    for last, in_flight in ((True, 1), (False, layout.pp)):
+        params = layout.last_stage_params() if last else layout.first_stage_params()
+        parts = {"weights_and_optimizer": params * bytes_per_param(layout) / MB,
+                 "activations": in_flight * layout.stage_layers * per_layer / MB}
+        if last:
+            parts["logits"] = (FP32 + BF16) * layout.tokens * layout.vocab_per_rank / MB + FP32 * sbh / MB
+        if not last or layout.pp == 1:
+            parts["embedding_output"] = in_flight * BF16 * sbh / MB
+        if layout.fp8:  # 1 B per linear weight of the stage's layers (the output layer stays bf16)
+            parts["fp8_weights"] = layout.stage_layers * sum(r * c for r, c in layout.linear_shapes().values()) / MB
+        if grad_accum_fusion and te_installed:
+            parts["placeholder_wgrads"] = dummy_wgrads_mb(layout, last_stage=last)
+        stages.append(parts)
+        if layout.pp == 1:
+            break
+    parts = max(stages, key=lambda p: sum(p.values()))
+    source = MEGATRON_FORMULA if megatron_applies else PLUGIN_ESTIMATE
+    return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()})
