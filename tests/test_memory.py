@@ -200,8 +200,7 @@ def heavy_argv(layers: int = 10) -> list[str]:
     return argv
 
 
-@pytest.mark.skipif(not megatron_trees(), reason="MEGATRON_LM_TREES is not set: the memory guard on a real tree "
-                    "(H100 backs off, H200 keeps) did not run")
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", megatron_trees()[-2:] or [None])
 def test_real_tree_h100_backs_off_and_h200_keeps(tree):
     env = {"CROSS_ENTROPY_FUSION_IMPL": "native"}
