@@ -40,7 +40,7 @@ class Decision(Struct, frozen=True):
     """One toggle's value, where it came from, and why: a line of the start-up table and of the record."""
 
     value: Any
-    source: str  # cli | env | profile | default | guard | assumed
+    source: str  # cli | env | config | profile | default | guard | assumed
     reason: str
 
     def to_record(self) -> dict[str, Any]:
@@ -489,8 +489,8 @@ def _flag_words(dest: str, value: Any) -> str:
 
 
 def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any],
-          profile: Profile | None = None) -> Decision:
-    """cli > env > profile > default. A profile applies with MEGATRON_PERF_TOGGLES=0 too, as set
+          profile: Profile | None = None, preset: Mapping[str, Decision] | None = None) -> Decision:
+    """cli > env > config > profile > default. A profile applies with MEGATRON_PERF_TOGGLES=0 too, as set
     variables do: naming a profile is a request, not a default."""
     toggle = BY_DEST[dest]
     if dest in explicit:
@@ -500,6 +500,8 @@ def _base(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mappi
         value = env.toggles[dest]
         raw = value if toggle.kind == "choice" else int(bool(value))
         return Decision(value, "env", f"{toggle.env}={raw}")
+    if preset and dest in preset:
+        return preset[dest]
     if profile is not None and dest in profile.toggles:
         return Decision(profile.toggles[dest].value, "profile", profile.reason(dest))
     if not env.plugin_enabled:
@@ -530,13 +532,15 @@ def _fp4_defaults(args: Mapping[str, Any], env: EnvSettings, stock: Mapping[str,
 
 
 def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: EnvSettings,
-                   stock: Mapping[str, Any]) -> tuple[dict[str, Decision], list[Message]]:
+                   stock: Mapping[str, Any], preset: Mapping[str, Decision] | None = None,
+                   ) -> tuple[dict[str, Decision], list[Message]]:
     """FP4 layer selection: CLI > FP4_* environment > the recipe's default (with the master
     switch off, Megatron's own defaults instead). Layer counts never switch selection on by
     themselves: Megatron reads them only with --first-last-layers-bf16, and the mxfp4 recipe
     trains every layer in FP4 unless selection is asked for."""
     if not args.get("fp4"):
         return {}, []
+    preset = preset or {}
     defaults = _fp4_defaults(args, env, stock)
     out: dict[str, Decision] = {}
     if "first_last_layers_bf16" in explicit:
@@ -545,6 +549,8 @@ def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: En
     elif env.fp4_selective_bf16 is not None:
         out["first_last_layers_bf16"] = Decision(
             env.fp4_selective_bf16, "env", f"FP4_SELECTIVE_BF16={int(env.fp4_selective_bf16)}")
+    elif "first_last_layers_bf16" in preset:
+        out["first_last_layers_bf16"] = preset["first_last_layers_bf16"]
     else:
         out["first_last_layers_bf16"] = defaults["first_last_layers_bf16"]
     selection = out["first_last_layers_bf16"]
@@ -558,6 +564,8 @@ def _fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: En
             out[dest] = Decision(explicit[dest], "cli", f"set on the command line ({flag_of(dest)})")
         elif env_value is not None:
             out[dest] = Decision(env_value, "env", f"{var}={env_value}")
+        elif dest in preset:
+            out[dest] = preset[dest]
         else:
             out[dest] = defaults[dest]
     _fp4_counts_per_stage(args, out)
@@ -677,7 +685,7 @@ class _Resolution:
             self.overridden.pop(change.dest, None)
             self.decisions[change.dest] = Decision(first.value, first.source, f"{first.reason}; {reason}")
             return
-        if first.source in ("cli", "env", "profile"):
+        if first.source in ("cli", "env", "config", "profile"):
             self.overridden[change.dest] = Message(
                 "warning", f"{change.dest}: {first.value} ({first.reason}) overridden to {change.value}: {reason}")
         self.decisions[change.dest] = Decision(change.value, source, reason)
@@ -702,6 +710,7 @@ def decide(
     checkpoint: Mapping[str, Any] | None = None,
     profile: Profile | None = None,
     observed: Observed | None = None,
+    preset: Mapping[str, Decision] | None = None,
 ) -> Plan:
     """Resolve every toggle, then let the guards veto what cannot be honoured.
 
@@ -709,12 +718,15 @@ def decide(
     the command line set, ``stock`` Megatron's own defaults (used when the plugin is disabled),
     ``checkpoint`` what the launch that wrote the checkpoint being resumed recorded (resume.py).
     ``profile`` the parsed MEGATRON_PERF_TOGGLES_PROFILE, compared with ``observed`` (this run's
-    environment, as far as it is known now). Raises CannotHonourError for an explicit
-    command-line request that a guard rejects.
+    environment, as far as it is known now). ``preset`` holds the decisions (source ``config``)
+    for values a configuration object already carries, where a front end without a command line
+    (Megatron-Bridge, Primus) found them set: below the environment, above the profile and the
+    defaults; a guard changes one with a warning, as it does an environment value. Raises
+    CannotHonourError for an explicit command-line request that a guard rejects.
     """
     stock = stock or {}
-    decisions = {t.dest: _base(t.dest, explicit, env, stock, profile) for t in TOGGLES}
-    fp4_decisions, messages = _fp4_selection(args, explicit, env, stock)
+    decisions = {t.dest: _base(t.dest, explicit, env, stock, profile, preset) for t in TOGGLES}
+    fp4_decisions, messages = _fp4_selection(args, explicit, env, stock, preset)
     decisions.update(fp4_decisions)
     resolution = _Resolution(decisions, env, caps)
     resolution.messages = messages
