@@ -17,7 +17,6 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, megatron_trees
 
 QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"

@@ -47,7 +47,7 @@ def _replace(record: Any, **changes: Any) -> Any:
     """A copy of a frozen record with ``changes``: stdlib dataclasses, or the package's own records."""
     import dataclasses
 
-    if dataclasses.is_dataclass(record):
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
         return dataclasses.replace(record, **changes)
     from ..core import struct
 
