@@ -128,3 +128,16 @@ def test_mxfp4_guard_keeps_the_bf16_gradient_buffer(tree):
     assert "mxfp4" in d["reason"]
     # mxfp4 trains every layer in FP4 unless selection is asked for.
     assert r["after"]["first_last_layers_bf16"] is False
+
+
+def test_pth_hook_registers_when_primus_imports_its_patches(tree):
+    code = ("import sys, megatron_perf_toggles.primus_hook\n"
+            "assert 'primus' not in sys.modules and 'megatron_perf_toggles.primus' not in sys.modules\n"
+            "from primus.core.patches.patch_registry import PatchRegistry\n"
+            "p = PatchRegistry.get('megatron_perf_toggles.decisions')\n"
+            "print(p.backend, p.phase, p.priority)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join((str(tree), str(REPO)))})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["megatron", "build_args", "90"]
+    assert "already registered" not in proc.stdout + proc.stderr  # registered once
