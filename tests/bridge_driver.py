@@ -25,7 +25,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 FIELDS = ("model.fused_single_qkv_rope", "model.cross_entropy_loss_fusion", "model.cross_entropy_fusion_impl",
           "model.gradient_accumulation_fusion", "model.qk_layernorm", "model.calculate_per_token_loss",
-          "ddp.average_in_collective", "ddp.grad_reduce_in_fp32", "mixed_precision.grad_reduce_in_fp32")
+          "ddp.average_in_collective", "ddp.grad_reduce_in_fp32", "mixed_precision.grad_reduce_in_fp32",
+          "mixed_precision.first_last_layers_bf16", "mixed_precision.num_layers_at_start_in_bf16",
+          "mixed_precision.num_layers_at_end_in_bf16", "model.first_last_layers_bf16",
+          "model.num_layers_at_start_in_bf16", "model.num_layers_at_end_in_bf16")
 REPO_IDS = {"Qwen3-0.6B": "Qwen/Qwen3-0.6B"}
 
 
@@ -59,7 +62,7 @@ def run_case(case: dict) -> dict:
     cfg = getattr(importlib.import_module(module), func)()
     for path, value in case.get("edits", {}).items():
         parent, _, name = path.rpartition(".")
-        setattr(_get(cfg, parent), name, value)
+        setattr(_get(cfg, parent) if parent else cfg, name, value)
     before = {f: _get(cfg, f) for f in FIELDS}
     environ = {k: v for k, v in os.environ.items() if k not in {"RANK"}}
     environ.update(case.get("env", {}))

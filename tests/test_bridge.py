@@ -32,6 +32,10 @@ CASES = {
     "plugin_off": {"recipe": QWEN3, "env": {"MEGATRON_PERF_TOGGLES": "0"}},
     "explicit_te": {"recipe": QWEN3, "explicit": ["model.cross_entropy_fusion_impl"]},
     "explicit_both": {"recipe": QWEN3, "explicit": ["model.cross_entropy_fusion_impl", "cross_entropy_loss_fusion"]},
+    "nvfp4": {"recipe": QWEN3, "edits": {"mixed_precision": "bf16_with_nvfp4_mixed"}},
+    "nvfp4_recipe_layers": {"recipe": QWEN3, "edits": {"mixed_precision": "nemotron_3_super_bf16_with_nvfp4_mixed"}},
+    "nvfp4_all_layers": {"recipe": QWEN3, "edits": {"mixed_precision": "bf16_with_nvfp4_mixed"},
+                         "env": {"FP4_SELECTIVE_BF16": "0"}},
     "env_impl": {"recipe": QWEN3, "env": {"CROSS_ENTROPY_FUSION_IMPL": "native", "CROSS_ENTROPY_LOSS_FUSION": "0"}},
 }
 
@@ -110,7 +114,8 @@ def test_grad_reduce_in_bf16_off_leaves_both_fields_in_fp32():
 
 def test_switched_off_changes_no_field():
     r = case("plugin_off")
-    changed = {f for f in r["before"] if f != "mixed_precision.grad_reduce_in_fp32" and r["before"][f] != r["after"][f]}
+    # The recipe names its mixed precision ("bf16_mixed"), so its fields exist only once resolved.
+    changed = {f for f in r["before"] if r["before"][f] is not None and r["before"][f] != r["after"][f]}
     assert not changed
     assert r["after"]["mixed_precision.grad_reduce_in_fp32"] is True  # bf16_mixed's own value stands
 
@@ -134,6 +139,22 @@ def test_environment_outranks_the_recipe():
     assert r["after"]["model.cross_entropy_fusion_impl"] == "native"
     assert r["after"]["model.cross_entropy_loss_fusion"] is False
     assert r["decisions"]["cross_entropy_loss_fusion"]["source"] == "env"
+
+
+FP4_FIELDS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+
+
+@pytest.mark.parametrize("name, expected, sources", [
+    ("nvfp4", (True, 2, 8), ("default", "default", "default")),  # the nvfp4 recipe's selection
+    ("nvfp4_recipe_layers", (True, 2, 14), ("config", "default", "config")),  # Bridge's recipe set two of them
+    ("nvfp4_all_layers", (False, 0, 0), ("env",)),  # counts unused with selection off: left as they were
+])
+def test_fp4_layer_fields_in_mixed_precision_and_model(name, expected, sources):
+    r = case(name)
+    for section in ("mixed_precision", "model"):
+        assert tuple(r["after_setup"][f"{section}.{f}"] for f in FP4_FIELDS[:len(sources)]) == expected[:len(sources)]
+    assert tuple(r["decisions"][f]["source"] for f in FP4_FIELDS[:len(sources)]) == sources
+    assert tuple(r["after"][f"mixed_precision.{f}"] for f in FP4_FIELDS) == expected
 
 
 def test_record_and_table_are_the_argparse_paths():
