@@ -15,15 +15,13 @@ loudly at import if a toggle or FP4 layer field has no home. Pure data: nothing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..errors import RegistryError
 from .decide import FP4_LAYER_DESTS
 from .registry import TOGGLES
+from .struct import Struct
 
 
-@dataclass(frozen=True)
-class Home:
+class Home(Struct, frozen=True):
     """One field that holds a toggle: ``path`` below the config root (``model.fused_single_qkv_rope``),
     and whether the field holds the opposite of the toggle's value."""
 

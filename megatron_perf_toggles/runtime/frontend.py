@@ -16,7 +16,6 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -24,12 +23,12 @@ from ..core.decide import Decision, Plan, decide
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, version_tuple
 from ..core.registry import BY_DEST, format_value
+from ..core.struct import Struct, field
 from . import provenance
 from .capabilities import resolve
 
 
-@dataclass
-class Found:
+class Found(Struct):
     """What a front end read from its configuration object.
 
     ``args``: everything the guards may read, under Megatron's dests; ``configured``: dest ->
