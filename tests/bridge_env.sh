@@ -19,6 +19,6 @@ log=$(mktemp)
 "$py" -m venv "$venv"
 pip() { "$venv/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "bridge_env: pip install $* failed" >&2; exit 1; }; }
 if [ -n "${TORCH_INDEX_URL:-}" ]; then pip torch --index-url "$TORCH_INDEX_URL"; else pip "torch==${TORCH_PIN:-2.13.0}"; fi
-pip --no-deps "megatron-bridge==${BRIDGE_PIN:-0.6.2}"
+pip --no-deps "megatron-bridge==${BRIDGE_PIN:-0.6.2}" "megatron-core==${MCORE_PIN:-0.19.2}"
 pip --no-deps -r tests/bridge-requirements.txt
 echo "$venv/bin/python"

@@ -48,22 +48,33 @@ def _tree() -> Path | None:
     return next((t for t in trees if t.name == "main"), trees[-1] if trees else None)
 
 
-@cache
-def results() -> dict:
+def _run(cases: dict, tree: Path | None) -> dict:
     python = os.environ.get("BRIDGE_PYTHON")
     if not python:
         pytest.skip(f"Megatron-Bridge suite: {ENABLE}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "FP4_"))}
-    tree = _tree()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree) if tree else "", str(REPO)) if p)
-    proc = subprocess.run([python, str(REPO / "tests" / "bridge_driver.py")], input=json.dumps(list(CASES.values())),
+    proc = subprocess.run([python, str(REPO / "tests" / "bridge_driver.py")], input=json.dumps(list(cases.values())),
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0 or not proc.stdout.strip():
         pytest.fail(f"bridge driver failed ({proc.returncode}): {proc.stderr[-3000:]}")
     out = json.loads(proc.stdout)
     if "import_error" in out:
-        pytest.skip(f"Megatron-Bridge does not import under {python} with {tree}: {out['import_error'][-400:]}")
-    return dict(zip(CASES, out["results"], strict=True))
+        pytest.skip(f"Megatron-Bridge does not import under {python} with {tree or 'its own megatron-core'}: "
+                    f"{out['import_error'][-400:]}")
+    return dict(zip(cases, out["results"], strict=True))
+
+
+@cache
+def results() -> dict:
+    return _run(CASES, _tree())
+
+
+@cache
+def installed_core_results() -> dict:
+    """The same recipe with no Megatron-LM tree: the megatron-core installed beside Bridge (PyPI's
+    wheel, which ships megatron.training too)."""
+    return _run({"defaults": CASES["defaults"]}, None)
 
 
 def case(name: str) -> dict:
@@ -155,6 +166,17 @@ def test_fp4_layer_fields_in_mixed_precision_and_model(name, expected, sources):
         assert tuple(r["after_setup"][f"{section}.{f}"] for f in FP4_FIELDS[:len(sources)]) == expected[:len(sources)]
     assert tuple(r["decisions"][f]["source"] for f in FP4_FIELDS[:len(sources)]) == sources
     assert tuple(r["after"][f"mixed_precision.{f}"] for f in FP4_FIELDS) == expected
+
+
+def test_installed_megatron_core_without_training_package():
+    r = installed_core_results()["defaults"]
+    assert "crash" not in r, r.get("crash")
+    megatron = r["record"]["capabilities"]["megatron"]
+    assert megatron["version"] == r["megatron_version"] and megatron["rules"]
+    tree = _tree()
+    assert tree is None or not str(megatron["path"] or "").startswith(str(tree))  # not the tree's
+    expected = "native" if tuple(int(x) for x in r["megatron_version"].split(".")[:3]) >= (0, 18, 2) else "te"
+    assert r["after"]["model.cross_entropy_fusion_impl"] == expected
 
 
 def test_record_and_table_are_the_argparse_paths():
