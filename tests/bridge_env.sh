@@ -9,12 +9,13 @@ venv=${1:-.venv-bridge}
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.bridge') is None)" 2>/dev/null; then
   echo "$venv/bin/python"; exit 0
 fi
+is312() { [ -n "$1" ] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
 py=${PYTHON312:-$(command -v python3.12 || true)}
-if [ -z "$py" ]; then
+if ! is312 "$py"; then  # absent, or a pyenv shim with no 3.12 selected
   root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
   py=$(ls -d "$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1 || true)
 fi
-[ -n "$py" ] && [ -x "$py" ] || exit 0
+is312 "$py" || exit 0
 log=$(mktemp)
 "$py" -m venv "$venv"
 pip() { "$venv/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "bridge_env: pip install $* failed" >&2; exit 1; }; }
