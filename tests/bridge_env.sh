@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv-bridge}
+case $venv in /*) ;; *) venv="$PWD/$venv" ;; esac  # an absolute path: callers run from anywhere
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.bridge') is None)" 2>/dev/null; then
   echo "$venv/bin/python"; exit 0
 fi
