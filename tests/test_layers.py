@@ -23,7 +23,7 @@ ENTRY_RANK = 5
 # What may sit at the top of the package besides the layers: the public face and the names users
 # (and patched checkouts) type. A new module here would be ranked as an entry point and could
 # import anything, so it has to be added on purpose.
-ENTRY_POINTS = {"__init__", "__main__", "hooks", "run"}
+ENTRY_POINTS = {"__init__", "__main__", "hooks", "run", "bridge", "primus", "primus_hook"}  # + the config front ends
 # The core decides; reading files, the environment, processes or the clock belongs to the runtime.
 IO_MODULES = {"os", "sys", "subprocess", "socket", "shutil", "pathlib", "io", "tempfile", "importlib", "glob",
               "threading", "multiprocessing", "signal", "time", "urllib", "http", "platform", "ctypes"}

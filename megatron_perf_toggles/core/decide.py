@@ -73,6 +73,7 @@ def decide(
     checkpoint: Mapping[str, Any] | None = None,
     profile: Profile | None = None,
     observed: Observed | None = None,
+    preset: Mapping[str, Decision] | None = None,
 ) -> Plan:
     """Resolve every toggle, then let the guards veto what cannot be honoured.
 
@@ -80,12 +81,15 @@ def decide(
     the command line set, ``stock`` Megatron's own defaults (used when the plugin is disabled),
     ``checkpoint`` what the launch that wrote the checkpoint being resumed recorded (resume.py).
     ``profile`` the parsed MEGATRON_PERF_TOGGLES_PROFILE, compared with ``observed`` (this run's
-    environment, as far as it is known now). Raises CannotHonourError for an explicit
-    command-line request that a guard rejects.
+    environment, as far as it is known now). ``preset`` holds the decisions (source ``config``)
+    for values a configuration object already carries, where a front end without a command line
+    (Megatron-Bridge, Primus) found them set: below the environment, above the profile and the
+    defaults; a guard changes one with a warning, as it does an environment value. Raises
+    CannotHonourError for an explicit command-line request that a guard rejects.
     """
     stock = stock or {}
-    decisions = {t.dest: base_decision(t.dest, explicit, env, stock, profile) for t in TOGGLES}
-    fp4_decisions, messages = fp4_selection(args, explicit, env, stock)
+    decisions = {t.dest: base_decision(t.dest, explicit, env, stock, profile, preset) for t in TOGGLES}
+    fp4_decisions, messages = fp4_selection(args, explicit, env, stock, preset)
     decisions.update(fp4_decisions)
     resolution = Resolution(decisions, env, caps)
     resolution.messages = messages

@@ -34,13 +34,15 @@ def _fp4_defaults(args: Mapping[str, Any], env: EnvSettings, stock: Mapping[str,
 
 
 def fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: EnvSettings,
-                   stock: Mapping[str, Any]) -> tuple[dict[str, Decision], list[Message]]:
+                   stock: Mapping[str, Any], preset: Mapping[str, Decision] | None = None,
+                   ) -> tuple[dict[str, Decision], list[Message]]:
     """FP4 layer selection: CLI > FP4_* environment > the recipe's default (with the master
     switch off, Megatron's own defaults instead). Layer counts never switch selection on by
     themselves: Megatron reads them only with --first-last-layers-bf16, and the mxfp4 recipe
     trains every layer in FP4 unless selection is asked for."""
     if not args.get("fp4"):
         return {}, []
+    preset = preset or {}
     defaults = _fp4_defaults(args, env, stock)
     out: dict[str, Decision] = {}
     if "first_last_layers_bf16" in explicit:
@@ -49,6 +51,8 @@ def fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: Env
     elif env.fp4_selective_bf16 is not None:
         out["first_last_layers_bf16"] = Decision(
             env.fp4_selective_bf16, "env", f"FP4_SELECTIVE_BF16={int(env.fp4_selective_bf16)}")
+    elif "first_last_layers_bf16" in preset:
+        out["first_last_layers_bf16"] = preset["first_last_layers_bf16"]
     else:
         out["first_last_layers_bf16"] = defaults["first_last_layers_bf16"]
     selection = out["first_last_layers_bf16"]
@@ -62,6 +66,8 @@ def fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: Env
             out[dest] = Decision(explicit[dest], "cli", f"set on the command line ({flag_of(dest)})")
         elif env_value is not None:
             out[dest] = Decision(env_value, "env", f"{var}={env_value}")
+        elif dest in preset:
+            out[dest] = preset[dest]
         else:
             out[dest] = defaults[dest]
     _fp4_counts_per_stage(args, out)

@@ -22,7 +22,7 @@ class Decision:
     """One toggle's value, where it came from, and why: a line of the start-up table and of the record."""
 
     value: Any
-    source: str  # cli | env | profile | default | guard | assumed
+    source: str  # cli | env | config | profile | default | guard | assumed
     reason: str
 
     def to_record(self) -> dict[str, Any]:

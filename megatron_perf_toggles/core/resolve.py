@@ -43,8 +43,8 @@ def _flag_words(dest: str, value: Any) -> str:
 
 
 def base_decision(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any],
-          profile: Profile | None = None) -> Decision:
-    """cli > env > profile > default. A profile applies with MEGATRON_PERF_TOGGLES=0 too, as set
+          profile: Profile | None = None, preset: Mapping[str, Decision] | None = None) -> Decision:
+    """cli > env > config > profile > default. A profile applies with MEGATRON_PERF_TOGGLES=0 too, as set
     variables do: naming a profile is a request, not a default."""
     toggle = BY_DEST[dest]
     if dest in explicit:
@@ -54,6 +54,8 @@ def base_decision(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stoc
         value = env.toggles[dest]
         raw = value if toggle.kind == "choice" else int(bool(value))
         return Decision(value, "env", f"{toggle.env}={raw}")
+    if preset and dest in preset:
+        return preset[dest]
     if profile is not None and dest in profile.toggles:
         return Decision(profile.toggles[dest].value, "profile", profile.reason(dest))
     if not env.plugin_enabled:
@@ -114,7 +116,7 @@ class Resolution:
             self.overridden.pop(change.dest, None)
             self.decisions[change.dest] = Decision(first.value, first.source, f"{first.reason}; {reason}")
             return
-        if first.source in ("cli", "env", "profile"):
+        if first.source in ("cli", "env", "config", "profile"):
             self.overridden[change.dest] = Message(
                 "warning", f"{change.dest}: {first.value} ({first.reason}) overridden to {change.value}: {reason}")
         self.decisions[change.dest] = Decision(change.value, source, reason)

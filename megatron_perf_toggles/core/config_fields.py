@@ -1,0 +1,90 @@
+"""Where each toggle lives outside argparse: the one mapping the config front ends share.
+
+The argparse path reads and writes a toggle under its Megatron dest. Megatron-Bridge keeps the
+same settings in the sections of a ``ConfigContainer`` (``cfg.model``, ``cfg.ddp``,
+``cfg.mixed_precision``), sometimes under another name or the other way up
+(``grad_reduce_in_fp32`` is ``not grad_reduce_in_bf16``), and sometimes in two places at once.
+Primus builds Megatron's own namespace, so its fields are the dests themselves; what it needs
+is where its shipped defaults are declared, to tell them from an experiment's choices.
+
+Derived from the registry: a toggle with no entry in ``BRIDGE_OVERRIDES`` lives in
+``cfg.model.<dest>`` (``TransformerConfig`` carries most of them under their argparse name), so
+a new toggle needs an entry here only when Bridge keeps it elsewhere. :func:`check` fails
+loudly at import if a toggle or FP4 layer field has no home. Pure data: nothing is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import RegistryError
+from .decide import FP4_LAYER_DESTS
+from .registry import TOGGLES
+
+
+@dataclass(frozen=True, slots=True)
+class Home:
+    """One field that holds a toggle: ``path`` below the config root (``model.fused_single_qkv_rope``),
+    and whether the field holds the opposite of the toggle's value."""
+
+    path: str
+    inverted: bool = False
+
+    def to_field(self, value: object) -> object:
+        return (not value) if self.inverted else value
+
+    def from_field(self, value: object) -> object:
+        return (not value) if self.inverted else value
+
+
+# Bridge fields that are not ``model.<dest>``. ``mixed_precision`` is listed first where it takes
+# part: ``runtime_config_update`` copies every MixedPrecisionConfig field onto the model, DDP and
+# optimizer configs that have one, so its value is the one that reaches Megatron.
+BRIDGE_OVERRIDES: dict[str, tuple[Home, ...]] = {
+    "grad_reduce_in_bf16": (Home("mixed_precision.grad_reduce_in_fp32", inverted=True),
+                            Home("ddp.grad_reduce_in_fp32", inverted=True)),
+    "ddp_average_in_collective": (Home("ddp.average_in_collective"),),
+    **{dest: (Home(f"mixed_precision.{dest}"), Home(f"model.{dest}")) for dest in FP4_LAYER_DESTS},
+}
+
+# The sections whose fields the guards may read as parsed arguments, by field name; where two
+# sections share a name, the earlier one wins (mixed precision over the model, as Bridge copies it).
+BRIDGE_SECTIONS = ("mixed_precision", "model", "ddp", "optimizer", "train", "checkpoint", "logger", "dist",
+                   "dataset")
+
+# Arguments a guard reads that Bridge spells differently: dest -> the field whose truth sets it.
+# Packed (THD) sequences are Bridge's packed-sequence specs; Megatron's argparse path knows them
+# from --sft, which is the blocker the fused-QKV-RoPE guard names.
+BRIDGE_DERIVED: dict[str, str] = {
+    "sft": "dataset.packed_sequence_specs.packed_sequence_size",
+}
+
+# Primus's namespace is Megatron's: each toggle is its own dest there.
+PRIMUS_HOMES: dict[str, tuple[Home, ...]] = {dest: (Home(dest),) for dest in (*(t.dest for t in TOGGLES),
+                                                                              *FP4_LAYER_DESTS)}
+# Primus's own defaults for Megatron's arguments, relative to its package directory: its base
+# trainer module and the language-model family every GPT model file extends. A value equal to the
+# one declared here is Primus's default, not an experiment's choice.
+PRIMUS_DEFAULT_FILES = ("configs/modules/megatron/trainer_base.yaml",
+                        "configs/models/megatron/language_model.yaml")
+
+
+def bridge_homes() -> dict[str, tuple[Home, ...]]:
+    """Every toggle and FP4 layer field, and the Bridge fields it is written to (first: read from)."""
+    out = {t.dest: BRIDGE_OVERRIDES.get(t.dest, (Home(f"model.{t.dest}"),)) for t in TOGGLES}
+    out.update({dest: BRIDGE_OVERRIDES[dest] for dest in FP4_LAYER_DESTS})
+    return out
+
+
+def check() -> None:
+    """Every override names a registered toggle or FP4 field, and every path has a section."""
+    known = {t.dest for t in TOGGLES} | set(FP4_LAYER_DESTS)
+    for dest, homes in BRIDGE_OVERRIDES.items():
+        if dest not in known:
+            raise RegistryError(f"config_fields: {dest!r} is not a registered toggle")
+        for home in homes:
+            if home.path.split(".", 1)[0] not in BRIDGE_SECTIONS:
+                raise RegistryError(f"config_fields: {home.path!r} is in no known Bridge section")
+
+
+check()

@@ -1,0 +1,121 @@
+"""Build real Megatron-Bridge recipe configs and apply the plugin, many cases in one process.
+
+Usage (by tests/test_bridge.py, under a Python that has Megatron-Bridge):
+``python bridge_driver.py < cases.json > results.json``. Transformer Engine is stood in for
+(tests/te_standin.py); the Hugging Face config a recipe reads comes from tests/fixtures/hf through
+an offline cache. Each case: a recipe, edits to make before ``apply``, the environment, and an
+optional planned Megatron release; the result: every decision and every toggle field after
+``apply`` and after Bridge's own mixed-precision setup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+FIELDS = ("model.fused_single_qkv_rope", "model.cross_entropy_loss_fusion", "model.cross_entropy_fusion_impl",
+          "model.gradient_accumulation_fusion", "model.qk_layernorm", "model.calculate_per_token_loss",
+          "ddp.average_in_collective", "ddp.grad_reduce_in_fp32", "mixed_precision.grad_reduce_in_fp32",
+          "mixed_precision.first_last_layers_bf16", "mixed_precision.num_layers_at_start_in_bf16",
+          "mixed_precision.num_layers_at_end_in_bf16", "model.first_last_layers_bf16",
+          "model.num_layers_at_start_in_bf16", "model.num_layers_at_end_in_bf16")
+REPO_IDS = {"Qwen3-0.6B": "Qwen/Qwen3-0.6B"}
+
+
+def _offline_hf_cache(root: str) -> None:
+    """A Hugging Face hub cache holding only the fixture configs, read offline."""
+    for name, repo in REPO_IDS.items():
+        base = os.path.join(root, "hub", "models--" + repo.replace("/", "--"))
+        snap = os.path.join(base, "snapshots", "0" * 40)
+        os.makedirs(snap, exist_ok=True)
+        os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+        with open(os.path.join(base, "refs", "main"), "w") as fh:
+            fh.write("0" * 40)
+        shutil.copy(os.path.join(HERE, "fixtures", "hf", name, "config.json"), snap)
+    os.environ.update(HF_HOME=root, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def _get(cfg, path):
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def run_case(case: dict) -> dict:
+    import importlib
+
+    from megatron_perf_toggles import bridge
+    from megatron_perf_toggles.runtime import frontend
+
+    module, _, func = case["recipe"].rpartition(".")
+    cfg = getattr(importlib.import_module(module), func)()
+    for path, value in case.get("edits", {}).items():
+        parent, _, name = path.rpartition(".")
+        setattr(_get(cfg, parent) if parent else cfg, name, value)
+    before = {f: _get(cfg, f) for f in FIELDS}
+    environ = {k: v for k, v in os.environ.items() if k not in {"RANK"}}
+    environ.update(case.get("env", {}))
+    caps = None
+    if case.get("planned_megatron"):
+        env = frontend.read_env(environ)
+        caps = frontend._replace(frontend.capabilities(env),
+                                 megatron=frontend.facts_for_version(case["planned_megatron"]))
+    record_dir = tempfile.mkdtemp()
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            plan = bridge.apply(cfg, explicit=case.get("explicit", ()), environ=environ, capabilities=caps,
+                                record_dir=record_dir)
+    except Exception as error:  # noqa: BLE001 - a refusal is a result
+        return {"error": f"{type(error).__name__}: {error}", "before": before}
+    after = {f: _get(cfg, f) for f in FIELDS}
+    # Bridge's own step that copies mixed precision onto the model and DDP configs (runtime_config_update).
+    cfg.mixed_precision.finalize()
+    cfg.mixed_precision.setup(cfg.model, cfg.optimizer, cfg.ddp)
+    after_setup = {f: _get(cfg, f) for f in FIELDS}
+    record_path = os.path.join(record_dir, "perf_toggles.json")
+    record = json.load(open(record_path)) if os.path.exists(record_path) else None
+    return {
+        "decisions": {d: {"value": x.value, "source": x.source, "reason": x.reason} for d, x in plan.decisions.items()},
+        "messages": [m.text for m in plan.messages],
+        "before": before, "after": after, "after_setup": after_setup,
+        "table": out.getvalue().splitlines(), "record": record,
+        "megatron_version": frontend.capabilities(frontend.read_env({})).megatron.version,
+    }
+
+
+def main() -> int:
+    cases = json.load(sys.stdin)
+    import te_standin
+
+    te_standin.install()
+    _offline_hf_cache(tempfile.mkdtemp())
+    results = []
+    with contextlib.redirect_stdout(sys.stderr):  # Bridge's import-time chatter stays off the JSON
+        try:
+            import megatron.bridge.training.config  # noqa: F401
+        except Exception:  # noqa: BLE001
+            print(json.dumps({"import_error": traceback.format_exc(limit=3)}), file=sys.__stdout__)
+            return 0
+        for case in cases:
+            try:
+                results.append(run_case(case))
+            except Exception:  # noqa: BLE001
+                results.append({"crash": traceback.format_exc()})
+    json.dump({"results": results}, sys.stdout, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

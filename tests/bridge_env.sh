@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build (once) the Python 3.12 environment the Megatron-Bridge suite runs in, and print its python.
+#   tests/bridge_env.sh [VENV]   (default: .venv-bridge; reused when it already imports Bridge)
+# Python 3.12 is PYTHON312, else python3.12 on PATH, else the newest 3.12 under pyenv's root.
+# Prints nothing and exits 0 when no Python 3.12 is found: the suite then skips.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${1:-.venv-bridge}
+case $venv in /*) ;; *) venv="$PWD/$venv" ;; esac  # an absolute path: callers run from anywhere
+if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.bridge') is None)" 2>/dev/null; then
+  echo "$venv/bin/python"; exit 0
+fi
+is312() { [ -n "$1" ] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
+py=${PYTHON312:-$(command -v python3.12 || true)}
+if ! is312 "$py"; then  # absent, or a pyenv shim with no 3.12 selected
+  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  py=$(ls -d "$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1 || true)
+fi
+is312 "$py" || exit 0
+log=$(mktemp)
+"$py" -m venv "$venv"
+pip() { "$venv/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "bridge_env: pip install $* failed" >&2; exit 1; }; }
+if [ -n "${TORCH_INDEX_URL:-}" ]; then pip torch --index-url "$TORCH_INDEX_URL"; else pip "torch==${TORCH_PIN:-2.13.0}"; fi
+pip --no-deps "megatron-bridge==${BRIDGE_PIN:-0.6.2}" "megatron-core==${MCORE_PIN:-0.19.2}"
+pip --no-deps -r tests/bridge-requirements.txt
+echo "$venv/bin/python"

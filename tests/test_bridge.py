@@ -1,0 +1,191 @@
+"""The Megatron-Bridge front end against real Bridge recipes (CPU; Transformer Engine stood in for).
+
+Bridge needs its own Python (3.12 for 0.6.x), so the cases run in one subprocess of
+``BRIDGE_PYTHON``, an interpreter with ``megatron-bridge`` installed (``.ci/run`` builds one
+where it can). Megatron's core comes from that interpreter or, first, from a Megatron-LM tree:
+``BRIDGE_MEGATRON_TREE``, else the ``main`` tree of ``MEGATRON_LM_TREES``. Skipped, saying how
+to enable it, when either is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+from conftest import REPO, megatron_trees
+
+QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"
+ENABLE = ("set BRIDGE_PYTHON to a Python 3.12 with megatron-bridge installed (pip install --no-deps "
+          "megatron-bridge; .ci/run builds one where Python 3.12 is found)")
+
+CASES = {
+    "defaults": {"recipe": QWEN3},
+    "core_0_18_0": {"recipe": QWEN3, "planned_megatron": "0.18.0"},
+    "core_0_18_2": {"recipe": QWEN3, "planned_megatron": "0.18.2"},
+    "per_token_loss": {"recipe": QWEN3, "edits": {"model.calculate_per_token_loss": True}},
+    "grad_reduce_off": {"recipe": QWEN3, "env": {"GRAD_REDUCE_IN_BF16": "0"}},
+    "plugin_off": {"recipe": QWEN3, "env": {"MEGATRON_PERF_TOGGLES": "0"}},
+    "explicit_te": {"recipe": QWEN3, "explicit": ["model.cross_entropy_fusion_impl"]},
+    "explicit_both": {"recipe": QWEN3, "explicit": ["model.cross_entropy_fusion_impl", "cross_entropy_loss_fusion"]},
+    "nvfp4": {"recipe": QWEN3, "edits": {"mixed_precision": "bf16_with_nvfp4_mixed"}},
+    "nvfp4_recipe_layers": {"recipe": QWEN3, "edits": {"mixed_precision": "nemotron_3_super_bf16_with_nvfp4_mixed"}},
+    "nvfp4_all_layers": {"recipe": QWEN3, "edits": {"mixed_precision": "bf16_with_nvfp4_mixed"},
+                         "env": {"FP4_SELECTIVE_BF16": "0"}},
+    "env_impl": {"recipe": QWEN3, "env": {"CROSS_ENTROPY_FUSION_IMPL": "native", "CROSS_ENTROPY_LOSS_FUSION": "0"}},
+}
+
+
+def _tree() -> Path | None:
+    named = os.environ.get("BRIDGE_MEGATRON_TREE")
+    if named:
+        return Path(named)
+    trees = megatron_trees()
+    return next((t for t in trees if t.name == "main"), trees[-1] if trees else None)
+
+
+def _run(cases: dict, tree: Path | None) -> dict:
+    python = os.environ.get("BRIDGE_PYTHON")
+    if not python:
+        pytest.skip(f"Megatron-Bridge suite: {ENABLE}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "FP4_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree) if tree else "", str(REPO)) if p)
+    proc = subprocess.run([python, str(REPO / "tests" / "bridge_driver.py")], input=json.dumps(list(cases.values())),
+                          capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        pytest.fail(f"bridge driver failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout)
+    if "import_error" in out:
+        pytest.skip(f"Megatron-Bridge does not import under {python} with {tree or 'its own megatron-core'}: "
+                    f"{out['import_error'][-400:]}")
+    return dict(zip(cases, out["results"], strict=True))
+
+
+@cache
+def results() -> dict:
+    return _run(CASES, _tree())
+
+
+@cache
+def installed_core_results() -> dict:
+    """The same recipe with no Megatron-LM tree: the megatron-core installed beside Bridge (PyPI's
+    wheel, which ships megatron.training too)."""
+    return _run({"defaults": CASES["defaults"]}, None)
+
+
+def case(name: str) -> dict:
+    result = results()[name]
+    assert "crash" not in result, result.get("crash")
+    return result
+
+
+def test_qk_layernorm_recipe_gets_fused_qkv_rope_off_with_reason():
+    r = case("defaults")
+    assert r["before"]["model.qk_layernorm"] is True
+    d = r["decisions"]["fused_single_qkv_rope"]
+    assert (d["value"], d["source"]) == (False, "guard")
+    assert "--qk-layernorm" in d["reason"]
+    assert r["after"]["model.fused_single_qkv_rope"] is False
+
+
+@pytest.mark.parametrize("name, expected", [("defaults", "native"), ("core_0_18_2", "native"), ("core_0_18_0", "te")])
+def test_te_cross_entropy_becomes_native_from_core_0_18_2(name, expected):
+    r = case(name)
+    assert r["before"]["model.cross_entropy_fusion_impl"] == "te"  # the recipe's own choice
+    assert r["after"]["model.cross_entropy_fusion_impl"] == expected
+    assert r["after_setup"]["model.cross_entropy_fusion_impl"] == expected
+    d = r["decisions"]["cross_entropy_fusion_impl"]
+    if expected == "native":
+        assert d["source"] == "guard" and "stability" in d["reason"]
+        assert any("overridden to native" in m for m in r["messages"])  # the recipe's value was changed
+    else:
+        assert d["source"] == "config" and "cfg.model.cross_entropy_fusion_impl" in d["reason"]
+
+
+def test_average_in_collective_goes_off_with_per_token_loss():
+    base, r = case("defaults"), case("per_token_loss")
+    assert base["after"]["ddp.average_in_collective"] is True
+    assert base["decisions"]["ddp_average_in_collective"]["source"] == "config"  # the base recipe turns it on
+    d = r["decisions"]["ddp_average_in_collective"]
+    assert (d["value"], d["source"]) == (False, "guard") and "per-token-loss" in d["reason"]
+    assert r["after"]["ddp.average_in_collective"] is False
+
+
+def test_grad_reduce_in_bf16_off_leaves_both_fields_in_fp32():
+    on, off = case("defaults"), case("grad_reduce_off")
+    for field in ("ddp.grad_reduce_in_fp32", "mixed_precision.grad_reduce_in_fp32"):
+        assert on["after"][field] is False and on["after_setup"][field] is False
+        assert off["after"][field] is True and off["after_setup"][field] is True
+    assert off["decisions"]["grad_reduce_in_bf16"]["reason"] == "GRAD_REDUCE_IN_BF16=0"
+
+
+def test_switched_off_changes_no_field():
+    r = case("plugin_off")
+    # The recipe names its mixed precision ("bf16_mixed"), so its fields exist only once resolved.
+    changed = {f for f in r["before"] if r["before"][f] is not None and r["before"][f] != r["after"][f]}
+    assert not changed
+    assert r["after"]["mixed_precision.grad_reduce_in_fp32"] is True  # bf16_mixed's own value stands
+
+
+def test_explicit_te_is_held_like_a_command_line_flag():
+    # As on the argparse path: te named explicitly stays, and the fusion (not named) yields instead.
+    r = case("explicit_te")
+    assert r["after"]["model.cross_entropy_fusion_impl"] == "te"
+    assert r["after"]["model.cross_entropy_loss_fusion"] is False
+    assert r["decisions"]["cross_entropy_fusion_impl"]["source"] == "cli"
+    assert "named explicitly (cfg.model.cross_entropy_fusion_impl)" in r["decisions"]["cross_entropy_fusion_impl"]["reason"]
+
+
+def test_explicit_fusion_and_te_are_refused_in_one_line():
+    r = case("explicit_both")
+    assert "CannotHonourError" in r["error"] and "\n" not in r["error"]
+
+
+def test_environment_outranks_the_recipe():
+    r = case("env_impl")
+    assert r["after"]["model.cross_entropy_fusion_impl"] == "native"
+    assert r["after"]["model.cross_entropy_loss_fusion"] is False
+    assert r["decisions"]["cross_entropy_loss_fusion"]["source"] == "env"
+
+
+FP4_FIELDS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+
+
+@pytest.mark.parametrize("name, expected, sources", [
+    ("nvfp4", (True, 2, 8), ("default", "default", "default")),  # the nvfp4 recipe's selection
+    ("nvfp4_recipe_layers", (True, 2, 14), ("config", "default", "config")),  # Bridge's recipe set two of them
+    ("nvfp4_all_layers", (False, 0, 0), ("env",)),  # counts unused with selection off: left as they were
+])
+def test_fp4_layer_fields_in_mixed_precision_and_model(name, expected, sources):
+    r = case(name)
+    for section in ("mixed_precision", "model"):
+        assert tuple(r["after_setup"][f"{section}.{f}"] for f in FP4_FIELDS[:len(sources)]) == expected[:len(sources)]
+    assert tuple(r["decisions"][f]["source"] for f in FP4_FIELDS[:len(sources)]) == sources
+    assert tuple(r["after"][f"mixed_precision.{f}"] for f in FP4_FIELDS) == expected
+
+
+def test_installed_megatron_core_without_training_package():
+    r = installed_core_results()["defaults"]
+    assert "crash" not in r, r.get("crash")
+    megatron = r["record"]["capabilities"]["megatron"]
+    assert megatron["version"] == r["megatron_version"] and megatron["rules"]
+    tree = _tree()
+    assert tree is None or not str(megatron["path"] or "").startswith(str(tree))  # not the tree's
+    expected = "native" if tuple(int(x) for x in r["megatron_version"].split(".")[:3]) >= (0, 18, 2) else "te"
+    assert r["after"]["model.cross_entropy_fusion_impl"] == expected
+
+
+def test_record_and_table_are_the_argparse_paths():
+    r = case("defaults")
+    assert r["record"]["decisions"] == r["decisions"]
+    assert r["record"]["package"] == "megatron-perf-toggles"
+    assert any(line.startswith("[perf-toggles] fused_single_qkv_rope: off (guard;") for line in r["table"])
+    assert r["record"]["capabilities"]["megatron"]["version"] == r["megatron_version"]
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick look at the driver's output
+    json.dump(results(), sys.stdout, indent=1, default=str)

@@ -1,0 +1,84 @@
+"""The front ends' shared parts without Bridge or Primus: the field mapping, the ``config`` tier of
+``decide``, and Megatron's facts for an installed megatron-core without ``megatron.training``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import full_caps
+
+from megatron_perf_toggles import bridge
+from megatron_perf_toggles.core.config_fields import BRIDGE_OVERRIDES, PRIMUS_HOMES, Home, bridge_homes
+from megatron_perf_toggles.core.decide import FP4_LAYER_DESTS, Decision, decide
+from megatron_perf_toggles.core.facts import MegatronFacts
+from megatron_perf_toggles.core.registry import TOGGLES
+from megatron_perf_toggles.runtime import frontend
+
+ROPE = {"position_embedding_type": "rope", "bf16": True}
+
+
+def test_every_toggle_and_fp4_field_has_a_home_in_each_front_end():
+    dests = {t.dest for t in TOGGLES} | set(FP4_LAYER_DESTS)
+    assert set(bridge_homes()) == dests == set(PRIMUS_HOMES)
+    assert set(BRIDGE_OVERRIDES) <= dests
+
+
+def test_grad_reduce_lives_in_both_bridge_fields_the_other_way_up():
+    homes = bridge_homes()["grad_reduce_in_bf16"]
+    assert [h.path for h in homes] == ["mixed_precision.grad_reduce_in_fp32", "ddp.grad_reduce_in_fp32"]
+    assert all(h.inverted and h.to_field(True) is False and h.from_field(True) is False for h in homes)
+    assert bridge_homes()["fused_single_qkv_rope"] == (Home("model.fused_single_qkv_rope"),)
+
+
+def config(value, where="cfg.model.x"):
+    return Decision(value, "config", f"set in the configuration ({where})")
+
+
+def test_config_tier_stands_over_the_plugin_default(env):
+    plan = decide(ROPE, {}, env(), full_caps(), preset={"ddp_average_in_collective": config(False)})
+    assert plan.decisions["ddp_average_in_collective"].value is False
+    assert plan.decisions["ddp_average_in_collective"].source == "config"
+
+
+def test_environment_outranks_the_config_tier(env):
+    plan = decide(ROPE, {}, env(DDP_AVERAGE_IN_COLLECTIVE=1), full_caps(),
+                  preset={"ddp_average_in_collective": config(False)})
+    assert (plan.decisions["ddp_average_in_collective"].value, plan.decisions["ddp_average_in_collective"].source) \
+        == (True, "env")
+
+
+def test_a_guard_changes_a_config_value_with_a_warning(env):
+    caps = full_caps(megatron=MegatronFacts(version="0.18.2", asserts_te_cross_entropy=True,
+                                            fused_single_qkv_rope_field=True))
+    plan = decide(ROPE, {}, env(), caps, preset={"cross_entropy_fusion_impl": config("te"),
+                                                 "cross_entropy_loss_fusion": config(True)})
+    assert plan.decisions["cross_entropy_fusion_impl"].value == "native"
+    assert any("overridden to native" in m.text for m in plan.messages)
+
+
+@pytest.mark.parametrize("installed, recorded", [("0.18.1", "0.18.0"), ("0.18.2", "0.18.2"), ("0.19.2", "0.19.0")])
+def test_facts_for_an_installed_megatron_core(installed, recorded):
+    facts = frontend.facts_for_version(installed)
+    assert facts.version == installed and facts.path is None
+    assert ("ce_te_impl_stability" in facts.rules) == (recorded >= "0.18.2")
+    assert facts.asserts_te_cross_entropy is (recorded >= "0.18.2")
+
+
+def test_facts_older_than_every_recorded_release_are_unknown():
+    facts = frontend.facts_for_version("0.9.0")
+    assert facts.rules is None and facts.asserts_te_cross_entropy is None
+
+
+def test_declared_default_calls_a_factory_and_knows_a_missing_one():
+    @dataclasses.dataclass
+    class Section:
+        plain: bool = True
+        made: list = dataclasses.field(default_factory=lambda: [1])
+        required: int = dataclasses.field(default=0, init=True)
+
+    s = Section()
+    assert bridge.declared_default(s, "plain") is True
+    assert bridge.declared_default(s, "made") == [1]
+    assert bridge.declared_default(s, "absent") is bridge._MISSING
+    assert bridge.declared_default(object(), "plain") is bridge._MISSING

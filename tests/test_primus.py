@@ -1,0 +1,143 @@
+"""The Primus front end against real Primus code: its YAML loader, its shipped defaults, its patch runner.
+
+Primus checkouts come from ``PRIMUS_TREES`` (':'-separated; lay one out with
+``tests/export_primus.sh GIT_DIR REF DEST``). Each tree's experiment config is loaded by Primus's
+own ``load_primus_config`` in a subprocess (Primus and the plugin share no module names, but each
+tree needs its own interpreter), the plugin's ``build_args`` patch runs through Primus's
+``run_patches``, and the namespace comes back as JSON. Skipped loudly when no tree is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+BF16 = "examples/megatron/configs/MI355X/llama3.1_8B-BF16-pretrain.yaml"
+MXFP4 = "examples/megatron/configs/MI355X/llama3.1_8B-MXFP4-pretrain.yaml"
+DESTS = ("gradient_accumulation_fusion", "grad_reduce_in_bf16", "ddp_average_in_collective",
+         "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "fused_single_qkv_rope",
+         "first_last_layers_bf16")
+
+# Runs inside the subprocess, with the Primus tree and this repository on sys.path.
+DRIVER = r"""
+import contextlib, io, json, sys
+from pathlib import Path
+from types import SimpleNamespace
+from primus.core.config.primus_config import load_primus_config, get_module_config
+from primus.core.patches import run_patches
+from megatron_perf_toggles import primus as plugin
+from megatron_perf_toggles.core.facts import Capabilities
+from megatron_perf_toggles.runtime import frontend
+
+case = json.loads(sys.argv[1])
+cfg = load_primus_config(Path(case["config"]))
+ns = SimpleNamespace(**vars(get_module_config(cfg, "pre_trainer").params))
+dests = case["dests"]
+before = {d: getattr(ns, d, None) for d in dests}
+caps = Capabilities(megatron=frontend.facts_for_version(case["megatron"]), te_version="2.8", te_fused_qkv_rope=True,
+                    te_cross_entropy=True, apex_fused_wgrad=True, device="rocm")
+# Through Primus's own patch runner: the registered patch, with the planned machine's capabilities.
+plugin.build_args_patch = lambda ctx: plugin.apply_to_namespace(ctx.extra["backend_args"], environ=case["env"],
+                                                                 capabilities=caps)
+plugin.register()
+out = io.StringIO()
+try:
+    with contextlib.redirect_stdout(out):
+        applied = run_patches(backend="megatron", phase="build_args", extra={"backend_args": ns},
+                              enabled_ids=[plugin.PATCH_ID], stop_on_error=True)
+except Exception as error:
+    print(json.dumps({"error": f"{type(error).__name__}: {error}"})); sys.exit(0)
+print(json.dumps({"applied": applied, "before": before, "after": {d: getattr(ns, d, None) for d in dests},
+                  "records": getattr(ns, "perf_toggles", None), "defaults": plugin.primus_defaults()}, default=str))
+"""
+
+
+def primus_trees() -> list[Path]:
+    return [Path(p) for p in os.environ.get("PRIMUS_TREES", "").split(os.pathsep) if p.strip()]
+
+
+TREES = primus_trees()
+pytestmark = pytest.mark.skipif(not TREES, reason="Primus suite: PRIMUS_TREES is not set; lay a tree out with "
+                                "tests/export_primus.sh GIT_DIR REF DEST and point PRIMUS_TREES at it")
+
+
+@cache
+def run(tree: Path, config: str, megatron: str = "0.18.2", **env: str) -> dict:
+    case = {"config": str(tree / config), "dests": DESTS, "megatron": megatron, "env": env}
+    pythonpath = os.pathsep.join((str(tree), str(REPO)))
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(case)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": pythonpath}, timeout=300, cwd=str(tree))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"Primus driver failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    assert "error" not in result, result.get("error")
+    return result
+
+
+@pytest.fixture(params=TREES, ids=[t.name for t in TREES])
+def tree(request) -> Path:
+    return request.param
+
+
+def test_primus_base_defaults_are_off(tree):
+    defaults = run(tree, BF16)["defaults"]
+    # The facts the issue rests on: Primus ships these off.
+    assert defaults["ddp_average_in_collective"] is False and defaults["grad_reduce_in_bf16"] is False
+    assert defaults["cross_entropy_loss_fusion"] is False
+
+
+def test_mi355x_llama3_gets_the_safe_toggles_on(tree):
+    r = run(tree, BF16)
+    assert r["applied"] == 1
+    assert r["before"]["ddp_average_in_collective"] is False and r["before"]["grad_reduce_in_bf16"] is False
+    assert r["after"]["ddp_average_in_collective"] is True and r["after"]["grad_reduce_in_bf16"] is True
+    assert r["after"]["fused_single_qkv_rope"] is True  # Llama: RoPE without q/k norm
+    assert r["records"]["grad_reduce_in_bf16"]["source"] == "default"
+    # The experiment's own choice (fusion off) stands, as a configured value.
+    assert r["after"]["gradient_accumulation_fusion"] is r["before"]["gradient_accumulation_fusion"] is False
+    assert r["records"]["gradient_accumulation_fusion"]["source"] == "config"
+
+
+@pytest.mark.parametrize("megatron, expected", [("0.18.2", "native"), ("0.18.0", "te")])
+def test_te_cross_entropy_from_the_experiment(tree, megatron, expected):
+    r = run(tree, BF16, megatron)
+    assert r["before"]["cross_entropy_fusion_impl"] == "te"
+    assert r["after"]["cross_entropy_fusion_impl"] == expected
+
+
+def test_switched_off_leaves_primus_values(tree):
+    r = run(tree, BF16, MEGATRON_PERF_TOGGLES="0")
+    present = {d for d, v in r["before"].items() if v is not None}  # the rest Primus fills with Megatron's defaults
+    assert present >= {"ddp_average_in_collective", "grad_reduce_in_bf16", "cross_entropy_fusion_impl"}
+    assert {d: r["after"][d] for d in present} == {d: r["before"][d] for d in present}
+
+
+def test_mxfp4_guard_keeps_the_bf16_gradient_buffer(tree):
+    r = run(tree, MXFP4, GRAD_REDUCE_IN_BF16="0")
+    assert r["before"]["gradient_accumulation_fusion"] is True
+    d = r["records"]["grad_reduce_in_bf16"]
+    assert (r["after"]["grad_reduce_in_bf16"], d["source"]) == (True, "guard")
+    assert "mxfp4" in d["reason"]
+    # mxfp4 trains every layer in FP4 unless selection is asked for.
+    assert r["after"]["first_last_layers_bf16"] is False
+
+
+def test_pth_hook_registers_when_primus_imports_its_patches(tree):
+    code = ("import sys, megatron_perf_toggles.primus_hook\n"
+            "assert 'primus' not in sys.modules and 'megatron_perf_toggles.primus' not in sys.modules\n"
+            "from primus.core.patches.patch_registry import PatchRegistry\n"
+            "p = PatchRegistry.get('megatron_perf_toggles.decisions')\n"
+            "print(p.backend, p.phase, p.priority)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join((str(tree), str(REPO)))})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["megatron", "build_args", "90"]
+    assert "already registered" not in proc.stdout + proc.stderr  # registered once
