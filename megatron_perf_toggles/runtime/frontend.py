@@ -12,6 +12,7 @@ guard that cannot honour one refuses with one line).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -41,17 +42,6 @@ class Found:
     configured: dict[str, tuple[Any, str]] = field(default_factory=dict)
     explicit: dict[str, tuple[Any, str]] = field(default_factory=dict)
     stock: dict[str, Any] = field(default_factory=dict)
-
-
-def _replace(record: Any, **changes: Any) -> Any:
-    """A copy of a frozen record with ``changes``: stdlib dataclasses, or the package's own records."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(record) and not isinstance(record, type):
-        return dataclasses.replace(record, **changes)
-    from ..core import struct
-
-    return struct.replace(record, **changes)
 
 
 def _surfaces() -> list[dict[str, Any]]:
@@ -92,7 +82,7 @@ def capabilities(env: EnvSettings) -> Capabilities:
             return caps
         version = getattr(package_info, "__version__", None)
         if version:
-            caps = _replace(caps, megatron=facts_for_version(str(version)))
+            caps = dataclasses.replace(caps, megatron=facts_for_version(str(version)))
     return caps
 
 
