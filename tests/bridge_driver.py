@@ -11,6 +11,7 @@ optional planned Megatron release; the result: every decision and every toggle f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -69,7 +70,7 @@ def run_case(case: dict) -> dict:
     caps = None
     if case.get("planned_megatron"):
         env = frontend.read_env(environ)
-        caps = frontend._replace(frontend.capabilities(env),
+        caps = dataclasses.replace(frontend.capabilities(env),
                                  megatron=frontend.facts_for_version(case["planned_megatron"]))
     record_dir = tempfile.mkdtemp()
     out = io.StringIO()
