@@ -57,7 +57,7 @@ def run_case(case: dict) -> dict:
     import importlib
 
     from megatron_perf_toggles import bridge
-    from megatron_perf_toggles.runtime import frontend
+    from megatron_perf_toggles.runtime import frontend, provenance
 
     module, _, func = case["recipe"].rpartition(".")
     cfg = getattr(importlib.import_module(module), func)()
@@ -88,7 +88,7 @@ def run_case(case: dict) -> dict:
     record_path = os.path.join(record_dir, "perf_toggles.json")
     record = json.load(open(record_path)) if os.path.exists(record_path) else None
     return {
-        "decisions": {d: {"value": x.value, "source": x.source, "reason": x.reason} for d, x in plan.decisions.items()},
+        "decisions": provenance.decision_records(plan),  # what the argparse path records
         "messages": [m.text for m in plan.messages],
         "before": before, "after": after, "after_setup": after_setup,
         "table": out.getvalue().splitlines(), "record": record,
