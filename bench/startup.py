@@ -144,7 +144,8 @@ def megatron_share(tree: str, repeats: int, import_median_ms: float) -> dict[str
     added = max(with_plugin - stock, 0.0)
     plugin_ms = import_median_ms + added
     share = plugin_ms / (times["import"] + stock)
-    return {"tree": tree, "stock_ms": stock, "with_plugin_ms": with_plugin, "added_ms": added,
+    return {"tree": os.path.basename(os.path.normpath(tree)),  # its name: no machine path in results
+            "stock_ms": stock, "with_plugin_ms": with_plugin, "added_ms": added,
             "plugin_ms": plugin_ms, "share": share, "megatron_import_ms": times["import"],
             "target_share": TARGET_SHARE, "meets_target": share < TARGET_SHARE and plugin_ms < TARGET_MS}
 

@@ -26,8 +26,16 @@ def megatron_root(module: Any) -> str | None:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(path))))
 
 
+def _under(path: str, root: str) -> bool:
+    # Module paths are nearly always absolute already: normalise only the others (with torch and
+    # Megatron loaded there are thousands of modules, and a walk runs once per rebound function).
+    return (path if os.path.isabs(path) else os.path.abspath(path)).startswith(root + os.sep)
+
+
 def holders(root: str | None) -> Iterator[dict[str, Any]]:
     """Namespaces that may hold a stale reference: Megatron's modules, the script, the tree's files."""
+    if root:
+        root = os.path.abspath(root)
     for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
@@ -35,7 +43,7 @@ def holders(root: str | None) -> Iterator[dict[str, Any]]:
         path = namespace.get("__file__")
         if (
             name == "megatron" or name.startswith("megatron.") or name == "__main__"
-            or (root and isinstance(path, str) and os.path.abspath(path).startswith(root + os.sep))
+            or (root and isinstance(path, str) and _under(path, root))
         ):
             yield namespace
 
