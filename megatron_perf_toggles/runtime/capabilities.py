@@ -21,10 +21,13 @@ from ..core.facts import (
     TE_MIN_FUSED_QKV_ROPE,
     Capabilities,
     MegatronFacts,
+    describe_stack,
     parse_assume,
+    planned_stack,
     version_tuple,
     with_assumptions,
 )
+from ..core.struct import replace
 from ..errors import AssumeError
 
 
@@ -140,17 +143,21 @@ def _detect_torch(deep: bool) -> dict[str, Any]:
             torch = importlib.import_module("torch")
         except Exception:  # noqa: BLE001
             torch = None
-    if torch is None:
-        return {"torch_version": _dist_version("torch") if deep else None}
-    version = getattr(torch, "version", None)
-    device = "rocm" if getattr(version, "hip", None) else ("cuda" if getattr(version, "cuda", None) else "cpu")
-    out: dict[str, Any] = {"torch_version": getattr(torch, "__version__", None), "device": device}
     from .target import active
 
     planned = active()
-    if planned is not None and planned.gpu is not None:  # a dry run's planned GPU (runtime/target.py)
+    out: dict[str, Any]
+    if torch is None:
+        out = {"torch_version": _dist_version("torch") if deep else None}
+    else:
+        version = getattr(torch, "version", None)
+        device = "rocm" if getattr(version, "hip", None) else ("cuda" if getattr(version, "cuda", None) else "cpu")
+        out = {"torch_version": getattr(torch, "__version__", None), "device": device}
+    if planned is not None and planned.gpu is not None:  # the planned GPU's facts come from the table
         out.update(device=planned.gpu.vendor, gpu_arch=planned.gpu.arch, gpu_name=planned.gpu.product,
                    gpu_source=planned.gpu_source)
+        return out
+    if torch is None:
         return out
     if deep:
         try:
@@ -246,3 +253,30 @@ def assumed_device() -> str | None:
 
 def resolve(spec: str | None, deep: bool = False) -> Capabilities:
     return with_assumptions(detect(deep=deep), spec)
+
+
+def effective_assume(spec: str | None) -> str | None:
+    """The ASSUME spec that holds now: within a plan for another machine (``target.elsewhere``),
+    that GPU family's planned stack with ``spec`` on top; for this machine, ``spec`` alone."""
+    from .target import active, elsewhere
+
+    target = active()
+    if not elsewhere(target):
+        return spec
+    assert target is not None
+    vendor = target.gpu.vendor if target.gpu is not None else (parse_assume(spec or "").get("device")
+                                                                 or _detect_torch(False).get("device"))
+    return planned_stack(vendor if vendor in ("cuda", "rocm") else None, spec)
+
+
+def for_plan(spec: str | None, deep: bool = False) -> Capabilities:
+    """The capabilities a plan rests on, one rule for ``explain`` and the dry run: detected here for
+    a plan for this machine; for another machine (a named GPU or world, or no GPU here), the planned
+    stack of its GPU family, named in ``Capabilities.stack``, with ``MEGATRON_PERF_TOGGLES_ASSUME``
+    on top. Facts of this machine's packages never describe another machine."""
+    effective = effective_assume(spec)
+    caps = with_assumptions(detect(deep=deep), effective)
+    if effective == spec:
+        return caps
+    caps = replace(caps, stack=describe_stack(caps))
+    return caps

@@ -30,7 +30,7 @@ from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
 from ..core.struct import Struct, field
 from . import provenance, resume
-from .capabilities import resolve
+from .capabilities import for_plan
 from .patches import PATCHES
 
 if TYPE_CHECKING:  # loaded only when a profile is set: the import path stays short
@@ -125,7 +125,7 @@ class Controller:
             else:
                 explicit[dest] = value
         writer = resume.checkpoint_writer(vars(ns))  # reading the resumed run's history is safe
-        caps = self.capabilities or resolve(self.env.assume)
+        caps = self.capabilities or for_plan(self.env.assume)
         observed = None
         if self.profile is not None:
             from . import profile_file
@@ -141,7 +141,7 @@ class Controller:
         ns.perf_toggles_precision = plan.precision
         ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
         if self.here:
-            if caps.assumed:
+            if caps.assumed and not caps.stack:
                 plan.messages.append(Message("warning", "MEGATRON_PERF_TOGGLES_ASSUME is set: these decisions rest "
                                              "on planned capabilities, not on this machine's"))
             plan.messages.extend(resume.compare_with_checkpoint(writer, ns.perf_toggles))

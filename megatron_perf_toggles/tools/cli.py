@@ -23,7 +23,7 @@ from ..core.struct import asdict, replace
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import profile_file, provenance
 from ..runtime import target as planned
-from ..runtime.capabilities import detect, megatron_facts, resolve
+from ..runtime.capabilities import detect, for_plan, megatron_facts, resolve
 from .llama3_8b import LLAMA3_8B_BF16, llama3_8b_args
 from .surfaces import replay
 
@@ -106,9 +106,9 @@ def plan_command_line(
         raise PerfTogglesError(str(error.args[0])) from None
     parser = replay.parser_from_surface(recorded)
     controller = Controller(environ, mode="plan")  # validates the environment first, as a run would
-    with planned.stand_ins(target):
-        caps = replace(detect(deep=True), megatron=megatron_facts_from_surface(recorded))
-    controller.capabilities = caps = with_assumptions(caps, controller.env.assume)
+    with planned.stand_ins(target):  # the one rule the dry run follows too (capabilities.for_plan)
+        caps = replace(for_plan(controller.env.assume, deep=True), megatron=megatron_facts_from_surface(recorded))
+    controller.capabilities = caps
     label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
     attach(parser, controller=controller)
     ns = parser.parse_args(list(megatron_args))
@@ -145,7 +145,9 @@ def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
     out = [f"Megatron facts: {megatron_source}"]
     for name, words in FACT_NAMES:
         value = getattr(caps, name)
-        if caps.is_assumed(name):
+        if caps.is_assumed(name) and caps.stack:
+            source = "planned stack"
+        elif caps.is_assumed(name):
             source = "assumed (MEGATRON_PERF_TOGGLES_ASSUME)"
         elif name == "device" and caps.gpu_source and caps.gpu_source != "detected":
             source = f"planned: {caps.gpu_source}"
@@ -192,11 +194,14 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         payload["megatron"] = label
         payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
         payload["sources"] = fact_sources(caps, megatron_source)
+        payload["stack"] = caps.stack or None
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
     print(f"Megatron: {label}")
     print(f"Machine:  {_caps_summary(caps)}")
     print(f"Plan for: {planned.describe(target)}")
+    if caps.stack:
+        print(f"Stack:    {caps.stack}")
     if profile is not None:
         print(f"Profile:  {_profile_summary(profile)}")
     for line in fact_sources(caps, megatron_source):
