@@ -22,13 +22,15 @@ import argparse
 import functools
 import importlib
 import inspect
+import io
 import os
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-from ..core.env import read_bool_setting
+from ..core.env import EnvSettings, read_bool_setting, read_env
+from ..core.facts import parse_assume
 from ..core.struct import Struct, field
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import provider as plugin
@@ -181,6 +183,8 @@ class Hooks(Struct):
     out: TextIO | None = None  # where a dry run prints its JSON: stdout as it was at install time
     target: planned.Target | None = None  # the world and GPU a dry run plans for (runtime/target.py)
     capture: bool = False  # a dry run hands its record to the caller (explain) instead of printing it
+    chatter: io.StringIO | None = None  # the script's and Megatron's own output, held for a summary's log
+    output: str = "summary"  # what a dry run prints: summary | json | verbose (MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT)
 
     def controller_for_parse(self) -> Controller:
         """The process's controller (made on first use, so a bad variable is reported at the parse)."""
@@ -300,7 +304,8 @@ def _targets(arguments: types.ModuleType, initialize: types.ModuleType) -> list[
 
 
 def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = False,
-            target: planned.Target | None = None, capture: bool = False) -> Hooks:
+            target: planned.Target | None = None, capture: bool = False, output: str = "summary",
+            out: TextIO | None = None, chatter: io.StringIO | None = None) -> Hooks:
     """Chain ``providers`` into every parse Megatron makes from now on (importing Megatron).
 
     A second call updates the providers and the dry-run switch; it never wraps twice. ``target``
@@ -316,8 +321,8 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
     # Every change to hooks already in place goes through PATCHES, so that a scoped plan
     # (explain --megatron) hands a launch's hooks back exactly as they were.
     fields: dict[str, Any] = {"providers": flatten(providers), "dry_run": dry_run,
-                              "out": sys.stdout if dry_run else None, "root": root, "target": target,
-                              "capture": capture}
+                              "out": (out or sys.stdout) if dry_run else None, "chatter": chatter, "root": root, "target": target,
+                              "capture": capture, "output": output}
     if hooks.dry_run != dry_run:
         fields["controller"] = None  # a controller's mode is fixed: the next parse makes the right one
         use_for_process(None)
@@ -357,15 +362,39 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
     named in ``argv`` and return ``argv`` without them. ``MEGATRON_PERF_TOGGLES_DRY_RUN=1`` makes
     it a dry run, in which the script's own output moves to stderr so that stdout carries the JSON
     alone. Errors end the process with one line and exit status 2."""
+    environ = os.environ if environ is None else environ
     try:
         specs, rest = pull_provider_specs(argv)
         dry = dry_run_requested(environ)
         if not specs and not dry:
             return list(argv)
-        hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry)
+        # Everything the user set is checked before Megatron is imported, as the launcher does.
+        settings = preflight(environ)
+        target = planned.from_environment(environ) if dry else None
+        if dry:
+            from .import_shims import install_stand_ins
+
+            install_stand_ins()  # triton, which core 0.16+ import, on a machine without it
+        hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry, target=target,
+                        output=settings.dry_run_output or "summary")
     except PerfTogglesError as error:
         fail(error)
     if dry:
-        # The process ends in the dry run; hooks.out keeps the real stdout for the JSON.
+        # The process ends in the dry run; hooks.out keeps the real stdout for the report.
         PATCHES.set_attr(sys, "stdout", sys.stderr, "sys.stdout -> sys.stderr (dry run)")
     return rest
+
+
+def preflight(environ: Mapping[str, str]) -> EnvSettings:
+    """Every variable, the profile and the planned job, checked in well under a second and before
+    Megatron is imported: a bad value is one line on every path (launcher, patched script)."""
+    settings = read_env(environ)
+    if settings.assume:
+        parse_assume(settings.assume)
+    if settings.profile_path:
+        from ..runtime import profile_file
+
+        profile_file.load(settings.profile_path)
+    if settings.plan:
+        planned.parse_plan(settings.plan)
+    return settings

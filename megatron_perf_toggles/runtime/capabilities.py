@@ -255,12 +255,13 @@ def resolve(spec: str | None, deep: bool = False) -> Capabilities:
     return with_assumptions(detect(deep=deep), spec)
 
 
-def effective_assume(spec: str | None) -> str | None:
-    """The ASSUME spec that holds now: within a plan for another machine (``target.elsewhere``),
-    that GPU family's planned stack with ``spec`` on top; for this machine, ``spec`` alone."""
+def effective_assume(spec: str | None, target: Any = None) -> str | None:
+    """The ASSUME spec that holds for ``target`` (default: the active one): for a plan for another
+    machine (``target.elsewhere``), that GPU family's planned stack with ``spec`` on top; for
+    this machine, ``spec`` alone."""
     from .target import active, elsewhere
 
-    target = active()
+    target = active() if target is None else target
     if not elsewhere(target):
         return spec
     assert target is not None
