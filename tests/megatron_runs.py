@@ -372,6 +372,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     saved = (sys.stdout, sys.stderr, list(sys.argv), list(sys.path), dict(os.environ))
     blocked = {name: sys.modules.get(name, _MISSING) for name in case.get("block", [])}
     os.environ.update(case.get("env", {}))
+    os.environ.setdefault("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "json")  # the record on stdout, for the checks
     world_vars = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     world_before = {v: os.environ.get(v) for v in world_vars}
     world_after: dict[str, Any] = {}

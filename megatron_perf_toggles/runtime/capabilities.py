@@ -264,10 +264,8 @@ def effective_assume(spec: str | None, target: Any = None) -> str | None:
     target = active() if target is None else target
     if not elsewhere(target):
         return spec
-    assert target is not None
-    vendor = target.gpu.vendor if target.gpu is not None else (parse_assume(spec or "").get("device")
-                                                                 or _detect_torch(False).get("device"))
-    return planned_stack(vendor if vendor in ("cuda", "rocm") else None, spec)
+    assert target is not None and target.gpu is not None
+    return planned_stack(target.gpu.vendor, spec)
 
 
 def for_plan(spec: str | None, deep: bool = False) -> Capabilities:

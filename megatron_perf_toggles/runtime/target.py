@@ -204,9 +204,11 @@ def from_options(ns: Any, environ: Mapping[str, str] | None = None) -> Target:
 
 
 def elsewhere(target: Target | None) -> bool:
-    """Whether a plan is for another machine than this one: it names a world or a GPU (or none is
-    visible here, so one was chosen). Only then does the planned stack replace detection."""
-    return target is not None and (target.gpu is not None or target.world_size is not None)
+    """Whether a plan is for another machine than this one: it names a GPU (``--gpu``), or none is
+    visible here, so the plan is for one from the table (``--world-size`` / ``--nnodes`` on a
+    laptop). Only then does the planned stack replace detection. A world named on a GPU machine
+    (ablate's dry runs for its own multi-GPU runs) keeps this machine's GPU and software."""
+    return target is not None and target.gpu is not None
 
 
 _ACTIVE: Target | None = None  # set only by stand_ins(), whose scoped patches restore it

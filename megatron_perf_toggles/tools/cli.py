@@ -145,12 +145,12 @@ def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
     out = [f"Megatron facts: {megatron_source}"]
     for name, words in FACT_NAMES:
         value = getattr(caps, name)
-        if caps.is_assumed(name) and caps.stack:
+        if name == "device" and caps.gpu_source and caps.gpu_source != "detected":
+            source = f"planned: {caps.gpu_source}"
+        elif caps.is_assumed(name) and caps.stack:
             source = "planned stack"
         elif caps.is_assumed(name):
             source = "assumed (MEGATRON_PERF_TOGGLES_ASSUME)"
-        elif name == "device" and caps.gpu_source and caps.gpu_source != "detected":
-            source = f"planned: {caps.gpu_source}"
         else:
             source = "detected"
         shown = ("yes" if value else "no") if isinstance(value, bool) else (value or "none")
@@ -198,7 +198,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
     print(f"Megatron: {label}")
-    print(f"Machine:  {_caps_summary(caps)}")
+    print(f"{'Planned:' if caps.stack else 'Machine:'}  {_caps_summary(caps)}")
     print(f"Plan for: {planned.describe(target)}")
     if caps.stack:
         print(f"Stack:    {caps.stack}")

@@ -119,7 +119,7 @@ def dry_run_command(script: str, megatron_args: Sequence[str], arm: Arm, world: 
     """The arm's dry run, planned for ``world`` processes where the launcher starts more than one
     (tensor or pipeline parallelism over 8 GPUs does not validate in a world of 1)."""
     plan = ["--world-size", str(world)] if world and world > 1 else []
-    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", *plan, script,
+    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", "--json", *plan, script,
             *arm_args(megatron_args, arm)]
 
 
