@@ -510,7 +510,7 @@ def test_explain_decides_as_the_launcher_dry_run_on_the_same_tree(tmp_path: Path
     layout = LAYOUTS[name]
     argv = [a.replace("/unused", str(tmp_path)) for a in layout.argv]
     plan = ["--world-size", str(layout.world_size), "--gpu", gpu]
-    dry = _subprocess(["megatron_perf_toggles.run", "--dry-run", *plan, f"{tree}/pretrain_gpt.py", *argv], tmp_path)
+    dry = _subprocess(["megatron_perf_toggles.run", "--dry-run", "--json", *plan, f"{tree}/pretrain_gpt.py", *argv], tmp_path)
     assert dry.returncode == 0, dry.stderr[-3000:]
     explain = _subprocess(["megatron_perf_toggles", "explain", "--megatron", tree, "--json", *plan, "--", *argv],
                           tmp_path)

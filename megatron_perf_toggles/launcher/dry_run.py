@@ -22,7 +22,7 @@ from ..core import launch_env
 from ..core.env import rank_of
 from ..core.facts import parse_assume
 from ..core.registry import TOGGLES
-from ..errors import PerfTogglesError
+from ..errors import PerfTogglesError, report
 from ..runtime import provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import effective_assume, gpu_name_here
@@ -83,6 +83,10 @@ def dry_run_record(hooks: Hooks, args: argparse.Namespace, args_defaults: Mappin
     return payload
 
 
+class ReportedExit(SystemExit):
+    """The dry run ended with its one line already printed (Megatron refused the command line)."""
+
+
 class DryRunDone(Exception):
     """A captured dry run's result: the record and the plan (``hook_parse_path(..., capture=True)``)."""
 
@@ -112,9 +116,8 @@ def assertion_site(error: BaseException) -> str:
 
 def _rejection(error: BaseException, target: planned.Target | None, log: str | None) -> MegatronRejectedError:
     text = " ".join(str(error).split())
-    if isinstance(error, AssertionError):
-        site = assertion_site(error)
-        text = f"{text} (at {site})" if text else f"failed assertion at {site}"
+    if isinstance(error, AssertionError) and not text:
+        text = f"failed assertion at {assertion_site(error)}"
     hint = f"Megatron's output: {log}" if log else None
     return MegatronRejectedError(f"Megatron's validate_args rejects this command line for "
                                  f"{planned.describe(target)}: {type(error).__name__}: {text}", hint)
@@ -176,7 +179,13 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
             except (AssertionError, ValueError, RuntimeError, TypeError, KeyError) as error:
                 # Megatron refusing the command line is the answer a dry run exists to give: one line.
                 log = _write_files(None, chatter.getvalue())[1] if quiet else None
-                raise _rejection(error, hooks.target, log) from None
+                rejected = _rejection(error, hooks.target, log)
+                if hooks.capture:
+                    raise rejected from None
+                # One line and exit status 2 on every path, a patched script's too (nobody above
+                # Megatron's entry point would catch the error there), on the real stderr.
+                with contextlib.redirect_stderr(hooks.err or sys.__stderr__):
+                    raise ReportedExit(report(rejected)) from None
     finally:
         env_patches.uninstall()
     payload = dry_run_record(hooks, args, args_defaults, via, notes)

@@ -143,18 +143,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # dry run stdout carries the report alone, so the script's own output goes to stderr.
         quiet = dry_run and output == "summary"
         chatter = io.StringIO() if quiet else None
-        stdout = sys.stdout
+        stdout, stderr = sys.stdout, sys.stderr
         # Stand-ins for GPU-only imports (triton) only for a dry run, which stops before any kernel.
         with megatron_importable(stand_ins=dry_run), \
                 contextlib.redirect_stdout(chatter or sys.stderr) if dry_run else contextlib.nullcontext(), \
                 contextlib.redirect_stderr(chatter) if chatter is not None else contextlib.nullcontext():
             providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
             hooks.hook_parse_path([*providers, extra_args_provider], dry_run=dry_run, target=target, output=output,
-                                  out=stdout, chatter=chatter)
+                                  out=stdout, err=stderr, chatter=chatter)
             runpy.run_path(str(script), run_name="__main__")
         return 0
     except SystemExit as done:
-        if chatter is not None and done.code not in (0, None):  # Megatron's parser said why: show it
+        from .dry_run import ReportedExit
+
+        if chatter is not None and done.code not in (0, None) and not isinstance(done, ReportedExit):
+            # Megatron's parser said why (its last line): show it
             said = [line for line in chatter.getvalue().splitlines() if line.strip()]
             print(said[-1] if said else "", file=sys.stderr, flush=True)
         raise

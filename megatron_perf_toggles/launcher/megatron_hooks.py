@@ -183,6 +183,7 @@ class Hooks(Struct):
     out: TextIO | None = None  # where a dry run prints its JSON: stdout as it was at install time
     target: planned.Target | None = None  # the world and GPU a dry run plans for (runtime/target.py)
     capture: bool = False  # a dry run hands its record to the caller (explain) instead of printing it
+    err: TextIO | None = None  # where a dry run's one-line error goes: stderr as it was at install time
     chatter: io.StringIO | None = None  # the script's and Megatron's own output, held for a summary's log
     output: str = "summary"  # what a dry run prints: summary | json | verbose (MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT)
 
@@ -305,7 +306,7 @@ def _targets(arguments: types.ModuleType, initialize: types.ModuleType) -> list[
 
 def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = False,
             target: planned.Target | None = None, capture: bool = False, output: str = "summary",
-            out: TextIO | None = None, chatter: io.StringIO | None = None) -> Hooks:
+            out: TextIO | None = None, err: TextIO | None = None, chatter: io.StringIO | None = None) -> Hooks:
     """Chain ``providers`` into every parse Megatron makes from now on (importing Megatron).
 
     A second call updates the providers and the dry-run switch; it never wraps twice. ``target``
@@ -321,7 +322,8 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
     # Every change to hooks already in place goes through PATCHES, so that a scoped plan
     # (explain --megatron) hands a launch's hooks back exactly as they were.
     fields: dict[str, Any] = {"providers": flatten(providers), "dry_run": dry_run,
-                              "out": (out or sys.stdout) if dry_run else None, "chatter": chatter, "root": root, "target": target,
+                              "out": (out or sys.stdout) if dry_run else None, "chatter": chatter,
+                              "err": (err or sys.stderr) if dry_run else None, "root": root, "target": target,
                               "capture": capture, "output": output}
     if hooks.dry_run != dry_run:
         fields["controller"] = None  # a controller's mode is fixed: the next parse makes the right one
@@ -383,6 +385,25 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
         # The process ends in the dry run; hooks.out keeps the real stdout for the report.
         PATCHES.set_attr(sys, "stdout", sys.stderr, "sys.stdout -> sys.stderr (dry run)")
     return rest
+
+
+def prepare_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
+    """For the top of a patched script, above its imports: with ``--extra-args-provider`` in
+    ``argv``, check every variable, the profile and the planned job (one line and exit status 2
+    on a bad one, in well under a second), and for a dry run put the import stand-ins (triton) in
+    place, so a CPU machine plans as the launcher does. Changes nothing else."""
+    environ = os.environ if environ is None else environ
+    if not any(str(arg).split("=", 1)[0] == PROVIDER_FLAG for arg in argv):
+        return
+    try:
+        preflight(environ)
+        if dry_run_requested(environ):
+            planned.from_environment(environ)
+            from .import_shims import install_stand_ins
+
+            install_stand_ins()
+    except PerfTogglesError as error:
+        fail(error)
 
 
 def preflight(environ: Mapping[str, str]) -> EnvSettings:

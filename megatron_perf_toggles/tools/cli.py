@@ -15,7 +15,7 @@ from typing import Any
 from .._version import __version__
 from ..core.decide import Plan, decide, requested
 from ..core.env import EnvSettings, read_env
-from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, with_assumptions
+from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, parse_assume
 from ..core.precision import LOG_DIR_DESTS
 from ..core.profile import ENVIRONMENT_WORDS, Profile
 from ..core.registry import SETTINGS, TOGGLES, format_value
@@ -143,11 +143,13 @@ def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
     """Where each fact the guards rest on came from: detected here, assumed (ASSUME), planned
     (--gpu), or the recorded surface / the checkout for Megatron's own."""
     out = [f"Megatron facts: {megatron_source}"]
+    spec = read_env(os.environ).assume
+    named = set(parse_assume(spec)) if spec else set()  # what the variable itself names
     for name, words in FACT_NAMES:
         value = getattr(caps, name)
         if name == "device" and caps.gpu_source and caps.gpu_source != "detected":
             source = f"planned: {caps.gpu_source}"
-        elif caps.is_assumed(name) and caps.stack:
+        elif caps.is_assumed(name) and caps.stack and name not in named:
             source = "planned stack"
         elif caps.is_assumed(name):
             source = "assumed (MEGATRON_PERF_TOGGLES_ASSUME)"
