@@ -162,7 +162,7 @@ class Controller:
             self._arm_rank_check(ns, outcome)
             if not watched:  # no Megatron validation to wait for: the table goes out now
                 self._announce(ns, outcome)
-        if watched:
+        if watched and net is not None:
             # The table goes out once Megatron's validation has passed, with its final values
             # (a run-time back-off included), not before.
             net.NET.watch(ns, reg.stock, functools.partial(self._backed_off, outcome=outcome),

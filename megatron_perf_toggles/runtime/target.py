@@ -246,13 +246,12 @@ def _world(stand: ProcessPatches, target: Target) -> None:
 def _device(stand: ProcessPatches, gpu: Gpu, count: int) -> None:
     """Answer torch's device questions for ``gpu``. Without torch there is nobody to ask them:
     planning on a machine with no torch reads the GPU's facts from the table alone."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import importlib.util
+    import importlib
+    import importlib.util
 
-        if importlib.util.find_spec("torch") is None:
-            return
-        import torch
+    if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
+        return
+    torch: Any = importlib.import_module("torch")
 
     props = _Properties(gpu)
     cuda = torch.cuda
