@@ -247,11 +247,11 @@ def _device(stand: ProcessPatches, gpu: Gpu, count: int) -> None:
     """Answer torch's device questions for ``gpu``. Without torch there is nobody to ask them:
     planning on a machine with no torch reads the GPU's facts from the table alone."""
     import importlib
-    import importlib.util
 
-    if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
+    try:
+        torch: Any = importlib.import_module("torch")
+    except ImportError:
         return
-    torch: Any = importlib.import_module("torch")
 
     props = _Properties(gpu)
     cuda = torch.cuda

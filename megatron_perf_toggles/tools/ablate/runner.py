@@ -601,7 +601,14 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
     try:
         _validate(ns)
         dests, flags = _known_args()
-        arms = expand(ns.design, parse_toggles(ns.toggles), parse_vary(ns.vary, dests), ns.others,
+        toggles = parse_toggles(ns.toggles)
+        if ns.design != "candidates":
+            # A toggle a guard turns off for this model can be on in no arm: left out before any dry run.
+            from .guarded import leave_out
+
+            toggles = leave_out(toggles, ns.script, args, planned_world(ns.launch, ns.world_size),
+                                say=lambda line: print(line, file=sys.stderr, flush=True))
+        arms = expand(ns.design, toggles, parse_vary(ns.vary, dests), ns.others,
                       parse_candidates(ns.candidate, flags))
         out = Path(ns.out)
         if not ns.dry_run:
