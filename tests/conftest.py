@@ -53,7 +53,7 @@ def env():
 REAL_SUITES = ("tests/test_megatron_real.py", "tests/test_launcher.py", "tests/test_patches.py",
                "tests/test_ablate_real.py", "tests/test_cli.py", "tests/test_examples.py",
                "tests/test_safety_net.py", "tests/test_megatron_rules.py", "tests/test_megatron_corpus.py",
-               "tests/test_megatron_fuzz.py", "tests/test_parity.py")
+               "tests/test_megatron_fuzz.py", "tests/test_parity.py", "tests/test_front_door.py")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
