@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, megatron_trees
 
 from megatron_perf_toggles.core import launch_env
 from megatron_perf_toggles.core.facts import PLANNED_STACKS, parse_assume
@@ -20,8 +21,6 @@ from megatron_perf_toggles.runtime import target as planned
 from megatron_perf_toggles.runtime.capabilities import for_plan
 from megatron_perf_toggles.tools.ablate.guarded import guarded_off
 from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_BF16
-
-from conftest import REPO, megatron_trees
 
 TREES_SKIP = "MEGATRON_LM_TREES is not set: set it to Megatron-LM checkouts (':'-separated) to run this"
 
