@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 TREES_ENV = "MEGATRON_LM_TREES"
 SKIP_REASON = (f"{TREES_ENV} is unset: real-Megatron tests SKIPPED (set it to ':'-separated Megatron-LM "
                "checkouts, one per version; each needs Megatron-LM's Python requirements, see the README's "
-               "'Plan on a CPU-only machine')")
+               "'Plan your job')")
 
 # Enough for parse_args + validate_args of pretrain_gpt.py on a CPU box, every version.
 BASE_ARGS = [

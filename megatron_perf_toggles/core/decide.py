@@ -177,6 +177,8 @@ def _mxfp4_fusion_stays_on(ctx: Context) -> bool:
 
 
 def grad_reduce_yields_to_fsdp_comm_dtype(ctx: Context) -> Iterator[Change]:
+    """An explicit `--megatron-fsdp-grad-comm-dtype` other than bf16 turns the bf16 gradient-reduction
+    default off, where the Megatron at hand (0.17 to 0.18.2) would overwrite it with bf16."""
     a = ctx.args
     dtype = a.get("megatron_fsdp_grad_comm_dtype")
     if (a.get("use_megatron_fsdp") and dtype not in (None, "auto", "bf16") and _on(ctx.values, "grad_reduce_in_bf16")
@@ -188,6 +190,8 @@ def grad_reduce_yields_to_fsdp_comm_dtype(ctx: Context) -> Iterator[Change]:
 
 
 def grad_reduce_yields_to_fp32_accumulation(ctx: Context) -> Iterator[Change]:
+    """An explicit `--accumulate-allreduce-grads-in-fp32` turns the bf16 gradient-reduction default off:
+    Megatron's validate_args would silently drop the fp32 request under it."""
     if ctx.args.get("accumulate_allreduce_grads_in_fp32") and _on(ctx.values, "grad_reduce_in_bf16"):
         yield Change(
             "grad_reduce_in_bf16", False,
@@ -198,6 +202,9 @@ def grad_reduce_yields_to_fp32_accumulation(ctx: Context) -> Iterator[Change]:
 
 
 def mxfp4_bf16_wgrad(ctx: Context) -> Iterator[Change]:
+    """With `--fp4-recipe mxfp4` and gradient accumulation fusion on, the gradient buffer is forced to
+    bf16, even over an explicit `--no-grad-reduce-in-bf16` (with a warning): the a4w4 weight-gradient
+    GEMM writes only bf16."""
     if _mxfp4_fusion_stays_on(ctx) and not _on(ctx.values, "grad_reduce_in_bf16"):
         yield Change(
             "grad_reduce_in_bf16",
@@ -217,6 +224,10 @@ def _saved_layout(ctx: Context) -> tuple[str, str]:
 
 
 def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
+    """On resume, `grad_reduce_in_bf16` keeps the value that gives the saved gradient buffer where the
+    distributed optimizer's checkpoint is keyed by the gradient dtype (the other value cannot load); an
+    explicit flag against it is refused. `--no-load-optim`, `--finetune` and the model-space layouts
+    leave the choice free."""
     ck = ctx.checkpoint
     if not ck or not loads_optimizer_state(ctx.args) or ck.get("optimizer_state_saved") is False:
         return
@@ -242,6 +253,8 @@ def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
 
 
 def cross_entropy_fusion_deterministic(ctx: Context) -> Iterator[Change]:
+    """Cross-entropy loss fusion goes off under `--deterministic-mode`, where Megatron rejects it; an
+    explicit `--cross-entropy-loss-fusion` with it is refused."""
     if ctx.args.get("deterministic_mode") and _on(ctx.values, "cross_entropy_loss_fusion") \
             and (ctx.caps.megatron.has_rule("deterministic_ce_fusion")
                  or ctx.caps.megatron.has_rule("deterministic_ce_fusion_019")):
@@ -268,6 +281,8 @@ def _te_impl_cannot_stay(ctx: Context, reason: str, hint: str, capability: str =
 
 
 def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
+    """The cross-entropy impl `te` becomes `native` where Megatron asserts against it with loss fusion
+    (0.18.2 and later); if `te` was asked for by name, the fusion default yields instead."""
     if _te_fused_cross_entropy_on(ctx) and ctx.caps.megatron.asserts_te_cross_entropy:
         reason = (f"Megatron {ctx.caps.megatron.version or ''} rejects the te impl with "
                   "--cross-entropy-loss-fusion (stability assertion in validate_args)").replace("  ", " ")
@@ -275,6 +290,8 @@ def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
 
 
 def cross_entropy_te_distillation(ctx: Context) -> Iterator[Change]:
+    """The impl `te` becomes `native` with ModelOpt distillation (`--export-kd-teacher-load`), which does
+    not take TE's cross entropy."""
     if ctx.args.get("export_kd_teacher_load") and ctx.values.get("cross_entropy_fusion_impl") == "te" \
             and ctx.caps.megatron.has_rule("ce_te_impl_distillation"):
         yield Change("cross_entropy_fusion_impl", "native",
@@ -283,6 +300,8 @@ def cross_entropy_te_distillation(ctx: Context) -> Iterator[Change]:
 
 
 def cross_entropy_te_full_iteration_graph(ctx: Context) -> Iterator[Change]:
+    """The impl `te` becomes `native` under a full-iteration CUDA graph with Transformer Engine older than
+    2.7."""
     a = ctx.args
     full = a.get("cuda_graph_impl") == "full_iteration" or "full_iteration" in _graph_modules(a)
     if full and _te_fused_cross_entropy_on(ctx) and not _te_at_least(ctx.caps, CE_TE_FULL_GRAPH_MIN_TE) \
@@ -294,6 +313,7 @@ def cross_entropy_te_full_iteration_graph(ctx: Context) -> Iterator[Change]:
 
 
 def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
+    """The impl `te` becomes `native` where Transformer Engine lacks its parallel cross-entropy kernel."""
     need = lacking(ctx, "cross_entropy_fusion_impl") if _te_fused_cross_entropy_on(ctx) else None
     if need:
         why = ctx.caps.notes.get(need) or ctx.caps.notes.get("te") or (
@@ -304,6 +324,8 @@ def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
 
 
 def cross_entropy_impl_unused(ctx: Context) -> Iterator[Change]:
+    """With loss fusion off the impl is unused, so Megatron's own value (`native`) stands and no rule about
+    `te` can reject it."""
     # Without the fusion the impl is never used: leave Megatron's own value, so no rule about the
     # te impl (distillation, graphs, stability) can reject a setting that does nothing.
     if not _on(ctx.values, "cross_entropy_loss_fusion") and ctx.values.get("cross_entropy_fusion_impl") == "te" \
@@ -313,6 +335,8 @@ def cross_entropy_impl_unused(ctx: Context) -> Iterator[Change]:
 
 
 def gradient_accumulation_fusion_fsdp(ctx: Context) -> Iterator[Change]:
+    """Gradient accumulation fusion goes off with `--use-torch-fsdp2`, and with Megatron-FSDP only where
+    Megatron refuses it (v2, core 0.13's sharded custom FSDP, or Transformer Engine older than 2.10)."""
     reason = _fsdp_blocks_fusion(ctx) if _on(ctx.values, "gradient_accumulation_fusion") else None
     if reason:
         yield Change("gradient_accumulation_fusion", False, reason,
@@ -320,6 +344,8 @@ def gradient_accumulation_fusion_fsdp(ctx: Context) -> Iterator[Change]:
 
 
 def gradient_accumulation_fusion_apex(ctx: Context) -> Iterator[Change]:
+    """Without APEX's `fused_weight_gradient_mlp_cuda`, gradient accumulation fusion stays on through the
+    package's torch fallback where it can run, and goes off otherwise."""
     if not _on(ctx.values, "gradient_accumulation_fusion") or not lacking(ctx, "gradient_accumulation_fusion"):
         return
     missing = ctx.caps.notes.get("apex_fused_wgrad") or "APEX's fused_weight_gradient_mlp_cuda is not available"
@@ -356,6 +382,10 @@ FUSED_QKV_ROPE_BLOCKERS: tuple[tuple[str, str], ...] = (
 
 
 def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
+    """Fused single-QKV RoPE goes off without the TransformerConfig field (before core 0.15) or TE's fused
+    QKV RoPE kernel, and with q/k layer norm or L2 norm, packed (THD) sequences, flash-decode, an
+    attention output gate, RoPE-free layers, `--rotary-interleaved`, RL rollouts, or a position
+    embedding other than RoPE."""
     if not _on(ctx.values, "fused_single_qkv_rope"):
         return
     a, caps = ctx.args, ctx.caps
@@ -386,6 +416,8 @@ def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
 
 
 def ddp_average_unsupported(ctx: Context) -> Iterator[Change]:
+    """Averaging inside the data-parallel collective goes off with `--calculate-per-token-loss` or GTP
+    weight shards."""
     if not _on(ctx.values, "ddp_average_in_collective"):
         return
     if ctx.args.get("calculate_per_token_loss"):

@@ -160,4 +160,4 @@ def import_failure(error: BaseException) -> tuple[str, str | None]:
     if _gpu_build_without_gpu():
         return what, ("this torch is a GPU build and no GPU is visible, and this Megatron runs GPU code at import; "
                       f"to plan on this machine use PyTorch's CPU build: {CPU_TORCH}")
-    return what, "install Megatron-LM's requirements (see the README: 'Plan on a CPU-only machine')"
+    return what, "install Megatron-LM's requirements (see the README: 'Plan your job')"

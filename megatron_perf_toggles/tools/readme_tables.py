@@ -1,10 +1,13 @@
-"""README tables generated from the registry and the recorded surfaces (a test keeps them equal).
+"""Documentation tables generated from the code: the registry, the guards and the recorded
+surfaces (a test keeps every page equal to them, so no number or row can drift).
 
-``python -m megatron_perf_toggles.tools.readme_tables`` prints them.
+``python -m megatron_perf_toggles.tools.readme_tables`` prints them; ``--write`` rewrites every
+generated block in the pages that hold them (``PAGES``).
 """
 
 from __future__ import annotations
 
+from ..core.decide import GUARDS
 from ..core.megatron_rules import rules_table
 from ..core.registry import SETTINGS, TOGGLES, format_value
 from .surfaces import replay
@@ -64,8 +67,23 @@ def compatibility_table() -> str:
     return "\n".join(rows)
 
 
+def guards_list() -> str:
+    """The guards in the order ``decide`` applies them, numbered, each with its docstring: the
+    one list that names guards by number, generated so the numbers follow the code."""
+    import inspect
+
+    rows = []
+    for number, guard in enumerate(GUARDS, 1):
+        doc = " ".join((inspect.getdoc(guard) or "").split("\n\n", 1)[0].split())
+        rows.append(f"{number}. `{guard.__name__}`: {doc or '(no description)'}")
+    return "\n".join(rows)
+
+
 TABLES = {"toggles": toggles_table, "settings": settings_table, "compatibility": compatibility_table,
-          "megatron-rules": rules_table}
+          "megatron-rules": rules_table, "guards": guards_list}
+# Where each generated block lives (paths from the repository's root).
+PAGES = {"toggles": "README.md", "settings": "docs/reference.md", "compatibility": "docs/reference.md",
+         "megatron-rules": "docs/guards.md", "guards": "docs/guards.md"}
 
 
 def render_block(name: str) -> str:
@@ -90,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     from pathlib import Path
 
-    ap = argparse.ArgumentParser(description="Print the generated README tables, or rewrite them in place.")
-    ap.add_argument("--write", metavar="FILE", help="rewrite the generated blocks inside FILE (e.g. README.md)")
+    ap = argparse.ArgumentParser(description="Print the generated documentation tables, or rewrite them in place.")
+    ap.add_argument("--write", metavar="FILE", nargs="?", const="",
+                    help="rewrite the generated blocks inside FILE; with no FILE, in every page that holds one "
+                         "(run from the repository's root)")
     ns = ap.parse_args(argv)
-    if ns.write:
-        path = Path(ns.write)
-        path.write_text(update(path.read_text()))
+    if ns.write is not None:
+        for page in [ns.write] if ns.write else sorted(set(PAGES.values())):
+            path = Path(page)
+            path.write_text(update(path.read_text()))
         return 0
     for table in TABLES:
         print(render_block(table))
