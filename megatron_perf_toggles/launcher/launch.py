@@ -42,12 +42,16 @@ Megatron must be importable: run from the Megatron-LM checkout or set
 PYTHONPATH=/path/to/Megatron-LM.
 
 A dry run ({hooks.DRY_RUN_ENV}=1 does the same) parses and validates the arguments
-exactly as Megatron would, prints the decisions as JSON on stdout (Megatron's own output goes
-to stderr) and exits 0 before anything touches a GPU. It plans for the world and GPU you name
-(--world-size or --nnodes x --nproc-per-node; --gpu {'|'.join(planned.GPUS)} or an arch such as
-sm_90 or gfx942): Megatron's parse and validate see that many ranks, and its device queries are
-answered from the GPU's facts, on any machine. Without them the real world (WORLD_SIZE) and the
-visible GPU are used; with no GPU visible, the plan is for {planned.DEFAULT_GPU['cuda']} and says so.
+exactly as Megatron would, prints a one-screen summary (the planned machine and software stack,
+the decisions after validation, the launch environment the layout needs, warnings) and exits 0
+before anything touches a GPU; Megatron's own output and the full JSON record go to files it
+names (--json: the record on stdout; --verbose: everything). It plans for the world and GPU you
+name (--world-size or --nnodes x --nproc-per-node; --gpu {'|'.join(planned.GPUS)} or an arch such
+as sm_90 or gfx942; or {planned.PLAN_ENV}=WORLD:GPU): Megatron's parse and validate see that many
+ranks, and its device queries are answered from the GPU's facts, on any machine. Without them the
+real world (WORLD_SIZE) and the visible GPU are used; with no GPU visible, the plan is for
+{planned.DEFAULT_GPU['cuda']} and says so. A plan for another GPU rests on that family's planned
+software stack (MEGATRON_PERF_TOGGLES_ASSUME changes it).
 
 examples:
   {PROG} pretrain_gpt.py --num-layers 32 ...
@@ -73,7 +77,7 @@ def build_launcher_parser() -> argparse.ArgumentParser:
                         help="another extra_args_provider to chain (repeatable), after the script's own and "
                              "before the plugin")
     parser.add_argument("--dry-run", action="store_true",
-                        help=f"parse and validate only, print the decisions as JSON, exit 0 "
+                        help=f"parse and validate only, print the plan, exit 0 "
                              f"(also {hooks.DRY_RUN_ENV}=1)")
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_const", const="json", dest="output",

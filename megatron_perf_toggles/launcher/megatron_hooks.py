@@ -10,7 +10,7 @@ first and is never replaced; a provider named twice runs once.
 
 Dry run: ``initialize_megatron`` (up to 0.17) and ``parse_and_validate_args`` (0.18+) are wrapped
 too, only to learn the ``args_defaults`` the script passed. In a dry run they hand over to
-``dry_run.py``, which parses and validates exactly as Megatron would, prints the decisions as JSON
+``dry_run.py``, which parses and validates exactly as Megatron would, reports the plan
 on stdout (Megatron's own chatter goes to stderr) and exits 0, before anything touches CUDA.
 
 Nothing here imports Megatron or torch at module import time.
@@ -180,7 +180,7 @@ class Hooks(Struct):
     wrappers: dict[str, Callable[..., Any]] = field(default_factory=dict)
     controller: Controller | None = None  # made at the first parse that includes the plugin
     last_chain: Chain | None = None
-    out: TextIO | None = None  # where a dry run prints its JSON: stdout as it was at install time
+    out: TextIO | None = None  # where a dry run prints its report: stdout as it was at install time
     target: planned.Target | None = None  # the world and GPU a dry run plans for (runtime/target.py)
     capture: bool = False  # a dry run hands its record to the caller (explain) instead of printing it
     err: TextIO | None = None  # where a dry run's one-line error goes: stderr as it was at install time
@@ -362,7 +362,7 @@ def unhook_parse_path() -> None:
 def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
     """For scripts (the in-tree pretrain_gpt.py patch): install every ``--extra-args-provider``
     named in ``argv`` and return ``argv`` without them. ``MEGATRON_PERF_TOGGLES_DRY_RUN=1`` makes
-    it a dry run, in which the script's own output moves to stderr so that stdout carries the JSON
+    it a dry run, in which the script's own output moves to stderr so that stdout carries the report
     alone. Errors end the process with one line and exit status 2."""
     environ = os.environ if environ is None else environ
     try:
