@@ -165,7 +165,10 @@ def parse_plan(text: str) -> tuple[int | None, str | None]:
             raise TargetError(f"{PLAN_ENV}={text!r}: the world size must be at least 1", "e.g. 64:h100")
     gpu = gpu_text.strip() or None
     if gpu is not None:
-        gpu_named(gpu)  # an unknown GPU is one line here, before anything is imported
+        try:
+            gpu_named(gpu)  # an unknown GPU is one line here, before anything is imported
+        except TargetError as error:
+            raise TargetError(f"{PLAN_ENV}={text!r}: {error.message.removeprefix('--gpu ')}", error.hint) from None
     return world, gpu
 
 
