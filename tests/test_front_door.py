@@ -271,3 +271,14 @@ def test_ablate_headline_dry_run_on_a_qk_layernorm_model(tree: str, tmp_path: Pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[ablate] left out fused_single_qkv_rope: a guard turns it off for this model (--qk-layernorm" in done.stderr
     assert "all-on (" not in done.stdout and "FUSED_SINGLE_QKV_ROPE" not in done.stdout
+
+
+def test_explain_lists_the_launch_environment_as_the_dry_run_does() -> None:
+    tp8 = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "explain", "--json", "--", *_layout(8, 4)],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert tp8.returncode == 0, tp8.stderr
+    names = [v["name"] for v in json.loads(tp8.stdout)["launch_environment"]]
+    assert names == ["CUDA_DEVICE_MAX_CONNECTIONS"]
+    b200 = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "explain", "--json", "--gpu", "b200", "--",
+                           *_layout(8, 4)], capture_output=True, text=True, env=_env(), timeout=120)
+    assert json.loads(b200.stdout)["launch_environment"] == []  # Blackwell dropped the requirement

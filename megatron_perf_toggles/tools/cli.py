@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._version import __version__
+from ..core import launch_env
 from ..core.decide import Plan, decide, requested
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, parse_assume
@@ -191,12 +192,15 @@ def cmd_explain(ns: argparse.Namespace) -> int:
                                                 target=target)
     megatron_source = (f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
+    # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts.
+    launch = launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version)
     if ns.json:
         payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
         payload["megatron"] = label
         payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
         payload["sources"] = fact_sources(caps, megatron_source)
         payload["stack"] = caps.stack or None
+        payload["launch_environment"] = [v.to_record() for v in launch]
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
     print(f"Megatron: {label}")
@@ -221,6 +225,8 @@ def cmd_explain(ns: argparse.Namespace) -> int:
             print(f"{dest}: {args[dest]}")
     if not plan.log_dirs and any(args.get(d) for d in LOG_DIR_DESTS):
         print("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)")
+    for var in launch:
+        print(f"launch environment: export {var.name}={var.value}  # {var.why}")
     for m in plan.messages:
         print(f"{m.level}: {m.text}")
     return 0
