@@ -282,3 +282,12 @@ def test_explain_lists_the_launch_environment_as_the_dry_run_does() -> None:
     b200 = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "explain", "--json", "--gpu", "b200", "--",
                            *_layout(8, 4)], capture_output=True, text=True, env=_env(), timeout=120)
     assert json.loads(b200.stdout)["launch_environment"] == []  # Blackwell dropped the requirement
+
+
+def test_a_rejection_for_a_world_of_one_says_how_to_name_the_job() -> None:
+    from megatron_perf_toggles.launcher.dry_run import _rejection
+
+    text = str(_rejection(AssertionError("world size (1) is not divisible by 8"), None, "/tmp/x/megatron.log"))
+    assert "Megatron's output: /tmp/x/megatron.log" in text and "--world-size N or MEGATRON_PERF_TOGGLES_PLAN" in text
+    planned_job = planned.make_target(world_size=64, gpu="h100")
+    assert "--world-size N" not in str(_rejection(AssertionError("world size (64) is not divisible"), planned_job, None))

@@ -118,7 +118,10 @@ def _rejection(error: BaseException, target: planned.Target | None, log: str | N
     text = " ".join(str(error).split())
     if isinstance(error, AssertionError) and not text:
         text = f"failed assertion at {assertion_site(error)}"
-    hint = f"Megatron's output: {log}" if log else None
+    hints = [f"Megatron's output: {log}"] if log else []
+    if (target is None or target.world_size is None) and "world size" in text.lower():
+        hints.append(f"plan for the job's size with --world-size N or {planned.PLAN_ENV}=WORLD:GPU")
+    hint = "; ".join(hints) or None
     return MegatronRejectedError(f"Megatron's validate_args rejects this command line for "
                                  f"{planned.describe(target)}: {type(error).__name__}: {text}", hint)
 
