@@ -34,6 +34,7 @@ def _clean_environ(extra: dict[str, str]) -> None:
         if name.startswith(PLUGIN_VARS_PREFIXES) or name in {t.env for t in TOGGLES} or name == "WORLD_SIZE":
             del os.environ[name]
     os.environ.update(extra)
+    os.environ.setdefault("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "json")  # the record on stdout, for the checks
 
 
 def run_case(case: dict, api: dict) -> dict:

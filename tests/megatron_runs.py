@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 TREES_ENV = tree_driver.TREES_ENV
 SKIP_REASON = (f"{TREES_ENV} is unset: real-Megatron tests SKIPPED (set it to ':'-separated Megatron-LM "
                "checkouts, one per version; each needs Megatron-LM's Python requirements, see the README's "
-               "'Plan on a CPU-only machine')")
+               "'Plan your job')")
 
 # Enough for parse_args + validate_args of pretrain_gpt.py on a CPU box, every version.
 BASE_ARGS = [
@@ -136,8 +136,8 @@ def stock_cases(tree: str, work: Path) -> list[dict[str, Any]]:
          "argv": ["--extra-args-provider", f"{PROVIDER_MODULE}:add_my_flag", script, *base, "--my-flag", "7",
                   f"--extra-args-provider={PROVIDER_MODULE}:add_other", "--other-flag"]},
         {"name": "unknown-flag", "mode": "launcher", "argv": ["--dry-run", script, *base, "--my-flag", "7"]},
-        {"name": "cannot-honour", "mode": "launcher",
-         # Both asked for by name on a machine without TE's kernel: nothing can yield, one line.
+        {"name": "cannot-honour", "mode": "launcher", "env": {"MEGATRON_PERF_TOGGLES_ASSUME": "none"},
+         # Both asked for by name for a machine without TE's kernel: nothing can yield, one line.
          "argv": ["--dry-run", script, *base, "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"]},
         {"name": "mimic-upstream", "mode": "launcher", "env": {"PTT_STYLE": "upstream"},
          "argv": ["--dry-run", "--extra-args-provider", "megatron_perf_toggles:extra_args_provider", mimic,
@@ -339,6 +339,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     saved = (sys.stdout, sys.stderr, list(sys.argv), list(sys.path), dict(os.environ))
     blocked = {name: sys.modules.get(name, _MISSING) for name in case.get("block", [])}
     os.environ.update(case.get("env", {}))
+    os.environ.setdefault("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "json")  # the record on stdout, for the checks
     world_vars = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     world_before = {v: os.environ.get(v) for v in world_vars}
     world_after: dict[str, Any] = {}

@@ -731,7 +731,8 @@ def test_dry_runs_plan_for_the_world_the_runs_will_have():
     assert ablate.launch_world_size("torchrun --nproc-per-node 0") is None
     assert ablate.launch_world_size("env NCCL_DEBUG=INFO A=b torchrun --nproc-per-node 8") == 8
     assert ablate.launch_world_size("env -u A torchrun --nproc-per-node 8") is None  # env's options: not read
-    assert ablate.dry_run_command("s.py", ["--lr", "1"], arm, 8)[3:7] == ["--dry-run", "--world-size", "8", "s.py"]
+    assert ablate.dry_run_command("s.py", ["--lr", "1"], arm, 8)[3:8] == ["--dry-run", "--json", "--world-size", "8",
+                                                                          "s.py"]
     assert "--world-size" not in ablate.dry_run_command("s.py", ["--lr", "1"], arm, 1)
 
 

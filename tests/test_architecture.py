@@ -15,7 +15,7 @@ PAGE = REPO / "docs" / "architecture.md"
 def test_the_guard_table_is_generated_from_the_declarations():
     stale = "docs/architecture.md's guard table is stale: python -m megatron_perf_toggles.tools.readme_tables " \
             "--write docs/architecture.md"
-    assert readme_tables.render_block("guards") in PAGE.read_text(), stale
+    assert readme_tables.render_block("guard-rules") in PAGE.read_text(), stale
 
 
 def test_the_modules_it_names_exist():

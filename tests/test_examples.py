@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is no
 def run(env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
     return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=timeout,
-                          env={**base, "PYTHON": sys.executable, **env})
+                          env={**base, "PYTHON": sys.executable, "MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT": "json", **env})
 
 
 @pytest.mark.parametrize("env, words", [

@@ -287,8 +287,21 @@ def fake(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     return write_fake(tmp_path / request.param, request.param)
 
 
+def test_fake_dry_run_summary_fits_a_screen_and_keeps_the_record_in_a_file(fake: Path) -> None:
+    done = launch("--dry-run", "train.py", "--bf16", "--tensorboard-dir", "tb", cwd=fake, pythonpath=[fake])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) <= 60 and "fake validate_args chatter" not in done.stdout + done.stderr
+    table = [line for line in lines if line.strip().startswith("grad_reduce_in_bf16 ")]
+    assert len(table) == 1 and " on " in table[0]  # the decision table, once
+    record = next(line.split(": ", 1)[1] for line in lines if line.startswith("full record (JSON): "))
+    log = next(line.split(": ", 1)[1] for line in lines if line.startswith("Megatron's output"))
+    assert json.loads(Path(record).read_text())["log_dirs"] == {"tensorboard_dir": "tb/bf16"}
+    assert "fake validate_args chatter" in Path(log).read_text()  # Megatron's output went to the file
+
+
 def test_fake_dry_run_prints_json_alone_and_keeps_the_scripts_provider(fake: Path) -> None:
-    done = launch("--dry-run", "--extra-args-provider", "user_provider:mine", "train.py", "--bf16", "--own-flag",
+    done = launch("--dry-run", "--json", "--extra-args-provider", "user_provider:mine", "train.py", "--bf16", "--own-flag",
                   "--mine", "5", "--extra-args-provider=megatron_perf_toggles", "--tensorboard-dir", "tb",
                   cwd=fake, pythonpath=[fake])
     assert done.returncode == 0, done.stderr
@@ -507,7 +520,7 @@ def test_explain_decides_as_the_launcher_dry_run_on_the_same_tree(tmp_path: Path
     layout = LAYOUTS[name]
     argv = [a.replace("/unused", str(tmp_path)) for a in layout.argv]
     plan = ["--world-size", str(layout.world_size), "--gpu", gpu]
-    dry = _subprocess(["megatron_perf_toggles.run", "--dry-run", *plan, f"{tree}/pretrain_gpt.py", *argv], tmp_path)
+    dry = _subprocess(["megatron_perf_toggles.run", "--dry-run", "--json", *plan, f"{tree}/pretrain_gpt.py", *argv], tmp_path)
     assert dry.returncode == 0, dry.stderr[-3000:]
     explain = _subprocess(["megatron_perf_toggles", "explain", "--megatron", tree, "--json", *plan, "--", *argv],
                           tmp_path)

@@ -18,8 +18,10 @@ The expected outcome comes from stock Megatron itself (mode A), never from the p
 
 from __future__ import annotations
 
-import megatron_corpus as corpus
 import pytest
+
+pytest.importorskip("yaml", reason="reading Megatron's functional-test configs needs pyyaml, which the megatron-cpu extra installs")
+import megatron_corpus as corpus
 from conftest import megatron_trees
 
 TREES = megatron_trees()

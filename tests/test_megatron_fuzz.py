@@ -14,9 +14,11 @@ prints the seed, each failing sample's environment and argv, and the errors.
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("yaml", reason="reading Megatron's functional-test configs needs pyyaml, which the megatron-cpu extra installs")
 import megatron_corpus as corpus
 import megatron_fuzz
-import pytest
 from conftest import megatron_trees
 
 TREES = megatron_trees()

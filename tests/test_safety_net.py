@@ -281,3 +281,19 @@ def test_a_launch_rewrites_its_own_history_line(tmp_path):
     resume.record_launch(str(tmp_path), first, "bf16", launch_id="b")
     lines = [json.loads(x) for x in (tmp_path / resume.HISTORY_NAME).read_text().splitlines()]
     assert [(e["launch"], e["decisions"]["grad_reduce_in_bf16"]) for e in lines] == [("a", False), ("b", True)]
+
+
+def test_a_run_prints_its_table_once_after_validation_with_the_back_off(capsys):
+    """The start-up table waits for Megatron's validation, so a run-time back-off shows as the
+    final value in the one table, not as "on" followed by a correction."""
+    from megatron_perf_toggles.runtime.controller import Controller
+
+    controller = Controller({}, mode="run", capabilities=CAPS)
+    with FakeMegatron(reject_bf16_reduce) as fake:
+        args = parse(["--bf16"], controller=controller)
+        assert "grad_reduce_in_bf16" not in capsys.readouterr().out  # nothing before validation
+        fake.module.validate_args(args, {})
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("[perf-toggles] grad_reduce_in_bf16:")]
+    assert len(lines) == 1 and lines[0].startswith("[perf-toggles] grad_reduce_in_bf16: off (guard;")
+    assert out.count("[perf-toggles] cross_entropy_loss_fusion: on") == 1

@@ -18,7 +18,7 @@
 # TE_FP4_RECIPE=nvfp4|mxfp4 (mxfp4 needs the ROCm fork); neither: bf16.
 # Only here (not in the originating script): MEGATRON_LM (the checkout, required), GPUS_PER_NODE
 # (default: the GPUs torch sees), TIME_STAMP (default: now), PYTHON, DRY_RUN=1 (parse and validate
-# only, print the decisions as JSON; plans for NNODES x GPUS_PER_NODE ranks on any machine, and for
+# only, print the plan; MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT=json for the JSON record; plans for NNODES x GPUS_PER_NODE ranks on any machine, and for
 # the GPU named by GPU=h100|h200|b200|mi300x|mi355x or an arch such as sm_90 / gfx942) and
 # PRINT_ONLY=1 (print the command instead of running it).
 set -uo pipefail

@@ -100,6 +100,8 @@ class EnvSettings:
     wgrad_fallback: bool = True
     rank_check: bool = True
     dry_run: bool = False
+    plan: str | None = None  # WORLD:GPU, parsed by runtime.target.parse_plan
+    dry_run_output: str | None = None  # summary | json | verbose (checked by the dry run)
     patches_dir: str | None = None
     profile_path: str | None = None  # the file is read by the runtime, parsed by core.profile
     memory_headroom: str | None = None  # parsed by core.memory_guard (a percentage or GB)
@@ -128,6 +130,9 @@ def check_settings(settings: Iterable[Setting]) -> None:
 check_settings(SETTINGS)
 
 
+DRY_RUN_OUTPUTS = ("summary", "json", "verbose")
+
+
 def rank_of(environ: Mapping[str, str]) -> int:
     """torchrun's RANK (0 when unset or unreadable): it decides only who prints."""
     try:
@@ -145,6 +150,11 @@ def read_env(environ: Mapping[str, str]) -> EnvSettings:
             toggles[t.dest] = value
     parsed = {s.field: PARSE_BY_KIND[s.kind](s.env, environ.get(s.env)) for s in SETTINGS}
     settings = {name: value for name, value in parsed.items() if value is not None}
+    output = settings.get("dry_run_output")
+    if isinstance(output, str) and output.strip().lower() not in DRY_RUN_OUTPUTS:
+        raise EnvValueError("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", output, ", ".join(DRY_RUN_OUTPUTS))
+    if isinstance(output, str):
+        settings["dry_run_output"] = output.strip().lower()
     # The fields are named by the registry, so a checker cannot match values to them: check_settings
     # has matched each setting's kind to its field's type at import.
     return EnvSettings(toggles=toggles, rank=rank_of(environ), **settings)  # type: ignore[arg-type]

@@ -55,6 +55,7 @@ class Capabilities:
     gpu_source: str | None = None  # "detected", or what a dry run planned for ("--gpu h100", ...)
     gpu_memory_mb: float | None = None  # the GPU's total memory (MB of 2**20 B): the device's, or the planned GPU's
     assumed: tuple[str, ...] = ()  # capability names that came from MEGATRON_PERF_TOGGLES_ASSUME
+    stack: str = ""  # the planned software stack a plan for another machine rests on ("" for this machine)
     notes: dict[str, str] = field(default_factory=dict)  # capability -> why it is missing
 
     @property
@@ -143,6 +144,34 @@ def with_assumptions(caps: Capabilities, spec: str | None) -> Capabilities:
     stale = {note for name in overrides for note in _NOTES_OF.get(name, ())}
     notes = {k: v for k, v in caps.notes.items() if k not in stale}
     return replace(caps, **overrides, assumed=tuple(sorted({*caps.assumed, *overrides})), notes=notes)
+
+
+# The software a plan for another machine assumes, per GPU family, as MEGATRON_PERF_TOGGLES_ASSUME
+# entries: a recent Transformer Engine and no APEX, so gradient accumulation fusion runs on the
+# package's torch fallback (CUDA); on AMD, ROCm's Transformer Engine and AMD's aiter. The variable
+# replaces what it names on top of this (``apex`` adds APEX, ``te=2.1`` an older TE, ``none`` clears).
+PLANNED_STACKS: dict[str, str] = {
+    "cuda": "none,cuda,te=2.20",
+    "rocm": "none,rocm,aiter,te=2.8",
+}
+STACK_VAR = "MEGATRON_PERF_TOGGLES_ASSUME"
+
+
+def planned_stack(vendor: str | None, spec: str | None) -> str:
+    """The ASSUME spec a plan for another ``vendor`` GPU rests on: the family's stack, then the
+    user's own entries (which replace what they name)."""
+    base = PLANNED_STACKS.get(vendor or "cuda", PLANNED_STACKS["cuda"])
+    return f"{base},{spec}" if spec else base
+
+
+def describe_stack(caps: Capabilities) -> str:
+    """The software a plan rests on, in words, with the variable that changes it."""
+    te = f"Transformer Engine {caps.te_version}" if caps.te_version else "no Transformer Engine"
+    wgrad = ("APEX fused wgrad" if caps.apex_fused_wgrad else
+             "no APEX (torch wgrad fallback)" if caps.wgrad_fallback else "no APEX, no wgrad fallback")
+    aiter = "aiter" if caps.aiter_version else "no aiter"
+    family = {"cuda": "NVIDIA", "rocm": "AMD"}.get(caps.device or "", caps.device or "?")
+    return f"{family}: {te}, {wgrad}, {aiter} (change with {STACK_VAR}, e.g. apex,te=2.10)"
 
 
 def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:

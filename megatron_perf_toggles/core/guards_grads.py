@@ -58,6 +58,8 @@ def _mxfp4_fusion_stays_on(ctx: Context) -> bool:
 
 @guard(moves=("grad_reduce_in_bf16",), answers=(MFSDP_GRAD_COMM_DTYPE,))
 def grad_reduce_yields_to_fsdp_comm_dtype(ctx: Context) -> Iterator[Change]:
+    """An explicit `--megatron-fsdp-grad-comm-dtype` other than bf16 turns the bf16 gradient-reduction
+    default off, where the Megatron at hand (0.17 to 0.18.2) would overwrite it with bf16."""
     a = ctx.args
     dtype = a.get("megatron_fsdp_grad_comm_dtype")
     if (a.get("use_megatron_fsdp") and dtype not in (None, "auto", "bf16") and is_on(ctx.values, "grad_reduce_in_bf16")
@@ -70,6 +72,8 @@ def grad_reduce_yields_to_fsdp_comm_dtype(ctx: Context) -> Iterator[Change]:
 
 @guard(moves=("grad_reduce_in_bf16",), answers=(rule("grad_reduce_bf16_drops_fp32_accumulation"),))
 def grad_reduce_yields_to_fp32_accumulation(ctx: Context) -> Iterator[Change]:
+    """An explicit `--accumulate-allreduce-grads-in-fp32` turns the bf16 gradient-reduction default off:
+    Megatron's validate_args would silently drop the fp32 request under it."""
     if ctx.args.get("accumulate_allreduce_grads_in_fp32") and is_on(ctx.values, "grad_reduce_in_bf16"):
         yield Change(
             "grad_reduce_in_bf16", False,
@@ -81,6 +85,9 @@ def grad_reduce_yields_to_fp32_accumulation(ctx: Context) -> Iterator[Change]:
 
 @guard(moves=("grad_reduce_in_bf16",))  # aiter's a4w4 kernel, not a Megatron rule
 def mxfp4_bf16_wgrad(ctx: Context) -> Iterator[Change]:
+    """With `--fp4-recipe mxfp4` and gradient accumulation fusion on, the gradient buffer is forced to
+    bf16, even over an explicit `--no-grad-reduce-in-bf16` (with a warning): the a4w4 weight-gradient
+    GEMM writes only bf16."""
     if _mxfp4_fusion_stays_on(ctx) and not is_on(ctx.values, "grad_reduce_in_bf16"):
         yield Change(
             "grad_reduce_in_bf16",
@@ -101,6 +108,10 @@ def _saved_layout(ctx: Context) -> tuple[str, str]:
 
 @guard(moves=("grad_reduce_in_bf16", "gradient_accumulation_fusion"))  # the checkpoint being resumed
 def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
+    """On resume, `grad_reduce_in_bf16` keeps the value that gives the saved gradient buffer where the
+    distributed optimizer's checkpoint is keyed by the gradient dtype (the other value cannot load); an
+    explicit flag against it is refused. `--no-load-optim`, `--finetune` and the model-space layouts
+    leave the choice free."""
     ck = ctx.checkpoint
     if not ck or not loads_optimizer_state(ctx.args) or ck.get("optimizer_state_saved") is False:
         return
@@ -129,6 +140,8 @@ def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
 @guard(moves=("gradient_accumulation_fusion",), answers=(
     rule("fsdp2_fusion"), CUSTOM_FSDP_SHARDED, rule("mfsdp_fusion_te"), MFSDP_V2_FUSION, rule("mfsdp_fusion_te_implicit")))
 def gradient_accumulation_fusion_fsdp(ctx: Context) -> Iterator[Change]:
+    """Gradient accumulation fusion goes off with `--use-torch-fsdp2`, and with Megatron-FSDP only where
+    Megatron refuses it (v2, core 0.13's sharded custom FSDP, or Transformer Engine older than 2.10)."""
     reason = _fsdp_blocks_fusion(ctx) if is_on(ctx.values, "gradient_accumulation_fusion") else None
     if reason:
         yield Change("gradient_accumulation_fusion", False, reason,
@@ -137,6 +150,8 @@ def gradient_accumulation_fusion_fsdp(ctx: Context) -> Iterator[Change]:
 
 @guard(moves=("gradient_accumulation_fusion",), answers=(rule("apex_wgrad_kernel_required"),))
 def gradient_accumulation_fusion_apex(ctx: Context) -> Iterator[Change]:
+    """Without APEX's `fused_weight_gradient_mlp_cuda`, gradient accumulation fusion stays on through the
+    package's torch fallback where it can run, and goes off otherwise."""
     if not is_on(ctx.values, "gradient_accumulation_fusion") or not lacking(ctx, "gradient_accumulation_fusion"):
         return
     missing = ctx.caps.notes.get("apex_fused_wgrad") or "APEX's fused_weight_gradient_mlp_cuda is not available"

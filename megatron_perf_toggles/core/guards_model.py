@@ -25,6 +25,8 @@ CE = ("cross_entropy_loss_fusion", "cross_entropy_fusion_impl")
 
 @guard(moves=("cross_entropy_loss_fusion",), answers=(DETERMINISTIC_CE, DETERMINISTIC_CE_019))
 def cross_entropy_fusion_deterministic(ctx: Context) -> Iterator[Change]:
+    """Cross-entropy loss fusion goes off under `--deterministic-mode`, where Megatron rejects it; an
+    explicit `--cross-entropy-loss-fusion` with it is refused."""
     if ctx.args.get("deterministic_mode") and is_on(ctx.values, "cross_entropy_loss_fusion") \
             and (carries(ctx, DETERMINISTIC_CE) or carries(ctx, DETERMINISTIC_CE_019)):
         yield Change(
@@ -51,6 +53,8 @@ def _te_impl_cannot_stay(ctx: Context, reason: str, hint: str, capability: str =
 
 @guard(moves=CE, answers=(rule("ce_te_impl_stability"),))  # read as MegatronFacts.asserts_te_cross_entropy
 def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
+    """The cross-entropy impl `te` becomes `native` where Megatron asserts against it with loss fusion
+    (0.18.2 and later); if `te` was asked for by name, the fusion default yields instead."""
     if _te_fused_cross_entropy_on(ctx) and ctx.caps.megatron.asserts_te_cross_entropy:
         reason = (f"Megatron {ctx.caps.megatron.version or ''} rejects the te impl with "
                   "--cross-entropy-loss-fusion (stability assertion in validate_args)").replace("  ", " ")
@@ -59,6 +63,8 @@ def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
 
 @guard(moves=("cross_entropy_fusion_impl",), answers=(CE_TE_DISTILLATION,))
 def cross_entropy_te_distillation(ctx: Context) -> Iterator[Change]:
+    """The impl `te` becomes `native` with ModelOpt distillation (`--export-kd-teacher-load`), which does
+    not take TE's cross entropy."""
     if ctx.args.get("export_kd_teacher_load") and ctx.values.get("cross_entropy_fusion_impl") == "te" \
             and carries(ctx, CE_TE_DISTILLATION):
         yield Change("cross_entropy_fusion_impl", "native",
@@ -68,6 +74,8 @@ def cross_entropy_te_distillation(ctx: Context) -> Iterator[Change]:
 
 @guard(moves=("cross_entropy_fusion_impl",), answers=(CE_TE_FULL_GRAPH,))
 def cross_entropy_te_full_iteration_graph(ctx: Context) -> Iterator[Change]:
+    """The impl `te` becomes `native` under a full-iteration CUDA graph with Transformer Engine older than
+    2.7."""
     a = ctx.args
     full = a.get("cuda_graph_impl") == "full_iteration" or "full_iteration" in graph_modules(a)
     if full and _te_fused_cross_entropy_on(ctx) and not te_at_least(ctx.caps, CE_TE_FULL_GRAPH_MIN_TE) \
@@ -80,6 +88,7 @@ def cross_entropy_te_full_iteration_graph(ctx: Context) -> Iterator[Change]:
 
 @guard(moves=CE, answers=(rule("ce_te_kernel_missing"),))
 def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
+    """The impl `te` becomes `native` where Transformer Engine lacks its parallel cross-entropy kernel."""
     need = lacking(ctx, "cross_entropy_fusion_impl") if _te_fused_cross_entropy_on(ctx) else None
     if need:
         why = ctx.caps.notes.get(need) or ctx.caps.notes.get("te") or (
@@ -93,6 +102,8 @@ def cross_entropy_te_missing(ctx: Context) -> Iterator[Change]:
 def cross_entropy_impl_unused(ctx: Context) -> Iterator[Change]:
     # Without the fusion the impl is never used: leave Megatron's own value, so no rule about the
     # te impl (distillation, graphs, stability) can reject a setting that does nothing.
+    """With loss fusion off the impl is unused, so Megatron's own value (`native`) stands and no rule about
+    `te` can reject it."""
     if not is_on(ctx.values, "cross_entropy_loss_fusion") and ctx.values.get("cross_entropy_fusion_impl") == "te" \
             and ctx.sources.get("cross_entropy_fusion_impl") == "default":
         yield Change("cross_entropy_fusion_impl", "native",
@@ -120,6 +131,10 @@ FUSED_QKV_ROPE_BLOCKERS: tuple[tuple[str, str], ...] = (
     "fqr_field", "fqr_gated_attention", "fqr_forward_assert", "fqr_qk_l2_norm", "fqr_no_rope_layers",
     "fqr_packed_sequences", "fqr_inference_context", "fqr_rotary_interleaved")))
 def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
+    """Fused single-QKV RoPE goes off without the TransformerConfig field (before core 0.15) or TE's fused
+    QKV RoPE kernel, and with q/k layer norm or L2 norm, packed (THD) sequences, flash-decode, an
+    attention output gate, RoPE-free layers, `--rotary-interleaved`, RL rollouts, or a position
+    embedding other than RoPE."""
     if not is_on(ctx.values, "fused_single_qkv_rope"):
         return
     a, caps = ctx.args, ctx.caps
@@ -152,6 +167,8 @@ def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
 @guard(moves=("ddp_average_in_collective",), answers=(
     rule("ddp_average_vs_per_token_loss"), rule("ddp_average_vs_gtp"), rule("ddp_average_vs_gtp_ddp")))
 def ddp_average_unsupported(ctx: Context) -> Iterator[Change]:
+    """Averaging inside the data-parallel collective goes off with `--calculate-per-token-loss` or GTP
+    weight shards."""
     if not is_on(ctx.values, "ddp_average_in_collective"):
         return
     if ctx.args.get("calculate_per_token_loss"):

@@ -10,7 +10,7 @@ declared here once, with the phrase that identifies it in Megatron's source.
 ``runtime.capabilities.detect_rules(root)`` reads those files of a checkout and answers which
 rules this Megatron has, so a guard fires only
 on the versions that carry its rule, and a Megatron release that drops a rule frees the toggle
-again without a code change. The README's guard list is generated from this table.
+again without a code change. The table of Megatron's rules in docs/guards.md is generated from it.
 
 Pure data: no file is read and nothing is imported here.
 """
@@ -372,7 +372,7 @@ BY_ID: dict[str, MegatronRule] = {r.id: r for r in RULES}
 
 
 def rules_table() -> str:
-    """The README's table of Megatron's rules and the plugin's answer to each."""
+    """The table of Megatron's rules and the plugin's answer to each (docs/guards.md)."""
     rows = ["| rule | toggles | Megatron | checked at | when and what | handling |", "|---|---|---|---|---|---|"]
     for r in RULES:
         versions = _span(r.versions)

@@ -131,7 +131,7 @@ class Profile:
 
 def _fail(source: str, what: str, hint: str | None = None) -> ProfileError:
     return ProfileError(f"{PROFILE_ENV}={source}: {what}",
-                        hint or "fix the file or unset the variable; a profile is described in the README")
+                        hint or "fix the file or unset the variable; a profile is described in docs/profiles-and-tune.md")
 
 
 def _keys(source: str, where: str, data: Any, allowed: tuple[str, ...]) -> dict[str, Any]:

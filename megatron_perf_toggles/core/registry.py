@@ -195,7 +195,8 @@ SETTINGS: tuple[Setting, ...] = (
             field="tag_log_dir"),
     Setting("MEGATRON_PERF_TOGGLES_ASSUME", "text", "",
             "Plan for another machine: comma list of apex, aiter, rocm, cuda, te=VERSION, none. "
-            "Replaces detection of those packages.",
+            "Replaces detection of those packages; a plan for another machine starts from its planned stack "
+            "and this replaces what it names.",
             field="assume"),
     Setting("MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK", "bool", "1",
             "Without APEX, keep gradient accumulation fusion on through a torch GEMM stand-in for APEX's "
@@ -205,9 +206,17 @@ SETTINGS: tuple[Setting, ...] = (
             "0 skips the start-up check that every rank decided the same toggles and capabilities.",
             field="rank_check"),
     Setting("MEGATRON_PERF_TOGGLES_DRY_RUN", "bool", "0",
-            "1 makes the launcher stop after Megatron's parse and validate and print the decisions as JSON "
-            "(a patched pretrain_gpt.py does so when given --extra-args-provider).",
+            "1 makes the launcher (or a patched pretrain_gpt.py) stop after Megatron's parse and validate "
+            "and print the plan.",
             field="dry_run"),
+    Setting("MEGATRON_PERF_TOGGLES_PLAN", "text", "",
+            "The job a dry run plans for, as WORLD:GPU (64:h100, 8, :mi355x): what the launcher's --world-size "
+            "and --gpu say, for a patched checkout too.",
+            field="plan"),
+    Setting("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "text", "summary",
+            "What a dry run prints: summary (the plan on one screen; Megatron's output and the JSON record go to "
+            "a file), json (the record on stdout) or verbose (the summary, Megatron's output and the record).",
+            field="dry_run_output"),
     Setting("FP4_SELECTIVE_BF16", "bool", "",
             "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
             "(default by recipe: nvfp4 1, mxfp4 0; with MEGATRON_PERF_TOGGLES=0, Megatron's own: 0).",

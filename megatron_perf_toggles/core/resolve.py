@@ -110,7 +110,8 @@ class Resolution:
         self._respect_room(change)
         assumed = bool(change.capability) and self.caps.is_assumed(change.capability)
         source = "assumed" if assumed else "guard"
-        reason = change.reason + (" (per MEGATRON_PERF_TOGGLES_ASSUME)" if assumed else "")
+        planned = "the planned stack" if self.caps.stack else "MEGATRON_PERF_TOGGLES_ASSUME"
+        reason = change.reason + (f" (per {planned})" if assumed else "")
         first = self.base[change.dest]
         if change.value == first.value:  # a later guard gave back what the user or default asked for
             self.overridden.pop(change.dest, None)

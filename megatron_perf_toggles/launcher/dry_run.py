@@ -11,22 +11,34 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import json
 import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..core import launch_env
 from ..core.env import rank_of
+from ..core.facts import parse_assume
 from ..core.registry import TOGGLES
-from ..errors import PerfTogglesError
+from ..errors import PerfTogglesError, report
 from ..runtime import provenance
 from ..runtime import target as planned
-from ..runtime.capabilities import assumed, gpu_name_here
+from ..runtime.capabilities import effective_assume, gpu_name_here
+from ..runtime.patches import ProcessPatches
 from ..runtime.provenance import jsonable
+from . import summary
 
 if TYPE_CHECKING:  # types only: the hooks call the dry run, so it never imports them when it runs
     from .megatron_hooks import Hooks, Provider
+
+
+def assumed_spec() -> str | None:
+    """MEGATRON_PERF_TOGGLES_ASSUME as set (a bad spelling is the controller's one line)."""
+    from ..core.env import read_text_setting
+
+    return read_text_setting("MEGATRON_PERF_TOGGLES_ASSUME", os.environ)
 
 
 class MegatronRejectedError(PerfTogglesError):
@@ -73,6 +85,10 @@ def dry_run_record(hooks: Hooks, args: argparse.Namespace, args_defaults: Mappin
     return payload
 
 
+class ReportedExit(SystemExit):
+    """The dry run ended with its one line already printed (Megatron refused the command line)."""
+
+
 class DryRunDone(Exception):
     """A captured dry run's result: the record and the plan (``hook_parse_path(..., capture=True)``)."""
 
@@ -82,50 +98,137 @@ class DryRunDone(Exception):
         self.plan = plan
 
 
+def assertion_site(error: BaseException) -> str:
+    """Where a bare ``assert`` of Megatron's failed: file, line and the assert's source, so that
+    "AssertionError" with no message still says which check refused the command line."""
+    import linecache
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "no message"
+    last = frames[-1]
+    where = last.filename
+    marker = f"{os.sep}megatron{os.sep}"
+    if marker in where:
+        where = "megatron" + os.sep + where.rsplit(marker, 1)[1]
+    source = (last.line or linecache.getline(last.filename, last.lineno or 0)).strip()
+    return f"{where}:{last.lineno}: {source or 'assert'}"
+
+
+def _rejection(error: BaseException, target: planned.Target | None, log: str | None) -> MegatronRejectedError:
+    text = " ".join(str(error).split())
+    if isinstance(error, AssertionError) and not text:
+        text = f"failed assertion at {assertion_site(error)}"
+    hints = [f"Megatron's output: {log}"] if log else []
+    if (target is None or target.world_size is None) and "world size" in text.lower():
+        hints.append(f"plan for the job's size with --world-size N or {planned.PLAN_ENV}=WORLD:GPU")
+    hint = "; ".join(hints) or None
+    return MegatronRejectedError(f"Megatron's validate_args rejects this command line for "
+                                 f"{planned.describe(target)}: {type(error).__name__}: {text}", hint)
+
+
+def _launch_vars(args: argparse.Namespace, hooks: Hooks) -> list[launch_env.LaunchVar]:
+    """What this layout needs in the launch environment, for the machine the plan is for."""
+    outcome = hooks.outcome()
+    caps = outcome.capabilities if outcome is not None else None
+    gpu = hooks.target.gpu if hooks.target is not None else None
+    major = gpu.capability[0] if gpu is not None else launch_env.arch_major_of(caps.gpu_arch if caps else None)
+    return launch_env.needed(vars(args), major, caps.te_version if caps else None)
+
+
 def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, args_defaults: dict[str, Any],
             parsed_args: argparse.Namespace | None, via: str) -> None:
-    """Parse and validate as Megatron's ``via`` would, print the record as JSON, exit 0.
+    """Parse and validate as Megatron's ``via`` would, report the plan, exit 0.
 
-    Megatron's own output goes to stderr so stdout is the JSON alone. Nothing after validation
-    runs: no global state, no distributed init, no CUDA. Parse and validate see the planned world
-    and GPU (``hooks.target``); every stand-in is undone before the record is printed.
+    Nothing after validation runs: no global state, no distributed init, no CUDA. Parse and
+    validate see the planned world and GPU (``hooks.target``) and the launch environment the
+    layout needs; every stand-in is undone before the plan is printed. By default the report is
+    a summary on one screen, and Megatron's own output and the full record go to files whose paths
+    it prints (``hooks.output``: ``summary``, ``json`` or ``verbose``).
     """
     out = hooks.out or sys.stdout
     notes: list[str] = []
     arguments = sys.modules["megatron.training.arguments"]
-    with contextlib.redirect_stdout(sys.stderr), planned.stand_ins(hooks.target, assumed("te_version")):
-        if parsed_args is None:
-            # Chain explicitly: a provider-less parse that ignores unknown arguments looks like one
-            # of Megatron's peeks to the parse_args wrapper, which would leave our providers out.
-            chain = hooks.chain(caller)
-            hooks.last_chain = chain
-            args = hooks.originals["parse_args"](chain, ignore_unknown_args)
-        else:
-            args = parsed_args
-            notes.append(f"{via} was given parsed_args: they were validated, not parsed again")
-        if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args"):
-            notes.append("--use-checkpoint-args: a dry run does not load arguments from the checkpoint")
-        try:
-            if getattr(args, "yaml_cfg", None) is not None:
-                from megatron.training.yaml_arguments import validate_yaml
-
-                args = validate_yaml(args, args_defaults)
+    quiet = hooks.output == "summary" and not hooks.capture
+    chatter = hooks.chatter or io.StringIO()  # the launcher's, holding the script's own output so far
+    env_patches = ProcessPatches()  # the launch environment, for this parse and validation only
+    te_version = parse_assume(effective_assume(assumed_spec(), hooks.target) or "").get("te_version")
+    set_here: list[launch_env.LaunchVar] = []
+    try:
+        with contextlib.redirect_stdout(chatter if quiet else sys.stderr), \
+                contextlib.redirect_stderr(chatter) if quiet else contextlib.nullcontext(), \
+                planned.stand_ins(hooks.target, te_version):
+            if parsed_args is None:
+                # Chain explicitly: a provider-less parse that ignores unknown arguments looks like one
+                # of Megatron's peeks to the parse_args wrapper, which would leave our providers out.
+                chain = hooks.chain(caller)
+                hooks.last_chain = chain
+                args = hooks.originals["parse_args"](chain, ignore_unknown_args)
             else:
-                arguments.validate_args(args, args_defaults)
-        except (AssertionError, ValueError, RuntimeError, TypeError, KeyError) as error:
-            # Megatron refusing the command line is the answer a dry run exists to give: one line.
-            raise MegatronRejectedError(f"Megatron's validate_args rejects this command line for "
-                                        f"{planned.describe(hooks.target)}: {type(error).__name__}: "
-                                        f"{' '.join(str(error).split())}") from None
+                args = parsed_args
+                notes.append(f"{via} was given parsed_args: they were validated, not parsed again")
+            if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args"):
+                notes.append("--use-checkpoint-args: a dry run does not load arguments from the checkpoint")
+            launch = _launch_vars(args, hooks)
+            set_here = launch_env.missing(launch, os.environ)
+            for var in set_here:
+                env_patches.set_item(os.environ, var.name, var.value, f"launch environment {var.name}")
+            try:
+                if getattr(args, "yaml_cfg", None) is not None:
+                    from megatron.training.yaml_arguments import validate_yaml
+
+                    args = validate_yaml(args, args_defaults)
+                else:
+                    arguments.validate_args(args, args_defaults)
+            except (AssertionError, ValueError, RuntimeError, TypeError, KeyError) as error:
+                # Megatron refusing the command line is the answer a dry run exists to give: one line.
+                log = _write_files(None, chatter.getvalue())[1] if quiet else None
+                rejected = _rejection(error, hooks.target, log)
+                if hooks.capture:
+                    raise rejected from None
+                # One line and exit status 2 on every path, a patched script's too (nobody above
+                # Megatron's entry point would catch the error there), on the real stderr.
+                with contextlib.redirect_stderr(hooks.err or sys.__stderr__):
+                    raise ReportedExit(report(rejected)) from None
+    finally:
+        env_patches.uninstall()
     payload = dry_run_record(hooks, args, args_defaults, via, notes)
     payload["target"] = {**(hooks.target or planned.Target()).to_record(),
                          "summary": planned.describe(hooks.target)}
+    payload["launch_environment"] = [v.to_record() for v in launch]
     outcome = hooks.outcome()
     plan = outcome.plan if outcome is not None else None
     if hooks.capture:
         raise DryRunDone(payload, plan)
     if rank_of(os.environ) == 0:  # one report per job, from rank 0
-        for line in provenance.lines(plan) if plan is not None else []:
-            print(line, file=sys.stderr, flush=True)  # the table for people; the JSON for tools
-        print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)
+        if hooks.output == "json":
+            for line in provenance.lines(plan) if plan is not None else []:
+                print(line, file=sys.stderr, flush=True)  # the table for people; the JSON for tools
+            print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)
+        else:
+            record, log = _write_files(payload, chatter.getvalue() if quiet else None)
+            caps = outcome.capabilities if outcome is not None else None
+            for line in summary.lines(payload, plan, caps, launch, set_here, record, log, hooks.output):
+                print(line, file=out, flush=True)
+            if hooks.output == "verbose":
+                print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)
     raise SystemExit(0)
+
+
+def _write_files(payload: dict[str, Any] | None, chatter: str | None) -> tuple[str | None, str | None]:
+    """The full record and Megatron's own output, in a fresh directory: (record path, log path)."""
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="perf-toggles-dry-run-")
+    record = log = None
+    if payload is not None:
+        record = os.path.join(directory, "record.json")
+        with open(record, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=1, sort_keys=True, default=str)
+            fh.write("\n")
+    if chatter is not None:
+        log = os.path.join(directory, "megatron.log")
+        with open(log, "w", encoding="utf-8") as fh:
+            fh.write(chatter)
+    return record, log

@@ -117,6 +117,15 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
         scoped.uninstall()
 
 
+def install_stand_ins() -> None:
+    """For a patched checkout's dry run: the stand-ins ``megatron_importable`` gives the launcher,
+    for the rest of the process (which ends in the dry run), undone by ``PATCHES.uninstall()``."""
+    if not hasattr(typing, "override"):
+        PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
+    if any(not installed(name) for name in STAND_IN_PACKAGES):
+        PATCHES.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
+
+
 def _gpu_build_without_gpu() -> bool:
     torch = sys.modules.get("torch")
     version = getattr(torch, "version", None)
@@ -144,4 +153,4 @@ def import_failure(error: BaseException) -> tuple[str, str | None]:
     if _gpu_build_without_gpu():
         return what, ("this torch is a GPU build and no GPU is visible, and this Megatron runs GPU code at import; "
                       f"to plan on this machine use PyTorch's CPU build: {CPU_TORCH}")
-    return what, "install Megatron-LM's requirements (see the README: 'Plan on a CPU-only machine')"
+    return what, "install Megatron-LM's requirements (see the README: 'Plan your job')"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import os
 import runpy
 import sys
 from collections.abc import Sequence
@@ -40,12 +42,16 @@ Megatron must be importable: run from the Megatron-LM checkout or set
 PYTHONPATH=/path/to/Megatron-LM.
 
 A dry run ({hooks.DRY_RUN_ENV}=1 does the same) parses and validates the arguments
-exactly as Megatron would, prints the decisions as JSON on stdout (Megatron's own output goes
-to stderr) and exits 0 before anything touches a GPU. It plans for the world and GPU you name
-(--world-size or --nnodes x --nproc-per-node; --gpu {'|'.join(planned.GPUS)} or an arch such as
-sm_90 or gfx942): Megatron's parse and validate see that many ranks, and its device queries are
-answered from the GPU's facts, on any machine. Without them the real world (WORLD_SIZE) and the
-visible GPU are used; with no GPU visible, the plan is for {planned.DEFAULT_GPU['cuda']} and says so.
+exactly as Megatron would, prints a one-screen summary (the planned machine and software stack,
+the decisions after validation, the launch environment the layout needs, warnings) and exits 0
+before anything touches a GPU; Megatron's own output and the full JSON record go to files it
+names (--json: the record on stdout; --verbose: everything). It plans for the world and GPU you
+name (--world-size or --nnodes x --nproc-per-node; --gpu {'|'.join(planned.GPUS)} or an arch such
+as sm_90 or gfx942; or {planned.PLAN_ENV}=WORLD:GPU): Megatron's parse and validate see that many
+ranks, and its device queries are answered from the GPU's facts, on any machine. Without them the
+real world (WORLD_SIZE) and the visible GPU are used; with no GPU visible, the plan is for
+{planned.DEFAULT_GPU['cuda']} and says so. A plan for another GPU rests on that family's planned
+software stack (MEGATRON_PERF_TOGGLES_ASSUME changes it).
 
 examples:
   {PROG} pretrain_gpt.py --num-layers 32 ...
@@ -71,8 +77,13 @@ def build_launcher_parser() -> argparse.ArgumentParser:
                         help="another extra_args_provider to chain (repeatable), after the script's own and "
                              "before the plugin")
     parser.add_argument("--dry-run", action="store_true",
-                        help=f"parse and validate only, print the decisions as JSON, exit 0 "
+                        help=f"parse and validate only, print the plan, exit 0 "
                              f"(also {hooks.DRY_RUN_ENV}=1)")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_const", const="json", dest="output",
+                       help="a dry run prints its full JSON record on stdout (the table goes to stderr)")
+    shown.add_argument("--verbose", action="store_const", const="verbose", dest="output",
+                       help="a dry run prints Megatron's own output, the summary and the JSON record")
     planned.add_options(parser.add_argument_group("what a dry run plans for (dry runs only)"))
     parser.add_argument("script", metavar="SCRIPT", help="the training script, e.g. pretrain_gpt.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="MEGATRON ARGS",
@@ -96,6 +107,7 @@ def check_python_script(script: Path) -> None:
 def plan_target(ns: argparse.Namespace, dry_run: bool) -> planned.Target | None:
     """The world and GPU a dry run plans for; these options mean nothing to a real launch."""
     given = [flag_of(name) for name in planned.OPTION_DESTS if getattr(ns, name) is not None]
+    given += [] if ns.output is None else [f"--{ns.output}"]
     if not dry_run:
         if given:
             raise PerfTogglesError(f"{given[0]} plans a dry run: add --dry-run",
@@ -113,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PerfTogglesError as error:
         return report(error)
     saved_argv, saved_path = list(sys.argv), list(sys.path)
+    chatter: io.StringIO | None = None
+    dry_run = False
     try:
         dry_run = ns.dry_run or hooks.dry_run_requested()
         more, script_args = hooks.pull_provider_specs(ns.script_args)
@@ -121,19 +135,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ScriptNotFoundError(f"script not found: {ns.script}",
                                       "give the path of the training script, e.g. /path/to/Megatron-LM/pretrain_gpt.py")
         check_python_script(script)
+        # Every variable, the profile and the planned job are checked before Megatron is imported.
+        settings = hooks.preflight(os.environ)
         target = plan_target(ns, dry_run)
+        output = ns.output or settings.dry_run_output or "summary"
         # As under `python SCRIPT`: the script's directory comes first. The directory `python -m`
         # put there stays importable after it, for provider modules.
         sys.path.insert(0, str(script.resolve().parent))
         sys.argv = [str(script), *script_args]
+        # A summary keeps the script's and Megatron's own output for its log file (quiet); in a
+        # dry run stdout carries the report alone, so the script's own output goes to stderr.
+        quiet = dry_run and output == "summary"
+        chatter = io.StringIO() if quiet else None
+        stdout, stderr = sys.stdout, sys.stderr
         # Stand-ins for GPU-only imports (triton) only for a dry run, which stops before any kernel.
-        with megatron_importable(stand_ins=dry_run):
+        with megatron_importable(stand_ins=dry_run), \
+                contextlib.redirect_stdout(chatter or sys.stderr) if dry_run else contextlib.nullcontext(), \
+                contextlib.redirect_stderr(chatter) if chatter is not None else contextlib.nullcontext():
             providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
-            hooks.hook_parse_path([*providers, extra_args_provider], dry_run=dry_run, target=target)
-            # In a dry run stdout carries the JSON alone: the script's own output goes to stderr.
-            with contextlib.redirect_stdout(sys.stderr) if dry_run else contextlib.nullcontext():
-                runpy.run_path(str(script), run_name="__main__")
+            hooks.hook_parse_path([*providers, extra_args_provider], dry_run=dry_run, target=target, output=output,
+                                  out=stdout, err=stderr, chatter=chatter)
+            runpy.run_path(str(script), run_name="__main__")
         return 0
+    except SystemExit as done:
+        from .dry_run import ReportedExit
+
+        if chatter is not None and done.code not in (0, None) and not isinstance(done, ReportedExit):
+            # Megatron's parser said why (its last line): show it
+            said = [line for line in chatter.getvalue().splitlines() if line.strip()]
+            print(said[-1] if said else "", file=sys.stderr, flush=True)
+        raise
     except PerfTogglesError as error:
         return report(error)
     except Exception as error:

@@ -10,7 +10,7 @@ first and is never replaced; a provider named twice runs once.
 
 Dry run: ``initialize_megatron`` (up to 0.17) and ``parse_and_validate_args`` (0.18+) are wrapped
 too, only to learn the ``args_defaults`` the script passed. In a dry run they hand over to
-``dry_run.py``, which parses and validates exactly as Megatron would, prints the decisions as JSON
+``dry_run.py``, which parses and validates exactly as Megatron would, reports the plan
 on stdout (Megatron's own chatter goes to stderr) and exits 0, before anything touches CUDA.
 
 Nothing here imports Megatron or torch at module import time.
@@ -22,6 +22,7 @@ import argparse
 import functools
 import importlib
 import inspect
+import io
 import os
 import sys
 import types
@@ -29,7 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ..core.env import read_bool_setting
+from ..core.env import EnvSettings, read_bool_setting, read_env
+from ..core.facts import parse_assume
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import provider as plugin
 from ..runtime import target as planned
@@ -177,9 +179,12 @@ class Hooks:
     wrappers: dict[str, Callable[..., Any]] = field(default_factory=dict)
     controller: Controller | None = None  # made at the first parse that includes the plugin
     last_chain: Chain | None = None
-    out: TextIO | None = None  # where a dry run prints its JSON: stdout as it was at install time
+    out: TextIO | None = None  # where a dry run prints its report: stdout as it was at install time
     target: planned.Target | None = None  # the world and GPU a dry run plans for (runtime/target.py)
     capture: bool = False  # a dry run hands its record to the caller (explain) instead of printing it
+    err: TextIO | None = None  # where a dry run's one-line error goes: stderr as it was at install time
+    chatter: io.StringIO | None = None  # the script's and Megatron's own output, held for a summary's log
+    output: str = "summary"  # what a dry run prints: summary | json | verbose (MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT)
 
     def controller_for_parse(self) -> Controller:
         """The process's controller (made on first use, so a bad variable is reported at the parse)."""
@@ -299,7 +304,8 @@ def _targets(arguments: types.ModuleType, initialize: types.ModuleType) -> list[
 
 
 def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = False,
-            target: planned.Target | None = None, capture: bool = False) -> Hooks:
+            target: planned.Target | None = None, capture: bool = False, output: str = "summary",
+            out: TextIO | None = None, err: TextIO | None = None, chatter: io.StringIO | None = None) -> Hooks:
     """Chain ``providers`` into every parse Megatron makes from now on (importing Megatron).
 
     A second call updates the providers and the dry-run switch; it never wraps twice. ``target``
@@ -315,8 +321,9 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
     # Every change to hooks already in place goes through PATCHES, so that a scoped plan
     # (explain --megatron) hands a launch's hooks back exactly as they were.
     fields: dict[str, Any] = {"providers": flatten(providers), "dry_run": dry_run,
-                              "out": sys.stdout if dry_run else None, "root": root, "target": target,
-                              "capture": capture}
+                              "out": (out or sys.stdout) if dry_run else None, "chatter": chatter,
+                              "err": (err or sys.stderr) if dry_run else None, "root": root, "target": target,
+                              "capture": capture, "output": output}
     if hooks.dry_run != dry_run:
         fields["controller"] = None  # a controller's mode is fixed: the next parse makes the right one
         use_for_process(None)
@@ -342,17 +349,60 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
 def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
     """For scripts (the in-tree pretrain_gpt.py patch): install every ``--extra-args-provider``
     named in ``argv`` and return ``argv`` without them. ``MEGATRON_PERF_TOGGLES_DRY_RUN=1`` makes
-    it a dry run, in which the script's own output moves to stderr so that stdout carries the JSON
+    it a dry run, in which the script's own output moves to stderr so that stdout carries the report
     alone. Errors end the process with one line and exit status 2."""
+    environ = os.environ if environ is None else environ
     try:
         specs, rest = pull_provider_specs(argv)
         dry = dry_run_requested(environ)
         if not specs and not dry:
             return list(argv)
-        hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry)
+        # Everything the user set is checked before Megatron is imported, as the launcher does.
+        settings = preflight(environ)
+        target = planned.from_environment(environ) if dry else None
+        if dry:
+            from .import_shims import install_stand_ins
+
+            install_stand_ins()  # triton, which core 0.16+ import, on a machine without it
+        hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry, target=target,
+                        output=settings.dry_run_output or "summary")
     except PerfTogglesError as error:
         fail(error)
     if dry:
-        # The process ends in the dry run; hooks.out keeps the real stdout for the JSON.
+        # The process ends in the dry run; hooks.out keeps the real stdout for the report.
         PATCHES.set_attr(sys, "stdout", sys.stderr, "sys.stdout -> sys.stderr (dry run)")
     return rest
+
+
+def prepare_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
+    """For the top of a patched script, above its imports: with ``--extra-args-provider`` in
+    ``argv``, check every variable, the profile and the planned job (one line and exit status 2
+    on a bad one, in well under a second), and for a dry run put the import stand-ins (triton) in
+    place, so a CPU machine plans as the launcher does. Changes nothing else."""
+    environ = os.environ if environ is None else environ
+    if not any(str(arg).split("=", 1)[0] == PROVIDER_FLAG for arg in argv):
+        return
+    try:
+        preflight(environ)
+        if dry_run_requested(environ):
+            planned.from_environment(environ)
+            from .import_shims import install_stand_ins
+
+            install_stand_ins()
+    except PerfTogglesError as error:
+        fail(error)
+
+
+def preflight(environ: Mapping[str, str]) -> EnvSettings:
+    """Every variable, the profile and the planned job, checked in well under a second and before
+    Megatron is imported: a bad value is one line on every path (launcher, patched script)."""
+    settings = read_env(environ)
+    if settings.assume:
+        parse_assume(settings.assume)
+    if settings.profile_path:
+        from ..runtime import profile_file
+
+        profile_file.load(settings.profile_path)
+    if settings.plan:
+        planned.parse_plan(settings.plan)
+    return settings

@@ -8,6 +8,7 @@ itself is already there.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -20,6 +21,8 @@ from ..core.facts import (
     TE_MIN_FUSED_QKV_ROPE,
     Capabilities,
     MegatronFacts,
+    describe_stack,
+    planned_stack,
     version_tuple,
     with_assumptions,
 )
@@ -140,17 +143,21 @@ def _detect(root: str | None) -> tuple[str, ...] | None:
 
 def _detect_torch(deep: bool) -> dict[str, Any]:
     torch = torch_module(import_it=deep)
-    if torch is None:
-        return {"torch_version": _dist_version("torch") if deep else None}
-    version = getattr(torch, "version", None)
-    device = "rocm" if getattr(version, "hip", None) else ("cuda" if getattr(version, "cuda", None) else "cpu")
-    out: dict[str, Any] = {"torch_version": getattr(torch, "__version__", None), "device": device}
     from .target import active
 
     planned = active()
-    if planned is not None and planned.gpu is not None:  # a dry run's planned GPU (runtime/target.py)
+    out: dict[str, Any]
+    if torch is None:
+        out = {"torch_version": _dist_version("torch") if deep else None}
+    else:
+        version = getattr(torch, "version", None)
+        device = "rocm" if getattr(version, "hip", None) else ("cuda" if getattr(version, "cuda", None) else "cpu")
+        out = {"torch_version": getattr(torch, "__version__", None), "device": device}
+    if planned is not None and planned.gpu is not None:  # the planned GPU's facts come from the table
         out.update(device=planned.gpu.vendor, gpu_arch=planned.gpu.arch, gpu_name=planned.gpu.product,
                    gpu_source=planned.gpu_source, gpu_memory_mb=float(planned.gpu.memory_gib * 1024))
+        return out
+    if torch is None:
         return out
     out["gpu_memory_mb"] = gpu_memory_here(torch)  # the memory guard's denominator (core/memory_guard.py)
     if deep:
@@ -241,3 +248,29 @@ def detect(deep: bool = False) -> Capabilities:
 
 def resolve(spec: str | None, deep: bool = False) -> Capabilities:
     return with_assumptions(detect(deep=deep), spec)
+
+
+def effective_assume(spec: str | None, target: Any = None) -> str | None:
+    """The ASSUME spec that holds for ``target`` (default: the active one): for a plan for another
+    machine (``target.elsewhere``), that GPU family's planned stack with ``spec`` on top; for
+    this machine, ``spec`` alone."""
+    from .target import active, elsewhere
+
+    target = active() if target is None else target
+    if not elsewhere(target):
+        return spec
+    assert target is not None and target.gpu is not None
+    return planned_stack(target.gpu.vendor, spec)
+
+
+def for_plan(spec: str | None, deep: bool = False) -> Capabilities:
+    """The capabilities a plan rests on, one rule for ``explain`` and the dry run: detected here for
+    a plan for this machine; for another machine (a named GPU or world, or no GPU here), the planned
+    stack of its GPU family, named in ``Capabilities.stack``, with ``MEGATRON_PERF_TOGGLES_ASSUME``
+    on top. Facts of this machine's packages never describe another machine."""
+    effective = effective_assume(spec)
+    caps = with_assumptions(detect(deep=deep), effective)
+    if effective == spec:
+        return caps
+    caps = dataclasses.replace(caps, stack=describe_stack(caps))
+    return caps

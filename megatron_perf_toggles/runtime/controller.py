@@ -30,7 +30,7 @@ from ..core.decide import Decision, Message, Plan, decide
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
 from . import provenance, resume
-from .capabilities import resolve
+from .capabilities import for_plan
 from .patches import PATCHES
 
 if TYPE_CHECKING:  # loaded only when a profile is set: the import path stays short
@@ -127,7 +127,7 @@ class Controller:
             else:
                 explicit[dest] = value
         writer = resume.checkpoint_writer(vars(ns))  # reading the resumed run's history is safe
-        caps = self.capabilities or resolve(self.env.assume)
+        caps = self.capabilities or for_plan(self.env.assume)
         observed = None
         if self.profile is not None:
             from . import profile_file
@@ -143,7 +143,7 @@ class Controller:
         ns.perf_toggles_precision = plan.precision
         ns.perf_toggles = provenance.decision_records(plan)
         if self.here:
-            if caps.assumed:
+            if caps.assumed and not caps.stack:
                 plan.messages.append(Message("warning", "MEGATRON_PERF_TOGGLES_ASSUME is set: these decisions rest "
                                              "on planned capabilities, not on this machine's"))
             plan.messages.extend(resume.compare_with_checkpoint(writer, ns.perf_toggles))
@@ -157,17 +157,30 @@ class Controller:
         let the safety net watch Megatron's validation of ``ns`` (wherever the net is installed)."""
         outcome = self.last
         assert outcome is not None, "apply() follows plan()"
+        net = sys.modules.get(f"{__package__}.safety_net")
+        watched = net is not None and net.NET.installed
         if self.mode == "run":
             self._install_wgrad_fallback(outcome)
             self._arm_rank_check(ns, outcome)
-            if self.announce and self.env.rank == 0 and not self.announced:
-                self.announced = True
-                for line in provenance.lines(outcome.plan, outcome.original_dirs):
-                    print(line, flush=True)
-                self._persist(ns, outcome)
-        net = sys.modules.get(f"{__package__}.safety_net")
-        if net is not None and net.NET.installed:
-            net.NET.watch(ns, reg.stock, functools.partial(self._backed_off, outcome=outcome))
+            if not watched:  # no Megatron validation to wait for: the table goes out now
+                self._announce(ns, outcome)
+        if watched and net is not None:
+            # The table goes out once Megatron's validation has passed, with its final values
+            # (a run-time back-off included), not before.
+            net.NET.watch(ns, reg.stock, functools.partial(self._backed_off, outcome=outcome),
+                          functools.partial(self._validated, outcome=outcome))
+
+    def _validated(self, ns: argparse.Namespace, *, outcome: Outcome) -> None:
+        if self.mode == "run":
+            self._announce(ns, outcome)
+
+    def _announce(self, ns: argparse.Namespace, outcome: Outcome) -> None:
+        """Rank 0 of a real run, once per process: the start-up table and the records."""
+        if self.announce and self.env.rank == 0 and not self.announced:
+            self.announced = True
+            for line in provenance.lines(outcome.plan, outcome.original_dirs):
+                print(line, flush=True)
+            self._persist(ns, outcome)
 
     def _install_wgrad_fallback(self, outcome: Outcome) -> None:
         if outcome.plan.wgrad_path != "fallback":
@@ -219,9 +232,9 @@ class Controller:
         if self.mode != "run":
             return  # a dry run prints the plan itself; a plan for another machine prints nothing
         self._arm_rank_check(ns, outcome)
-        if self.env.rank == 0:
-            # The table went out at parse time (from this parse or an earlier one): print what
-            # changed, once, and rewrite the record and this launch's history line.
+        if self.env.rank == 0 and self.announced:
+            # The table went out already (a back-off while the TransformerConfig was built, after
+            # validation): print what changed, once, and rewrite the record and this launch's history line.
             for line in provenance.lines(Plan(changed, plan.precision, {}, [warning], plan.wgrad_path)):
                 print(line, flush=True)
             self._persist(ns, outcome)

@@ -48,10 +48,12 @@ TARGETS = ("validate_args", "core_transformer_config_from_args")
 class _Entry:
     """What the provider decided for one parsed namespace: enough to back a default off."""
 
-    def __init__(self, ns: Namespace, stock: dict[str, Any], on_backoff: Callable[[Namespace, list[str], str], None]):
+    def __init__(self, ns: Namespace, stock: dict[str, Any], on_backoff: Callable[[Namespace, list[str], str], None],
+                 on_validated: Callable[[Namespace], None] | None = None):
         self.ref = weakref.ref(ns)
         self.stock = stock
         self.on_backoff = on_backoff
+        self.on_validated = on_validated  # called once validate_args has passed, back-offs included
         # The namespace as parsed and how validate_args was called on it: a back-off found while
         # building the TransformerConfig re-validates from here, so what Megatron derives from a
         # toggle follows the backed-off value.
@@ -104,10 +106,11 @@ class SafetyNet:
         return bool(self.wrappers)
 
     def watch(self, ns: Namespace, stock: dict[str, Any],
-              on_backoff: Callable[[Namespace, list[str], str], None]) -> None:
+              on_backoff: Callable[[Namespace, list[str], str], None],
+              on_validated: Callable[[Namespace], None] | None = None) -> None:
         """Remember what the provider decided for ``ns`` (called right after parsing)."""
         self._entries = {k: e for k, e in self._entries.items() if e.ref() is not None}
-        self._entries[id(ns)] = _Entry(ns, stock, on_backoff)
+        self._entries[id(ns)] = _Entry(ns, stock, on_backoff, on_validated)
 
     def _entry(self, ns: Any) -> _Entry | None:
         entry = self._entries.get(id(ns))
@@ -142,6 +145,8 @@ class SafetyNet:
                 message = _first_line(error)
             else:
                 _release(held_out, held_err)
+                if validating and entry.on_validated is not None:
+                    entry.on_validated(args)
                 return result
             if validating:
                 vars(args).clear()
@@ -155,7 +160,10 @@ class SafetyNet:
                     vars(args).update(vars(settled))
             entry.on_backoff(args, dests, f"Megatron's {stage} rejected the plugin default, {FOUND_AT_RUN_TIME}: "
                                           f"{message}")
-            return original(args, *rest, **kwargs)
+            result = original(args, *rest, **kwargs)
+            if validating and entry.on_validated is not None:
+                entry.on_validated(args)
+            return result
 
         setattr(wrapper, ORIGINAL_ATTR, original)
         return wrapper

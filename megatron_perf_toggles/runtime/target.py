@@ -21,7 +21,7 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import PerfTogglesError, did_you_mean
@@ -144,6 +144,44 @@ def make_target(world_size: int | None = None, nnodes: int | None = None, nproc_
 
 
 OPTION_DESTS = ("world_size", "nnodes", "nproc_per_node", "gpu")
+PLAN_ENV = "MEGATRON_PERF_TOGGLES_PLAN"  # registered in core.registry.SETTINGS
+
+
+def parse_plan(text: str) -> tuple[int | None, str | None]:
+    """``MEGATRON_PERF_TOGGLES_PLAN``: ``WORLD:GPU`` (``64:h100``), ``WORLD`` (``64``) or ``:GPU``
+    (``:mi355x``). The one variable that names the job a patched checkout's dry run plans for,
+    as the launcher's ``--world-size`` and ``--gpu`` do."""
+    world_text, _, gpu_text = text.strip().partition(":")
+    world: int | None = None
+    if world_text.strip():
+        try:
+            world = int(world_text)
+        except ValueError:
+            raise TargetError(f"{PLAN_ENV}={text!r}: the world size {world_text.strip()!r} is not a whole number",
+                              "write WORLD:GPU, e.g. 64:h100") from None
+        if world < 1:
+            raise TargetError(f"{PLAN_ENV}={text!r}: the world size must be at least 1", "e.g. 64:h100")
+    gpu = gpu_text.strip() or None
+    if gpu is not None:
+        try:
+            gpu_named(gpu)  # an unknown GPU is one line here, before anything is imported
+        except TargetError as error:
+            raise TargetError(f"{PLAN_ENV}={text!r}: {error.message.removeprefix('--gpu ')}", error.hint) from None
+    return world, gpu
+
+
+def from_environment(environ: Mapping[str, str] | None = None) -> Target:
+    """The target ``MEGATRON_PERF_TOGGLES_PLAN`` names (unset: this machine, as with no options)."""
+    from ..core.env import read_text_setting
+    from .assume import assumed_device
+
+    text = read_text_setting(PLAN_ENV, os.environ if environ is None else environ)
+    world, gpu = parse_plan(text) if text else (None, None)
+    target = make_target(world, None, None, gpu, assumed_device())
+    if not text:
+        return target
+    return replace(target, world_source=f"{PLAN_ENV}={text}" if world is not None else "",
+                   gpu_source=f"{PLAN_ENV}={text}" if gpu is not None else target.gpu_source)
 
 
 def add_options(group: Any) -> None:
@@ -156,11 +194,22 @@ def add_options(group: Any) -> None:
                        "MEGATRON_PERF_TOGGLES_ASSUME=rocm)")
 
 
-def from_options(ns: Any) -> Target:
-    """The target the parsed planning options (``add_options``) ask for."""
+def from_options(ns: Any, environ: Mapping[str, str] | None = None) -> Target:
+    """The target the parsed planning options (``add_options``) ask for; with none given, the one
+    ``MEGATRON_PERF_TOGGLES_PLAN`` names, so the launcher and a patched checkout plan alike."""
     from .assume import assumed_device
 
+    if all(getattr(ns, name, None) is None for name in OPTION_DESTS):
+        return from_environment(environ)
     return make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
+
+
+def elsewhere(target: Target | None) -> bool:
+    """Whether a plan is for another machine than this one: it names a GPU (``--gpu``), or none is
+    visible here, so the plan is for one from the table (``--world-size`` / ``--nnodes`` on a
+    laptop). Only then does the planned stack replace detection. A world named on a GPU machine
+    (ablate's dry runs for its own multi-GPU runs) keeps this machine's GPU and software."""
+    return target is not None and target.gpu is not None
 
 
 _ACTIVE: Target | None = None  # set only by stand_ins(), whose scoped patches restore it
@@ -196,7 +245,14 @@ def _world(stand: ProcessPatches, target: Target) -> None:
 
 
 def _device(stand: ProcessPatches, gpu: Gpu, count: int) -> None:
-    import torch
+    """Answer torch's device questions for ``gpu``. Without torch there is nobody to ask them:
+    planning on a machine with no torch reads the GPU's facts from the table alone."""
+    import importlib
+
+    try:
+        torch: Any = importlib.import_module("torch")
+    except ImportError:
+        return
 
     props = _Properties(gpu)
     cuda = torch.cuda

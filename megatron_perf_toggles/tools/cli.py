@@ -14,16 +14,17 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from .._version import __version__
+from ..core import launch_env
 from ..core.decide import Plan, decide, requested
 from ..core.env import EnvSettings, read_env
-from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, with_assumptions
+from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, parse_assume
 from ..core.precision import LOG_DIR_DESTS
 from ..core.profile import ENVIRONMENT_WORDS, Profile
 from ..core.registry import SETTINGS, TOGGLES, format_value
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import profile_file, provenance
 from ..runtime import target as planned
-from ..runtime.capabilities import detect, megatron_facts, resolve
+from ..runtime.capabilities import detect, for_plan, megatron_facts, resolve
 from .llama3_8b import LLAMA3_8B_BF16, llama3_8b_args
 from .surfaces import replay
 
@@ -106,9 +107,9 @@ def plan_command_line(
         raise PerfTogglesError(str(error.args[0])) from None
     parser = replay.parser_from_surface(recorded)
     controller = Controller(environ, mode="plan")  # validates the environment first, as a run would
-    with planned.stand_ins(target):
-        caps = replace(detect(deep=True), megatron=megatron_facts_from_surface(recorded))
-    controller.capabilities = caps = with_assumptions(caps, controller.env.assume)
+    with planned.stand_ins(target):  # the one rule the dry run follows too (capabilities.for_plan)
+        caps = replace(for_plan(controller.env.assume, deep=True), megatron=megatron_facts_from_surface(recorded))
+    controller.capabilities = caps
     label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
     attach(parser, controller=controller)
     ns = parser.parse_args(list(megatron_args))
@@ -143,12 +144,16 @@ def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
     """Where each fact the guards rest on came from: detected here, assumed (ASSUME), planned
     (--gpu), or the recorded surface / the checkout for Megatron's own."""
     out = [f"Megatron facts: {megatron_source}"]
+    spec = read_env(os.environ).assume
+    named = set(parse_assume(spec)) if spec else set()  # what the variable itself names
     for name, words in FACT_NAMES:
         value = getattr(caps, name)
-        if caps.is_assumed(name):
-            source = "assumed (MEGATRON_PERF_TOGGLES_ASSUME)"
-        elif name == "device" and caps.gpu_source and caps.gpu_source != "detected":
+        if name == "device" and caps.gpu_source and caps.gpu_source != "detected":
             source = f"planned: {caps.gpu_source}"
+        elif caps.is_assumed(name) and caps.stack and name not in named:
+            source = "planned stack"
+        elif caps.is_assumed(name):
+            source = "assumed (MEGATRON_PERF_TOGGLES_ASSUME)"
         else:
             source = "detected"
         shown = ("yes" if value else "no") if isinstance(value, bool) else (value or "none")
@@ -187,16 +192,22 @@ def cmd_explain(ns: argparse.Namespace) -> int:
                                                 target=target)
     megatron_source = (f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
+    # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts.
+    launch = launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version)
     if ns.json:
         payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
         payload["megatron"] = label
         payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
         payload["sources"] = fact_sources(caps, megatron_source)
+        payload["stack"] = caps.stack or None
+        payload["launch_environment"] = [v.to_record() for v in launch]
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
     print(f"Megatron: {label}")
-    print(f"Machine:  {_caps_summary(caps)}")
+    print(f"{'Planned:' if caps.stack else 'Machine:'}  {_caps_summary(caps)}")
     print(f"Plan for: {planned.describe(target)}")
+    if caps.stack:
+        print(f"Stack:    {caps.stack}")
     if profile is not None:
         print(f"Profile:  {_profile_summary(profile)}")
     for line in fact_sources(caps, megatron_source):
@@ -219,6 +230,8 @@ def cmd_explain(ns: argparse.Namespace) -> int:
             print(f"{dest}: {args[dest]}")
     if not plan.log_dirs and any(args.get(d) for d in LOG_DIR_DESTS):
         print("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)")
+    for var in launch:
+        print(f"launch environment: export {var.name}={var.value}  # {var.why}")
     for m in plan.messages:
         print(f"{m.level}: {m.text}")
     return 0

@@ -1,11 +1,13 @@
-"""README tables generated from the registry and the recorded surfaces (a test keeps them equal).
+"""Documentation tables generated from the code: the registry, the guards and the recorded
+surfaces (a test keeps every page equal to them, so no number or row can drift).
 
-``python -m megatron_perf_toggles.tools.readme_tables`` prints them.
+``python -m megatron_perf_toggles.tools.readme_tables`` prints them; ``--write`` rewrites every
+generated block in the pages that hold them (``PAGES``).
 """
 
 from __future__ import annotations
 
-from ..core.guards import guards_table
+from ..core.guards import GUARDS, guards_table
 from ..core.megatron_rules import rules_table
 from ..core.registry import SETTINGS, TOGGLES, format_value
 from .surfaces import replay
@@ -65,13 +67,27 @@ def compatibility_table() -> str:
     return "\n".join(rows)
 
 
+def guards_list() -> str:
+    """The guards in the order ``decide`` applies them, numbered, each with its docstring: the
+    one list that names guards by number, generated so the numbers follow the code."""
+    import inspect
+
+    rows = []
+    for number, guard in enumerate(GUARDS, 1):
+        doc = " ".join((inspect.getdoc(guard.check) or "").split("\n\n", 1)[0].split())
+        rows.append(f"{number}. `{guard.name}`: {doc or '(no description)'}")
+    return "\n".join(rows)
+
+
 TABLES = {"toggles": toggles_table, "settings": settings_table, "compatibility": compatibility_table,
-          "megatron-rules": rules_table}
-DOC_TABLES = {"guards": guards_table}  # generated blocks of docs/architecture.md (same markers)
+          "megatron-rules": rules_table, "guards": guards_list, "guard-rules": guards_table}
+# Where each generated block lives (paths from the repository's root).
+PAGES = {"toggles": "README.md", "settings": "docs/reference.md", "compatibility": "docs/reference.md",
+         "megatron-rules": "docs/guards.md", "guards": "docs/guards.md", "guard-rules": "docs/architecture.md"}
 
 
 def render_block(name: str) -> str:
-    return f"{BEGIN.format(name=name)}\n{({**TABLES, **DOC_TABLES})[name]()}\n{END.format(name=name)}"
+    return f"{BEGIN.format(name=name)}\n{TABLES[name]()}\n{END.format(name=name)}"
 
 
 def _update_block(text: str, name: str) -> str:
@@ -83,7 +99,7 @@ def _update_block(text: str, name: str) -> str:
 
 def update(text: str) -> str:
     """``text`` with every generated block replaced by its current rendering."""
-    for name in (*TABLES, *DOC_TABLES):  # a block the file does not have is left alone
+    for name in TABLES:  # a block the file does not have is left alone
         text = _update_block(text, name)
     return text
 
@@ -92,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     from pathlib import Path
 
-    ap = argparse.ArgumentParser(description="Print the generated README tables, or rewrite them in place.")
-    ap.add_argument("--write", metavar="FILE", help="rewrite the generated blocks inside FILE (e.g. README.md)")
+    ap = argparse.ArgumentParser(description="Print the generated documentation tables, or rewrite them in place.")
+    ap.add_argument("--write", metavar="FILE", nargs="?", const="",
+                    help="rewrite the generated blocks inside FILE; with no FILE, in every page that holds one "
+                         "(run from the repository's root)")
     ns = ap.parse_args(argv)
-    if ns.write:
-        path = Path(ns.write)
-        path.write_text(update(path.read_text()))
+    if ns.write is not None:
+        for page in [ns.write] if ns.write else sorted(set(PAGES.values())):
+            path = Path(page)
+            path.write_text(update(path.read_text()))
         return 0
     for table in TABLES:
         print(render_block(table))

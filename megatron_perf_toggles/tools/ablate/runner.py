@@ -119,7 +119,7 @@ def dry_run_command(script: str, megatron_args: Sequence[str], arm: Arm, world: 
     """The arm's dry run, planned for ``world`` processes where the launcher starts more than one
     (tensor or pipeline parallelism over 8 GPUs does not validate in a world of 1)."""
     plan = ["--world-size", str(world)] if world and world > 1 else []
-    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", *plan, script,
+    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", "--json", *plan, script,
             *arm_args(megatron_args, arm)]
 
 
@@ -602,7 +602,14 @@ def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]]
     try:
         _validate(ns)
         dests, flags = _known_args()
-        arms = expand(ns.design, parse_toggles(ns.toggles), parse_vary(ns.vary, dests), ns.others,
+        toggles = parse_toggles(ns.toggles)
+        if ns.design != "candidates":
+            # A toggle a guard turns off for this model can be on in no arm: left out before any dry run.
+            from .guarded import leave_out
+
+            toggles = leave_out(toggles, ns.script, args, planned_world(ns.launch, ns.world_size),
+                                say=lambda line: print(line, file=sys.stderr, flush=True))
+        arms = expand(ns.design, toggles, parse_vary(ns.vary, dests), ns.others,
                       parse_candidates(ns.candidate, flags))
         out = Path(ns.out)
         if not ns.dry_run:
