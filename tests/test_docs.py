@@ -18,7 +18,7 @@ def test_the_guard_list_follows_the_code_so_no_number_can_drift():
     from megatron_perf_toggles.core.decide import GUARDS
 
     lines = docs.guards_list().splitlines()
-    assert [line.split("`")[1] for line in lines] == [g.__name__ for g in GUARDS]
+    assert [line.split("`")[1] for line in lines] == [g.name for g in GUARDS]
     assert [line.split(".")[0] for line in lines] == [str(i) for i in range(1, len(GUARDS) + 1)]
     assert "(no description)" not in docs.guards_list()  # every guard says what it does (its docstring)
     # Guards are named, never numbered by hand, anywhere else in the documentation.

@@ -39,7 +39,7 @@ def guarded_off(toggles: Sequence[str], script: str, megatron_args: Sequence[str
     """``{dest: why}`` for each of ``toggles`` that a guard turns off for this model even when asked
     for by its variable. Where the command line cannot be planned without Megatron (an argument the
     recorded surface lacks), nothing is left out here: the dry runs still check every arm."""
-    from ..cli import plan_command_line
+    from ..planning import plan_command_line
 
     environ = dict(os.environ if environ is None else environ)
     environ.update({BY_DEST[d].env: "1" for d in toggles})

@@ -1,0 +1,98 @@
+"""Planning one command line without running it: the decisions ``explain``, ``ablate`` and
+``tune`` rest on, through a recorded Megatron surface or a checkout's own pretrain_gpt.py.
+
+Its own module, below ``cli`` and ``ablate``, so that both can plan without importing each other.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from ..core.decide import Plan
+from ..core.facts import Capabilities, megatron_facts_from_surface
+from ..errors import PerfTogglesError
+from ..runtime import target as planned
+from ..runtime.capabilities import for_plan
+from .surfaces import replay
+
+DEFAULT_SURFACE = "main"
+
+
+def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None,
+                  ) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
+    """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (launcher/megatron_hooks.py): the same
+    providers, parse, validate_args, planned world and GPU; the record is handed back, not printed."""
+    import contextlib
+    import io
+    import runpy
+    from pathlib import Path
+
+    from ..launcher import megatron_hooks as hooks
+    from ..launcher.dry_run import DryRunDone
+    from ..launcher.import_shims import megatron_importable
+    from ..runtime.patches import PATCHES
+    from ..runtime.provider import extra_args_provider
+
+    root = Path(tree)
+    script = root / "pretrain_gpt.py"
+    if not (root / "megatron" / "training" / "arguments.py").is_file() or not script.is_file():
+        raise PerfTogglesError(f"{tree} is not a Megatron-LM checkout (no pretrain_gpt.py and "
+                               "megatron/training/arguments.py there)", "pass --megatron /path/to/Megatron-LM")
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    chatter = io.StringIO()  # Megatron's own printing and warnings; the explanation is ours
+    try:  # the scope undoes what the planning run changed: parse hooks, safety net, import shims
+        with PATCHES.scope(), megatron_importable(tree), contextlib.redirect_stdout(chatter), \
+                contextlib.redirect_stderr(chatter):
+            installed = hooks.hook_parse_path([extra_args_provider], dry_run=True, target=target, capture=True)
+            sys.argv = [str(script), *megatron_args]
+            sys.path.insert(0, str(script.resolve().parent))
+            runpy.run_path(str(script), run_name="__main__")
+    except DryRunDone as done:
+        outcome = installed.outcome()
+        caps = outcome.capabilities if outcome is not None else None
+        if done.plan is None or caps is None:
+            raise PerfTogglesError(f"{script} did not reach the plugin", "is it Megatron's pretrain_gpt.py?") from None
+        label = f"Megatron-LM {caps.megatron.version} at {caps.megatron.path} (its pretrain_gpt.py, parse and validate)"
+        return done.plan, caps, label, done.payload["effective_args"]
+    except SystemExit as done:  # Megatron's argparse refused the command line (its message is the last line)
+        said = [line for line in chatter.getvalue().splitlines() if line.strip()]
+        raise PerfTogglesError(f"Megatron's parser: {said[-1] if said else f'exit {done.code}'}") from None
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+    raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments")
+
+
+def plan_command_line(
+    megatron_args: Sequence[str], tree: str | None = None, surface: str | None = None,
+    environ: dict[str, str] | None = None, target: planned.Target | None = None,
+) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
+    """Decide the toggles for ``megatron_args`` without announcing or writing anything.
+
+    With ``tree``: the launcher's dry run of its pretrain_gpt.py. Without: the recorded surface,
+    with the same capability detection as that dry run (torch and TE imported where installed)."""
+    from ..runtime.controller import Controller
+    from ..runtime.provider import attach
+
+    if tree:
+        return _megatron_run(tree, megatron_args, target)
+    environ = dict(os.environ if environ is None else environ)
+    name = surface or DEFAULT_SURFACE
+    try:
+        recorded = replay.load_surface(name)
+    except KeyError as error:
+        raise PerfTogglesError(str(error.args[0])) from None
+    parser = replay.parser_from_surface(recorded)
+    controller = Controller(environ, mode="plan")  # validates the environment first, as a run would
+    with planned.stand_ins(target):  # the one rule the dry run follows too (capabilities.for_plan)
+        caps = replace(for_plan(controller.env.assume, deep=True), megatron=megatron_facts_from_surface(recorded))
+    controller.capabilities = caps
+    label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
+    attach(parser, controller=controller)
+    ns = parser.parse_args(list(megatron_args))
+    assert controller.last is not None  # the parse went through the controller
+    return controller.last.plan, caps, label, vars(ns)
