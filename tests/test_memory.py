@@ -276,3 +276,23 @@ def test_added_results_name_no_machine_paths(tmp_path):
     src.write_text(json.dumps(results))
     with pytest.raises(SystemExit, match="machine paths"):
         memory_validation.import_results("part", src, raw=tmp_path)
+
+
+@pytest.mark.real_megatron
+@pytest.mark.parametrize("tree", megatron_trees()[-1:] or [None])
+def test_a_planned_world_reaches_the_memory_model_and_the_rules_of_the_checkout(tree):
+    """At the plugin's step Megatron has not set args.world_size yet (parse_args does it after the
+    parser): the planned world must still give the data-parallel size the distributed optimizer
+    shards over, and the facts read from validate_args must see through the safety net's wrapper."""
+    def explain(world: int) -> dict:
+        proc = run_cli("explain", "--json", "--megatron", str(tree), "--world-size", str(world), "--gpu", "h100")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    dp8, dp64 = explain(8), explain(64)
+    w8, w64 = (r["memory"]["stock_parts_mb"]["weights_and_optimizer"] for r in (dp8, dp64))
+    # the distributed optimizer: 6 B per parameter plus 12 B sharded over DP (TP = PP = 1 here)
+    assert w64 / w8 == pytest.approx((6 + 12 / 64) / (6 + 12 / 8), rel=1e-6)
+    if dp64["capabilities"]["megatron"].get("version", "0") >= "0.18.2":
+        impl = dp64["decisions"]["cross_entropy_fusion_impl"]
+        assert (impl["value"], impl["source"]) == ("native", "guard"), impl

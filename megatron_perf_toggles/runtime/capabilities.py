@@ -66,9 +66,10 @@ def _function_source(fn: Any) -> str:
     """The lines of ``fn``'s definition, from its code object's line numbers: what
     ``inspect.getsource`` gives for the checks here, without tokenizing Megatron's 3,000-line
     arguments.py at every start (about 20 ms)."""
+    import inspect
     import linecache
 
-    code = fn.__code__
+    code = inspect.unwrap(fn).__code__  # the safety net and the parse hooks wrap validate_args
     last = max((line for _, _, line in code.co_lines() if line), default=code.co_firstlineno)
     lines = linecache.getlines(code.co_filename)
     if not lines:

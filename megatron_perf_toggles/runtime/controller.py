@@ -133,7 +133,10 @@ class Controller:
             from . import profile_file
 
             observed = profile_file.observed_for(self.profile, caps, self.environ, self.mode)
-        plan = decide(vars(ns), explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
+        args = vars(ns)
+        if args.get("world_size") is None:  # Megatron's parse_args sets it after this step (memory_guard needs it)
+            args = {**args, "world_size": planned_world_size()}
+        plan = decide(args, explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
                       observed=observed)
         original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
         for dest, decision in plan.decisions.items():
@@ -248,3 +251,15 @@ def backed_off_values(sources: dict[str, str]) -> str:
     parts = ([f"the plugin default of {', '.join(defaults)}"] if defaults else []) + \
         ([f"the profile's value of {', '.join(profile)}"] if profile else [])
     return " and ".join(parts)
+
+
+def planned_world_size() -> int | None:
+    """The world Megatron's parse_args will read once the parser (and this plugin's step) is done:
+    a planned target's (a dry run, ``explain --world-size``), else ``WORLD_SIZE`` as torchrun sets it."""
+    from .target import active
+
+    target = active()
+    if target is not None and target.world_size is not None:
+        return target.world_size
+    text = os.environ.get("WORLD_SIZE", "")
+    return int(text) if text.strip().isdigit() and int(text) > 0 else None

@@ -88,11 +88,13 @@ def plan_command_line(
         raise PerfTogglesError(str(error.args[0])) from None
     parser = replay.parser_from_surface(recorded)
     controller = Controller(environ, mode="plan")  # validates the environment first, as a run would
-    with planned.stand_ins(target):  # the one rule the dry run follows too (capabilities.for_plan)
-        caps = replace(for_plan(controller.env.assume, deep=True), megatron=megatron_facts_from_surface(recorded))
-    controller.capabilities = caps
     label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
-    attach(parser, controller=controller)
-    ns = parser.parse_args(list(megatron_args))
+    # the planned world and GPU hold for the whole plan, as in a dry run: the capabilities follow
+    # the one rule the dry run follows (capabilities.for_plan), the memory guard sees the world
+    with planned.stand_ins(target):
+        caps = replace(for_plan(controller.env.assume, deep=True), megatron=megatron_facts_from_surface(recorded))
+        controller.capabilities = caps
+        attach(parser, controller=controller)
+        ns = parser.parse_args(list(megatron_args))
     assert controller.last is not None  # the parse went through the controller
     return controller.last.plan, caps, label, vars(ns)
