@@ -276,3 +276,15 @@ def test_added_results_name_no_machine_paths(tmp_path):
     src.write_text(json.dumps(results))
     with pytest.raises(SystemExit, match="machine paths"):
         memory_validation.import_results("part", src, raw=tmp_path)
+
+
+def test_grad_reduce_in_bf16_changes_memory_only_under_bf16():
+    """validate_args reads --grad-reduce-in-bf16 only under --bf16: fp16 and fp32 training keep the
+    buffer in the parameters' dtype, and --main-grads-dtype bf16 has it in bf16 already."""
+    bf16 = memory_validation.args_of(REFERENCE_ARGV)
+    assert bf16["bf16"] and memory.grad_reduce_bf16_mb(memory.layout_from_args(bf16)) < -3000
+    for other in ({"bf16": False, "fp16": True}, {"bf16": False}, {"main_grads_dtype": "bf16"}):
+        layout = memory.layout_from_args({**bf16, **other})
+        assert memory.grad_reduce_bf16_mb(layout) == 0, other
+    plan = plan_for(H100_MB, args={**bf16, "bf16": False, "fp16": True})
+    assert plan.memory["peak_memory_delta_mb"]["grad_reduce_in_bf16"] == 0

@@ -45,6 +45,7 @@ class Layout:
     recompute: str | None = None  # None | "selective" | "full"
     bias: bool = False
     fp8: bool = False  # TE keeps an fp8 copy of each transformer layer's linear weights
+    fp32_grad_buffer: bool = True  # stock's gradient buffer is fp32 (bf16 training with fp32 main grads)
 
     @property
     def tokens(self) -> int:
@@ -142,7 +143,17 @@ def layout_from_args(args: Mapping[str, Any]) -> Layout:
         distributed_optimizer=bool(args.get("use_distributed_optimizer")),
         recompute=recompute if recompute in ("selective", "full") else None,
         bias=bool(args.get("add_bias_linear", False)), fp8=bool(args.get("fp8") or args.get("fp8_format")),
+        fp32_grad_buffer=_fp32_grad_buffer(args),
     )
+
+
+def _fp32_grad_buffer(args: Mapping[str, Any]) -> bool:
+    """Whether stock keeps the gradient buffer in fp32, which is what --grad-reduce-in-bf16 halves.
+    validate_args reads --grad-reduce-in-bf16 only under --bf16 (there it clears
+    accumulate_allreduce_grads_in_fp32); fp16 and fp32 training keep the buffer in the parameters'
+    dtype either way, and --main-grads-dtype bf16 has it in bf16 already."""
+    main_grads = str(args.get("main_grads_dtype") or "fp32").lower()
+    return bool(args.get("bf16")) and "bf16" not in main_grads and "bfloat16" not in main_grads
 
 
 # --- the toggles' terms: each one's change in peak allocated MB against its stock value ----------
@@ -209,6 +220,8 @@ def grad_reduce_bf16_mb(layout: Layout, last_stage: bool = True) -> float:
     With the distributed optimizer, the optimizer step then upcasts its shard of the bf16 gradients
     into fp32 main gradients (4 B x parameters / DP, transient); that step is not where a dense
     model peaks, so the term is the buffer's saving alone."""
+    if not layout.fp32_grad_buffer:  # fp16/fp32 training, or bf16 main grads: the flag changes nothing
+        return 0.0
     params = layout.last_stage_params() if last_stage else layout.first_stage_params()
     return -BF16 * params / MB
 
