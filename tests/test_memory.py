@@ -288,3 +288,16 @@ def test_grad_reduce_in_bf16_changes_memory_only_under_bf16():
         assert memory.grad_reduce_bf16_mb(layout) == 0, other
     plan = plan_for(H100_MB, args={**bf16, "bf16": False, "fp16": True})
     assert plan.memory["peak_memory_delta_mb"]["grad_reduce_in_bf16"] == 0
+
+
+def test_a_bad_headroom_is_refused_on_every_plan():
+    for bad in ("nan", "inf", "nan%", "-inf"):
+        with pytest.raises(EnvValueError):
+            headroom_mb(read_env({HEADROOM_VAR: bad}), 1000)
+    # No GPU memory known here, or no estimate for the layout: the bad value is still refused.
+    with pytest.raises(EnvValueError):
+        plan_for(None, **{HEADROOM_VAR: "lots"})
+    with pytest.raises(EnvValueError):
+        plan_for(H100_MB, args={"num_layers": 2}, **{HEADROOM_VAR: "lots"})
+    proc = run_cli("explain", "--", "--num-layers", "2", env={HEADROOM_VAR: "nan"})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and HEADROOM_VAR in proc.stderr

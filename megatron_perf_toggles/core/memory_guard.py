@@ -10,6 +10,7 @@ peak. Where the layout or the GPU's memory is unknown, the plan says so instead 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ def headroom_mb(env: EnvSettings, capacity_mb: float) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if value < 0 or (raw.endswith("%") and value >= 100):
+    if not math.isfinite(value) or value < 0 or (raw.endswith("%") and value >= 100):
         raise EnvValueError(HEADROOM_VAR, raw, HEADROOM_ACCEPTED)
     return capacity_mb * value / 100 if raw.endswith("%") else value * 1024
 
@@ -120,6 +121,7 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
                  stock: Mapping[str, Any]) -> tuple[MemoryPlan, list[Message]]:
     """Price the decisions, and back off the defaults that would tip a job stock fits out of memory
     (``decisions`` is changed in place). Returns the memory record and the messages for the table."""
+    headroom_mb(env, 1.0)  # a bad setting is reported on every plan, not only where the guard gets to use it
     memory = MemoryPlan(gpu_memory_mb=caps.gpu_memory_mb)
     base = stock_values(stock, caps)
     te = caps.te_version is not None
