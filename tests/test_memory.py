@@ -301,3 +301,22 @@ def test_a_bad_headroom_is_refused_on_every_plan():
         plan_for(H100_MB, args={"num_layers": 2}, **{HEADROOM_VAR: "lots"})
     proc = run_cli("explain", "--", "--num-layers", "2", env={HEADROOM_VAR: "nan"})
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and HEADROOM_VAR in proc.stderr
+
+
+def test_pipeline_first_stage_peak_is_not_priced_with_the_last_stages_logits():
+    """PP 4: the first stage (four micro-batches in flight) peaks above the last, which alone holds
+    the logits. The cross-entropy fusion's +7.8 GB lands on the last stage, well under the first
+    stage's peak: the plan fits a 58 GB GPU (52.2 GB limit) and the default stays."""
+    args = {**HEAVY, "pipeline_model_parallel_size": 4, "num_layers": 32, "micro_batch_size": 2, "world_size": 4}
+    layout = memory.layout_from_args(args)
+    logits = memory.cross_entropy_mb(layout, True, "native")
+    plan = plan_for(58 * 1024.0, args=args, CROSS_ENTROPY_FUSION_IMPL="native")
+    record = plan.memory
+    assert record["stock_peak_mb"] < record["limit_mb"] < record["stock_peak_mb"] + logits
+    ce = plan.decisions["cross_entropy_loss_fusion"]
+    assert (ce.value, ce.source) == (True, "default"), ce.reason
+    assert record["planned_peak_mb"] <= record["limit_mb"]
+    # The last stage does carry the logits' copy: a smaller GPU tips it, and the guard backs it off.
+    last_only = {**args, "pipeline_model_parallel_size": 1, "num_layers": 8, "world_size": 1}
+    assert plan_for(44 * 1024.0, args=last_only, CROSS_ENTROPY_FUSION_IMPL="native"
+                    ).decisions["cross_entropy_loss_fusion"].source == "guard"

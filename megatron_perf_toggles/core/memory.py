@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MB = 2**20
@@ -230,9 +230,10 @@ ZERO_TERMS = ("ddp_average_in_collective", "fused_single_qkv_rope")  # measured 
 
 
 def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Layout,
-                    te_installed: bool) -> float | None:
-    """The change in peak MB that ``values[dest]`` makes against ``stock[dest]``. The terms add up to
-    the plan's change: the cross-entropy pair is priced as the fusion (with this plan's
+                    te_installed: bool, last_stage: bool = True) -> float | None:
+    """The change in peak MB that ``values[dest]`` makes against ``stock[dest]`` on a rank of the
+    last pipeline stage (``last_stage=False``: of the first, which holds no logits). The terms add
+    up to the plan's change: the cross-entropy pair is priced as the fusion (with this plan's
     implementation) plus the implementation (where stock fuses too). None: not modelled."""
     if dest in ZERO_TERMS:
         return 0.0
@@ -242,10 +243,12 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
             return 0.0
         if not te_installed:
             return None  # without TE, Megatron makes a fresh placeholder per call: not modelled
-        return (now - before) * dummy_wgrads_mb(layout)
+        return (now - before) * dummy_wgrads_mb(layout, last_stage)
     if dest == "grad_reduce_in_bf16":
         now, before = bool(values.get(dest)), bool(stock.get(dest))
-        return (now - before) * grad_reduce_bf16_mb(layout)
+        return (now - before) * grad_reduce_bf16_mb(layout, last_stage)
+    if not last_stage and dest in ("cross_entropy_loss_fusion", "cross_entropy_fusion_impl"):
+        return 0.0  # only the last stage computes the loss
     fused, impl = bool(values.get("cross_entropy_loss_fusion")), str(values.get("cross_entropy_fusion_impl", "native"))
     stock_fused = bool(stock.get("cross_entropy_loss_fusion"))
     if dest == "cross_entropy_loss_fusion":  # with this plan's implementation
@@ -266,6 +269,7 @@ class Estimate:
     peak_mb: float
     source: str
     parts: dict[str, float]
+    stages: dict[str, float] = field(default_factory=dict)  # "last" (and "first" where PP > 1): each one's peak
 
 
 MEGATRON_FORMULA = ("Megatron's theoretical memory formula (training/theoretical_memory_usage.py) for weights, "
@@ -303,7 +307,7 @@ def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool) -> E
     fp32 copy, 6 B x tokens x vocab / TP), and the placeholder gradients if fusion is on."""
     per_layer, megatron_applies = layer_activation_bytes(layout)
     sbh = layout.tokens * layout.hidden
-    stages = []
+    stages: list[dict[str, float]] = []
     for last, in_flight in ((True, 1), (False, layout.pp)):
         params = layout.last_stage_params() if last else layout.first_stage_params()
         parts = {"weights_and_optimizer": params * bytes_per_param(layout) / MB,
@@ -321,4 +325,5 @@ def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool) -> E
             break
     parts = max(stages, key=lambda p: sum(p.values()))
     source = MEGATRON_FORMULA if megatron_applies else PLUGIN_ESTIMATE
-    return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()})
+    totals = {name: round(sum(p.values()), 1) for name, p in zip(("last", "first"), stages, strict=False)}
+    return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()}, totals)

@@ -90,6 +90,7 @@ class MemoryPlan:
     gpu_memory_mb: float | None = None
     limit_mb: float | None = None
     note: str = ""
+    planned_mb: float | None = None  # the busier pipeline stage's, with the decisions (planned_peak)
 
     @property
     def total_mb(self) -> float | None:
@@ -104,7 +105,7 @@ class MemoryPlan:
             "stock_peak_mb": None if stock is None else stock.peak_mb,
             "stock_estimate_source": None if stock is None else stock.source,
             "stock_parts_mb": None if stock is None else stock.parts,
-            "planned_peak_mb": None if stock is None or self.total_mb is None else round(stock.peak_mb + self.total_mb, 1),
+            "planned_peak_mb": None if self.planned_mb is None else round(self.planned_mb, 1),
             "gpu_memory_mb": self.gpu_memory_mb, "limit_mb": self.limit_mb, "note": self.note or None,
         }
 
@@ -115,6 +116,18 @@ def _deltas(values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any, te
         delta = toggle_delta_mb(t.dest, values, stock, layout, te)
         out[t.dest] = None if delta is None else round(delta, 1)
     return out
+
+
+def planned_peak(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
+                 te: bool) -> float:
+    """The plan's peak: each pipeline stage's own stock peak plus the decisions' changes on that
+    stage (the logits' terms are the last stage's alone), the larger of the two. Adding the last
+    stage's changes to stock's peak would price a first-stage peak with logits it does not hold."""
+    out = []
+    for name, stage_mb in (estimate.stages or {"last": estimate.peak_mb}).items():
+        deltas = (toggle_delta_mb(t.dest, values, stock, layout, te, last_stage=name == "last") for t in TOGGLES)
+        out.append(stage_mb + sum(d for d in deltas if d is not None))
+    return max(out)
 
 
 def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: Capabilities, env: EnvSettings,
@@ -135,6 +148,7 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     values = {dest: d.value for dest, d in decisions.items()}
     memory.deltas = _deltas(values, base, layout, te)
     memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te)
+    memory.planned_mb = planned = planned_peak(estimate, values, base, layout, te)
     if caps.gpu_memory_mb is None:
         memory.note = "the GPU's memory is not known here: no memory guard"
         return memory, []
@@ -143,7 +157,6 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     where = (f"{caps.gpu_name or 'the GPU'}: {size_words(caps.gpu_memory_mb)} less "
              f"{env.memory_headroom or DEFAULT_HEADROOM} headroom = {size_words(limit)}")
     messages: list[Message] = []
-    planned = estimate.peak_mb + (memory.total_mb or 0.0)
     if planned <= limit:
         return memory, messages
     if estimate.peak_mb > limit:
@@ -156,13 +169,15 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
         decision, cost = decisions[dest], memory.deltas[dest] or 0.0
         if decision.source != "default" or not env.plugin_enabled or _needed(dest, args):
             continue
+        if planned_peak(estimate, {**values, dest: base[dest]}, base, layout, te) >= planned:
+            continue  # it does not add to the stage that peaks (the logits' terms where the first stage peaks)
         reason = (f"memory: stock's estimated peak {size_words(estimate.peak_mb)} fits the limit ({where}), but with "
                   f"the defaults the peak would be {size_words(planned)}; this default adds {delta_words(cost)}, "
                   f"so it is backed off to stock's {format_value(base[dest])} ({HEADROOM_VAR} sets the headroom)")
         decisions[dest] = Decision(base[dest], "guard", reason)
         values[dest] = base[dest]
         memory.deltas = _deltas(values, base, layout, te)
-        planned = estimate.peak_mb + (memory.total_mb or 0.0)
+        memory.planned_mb = planned = planned_peak(estimate, values, base, layout, te)
     if planned > limit:
         asked = [d for d, mb in memory.deltas.items() if mb and mb > 0 and decisions[d].source != "default"]
         words = ", ".join(f"{BY_DEST[d].dest} ({decisions[d].source}, {delta_words(memory.deltas[d])})" for d in asked)
