@@ -320,3 +320,13 @@ def test_pipeline_first_stage_peak_is_not_priced_with_the_last_stages_logits():
     last_only = {**args, "pipeline_model_parallel_size": 1, "num_layers": 8, "world_size": 1}
     assert plan_for(44 * 1024.0, args=last_only, CROSS_ENTROPY_FUSION_IMPL="native"
                     ).decisions["cross_entropy_loss_fusion"].source == "guard"
+
+
+def test_tied_embeddings_keep_the_output_layers_placeholder():
+    """With tied embeddings the output layer passes the shared embedding weight through the same fused
+    linear path (its main_grad and grad_added_to_main_grad are DDP's), so TE caches the placeholder of
+    the output layer's shape there too: 2 B x 128256 x 4096 = 1002 MB on the reference model."""
+    untied = memory.layout_from_args(memory_validation.args_of(REFERENCE_ARGV))
+    tied = replace(untied, untied=False)
+    assert memory.dummy_wgrads_mb(tied) == memory.dummy_wgrads_mb(untied)
+    assert memory.dummy_wgrads_mb(tied) - memory.dummy_wgrads_mb(tied, last_stage=False) == 2 * 128256 * 4096 / 2**20

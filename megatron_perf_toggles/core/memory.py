@@ -207,7 +207,7 @@ def dummy_wgrads_mb(layout: Layout, last_stage: bool = True) -> float:
     4096x14336) = 1002 + 416 = 1418 MB.
     """
     shapes = set(layout.linear_shapes().values())
-    if last_stage and (layout.untied or layout.pp > 1):
+    if last_stage:  # tied too: the output layer then runs the shared embedding weight through the same path
         shapes.add((layout.vocab_per_rank, layout.hidden))
     return BF16 * sum(r * c for r, c in shapes) / MB
 
