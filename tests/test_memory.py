@@ -330,3 +330,12 @@ def test_tied_embeddings_keep_the_output_layers_placeholder():
     tied = replace(untied, untied=False)
     assert memory.dummy_wgrads_mb(tied) == memory.dummy_wgrads_mb(untied)
     assert memory.dummy_wgrads_mb(tied) - memory.dummy_wgrads_mb(tied, last_stage=False) == 2 * 128256 * 4096 / 2**20
+
+
+def test_the_distributed_optimizer_shards_over_data_and_context_parallel_ranks():
+    """Megatron builds the distributed optimizer on the data-parallel group with context parallelism
+    (intra_dp_cp): with CP 2 and DP 1 each rank holds half the 12 B of optimizer state."""
+    args = {**memory_validation.args_of(REFERENCE_ARGV), "context_parallel_size": 2, "world_size": 2}
+    layout = memory.layout_from_args(args)
+    assert (layout.dp, layout.cp, layout.distributed_optimizer) == (1, 2, True)
+    assert memory.bytes_per_param(layout) == 6 + 12 / 2

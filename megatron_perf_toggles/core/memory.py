@@ -279,8 +279,10 @@ PLUGIN_ESTIMATE = "the plugin's own estimate: Megatron's weight and optimizer fo
 
 def bytes_per_param(layout: Layout) -> float:
     """Megatron's theoretical memory report: bf16 weight, fp32 gradient, fp32 main weight and two
-    Adam moments = 18 B, of which the distributed optimizer shards the 12 B of optimizer state."""
-    return 6 + 12 / layout.dp if layout.distributed_optimizer else 18
+    Adam moments = 18 B, of which the distributed optimizer shards the 12 B of optimizer state. It
+    shards them over the data- and context-parallel ranks together (the optimizer's intra_dp_cp
+    group), where the report divides by the data-parallel size alone."""
+    return 6 + 12 / (layout.dp * layout.cp) if layout.distributed_optimizer else 18
 
 
 def layer_activation_bytes(layout: Layout) -> tuple[float, bool]:
