@@ -339,3 +339,10 @@ def test_the_distributed_optimizer_shards_over_data_and_context_parallel_ranks()
     layout = memory.layout_from_args(args)
     assert (layout.dp, layout.cp, layout.distributed_optimizer) == (1, 2, True)
     assert memory.bytes_per_param(layout) == 6 + 12 / 2
+
+
+def test_the_reason_states_the_headroom_with_its_unit():
+    for setting, words in (("8", "less 8.0 GB headroom = 72.0 GB"), ("10%", "less 10% (8.0 GB) headroom = 72.0 GB")):
+        plan = plan_for(H100_MB, CROSS_ENTROPY_FUSION_IMPL="native", **{HEADROOM_VAR: setting})
+        ce = plan.decisions["cross_entropy_loss_fusion"]
+        assert ce.source == "guard" and words in ce.reason, ce.reason

@@ -152,10 +152,13 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     if caps.gpu_memory_mb is None:
         memory.note = "the GPU's memory is not known here: no memory guard"
         return memory, []
-    limit = caps.gpu_memory_mb - headroom_mb(env, caps.gpu_memory_mb)
+    kept_free = headroom_mb(env, caps.gpu_memory_mb)
+    limit = caps.gpu_memory_mb - kept_free
     memory.limit_mb = round(limit, 1)
+    setting = (env.memory_headroom or DEFAULT_HEADROOM).strip()
     where = (f"{caps.gpu_name or 'the GPU'}: {size_words(caps.gpu_memory_mb)} less "
-             f"{env.memory_headroom or DEFAULT_HEADROOM} headroom = {size_words(limit)}")
+             f"{setting + ' (' + size_words(kept_free) + ')' if setting.endswith('%') else size_words(kept_free)} "
+             f"headroom = {size_words(limit)}")
     messages: list[Message] = []
     if planned <= limit:
         return memory, messages
