@@ -316,6 +316,9 @@ def test_pipeline_first_stage_peak_is_not_priced_with_the_last_stages_logits():
     ce = plan.decisions["cross_entropy_loss_fusion"]
     assert (ce.value, ce.source) == (True, "default"), ce.reason
     assert record["planned_peak_mb"] <= record["limit_mb"]
+    from megatron_perf_toggles.core.memory_guard import summary
+
+    assert f"planned peak {record['planned_peak_mb'] / 1024:.1f} GB" in summary(record)
     # The last stage does carry the logits' copy: a smaller GPU tips it, and the guard backs it off.
     last_only = {**args, "pipeline_model_parallel_size": 1, "num_layers": 8, "world_size": 1}
     assert plan_for(44 * 1024.0, args=last_only, CROSS_ENTROPY_FUSION_IMPL="native"

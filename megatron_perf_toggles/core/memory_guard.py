@@ -67,6 +67,9 @@ def summary(memory: Mapping[str, Any]) -> str:
         unknown = [d for d, mb in (memory.get("peak_memory_delta_mb") or {}).items() if mb is None]
         if unknown:
             line += f" (not counting {', '.join(unknown)}: unknown)"
+        planned = memory.get("planned_peak_mb")
+        if planned is not None:  # per pipeline stage: not always stock's peak plus the last stage's change
+            line += f", planned peak {size_words(planned)}"
     limit = memory.get("limit_mb")
     line += f"; limit {size_words(limit)}" if limit else ""
     note = memory.get("note")
