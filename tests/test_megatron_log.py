@@ -74,3 +74,14 @@ def test_older_format():
 def test_crash_lines_are_kept():
     log = parse_lines(["Traceback (most recent call last):", "RuntimeError: CUDA out of memory"])
     assert log.errors == ["Traceback (most recent call last):", "RuntimeError: CUDA out of memory"]
+
+
+def test_the_memory_report_of_the_rank_that_peaks_highest_is_kept():
+    """With pipeline parallelism each stage's data-parallel rank 0 prints its own report, in any order:
+    the per-GPU peak is the highest one, not the last one printed."""
+    lines = [
+        "[Rank 0] (after 2 iterations) memory (MB) | allocated: 30000.0 | max allocated: 52000.5 | reserved: 53000.0",
+        "[Rank 1] (after 2 iterations) memory (MB) | allocated: 20000.0 | max allocated: 41000.0 | reserved: 42000.0",
+    ]
+    assert parse_lines(lines).memory_mb["max_allocated"] == 52000.5
+    assert parse_lines(reversed(lines)).memory_mb["max_allocated"] == 52000.5

@@ -296,3 +296,76 @@ def test_a_planned_world_reaches_the_memory_model_and_the_rules_of_the_checkout(
     if dp64["capabilities"]["megatron"].get("version", "0") >= "0.18.2":
         impl = dp64["decisions"]["cross_entropy_fusion_impl"]
         assert (impl["value"], impl["source"]) == ("native", "guard"), impl
+
+
+def test_grad_reduce_in_bf16_changes_memory_only_under_bf16():
+    """validate_args reads --grad-reduce-in-bf16 only under --bf16: fp16 and fp32 training keep the
+    buffer in the parameters' dtype, and --main-grads-dtype bf16 has it in bf16 already."""
+    bf16 = memory_validation.args_of(REFERENCE_ARGV)
+    assert bf16["bf16"] and memory.grad_reduce_bf16_mb(memory.layout_from_args(bf16)) < -3000
+    for other in ({"bf16": False, "fp16": True}, {"bf16": False}, {"main_grads_dtype": "bf16"}):
+        layout = memory.layout_from_args({**bf16, **other})
+        assert memory.grad_reduce_bf16_mb(layout) == 0, other
+    plan = plan_for(H100_MB, args={**bf16, "bf16": False, "fp16": True})
+    assert plan.memory["peak_memory_delta_mb"]["grad_reduce_in_bf16"] == 0
+
+
+def test_a_bad_headroom_is_refused_on_every_plan():
+    for bad in ("nan", "inf", "nan%", "-inf"):
+        with pytest.raises(EnvValueError):
+            headroom_mb(read_env({HEADROOM_VAR: bad}), 1000)
+    # No GPU memory known here, or no estimate for the layout: the bad value is still refused.
+    with pytest.raises(EnvValueError):
+        plan_for(None, **{HEADROOM_VAR: "lots"})
+    with pytest.raises(EnvValueError):
+        plan_for(H100_MB, args={"num_layers": 2}, **{HEADROOM_VAR: "lots"})
+    proc = run_cli("explain", "--", "--num-layers", "2", env={HEADROOM_VAR: "nan"})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and HEADROOM_VAR in proc.stderr
+
+
+def test_pipeline_first_stage_peak_is_not_priced_with_the_last_stages_logits():
+    """PP 4: the first stage (four micro-batches in flight) peaks above the last, which alone holds
+    the logits. The cross-entropy fusion's +7.8 GB lands on the last stage, well under the first
+    stage's peak: the plan fits a 58 GB GPU (52.2 GB limit) and the default stays."""
+    args = {**HEAVY, "pipeline_model_parallel_size": 4, "num_layers": 32, "micro_batch_size": 2, "world_size": 4}
+    layout = memory.layout_from_args(args)
+    logits = memory.cross_entropy_mb(layout, True, "native")
+    plan = plan_for(58 * 1024.0, args=args, CROSS_ENTROPY_FUSION_IMPL="native")
+    record = plan.memory
+    assert record["stock_peak_mb"] < record["limit_mb"] < record["stock_peak_mb"] + logits
+    ce = plan.decisions["cross_entropy_loss_fusion"]
+    assert (ce.value, ce.source) == (True, "default"), ce.reason
+    assert record["planned_peak_mb"] <= record["limit_mb"]
+    from megatron_perf_toggles.core.memory_guard import summary
+
+    assert f"planned peak {record['planned_peak_mb'] / 1024:.1f} GB" in summary(record)
+    # The last stage does carry the logits' copy: a smaller GPU tips it, and the guard backs it off.
+    last_only = {**args, "pipeline_model_parallel_size": 1, "num_layers": 8, "world_size": 1}
+    assert plan_for(44 * 1024.0, args=last_only, CROSS_ENTROPY_FUSION_IMPL="native"
+                    ).decisions["cross_entropy_loss_fusion"].source == "guard"
+
+
+def test_tied_embeddings_keep_the_output_layers_placeholder():
+    """With tied embeddings the output layer passes the shared embedding weight through the same fused
+    linear path (its main_grad and grad_added_to_main_grad are DDP's), so TE caches the placeholder of
+    the output layer's shape there too: 2 B x 128256 x 4096 = 1002 MB on the reference model."""
+    untied = memory.layout_from_args(memory_validation.args_of(REFERENCE_ARGV))
+    tied = replace(untied, untied=False)
+    assert memory.dummy_wgrads_mb(tied) == memory.dummy_wgrads_mb(untied)
+    assert memory.dummy_wgrads_mb(tied) - memory.dummy_wgrads_mb(tied, last_stage=False) == 2 * 128256 * 4096 / 2**20
+
+
+def test_the_distributed_optimizer_shards_over_data_and_context_parallel_ranks():
+    """Megatron builds the distributed optimizer on the data-parallel group with context parallelism
+    (intra_dp_cp): with CP 2 and DP 1 each rank holds half the 12 B of optimizer state."""
+    args = {**memory_validation.args_of(REFERENCE_ARGV), "context_parallel_size": 2, "world_size": 2}
+    layout = memory.layout_from_args(args)
+    assert (layout.dp, layout.cp, layout.distributed_optimizer) == (1, 2, True)
+    assert memory.bytes_per_param(layout) == 6 + 12 / 2
+
+
+def test_the_reason_states_the_headroom_with_its_unit():
+    for setting, words in (("8", "less 8.0 GB headroom = 72.0 GB"), ("10%", "less 10% (8.0 GB) headroom = 72.0 GB")):
+        plan = plan_for(H100_MB, CROSS_ENTROPY_FUSION_IMPL="native", **{HEADROOM_VAR: setting})
+        ce = plan.decisions["cross_entropy_loss_fusion"]
+        assert ce.source == "guard" and words in ce.reason, ce.reason

@@ -634,3 +634,13 @@ def test_a_memory_limit_must_be_positive(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         tune_main(tmp_path, "--memory-limit-gb", "0")
     assert stop.value.code == 2 and "--memory-limit-gb 0" in capsys.readouterr().err
+
+
+def test_a_memory_report_without_max_allocated_gives_no_peak_and_no_error():
+    runs = [_run("all-on", b, 1000.0, 2.0) for b in range(3)] + [_run("without:a", b, 950.0, 2.0) for b in range(3)]
+    for r in runs:
+        r["summary"]["memory_mb"] = {"allocated": 100.0}
+    runs[-1]["summary"]["memory_mb"]["max_allocated"] = 300.0
+    rows = {r["arm"]: r for r in _phase(runs, ["all-on", "without:a"], "all-on")["rows"]}
+    assert "max_allocated_mb" not in rows["all-on"] and rows["without:a"]["max_allocated_mb"] == 300.0
+    assert "max_allocated_delta_mb" not in rows["without:a"]  # no baseline peak to subtract

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MB = 2**20
@@ -45,6 +45,7 @@ class Layout:
     recompute: str | None = None  # None | "selective" | "full"
     bias: bool = False
     fp8: bool = False  # TE keeps an fp8 copy of each transformer layer's linear weights
+    fp32_grad_buffer: bool = True  # stock's gradient buffer is fp32 (bf16 training with fp32 main grads)
 
     @property
     def tokens(self) -> int:
@@ -142,7 +143,17 @@ def layout_from_args(args: Mapping[str, Any]) -> Layout:
         distributed_optimizer=bool(args.get("use_distributed_optimizer")),
         recompute=recompute if recompute in ("selective", "full") else None,
         bias=bool(args.get("add_bias_linear", False)), fp8=bool(args.get("fp8") or args.get("fp8_format")),
+        fp32_grad_buffer=_fp32_grad_buffer(args),
     )
+
+
+def _fp32_grad_buffer(args: Mapping[str, Any]) -> bool:
+    """Whether stock keeps the gradient buffer in fp32, which is what --grad-reduce-in-bf16 halves.
+    validate_args reads --grad-reduce-in-bf16 only under --bf16 (there it clears
+    accumulate_allreduce_grads_in_fp32); fp16 and fp32 training keep the buffer in the parameters'
+    dtype either way, and --main-grads-dtype bf16 has it in bf16 already."""
+    main_grads = str(args.get("main_grads_dtype") or "fp32").lower()
+    return bool(args.get("bf16")) and "bf16" not in main_grads and "bfloat16" not in main_grads
 
 
 # --- the toggles' terms: each one's change in peak allocated MB against its stock value ----------
@@ -196,7 +207,7 @@ def dummy_wgrads_mb(layout: Layout, last_stage: bool = True) -> float:
     4096x14336) = 1002 + 416 = 1418 MB.
     """
     shapes = set(layout.linear_shapes().values())
-    if last_stage and (layout.untied or layout.pp > 1):
+    if last_stage:  # tied too: the output layer then runs the shared embedding weight through the same path
         shapes.add((layout.vocab_per_rank, layout.hidden))
     return BF16 * sum(r * c for r, c in shapes) / MB
 
@@ -209,6 +220,8 @@ def grad_reduce_bf16_mb(layout: Layout, last_stage: bool = True) -> float:
     With the distributed optimizer, the optimizer step then upcasts its shard of the bf16 gradients
     into fp32 main gradients (4 B x parameters / DP, transient); that step is not where a dense
     model peaks, so the term is the buffer's saving alone."""
+    if not layout.fp32_grad_buffer:  # fp16/fp32 training, or bf16 main grads: the flag changes nothing
+        return 0.0
     params = layout.last_stage_params() if last_stage else layout.first_stage_params()
     return -BF16 * params / MB
 
@@ -217,9 +230,10 @@ ZERO_TERMS = ("ddp_average_in_collective", "fused_single_qkv_rope")  # measured 
 
 
 def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Layout,
-                    te_installed: bool) -> float | None:
-    """The change in peak MB that ``values[dest]`` makes against ``stock[dest]``. The terms add up to
-    the plan's change: the cross-entropy pair is priced as the fusion (with this plan's
+                    te_installed: bool, last_stage: bool = True) -> float | None:
+    """The change in peak MB that ``values[dest]`` makes against ``stock[dest]`` on a rank of the
+    last pipeline stage (``last_stage=False``: of the first, which holds no logits). The terms add
+    up to the plan's change: the cross-entropy pair is priced as the fusion (with this plan's
     implementation) plus the implementation (where stock fuses too). None: not modelled."""
     if dest in ZERO_TERMS:
         return 0.0
@@ -229,10 +243,12 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
             return 0.0
         if not te_installed:
             return None  # without TE, Megatron makes a fresh placeholder per call: not modelled
-        return (now - before) * dummy_wgrads_mb(layout)
+        return (now - before) * dummy_wgrads_mb(layout, last_stage)
     if dest == "grad_reduce_in_bf16":
         now, before = bool(values.get(dest)), bool(stock.get(dest))
-        return (now - before) * grad_reduce_bf16_mb(layout)
+        return (now - before) * grad_reduce_bf16_mb(layout, last_stage)
+    if not last_stage and dest in ("cross_entropy_loss_fusion", "cross_entropy_fusion_impl"):
+        return 0.0  # only the last stage computes the loss
     fused, impl = bool(values.get("cross_entropy_loss_fusion")), str(values.get("cross_entropy_fusion_impl", "native"))
     stock_fused = bool(stock.get("cross_entropy_loss_fusion"))
     if dest == "cross_entropy_loss_fusion":  # with this plan's implementation
@@ -253,6 +269,7 @@ class Estimate:
     peak_mb: float
     source: str
     parts: dict[str, float]
+    stages: dict[str, float] = field(default_factory=dict)  # "last" (and "first" where PP > 1): each one's peak
 
 
 MEGATRON_FORMULA = ("Megatron's theoretical memory formula (training/theoretical_memory_usage.py) for weights, "
@@ -262,8 +279,10 @@ PLUGIN_ESTIMATE = "the plugin's own estimate: Megatron's weight and optimizer fo
 
 def bytes_per_param(layout: Layout) -> float:
     """Megatron's theoretical memory report: bf16 weight, fp32 gradient, fp32 main weight and two
-    Adam moments = 18 B, of which the distributed optimizer shards the 12 B of optimizer state."""
-    return 6 + 12 / layout.dp if layout.distributed_optimizer else 18
+    Adam moments = 18 B, of which the distributed optimizer shards the 12 B of optimizer state. It
+    shards them over the data- and context-parallel ranks together (the optimizer's intra_dp_cp
+    group), where the report divides by the data-parallel size alone."""
+    return 6 + 12 / (layout.dp * layout.cp) if layout.distributed_optimizer else 18
 
 
 def layer_activation_bytes(layout: Layout) -> tuple[float, bool]:
@@ -290,7 +309,7 @@ def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool) -> E
     fp32 copy, 6 B x tokens x vocab / TP), and the placeholder gradients if fusion is on."""
     per_layer, megatron_applies = layer_activation_bytes(layout)
     sbh = layout.tokens * layout.hidden
-    stages = []
+    stages: list[dict[str, float]] = []
     for last, in_flight in ((True, 1), (False, layout.pp)):
         params = layout.last_stage_params() if last else layout.first_stage_params()
         parts = {"weights_and_optimizer": params * bytes_per_param(layout) / MB,
@@ -308,4 +327,5 @@ def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool) -> E
             break
     parts = max(stages, key=lambda p: sum(p.values()))
     source = MEGATRON_FORMULA if megatron_applies else PLUGIN_ESTIMATE
-    return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()})
+    totals = {name: round(sum(p.values()), 1) for name, p in zip(("last", "first"), stages, strict=False)}
+    return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()}, totals)

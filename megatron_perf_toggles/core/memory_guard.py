@@ -10,6 +10,7 @@ peak. Where the layout or the GPU's memory is unknown, the plan says so instead 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ def headroom_mb(env: EnvSettings, capacity_mb: float) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if value < 0 or (raw.endswith("%") and value >= 100):
+    if not math.isfinite(value) or value < 0 or (raw.endswith("%") and value >= 100):
         raise EnvValueError(HEADROOM_VAR, raw, HEADROOM_ACCEPTED)
     return capacity_mb * value / 100 if raw.endswith("%") else value * 1024
 
@@ -66,6 +67,9 @@ def summary(memory: Mapping[str, Any]) -> str:
         unknown = [d for d, mb in (memory.get("peak_memory_delta_mb") or {}).items() if mb is None]
         if unknown:
             line += f" (not counting {', '.join(unknown)}: unknown)"
+        planned = memory.get("planned_peak_mb")
+        if planned is not None:  # per pipeline stage: not always stock's peak plus the last stage's change
+            line += f", planned peak {size_words(planned)}"
     limit = memory.get("limit_mb")
     line += f"; limit {size_words(limit)}" if limit else ""
     note = memory.get("note")
@@ -89,6 +93,7 @@ class MemoryPlan:
     gpu_memory_mb: float | None = None
     limit_mb: float | None = None
     note: str = ""
+    planned_mb: float | None = None  # the busier pipeline stage's, with the decisions (planned_peak)
 
     @property
     def total_mb(self) -> float | None:
@@ -103,7 +108,7 @@ class MemoryPlan:
             "stock_peak_mb": None if stock is None else stock.peak_mb,
             "stock_estimate_source": None if stock is None else stock.source,
             "stock_parts_mb": None if stock is None else stock.parts,
-            "planned_peak_mb": None if stock is None or self.total_mb is None else round(stock.peak_mb + self.total_mb, 1),
+            "planned_peak_mb": None if self.planned_mb is None else round(self.planned_mb, 1),
             "gpu_memory_mb": self.gpu_memory_mb, "limit_mb": self.limit_mb, "note": self.note or None,
         }
 
@@ -116,10 +121,23 @@ def _deltas(values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any, te
     return out
 
 
+def planned_peak(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
+                 te: bool) -> float:
+    """The plan's peak: each pipeline stage's own stock peak plus the decisions' changes on that
+    stage (the logits' terms are the last stage's alone), the larger of the two. Adding the last
+    stage's changes to stock's peak would price a first-stage peak with logits it does not hold."""
+    out = []
+    for name, stage_mb in (estimate.stages or {"last": estimate.peak_mb}).items():
+        deltas = (toggle_delta_mb(t.dest, values, stock, layout, te, last_stage=name == "last") for t in TOGGLES)
+        out.append(stage_mb + sum(d for d in deltas if d is not None))
+    return max(out)
+
+
 def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: Capabilities, env: EnvSettings,
                  stock: Mapping[str, Any]) -> tuple[MemoryPlan, list[Message]]:
     """Price the decisions, and back off the defaults that would tip a job stock fits out of memory
     (``decisions`` is changed in place). Returns the memory record and the messages for the table."""
+    headroom_mb(env, 1.0)  # a bad setting is reported on every plan, not only where the guard gets to use it
     memory = MemoryPlan(gpu_memory_mb=caps.gpu_memory_mb)
     base = stock_values(stock, caps)
     te = caps.te_version is not None
@@ -133,15 +151,18 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     values = {dest: d.value for dest, d in decisions.items()}
     memory.deltas = _deltas(values, base, layout, te)
     memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te)
+    memory.planned_mb = planned = planned_peak(estimate, values, base, layout, te)
     if caps.gpu_memory_mb is None:
         memory.note = "the GPU's memory is not known here: no memory guard"
         return memory, []
-    limit = caps.gpu_memory_mb - headroom_mb(env, caps.gpu_memory_mb)
+    kept_free = headroom_mb(env, caps.gpu_memory_mb)
+    limit = caps.gpu_memory_mb - kept_free
     memory.limit_mb = round(limit, 1)
+    setting = (env.memory_headroom or DEFAULT_HEADROOM).strip()
     where = (f"{caps.gpu_name or 'the GPU'}: {size_words(caps.gpu_memory_mb)} less "
-             f"{env.memory_headroom or DEFAULT_HEADROOM} headroom = {size_words(limit)}")
+             f"{setting + ' (' + size_words(kept_free) + ')' if setting.endswith('%') else size_words(kept_free)} "
+             f"headroom = {size_words(limit)}")
     messages: list[Message] = []
-    planned = estimate.peak_mb + (memory.total_mb or 0.0)
     if planned <= limit:
         return memory, messages
     if estimate.peak_mb > limit:
@@ -154,13 +175,15 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
         decision, cost = decisions[dest], memory.deltas[dest] or 0.0
         if decision.source != "default" or not env.plugin_enabled or _needed(dest, args):
             continue
+        if planned_peak(estimate, {**values, dest: base[dest]}, base, layout, te) >= planned:
+            continue  # it does not add to the stage that peaks (the logits' terms where the first stage peaks)
         reason = (f"memory: stock's estimated peak {size_words(estimate.peak_mb)} fits the limit ({where}), but with "
                   f"the defaults the peak would be {size_words(planned)}; this default adds {delta_words(cost)}, "
                   f"so it is backed off to stock's {format_value(base[dest])} ({HEADROOM_VAR} sets the headroom)")
         decisions[dest] = Decision(base[dest], "guard", reason)
         values[dest] = base[dest]
         memory.deltas = _deltas(values, base, layout, te)
-        planned = estimate.peak_mb + (memory.total_mb or 0.0)
+        memory.planned_mb = planned = planned_peak(estimate, values, base, layout, te)
     if planned > limit:
         asked = [d for d, mb in memory.deltas.items() if mb and mb > 0 and decisions[d].source != "default"]
         words = ", ".join(f"{BY_DEST[d].dest} ({decisions[d].source}, {delta_words(memory.deltas[d])})" for d in asked)

@@ -62,7 +62,7 @@ class Iteration:
 @dataclass(slots=True)
 class MegatronLog:
     iterations: list[Iteration] = field(default_factory=list)
-    memory_mb: dict[str, float] = field(default_factory=dict)  # the last memory report seen
+    memory_mb: dict[str, float] = field(default_factory=dict)  # the report with the highest max allocated
     errors: list[str] = field(default_factory=list)  # tail lines that look like a crash
 
     def series(self, name: str) -> list[tuple[int, float]]:
@@ -102,7 +102,12 @@ def parse_lines(lines: Iterable[str]) -> MegatronLog:
             continue
         m = MEMORY.search(line)
         if m:
-            log.memory_mb = {k.replace(" ", "_"): v for k, v in _fields(m.group("fields")).items()}
+            report = {k.replace(" ", "_"): v for k, v in _fields(m.group("fields")).items()}
+            # Every pipeline and tensor-parallel rank with data-parallel rank 0 prints its own: keep the
+            # GPU that peaks highest (per rank the peak only grows, so a later report wins a tie).
+            kept = log.memory_mb.get("max_allocated")
+            if kept is None or report.get("max_allocated", float("-inf")) >= kept:
+                log.memory_mb = report
             continue
         if line.startswith(("Traceback", "RuntimeError", "AssertionError", "torch.OutOfMemoryError")) or (
             "Error:" in line and not line.startswith(" ")

@@ -87,8 +87,9 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
         row["ms_per_iter"] = stats.spread([v for v in ms if v is not None])
         row["tflops_per_gpu"] = stats.spread([v for v in per_block(arm, "tflops_per_gpu") if v is not None])
         mems = [r["summary"]["memory_mb"].get("max_allocated") for r in ok if r.get("summary", {}).get("memory_mb")]
+        mems = [m for m in mems if m is not None]  # a report without "max allocated" gives no peak
         if mems:
-            row["max_allocated_mb"] = max(m for m in mems if m is not None)
+            row["max_allocated_mb"] = max(mems)
         gbs = next((it["global_batch_size"] for r in ok for it in r.get("iterations", [])
                     if "global_batch_size" in it), None)
         med = (row["ms_per_iter"] or {}).get("median")
