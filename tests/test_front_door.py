@@ -225,8 +225,15 @@ def _check_summary(done: subprocess.CompletedProcess[str], tree: str) -> None:
     assert any(line.startswith("stack:") and "planned" in line for line in lines)
     rope = next(line for line in lines if line.strip().startswith("fused_single_qkv_rope "))
     assert (" on " in rope) == _has_fused_field(tree), rope  # on under the planned stack, where Megatron has it
-    record = next(line.split(": ", 1)[1] for line in lines if line.startswith("full record (JSON): "))
-    assert json.loads(Path(record).read_text())["target"]["world_size"] == 64
+    record = json.loads(Path(next(line.split(": ", 1)[1] for line in lines
+                                  if line.startswith("full record (JSON): "))).read_text())
+    assert record["target"]["world_size"] == 64
+    # each decision's memory change, as the record has it (issue: every plan shows memory)
+    assert any(line.split() == ["toggle", "value", "source", "peak", "memory", "reason"] for line in lines)
+    ce = next(line for line in lines if line.strip().startswith("cross_entropy_loss_fusion "))
+    delta = record["decisions"]["cross_entropy_loss_fusion"]["peak_memory_delta_mb"]
+    assert delta and "peak per GPU" in ce and (" +" if delta > 0 else " -") in ce, (ce, delta)
+    assert any(line.strip().startswith("memory: stock's estimated peak") for line in lines)
 
 
 @pytest.mark.parametrize("tree", _tree_params())

@@ -13,7 +13,9 @@ from typing import Any
 from ..core.decide import Plan
 from ..core.facts import Capabilities
 from ..core.launch_env import LaunchVar
+from ..core.memory_guard import summary as memory_summary
 from ..core.registry import format_value
+from ..runtime import provenance
 
 REASON_WIDTH = 100  # a reason longer than this is cut in the table; the record has it whole
 WGRAD_WORDS = {"apex": "APEX", "fallback": "torch fallback in place of APEX", "off": "off",
@@ -52,9 +54,12 @@ def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None,
         out.append("no decisions: megatron_perf_toggles.extra_args_provider is not in the provider chain")
     else:
         out.append("decisions (final, after Megatron's validate_args):")
-        rows = [[dest, format_value(d.value), d.source, _cut(d.reason)] for dest, d in plan.decisions.items()]
-        out.extend("  " + line for line in _table(rows, ["toggle", "value", "source", "reason"]))
+        rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", _cut(d.reason)]
+                for dest, d in plan.decisions.items()]
+        out.extend("  " + line for line in _table(rows, ["toggle", "value", "source", "peak memory", "reason"]))
         out.append(f"  precision tag: {plan.precision}; fused wgrad: {WGRAD_WORDS.get(plan.wgrad_path, plan.wgrad_path)}")
+        if plan.memory is not None:
+            out.append(f"  {memory_summary(plan.memory)}")
         for dest, path in plan.log_dirs.items():
             out.append(f"  {dest}: {path}")
     out.append("")
