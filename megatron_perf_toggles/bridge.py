@@ -10,7 +10,9 @@ the recipe and any overrides, before ``pretrain(cfg, ...)``::
 
 What counts as set: a toggle field whose value differs from the default its dataclass declares
 (``dataclasses.fields`` of the section's own class; a ``default_factory`` is called) was set by
-the recipe or the user. It is kept unless an environment variable asks otherwise or a guard
+the recipe or the user; so was one a model provider declares for its model (a class outside
+Megatron's and Bridge's generic configs, ``core.config_fields.BRIDGE_GENERIC_MODULES``), whatever
+its value. It is kept unless an environment variable asks otherwise or a guard
 cannot honour it (then it changes, with a warning). A field still at its declared default is the
 plugin's to decide. ``explicit`` names fields (``"model.cross_entropy_fusion_impl"``) or toggles
 (``"cross_entropy_fusion_impl"``) to hold as command-line requests: a guard that cannot honour
@@ -29,7 +31,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .core.config_fields import BRIDGE_DERIVED, BRIDGE_SECTIONS, Home, bridge_homes
+from .core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_SECTIONS, Home, bridge_homes
 from .core.decide import Plan
 from .core.facts import Capabilities
 from .runtime import frontend
@@ -68,6 +70,17 @@ def declared_default(obj: Any, name: str) -> Any:
                 except Exception:  # noqa: BLE001 - a factory that cannot run here declares nothing usable
                     return _MISSING
     return _MISSING
+
+
+def generic_declaration(obj: Any, name: str) -> bool:
+    """Whether the class that declares ``name`` for ``obj`` is Megatron's or one of Bridge's generic
+    configs (``BRIDGE_GENERIC_MODULES``): only then is its default the plugin's to decide. A model
+    provider that redeclares the field chose that value for its model, as a recipe would."""
+    field = getattr(type(obj), "__dataclass_fields__", {}).get(name)
+    if field is None:
+        return False
+    declaring = [c for c in type(obj).__mro__ if getattr(c, "__dataclass_fields__", {}).get(name) is field][-1]
+    return declaring.__module__.startswith(BRIDGE_GENERIC_MODULES)
 
 
 def _resolve_mixed_precision(cfg: Any) -> None:
@@ -127,7 +140,7 @@ def read(cfg: Any, explicit: Iterable[str] = ()) -> frontend.Found:
             continue
         obj, name = _section(cfg, home.path)
         default = declared_default(obj, name)
-        if default is _MISSING or default != raw:
+        if default is _MISSING or default != raw or not generic_declaration(obj, name):
             found.configured[dest] = (value, f"cfg.{home.path}")
     return found
 

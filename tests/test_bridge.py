@@ -36,6 +36,9 @@ CASES = {
     "nvfp4_recipe_layers": {"recipe": QWEN3, "edits": {"mixed_precision": "nemotron_3_super_bf16_with_nvfp4_mixed"}},
     "nvfp4_all_layers": {"recipe": QWEN3, "edits": {"mixed_precision": "bf16_with_nvfp4_mixed"},
                          "env": {"FP4_SELECTIVE_BF16": "0"}},
+    "audio_provider": {"recipe": QWEN3, "model": ["megatron.bridge.models.qwen_audio.qwen2_audio_provider."
+                                                  "Qwen2AudioModelProvider",
+                                                  {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}]},
     "env_impl": {"recipe": QWEN3, "env": {"CROSS_ENTROPY_FUSION_IMPL": "native", "CROSS_ENTROPY_LOSS_FUSION": "0"}},
 }
 
@@ -143,6 +146,15 @@ def test_explicit_te_is_held_like_a_command_line_flag():
 def test_explicit_fusion_and_te_are_refused_in_one_line():
     r = case("explicit_both")
     assert "CannotHonourError" in r["error"] and "\n" not in r["error"]
+
+
+def test_a_model_providers_own_setting_is_kept():
+    # Bridge's Qwen2-Audio provider declares gradient-accumulation fusion off for its model: the
+    # plugin keeps it (a choice, although it equals Megatron's own default), as it keeps a recipe's.
+    r = case("audio_provider")
+    d = r["decisions"]["gradient_accumulation_fusion"]
+    assert (d["value"], d["source"]) == (False, "config")
+    assert r["after"]["model.gradient_accumulation_fusion"] is False
 
 
 def test_environment_outranks_the_recipe():

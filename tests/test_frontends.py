@@ -82,3 +82,30 @@ def test_declared_default_calls_a_factory_and_knows_a_missing_one():
     assert bridge.declared_default(s, "made") == [1]
     assert bridge.declared_default(s, "absent") is bridge._MISSING
     assert bridge.declared_default(object(), "plain") is bridge._MISSING
+
+
+@dataclasses.dataclass
+class _MegatronConfig:  # declared where Megatron's core declares its config (module set below)
+    cross_entropy_loss_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+
+
+@dataclasses.dataclass
+class _FamilyProvider(_MegatronConfig):  # a Bridge model family redeclaring a toggle field
+    cross_entropy_loss_fusion: bool = False
+
+
+_MegatronConfig.__module__ = "megatron.core.transformer.transformer_config"
+_FamilyProvider.__module__ = "megatron.bridge.models.family.family_provider"
+
+
+def test_a_model_providers_own_default_counts_as_set():
+    # The provider turns the fusion off for its model, the same value as Megatron's default: the
+    # plugin must keep it. A field only Megatron declares stays the plugin's to decide.
+    from types import SimpleNamespace
+
+    found = bridge.read(SimpleNamespace(model=_FamilyProvider()))
+    assert found.configured["cross_entropy_loss_fusion"][0] is False
+    assert "gradient_accumulation_fusion" not in found.configured
+    generic = bridge.read(SimpleNamespace(model=_MegatronConfig()))
+    assert "cross_entropy_loss_fusion" not in generic.configured

@@ -52,6 +52,13 @@ BRIDGE_OVERRIDES: dict[str, tuple[Home, ...]] = {
 BRIDGE_SECTIONS = ("mixed_precision", "model", "ddp", "optimizer", "train", "checkpoint", "logger", "dist",
                    "dataset")
 
+# Where a field's declared default is Megatron's or Bridge's generic one (module prefixes). A model
+# provider that redeclares a toggle field (Bridge's Falcon-H1 turns cross-entropy fusion off, its
+# audio and omni models gradient-accumulation fusion) made a choice for that model, even where it
+# equals the generic default: its value counts as set. So does the default of any class not listed.
+BRIDGE_GENERIC_MODULES = ("megatron.core.", "megatron.bridge.training.", "megatron.bridge.models.gpt_provider",
+                          "megatron.bridge.models.hybrid.hybrid_provider")
+
 # Arguments a guard reads that Bridge spells differently: dest -> the field whose truth sets it.
 # Packed (THD) sequences are Bridge's packed-sequence specs; Megatron's argparse path knows them
 # from --sft, which is the blocker the fused-QKV-RoPE guard names.
