@@ -94,7 +94,7 @@ def apply_to_namespace(ns: Any, defaults: Mapping[str, Any] | None = None, *, ex
     for dest, path in plan.log_dirs.items():
         setattr(ns, dest, path)
     ns.perf_toggles_precision = plan.precision
-    ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+    ns.perf_toggles = frontend.provenance.decision_records(plan)
     if plan.wgrad_path == "fallback" and capabilities is None:
         from .runtime import wgrad_fallback
 

@@ -104,6 +104,8 @@ def test_mi355x_llama3_gets_the_safe_toggles_on(tree):
     # The experiment's own choice (fusion off) stands, as a configured value.
     assert r["after"]["gradient_accumulation_fusion"] is r["before"]["gradient_accumulation_fusion"] is False
     assert r["records"]["gradient_accumulation_fusion"]["source"] == "config"
+    # ns.perf_toggles is the argparse path's record: each toggle with its memory change (None: unknown).
+    assert all("peak_memory_delta_mb" in r["records"][d] for d in DESTS if d != "first_last_layers_bf16")
 
 
 @pytest.mark.parametrize("megatron, expected", [("0.18.2", "native"), ("0.18.0", "te")])
