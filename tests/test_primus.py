@@ -137,6 +137,8 @@ def test_pth_hook_registers_when_primus_imports_its_patches(tree):
             "assert 'primus' not in sys.modules and 'megatron_perf_toggles.primus' not in sys.modules\n"
             "from primus.core.patches.patch_registry import PatchRegistry\n"
             "p = PatchRegistry.get('megatron_perf_toggles.decisions')\n"
+            "import pkgutil, primus.core.patches as m\n"
+            "assert m.__loader__.is_package(m.__name__) and pkgutil.get_data(m.__name__, '__init__.py')\n"
             "print(p.backend, p.phase, p.priority)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join((str(tree), str(REPO)))})
