@@ -104,9 +104,13 @@ def _args(cfg: Any) -> tuple[dict[str, Any], dict[str, tuple[Any, str]]]:
             if f.name not in args:
                 args[f.name] = getattr(obj, f.name, None)
                 where[f.name] = (obj, f.name)
-    for dest, path in BRIDGE_DERIVED.items():
-        value = _read(cfg, path)
-        if value is not _MISSING and value and not args.get(dest):
+    for dest, home in BRIDGE_DERIVED:
+        value = _read(cfg, home.path)
+        if value is _MISSING or value is None:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = value > 0
+        if home.from_field(bool(value)) and not args.get(dest):
             args[dest] = True
     return args, where
 

@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO, megatron_trees
 
 QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"
+QWEN3_SFT = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_sft_1gpu_h100_bf16_config"
 ENABLE = ("set BRIDGE_PYTHON to a Python 3.12 with megatron-bridge installed (pip install --no-deps "
           "megatron-bridge; .ci/run builds one where Python 3.12 is found)")
 
@@ -39,6 +40,9 @@ CASES = {
     "audio_provider": {"recipe": QWEN3, "model": ["megatron.bridge.models.qwen_audio.qwen2_audio_provider."
                                                   "Qwen2AudioModelProvider",
                                                   {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}]},
+    "sft_packed": {"recipe": QWEN3_SFT, "edits": {"model.qk_layernorm": False}},  # offline packing: THD
+    "sft_unpacked": {"recipe": QWEN3_SFT, "edits": {"model.qk_layernorm": False, "dataset.enable_offline_packing": False,
+                                                    "dataset.offline_packing_specs": None}},
     "env_impl": {"recipe": QWEN3, "env": {"CROSS_ENTROPY_FUSION_IMPL": "native", "CROSS_ENTROPY_LOSS_FUSION": "0"}},
 }
 
@@ -93,6 +97,17 @@ def test_qk_layernorm_recipe_gets_fused_qkv_rope_off_with_reason():
     assert (d["value"], d["source"]) == (False, "guard")
     assert "--qk-layernorm" in d["reason"]
     assert r["after"]["model.fused_single_qkv_rope"] is False
+
+
+def test_packed_sequences_turn_fused_qkv_rope_off():
+    # Bridge's SFT recipe packs sequences (THD), which the fused path asserts against at the first
+    # forward; q/k layer norm is turned off here so that packing is the only blocker.
+    packed, unpacked = case("sft_packed"), case("sft_unpacked")
+    assert packed["before"]["model.qk_layernorm"] is False
+    d = packed["decisions"]["fused_single_qkv_rope"]
+    assert (d["value"], d["source"]) == (False, "guard") and "packed (THD) sequences" in d["reason"]
+    assert packed["after"]["model.fused_single_qkv_rope"] is False
+    assert unpacked["decisions"]["fused_single_qkv_rope"]["value"] is True
 
 
 @pytest.mark.parametrize("name, expected", [("defaults", "native"), ("core_0_18_2", "native"), ("core_0_18_0", "te")])

@@ -109,3 +109,19 @@ def test_a_model_providers_own_default_counts_as_set():
     assert "gradient_accumulation_fusion" not in found.configured
     generic = bridge.read(SimpleNamespace(model=_MegatronConfig()))
     assert "cross_entropy_loss_fusion" not in generic.configured
+
+
+@pytest.mark.parametrize("dataset, packed", [
+    ({"enable_offline_packing": True}, True), ({"enable_in_batch_packing": True}, True),  # Bridge 0.6
+    ({"enable_offline_packing": False, "enable_in_batch_packing": False}, False),
+    ({"packed_sequence_specs": {"packed_sequence_size": 4096}}, True),  # Bridge 0.5 and older
+    ({"packed_sequence_specs": {"packed_sequence_size": -1}}, False),  # -1: packing off
+])
+def test_packed_sequences_are_read_as_the_guards_blocker(dataset, packed):
+    from types import SimpleNamespace
+
+    def ns(d):
+        return SimpleNamespace(**{k: ns(v) if isinstance(v, dict) else v for k, v in d.items()})
+
+    args, _ = bridge._args(SimpleNamespace(dataset=ns(dataset)))
+    assert bool(args.get("sft")) is packed

@@ -59,12 +59,15 @@ BRIDGE_SECTIONS = ("mixed_precision", "model", "ddp", "optimizer", "train", "che
 BRIDGE_GENERIC_MODULES = ("megatron.core.", "megatron.bridge.training.", "megatron.bridge.models.gpt_provider",
                           "megatron.bridge.models.hybrid.hybrid_provider")
 
-# Arguments a guard reads that Bridge spells differently: dest -> the field whose truth sets it.
-# Packed (THD) sequences are Bridge's packed-sequence specs; Megatron's argparse path knows them
-# from --sft, which is the blocker the fused-QKV-RoPE guard names.
-BRIDGE_DERIVED: dict[str, str] = {
-    "sft": "dataset.packed_sequence_specs.packed_sequence_size",
-}
+# Arguments a guard reads that Bridge spells differently: (dest, the field whose truth sets it), any
+# of a dest's fields; a number is true above zero (Bridge's -1 means off). Packed (THD) sequences:
+# Bridge 0.6 turns offline or in-batch packing on by name, Bridge 0.5 and older gave the packed
+# size; Megatron's argparse path knows them from --sft, the blocker the fused-QKV-RoPE guard names.
+BRIDGE_DERIVED: tuple[tuple[str, Home], ...] = (
+    ("sft", Home("dataset.enable_offline_packing")),
+    ("sft", Home("dataset.enable_in_batch_packing")),
+    ("sft", Home("dataset.packed_sequence_specs.packed_sequence_size")),
+)
 
 # Primus's namespace is Megatron's: each toggle is its own dest there.
 PRIMUS_HOMES: dict[str, tuple[Home, ...]] = {dest: (Home(dest),) for dest in (*(t.dest for t in TOGGLES),
