@@ -206,6 +206,19 @@ def test_installed_megatron_core_without_training_package():
     assert r["after"]["model.cross_entropy_fusion_impl"] == expected
 
 
+def test_memory_model_reads_bridges_model_fields():
+    # bf16 gradient reduction saves 2 B per parameter on the rank: the parameters the memory model
+    # counts must be Qwen3-0.6B's (SwiGLU, grouped-query attention, tied embedding; from the fixture's
+    # Hugging Face config, layer norms left out), as Megatron's --swiglu, --group-query-attention and
+    # --untie-embeddings-and-output-weights describe it on the argparse path.
+    hf = json.loads((REPO / "tests" / "fixtures" / "hf" / "Qwen3-0.6B" / "config.json").read_text())
+    h, heads, kv, dim = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    layer = 2 * h * heads * dim + 2 * h * kv * dim + 3 * h * hf["intermediate_size"]
+    params = hf["num_hidden_layers"] * layer + hf["vocab_size"] * h
+    delta = case("defaults")["record"]["memory"]["peak_memory_delta_mb"]["grad_reduce_in_bf16"]
+    assert abs(-delta * 2**20 / 2 - params) / params < 0.01
+
+
 def test_record_and_table_are_the_argparse_paths():
     r = case("defaults")
     assert r["record"]["decisions"] == r["decisions"]

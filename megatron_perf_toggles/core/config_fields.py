@@ -67,6 +67,10 @@ BRIDGE_DERIVED: tuple[tuple[str, Home], ...] = (
     ("sft", Home("dataset.enable_offline_packing")),
     ("sft", Home("dataset.enable_in_batch_packing")),
     ("sft", Home("dataset.packed_sequence_specs.packed_sequence_size")),
+    # The memory model's shape of the model, as Megatron's flags give it on the argparse path.
+    ("swiglu", Home("model.gated_linear_unit")),
+    ("group_query_attention", Home("model.num_query_groups")),
+    ("untie_embeddings_and_output_weights", Home("model.share_embeddings_and_output_weights", inverted=True)),
 )
 
 # Primus's namespace is Megatron's: each toggle is its own dest there.
