@@ -125,3 +125,20 @@ def test_packed_sequences_are_read_as_the_guards_blocker(dataset, packed):
 
     args, _ = bridge._args(SimpleNamespace(dataset=ns(dataset)))
     assert bool(args.get("sft")) is packed
+
+
+def test_the_primus_pth_hook_loads_nothing_else():
+    # A .pth line runs in every interpreter of the environment: the hook alone, not the decision core.
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import json, sys, megatron_perf_toggles.primus_hook\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('megatron_perf_toggles.'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "PATH": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["megatron_perf_toggles._version", "megatron_perf_toggles.errors",
+                                 "megatron_perf_toggles.primus_hook"]
