@@ -31,7 +31,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_SECTIONS, Home, bridge_homes
+from .core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_RUNTIME_FIELDS, BRIDGE_SECTIONS, Home, bridge_homes
 from .core.decide import Plan
 from .core.facts import Capabilities
 from .runtime import frontend
@@ -101,7 +101,7 @@ def _args(cfg: Any) -> tuple[dict[str, Any], dict[str, tuple[Any, str]]]:
         if obj is None or not dataclasses.is_dataclass(obj):
             continue
         for f in dataclasses.fields(obj):
-            if f.name not in args:
+            if f.name not in args and f.name not in BRIDGE_RUNTIME_FIELDS:
                 args[f.name] = getattr(obj, f.name, None)
                 where[f.name] = (obj, f.name)
     for dest, home in BRIDGE_DERIVED:
@@ -179,6 +179,9 @@ def apply(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str] 
     environ = os.environ if environ is None else environ
     _resolve_mixed_precision(cfg)
     found = read(cfg, explicit)
+    world = str(environ.get("WORLD_SIZE", ""))
+    if world.isdigit() and not found.args.get("world_size"):  # as Megatron's parse_args reads it
+        found.args["world_size"] = int(world)
     plan, caps, env = frontend.decide_found(found, environ, capabilities)
     write(cfg, plan)
     if plan.wgrad_path == "fallback" and capabilities is None:

@@ -43,6 +43,7 @@ CASES = {
     "sft_packed": {"recipe": QWEN3_SFT, "edits": {"model.qk_layernorm": False}},  # offline packing: THD
     "sft_unpacked": {"recipe": QWEN3_SFT, "edits": {"model.qk_layernorm": False, "dataset.enable_offline_packing": False,
                                                     "dataset.offline_packing_specs": None}},
+    "world_8": {"recipe": QWEN3, "env": {"WORLD_SIZE": "8"}},
     "env_impl": {"recipe": QWEN3, "env": {"CROSS_ENTROPY_FUSION_IMPL": "native", "CROSS_ENTROPY_LOSS_FUSION": "0"}},
 }
 
@@ -217,6 +218,13 @@ def test_memory_model_reads_bridges_model_fields():
     params = hf["num_hidden_layers"] * layer + hf["vocab_size"] * h
     delta = case("defaults")["record"]["memory"]["peak_memory_delta_mb"]["grad_reduce_in_bf16"]
     assert abs(-delta * 2**20 / 2 - params) / params < 0.01
+
+
+def test_memory_model_takes_the_data_parallel_size_from_the_world_size():
+    # As Megatron's parse_args reads WORLD_SIZE: eight ranks of a TP=PP=1 recipe shard the
+    # distributed optimizer's state eight ways, so stock's weights and optimizer state shrink.
+    one, eight = (case(n)["record"]["memory"]["stock_parts_mb"]["weights_and_optimizer"] for n in ("defaults", "world_8"))
+    assert eight < one * 0.6
 
 
 def test_record_and_table_are_the_argparse_paths():

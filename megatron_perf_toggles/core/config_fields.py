@@ -59,6 +59,10 @@ BRIDGE_SECTIONS = ("mixed_precision", "model", "ddp", "optimizer", "train", "che
 BRIDGE_GENERIC_MODULES = ("megatron.core.", "megatron.bridge.training.", "megatron.bridge.models.gpt_provider",
                           "megatron.bridge.models.hybrid.hybrid_provider")
 
+# Fields Bridge fills in only in runtime_config_update, after the plugin: placeholders before it
+# (the dataset's data_parallel_size is 1 until then), so they are not read as arguments.
+BRIDGE_RUNTIME_FIELDS = ("data_parallel_size",)
+
 # Arguments a guard reads that Bridge spells differently: (dest, the field whose truth sets it), any
 # of a dest's fields; a number is true above zero (Bridge's -1 means off). Packed (THD) sequences:
 # Bridge 0.6 turns offline or in-batch packing on by name, Bridge 0.5 and older gave the packed
