@@ -65,6 +65,10 @@ def read(ns: Any, defaults: Mapping[str, Any], explicit: Iterable[str] = ()) -> 
     """What the plugin reads of Primus's namespace: the arguments, and which toggles it set."""
     args = dict(vars(ns))
     named = set(explicit)
+    if named - set(PRIMUS_HOMES):
+        from .errors import PerfTogglesError
+
+        raise PerfTogglesError(f"primus: explicit names no toggle: {', '.join(sorted(named - set(PRIMUS_HOMES)))}")
     found = frontend.Found(args=args)
     for dest, homes in PRIMUS_HOMES.items():
         home = homes[0]

@@ -142,3 +142,17 @@ def test_the_primus_pth_hook_loads_nothing_else():
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == ["megatron_perf_toggles._version", "megatron_perf_toggles.errors",
                                  "megatron_perf_toggles.primus_hook"]
+
+
+def test_primus_explicit_names_a_toggle_or_refuses_in_one_line():
+    # As bridge.apply does: a misspelt name would otherwise hold nothing, silently.
+    from types import SimpleNamespace
+
+    from megatron_perf_toggles import primus
+    from megatron_perf_toggles.errors import PerfTogglesError
+
+    ns = SimpleNamespace(ddp_average_in_collective=False)
+    assert primus.read(ns, {}, explicit=["ddp_average_in_collective"]).explicit["ddp_average_in_collective"][0] is False
+    with pytest.raises(PerfTogglesError, match="ddp_average_in_colective") as error:
+        primus.read(ns, {}, explicit=["ddp_average_in_colective"])
+    assert "\n" not in str(error.value)
