@@ -42,11 +42,17 @@ def megatron_default(dest: str) -> Any:
 def primus_defaults(package_dir: str | None = None) -> dict[str, Any]:
     """The values Primus's own YAML files declare for the toggles (``package_dir``: the ``primus``
     package directory; the imported package's by default)."""
-    if package_dir is None:
-        import primus
+    try:
+        if package_dir is None:
+            import primus
 
-        package_dir = os.path.dirname(os.path.abspath(primus.__file__))
-    import yaml  # Primus's own dependency
+            package_dir = os.path.dirname(os.path.abspath(primus.__file__))
+        import yaml  # Primus's own dependency
+    except ImportError as error:
+        from .errors import PerfTogglesError
+
+        raise PerfTogglesError(f"primus: Primus is not importable here ({error}); pass its defaults to "
+                               "apply_to_namespace, or run inside Primus") from None
 
     out: dict[str, Any] = {}
     for rel in PRIMUS_DEFAULT_FILES:

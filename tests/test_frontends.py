@@ -156,3 +156,16 @@ def test_primus_explicit_names_a_toggle_or_refuses_in_one_line():
     with pytest.raises(PerfTogglesError, match="ddp_average_in_colective") as error:
         primus.read(ns, {}, explicit=["ddp_average_in_colective"])
     assert "\n" not in str(error.value)
+
+
+def test_primus_defaults_without_primus_is_one_line():
+    import importlib.util
+
+    from megatron_perf_toggles import primus
+    from megatron_perf_toggles.errors import PerfTogglesError
+
+    if importlib.util.find_spec("primus") is not None:
+        pytest.skip("Primus is importable here: its absence cannot be shown")
+    with pytest.raises(PerfTogglesError, match="Primus is not importable") as error:
+        primus.primus_defaults()
+    assert "\n" not in str(error.value)
