@@ -19,14 +19,15 @@ from typing import Any
 
 from ._version import __version__
 from .errors import PerfTogglesError
-from .runtime.provider import chain_providers, extra_args_provider
-
-# Records and messages name the provider as users write it (``megatron_perf_toggles:extra_args_provider``),
-# not by the module that happens to define it.
-extra_args_provider.__module__ = chain_providers.__module__ = __name__
 
 
 def __getattr__(name: str) -> Any:
+    # The provider loads the decision core: only when asked, so that importing a submodule (the
+    # Primus .pth hook runs in every interpreter of an environment) does not load it.
+    if name in ("chain_providers", "extra_args_provider"):
+        from .runtime import provider
+
+        return getattr(provider, name)
     # The rank check is for after process-group start; keep it off the import path until asked.
     if name in ("RankMismatchError", "check_ranks"):
         from .runtime import rank_check

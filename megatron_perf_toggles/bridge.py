@@ -10,7 +10,9 @@ the recipe and any overrides, before ``pretrain(cfg, ...)``::
 
 What counts as set: a toggle field whose value differs from the default its dataclass declares
 (``dataclasses.fields`` of the section's own class; a ``default_factory`` is called) was set by
-the recipe or the user. It is kept unless an environment variable asks otherwise or a guard
+the recipe or the user; so was one a model provider declares for its model (a class outside
+Megatron's and Bridge's generic configs, ``core.config_fields.BRIDGE_GENERIC_MODULES``), whatever
+its value. It is kept unless an environment variable asks otherwise or a guard
 cannot honour it (then it changes, with a warning). A field still at its declared default is the
 plugin's to decide. ``explicit`` names fields (``"model.cross_entropy_fusion_impl"``) or toggles
 (``"cross_entropy_fusion_impl"``) to hold as command-line requests: a guard that cannot honour
@@ -29,7 +31,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .core.config_fields import BRIDGE_DERIVED, BRIDGE_SECTIONS, Home, bridge_homes
+from .core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_RUNTIME_FIELDS, BRIDGE_SECTIONS, Home, bridge_homes
 from .core.decide import Plan
 from .core.facts import Capabilities
 from .runtime import frontend
@@ -70,6 +72,17 @@ def declared_default(obj: Any, name: str) -> Any:
     return _MISSING
 
 
+def generic_declaration(obj: Any, name: str) -> bool:
+    """Whether the class that declares ``name`` for ``obj`` is Megatron's or one of Bridge's generic
+    configs (``BRIDGE_GENERIC_MODULES``): only then is its default the plugin's to decide. A model
+    provider that redeclares the field chose that value for its model, as a recipe would."""
+    field = getattr(type(obj), "__dataclass_fields__", {}).get(name)
+    if field is None:
+        return False
+    declaring = [c for c in type(obj).__mro__ if getattr(c, "__dataclass_fields__", {}).get(name) is field][-1]
+    return declaring.__module__.startswith(BRIDGE_GENERIC_MODULES)
+
+
 def _resolve_mixed_precision(cfg: Any) -> None:
     """A recipe may name its precision (``"bf16_mixed"``); Bridge resolves the name first thing in
     ``runtime_config_update``. Resolving it here, the same way, lets the plugin set its fields."""
@@ -88,12 +101,16 @@ def _args(cfg: Any) -> tuple[dict[str, Any], dict[str, tuple[Any, str]]]:
         if obj is None or not dataclasses.is_dataclass(obj):
             continue
         for f in dataclasses.fields(obj):
-            if f.name not in args:
+            if f.name not in args and f.name not in BRIDGE_RUNTIME_FIELDS:
                 args[f.name] = getattr(obj, f.name, None)
                 where[f.name] = (obj, f.name)
-    for dest, path in BRIDGE_DERIVED.items():
-        value = _read(cfg, path)
-        if value is not _MISSING and value and not args.get(dest):
+    for dest, home in BRIDGE_DERIVED:
+        value = _read(cfg, home.path)
+        if value is _MISSING or value is None:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = value > 0
+        if home.from_field(bool(value)) and not args.get(dest):
             args[dest] = True
     return args, where
 
@@ -127,7 +144,7 @@ def read(cfg: Any, explicit: Iterable[str] = ()) -> frontend.Found:
             continue
         obj, name = _section(cfg, home.path)
         default = declared_default(obj, name)
-        if default is _MISSING or default != raw:
+        if default is _MISSING or default != raw or not generic_declaration(obj, name):
             found.configured[dest] = (value, f"cfg.{home.path}")
     return found
 
@@ -162,6 +179,9 @@ def apply(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str] 
     environ = os.environ if environ is None else environ
     _resolve_mixed_precision(cfg)
     found = read(cfg, explicit)
+    world = str(environ.get("WORLD_SIZE", ""))
+    if world.isdigit() and not found.args.get("world_size"):  # as Megatron's parse_args reads it
+        found.args["world_size"] = int(world)
     plan, caps, env = frontend.decide_found(found, environ, capabilities)
     write(cfg, plan)
     if plan.wgrad_path == "fallback" and capabilities is None:

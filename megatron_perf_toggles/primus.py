@@ -42,11 +42,17 @@ def megatron_default(dest: str) -> Any:
 def primus_defaults(package_dir: str | None = None) -> dict[str, Any]:
     """The values Primus's own YAML files declare for the toggles (``package_dir``: the ``primus``
     package directory; the imported package's by default)."""
-    if package_dir is None:
-        import primus
+    try:
+        if package_dir is None:
+            import primus
 
-        package_dir = os.path.dirname(os.path.abspath(primus.__file__))
-    import yaml  # Primus's own dependency
+            package_dir = os.path.dirname(os.path.abspath(primus.__file__))
+        import yaml  # Primus's own dependency
+    except ImportError as error:
+        from .errors import PerfTogglesError
+
+        raise PerfTogglesError(f"primus: Primus is not importable here ({error}); pass its defaults to "
+                               "apply_to_namespace, or run inside Primus") from None
 
     out: dict[str, Any] = {}
     for rel in PRIMUS_DEFAULT_FILES:
@@ -65,6 +71,10 @@ def read(ns: Any, defaults: Mapping[str, Any], explicit: Iterable[str] = ()) -> 
     """What the plugin reads of Primus's namespace: the arguments, and which toggles it set."""
     args = dict(vars(ns))
     named = set(explicit)
+    if named - set(PRIMUS_HOMES):
+        from .errors import PerfTogglesError
+
+        raise PerfTogglesError(f"primus: explicit names no toggle: {', '.join(sorted(named - set(PRIMUS_HOMES)))}")
     found = frontend.Found(args=args)
     for dest, homes in PRIMUS_HOMES.items():
         home = homes[0]
@@ -94,7 +104,7 @@ def apply_to_namespace(ns: Any, defaults: Mapping[str, Any] | None = None, *, ex
     for dest, path in plan.log_dirs.items():
         setattr(ns, dest, path)
     ns.perf_toggles_precision = plan.precision
-    ns.perf_toggles = {dest: d.to_record() for dest, d in plan.decisions.items()}
+    ns.perf_toggles = frontend.provenance.decision_records(plan)
     if plan.wgrad_path == "fallback" and capabilities is None:
         from .runtime import wgrad_fallback
 

@@ -26,6 +26,11 @@ class _Loader(importlib.abc.Loader):
     def __init__(self, real: importlib.abc.Loader) -> None:
         self.real = real
 
+    def __getattr__(self, name: str) -> Any:
+        """Everything else (is_package, get_data, get_resource_reader...) is the real loader's, so
+        the wrapped module behaves as it would without the hook."""
+        return getattr(self.real, name)
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.real.create_module(spec)
 

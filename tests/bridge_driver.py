@@ -61,6 +61,10 @@ def run_case(case: dict) -> dict:
 
     module, _, func = case["recipe"].rpartition(".")
     cfg = getattr(importlib.import_module(module), func)()
+    if case.get("model"):  # another model provider in the recipe's place: (class path, keyword arguments)
+        path, kwargs = case["model"]
+        provider_module, _, provider = path.rpartition(".")
+        cfg.model = getattr(importlib.import_module(provider_module), provider)(**kwargs)
     for path, value in case.get("edits", {}).items():
         parent, _, name = path.rpartition(".")
         setattr(_get(cfg, parent) if parent else cfg, name, value)

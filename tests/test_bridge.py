@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO, megatron_trees
 
 QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"
+QWEN3_SFT = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_sft_1gpu_h100_bf16_config"
 ENABLE = ("set BRIDGE_PYTHON to a Python 3.12 with megatron-bridge installed (pip install --no-deps "
           "megatron-bridge; .ci/run builds one where Python 3.12 is found)")
 
@@ -36,6 +37,13 @@ CASES = {
     "nvfp4_recipe_layers": {"recipe": QWEN3, "edits": {"mixed_precision": "nemotron_3_super_bf16_with_nvfp4_mixed"}},
     "nvfp4_all_layers": {"recipe": QWEN3, "edits": {"mixed_precision": "bf16_with_nvfp4_mixed"},
                          "env": {"FP4_SELECTIVE_BF16": "0"}},
+    "audio_provider": {"recipe": QWEN3, "model": ["megatron.bridge.models.qwen_audio.qwen2_audio_provider."
+                                                  "Qwen2AudioModelProvider",
+                                                  {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}]},
+    "sft_packed": {"recipe": QWEN3_SFT, "edits": {"model.qk_layernorm": False}},  # offline packing: THD
+    "sft_unpacked": {"recipe": QWEN3_SFT, "edits": {"model.qk_layernorm": False, "dataset.enable_offline_packing": False,
+                                                    "dataset.offline_packing_specs": None}},
+    "world_8": {"recipe": QWEN3, "env": {"WORLD_SIZE": "8"}},
     "env_impl": {"recipe": QWEN3, "env": {"CROSS_ENTROPY_FUSION_IMPL": "native", "CROSS_ENTROPY_LOSS_FUSION": "0"}},
 }
 
@@ -92,6 +100,17 @@ def test_qk_layernorm_recipe_gets_fused_qkv_rope_off_with_reason():
     assert r["after"]["model.fused_single_qkv_rope"] is False
 
 
+def test_packed_sequences_turn_fused_qkv_rope_off():
+    # Bridge's SFT recipe packs sequences (THD), which the fused path asserts against at the first
+    # forward; q/k layer norm is turned off here so that packing is the only blocker.
+    packed, unpacked = case("sft_packed"), case("sft_unpacked")
+    assert packed["before"]["model.qk_layernorm"] is False
+    d = packed["decisions"]["fused_single_qkv_rope"]
+    assert (d["value"], d["source"]) == (False, "guard") and "packed (THD) sequences" in d["reason"]
+    assert packed["after"]["model.fused_single_qkv_rope"] is False
+    assert unpacked["decisions"]["fused_single_qkv_rope"]["value"] is True
+
+
 @pytest.mark.parametrize("name, expected", [("defaults", "native"), ("core_0_18_2", "native"), ("core_0_18_0", "te")])
 def test_te_cross_entropy_becomes_native_from_core_0_18_2(name, expected):
     r = case(name)
@@ -145,6 +164,15 @@ def test_explicit_fusion_and_te_are_refused_in_one_line():
     assert "CannotHonourError" in r["error"] and "\n" not in r["error"]
 
 
+def test_a_model_providers_own_setting_is_kept():
+    # Bridge's Qwen2-Audio provider declares gradient-accumulation fusion off for its model: the
+    # plugin keeps it (a choice, although it equals Megatron's own default), as it keeps a recipe's.
+    r = case("audio_provider")
+    d = r["decisions"]["gradient_accumulation_fusion"]
+    assert (d["value"], d["source"]) == (False, "config")
+    assert r["after"]["model.gradient_accumulation_fusion"] is False
+
+
 def test_environment_outranks_the_recipe():
     r = case("env_impl")
     assert r["after"]["model.cross_entropy_fusion_impl"] == "native"
@@ -177,6 +205,26 @@ def test_installed_megatron_core_without_training_package():
     assert tree is None or not str(megatron["path"] or "").startswith(str(tree))  # not the tree's
     expected = "native" if tuple(int(x) for x in r["megatron_version"].split(".")[:3]) >= (0, 18, 2) else "te"
     assert r["after"]["model.cross_entropy_fusion_impl"] == expected
+
+
+def test_memory_model_reads_bridges_model_fields():
+    # bf16 gradient reduction saves 2 B per parameter on the rank: the parameters the memory model
+    # counts must be Qwen3-0.6B's (SwiGLU, grouped-query attention, tied embedding; from the fixture's
+    # Hugging Face config, layer norms left out), as Megatron's --swiglu, --group-query-attention and
+    # --untie-embeddings-and-output-weights describe it on the argparse path.
+    hf = json.loads((REPO / "tests" / "fixtures" / "hf" / "Qwen3-0.6B" / "config.json").read_text())
+    h, heads, kv, dim = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    layer = 2 * h * heads * dim + 2 * h * kv * dim + 3 * h * hf["intermediate_size"]
+    params = hf["num_hidden_layers"] * layer + hf["vocab_size"] * h
+    delta = case("defaults")["record"]["memory"]["peak_memory_delta_mb"]["grad_reduce_in_bf16"]
+    assert abs(-delta * 2**20 / 2 - params) / params < 0.01
+
+
+def test_memory_model_takes_the_data_parallel_size_from_the_world_size():
+    # As Megatron's parse_args reads WORLD_SIZE: eight ranks of a TP=PP=1 recipe shard the
+    # distributed optimizer's state eight ways, so stock's weights and optimizer state shrink.
+    one, eight = (case(n)["record"]["memory"]["stock_parts_mb"]["weights_and_optimizer"] for n in ("defaults", "world_8"))
+    assert eight < one * 0.6
 
 
 def test_record_and_table_are_the_argparse_paths():

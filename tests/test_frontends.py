@@ -82,3 +82,90 @@ def test_declared_default_calls_a_factory_and_knows_a_missing_one():
     assert bridge.declared_default(s, "made") == [1]
     assert bridge.declared_default(s, "absent") is bridge._MISSING
     assert bridge.declared_default(object(), "plain") is bridge._MISSING
+
+
+@dataclasses.dataclass
+class _MegatronConfig:  # declared where Megatron's core declares its config (module set below)
+    cross_entropy_loss_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+
+
+@dataclasses.dataclass
+class _FamilyProvider(_MegatronConfig):  # a Bridge model family redeclaring a toggle field
+    cross_entropy_loss_fusion: bool = False
+
+
+_MegatronConfig.__module__ = "megatron.core.transformer.transformer_config"
+_FamilyProvider.__module__ = "megatron.bridge.models.family.family_provider"
+
+
+def test_a_model_providers_own_default_counts_as_set():
+    # The provider turns the fusion off for its model, the same value as Megatron's default: the
+    # plugin must keep it. A field only Megatron declares stays the plugin's to decide.
+    from types import SimpleNamespace
+
+    found = bridge.read(SimpleNamespace(model=_FamilyProvider()))
+    assert found.configured["cross_entropy_loss_fusion"][0] is False
+    assert "gradient_accumulation_fusion" not in found.configured
+    generic = bridge.read(SimpleNamespace(model=_MegatronConfig()))
+    assert "cross_entropy_loss_fusion" not in generic.configured
+
+
+@pytest.mark.parametrize("dataset, packed", [
+    ({"enable_offline_packing": True}, True), ({"enable_in_batch_packing": True}, True),  # Bridge 0.6
+    ({"enable_offline_packing": False, "enable_in_batch_packing": False}, False),
+    ({"packed_sequence_specs": {"packed_sequence_size": 4096}}, True),  # Bridge 0.5 and older
+    ({"packed_sequence_specs": {"packed_sequence_size": -1}}, False),  # -1: packing off
+])
+def test_packed_sequences_are_read_as_the_guards_blocker(dataset, packed):
+    from types import SimpleNamespace
+
+    def ns(d):
+        return SimpleNamespace(**{k: ns(v) if isinstance(v, dict) else v for k, v in d.items()})
+
+    args, _ = bridge._args(SimpleNamespace(dataset=ns(dataset)))
+    assert bool(args.get("sft")) is packed
+
+
+def test_the_primus_pth_hook_loads_nothing_else():
+    # A .pth line runs in every interpreter of the environment: the hook alone, not the decision core.
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import json, sys, megatron_perf_toggles.primus_hook\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('megatron_perf_toggles.'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "PATH": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["megatron_perf_toggles._version", "megatron_perf_toggles.errors",
+                                 "megatron_perf_toggles.primus_hook"]
+
+
+def test_primus_explicit_names_a_toggle_or_refuses_in_one_line():
+    # As bridge.apply does: a misspelt name would otherwise hold nothing, silently.
+    from types import SimpleNamespace
+
+    from megatron_perf_toggles import primus
+    from megatron_perf_toggles.errors import PerfTogglesError
+
+    ns = SimpleNamespace(ddp_average_in_collective=False)
+    assert primus.read(ns, {}, explicit=["ddp_average_in_collective"]).explicit["ddp_average_in_collective"][0] is False
+    with pytest.raises(PerfTogglesError, match="ddp_average_in_colective") as error:
+        primus.read(ns, {}, explicit=["ddp_average_in_colective"])
+    assert "\n" not in str(error.value)
+
+
+def test_primus_defaults_without_primus_is_one_line():
+    import importlib.util
+
+    from megatron_perf_toggles import primus
+    from megatron_perf_toggles.errors import PerfTogglesError
+
+    if importlib.util.find_spec("primus") is not None:
+        pytest.skip("Primus is importable here: its absence cannot be shown")
+    with pytest.raises(PerfTogglesError, match="Primus is not importable") as error:
+        primus.primus_defaults()
+    assert "\n" not in str(error.value)

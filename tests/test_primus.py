@@ -64,8 +64,9 @@ def primus_trees() -> list[Path]:
 
 
 TREES = primus_trees()
-pytestmark = pytest.mark.skipif(not TREES, reason="Primus suite: PRIMUS_TREES is not set; lay a tree out with "
-                                "tests/export_primus.sh GIT_DIR REF DEST and point PRIMUS_TREES at it")
+if not TREES:  # one skip line for the whole suite, not one per test
+    pytest.skip("Primus suite: PRIMUS_TREES is not set; lay a tree out with tests/export_primus.sh GIT_DIR REF "
+                "DEST and point PRIMUS_TREES at it", allow_module_level=True)
 
 
 @cache
@@ -104,6 +105,8 @@ def test_mi355x_llama3_gets_the_safe_toggles_on(tree):
     # The experiment's own choice (fusion off) stands, as a configured value.
     assert r["after"]["gradient_accumulation_fusion"] is r["before"]["gradient_accumulation_fusion"] is False
     assert r["records"]["gradient_accumulation_fusion"]["source"] == "config"
+    # ns.perf_toggles is the argparse path's record: each toggle with its memory change (None: unknown).
+    assert all("peak_memory_delta_mb" in r["records"][d] for d in DESTS if d != "first_last_layers_bf16")
 
 
 @pytest.mark.parametrize("megatron, expected", [("0.18.2", "native"), ("0.18.0", "te")])
@@ -135,6 +138,8 @@ def test_pth_hook_registers_when_primus_imports_its_patches(tree):
             "assert 'primus' not in sys.modules and 'megatron_perf_toggles.primus' not in sys.modules\n"
             "from primus.core.patches.patch_registry import PatchRegistry\n"
             "p = PatchRegistry.get('megatron_perf_toggles.decisions')\n"
+            "import pkgutil, primus.core.patches as m\n"
+            "assert m.__loader__.is_package(m.__name__) and pkgutil.get_data(m.__name__, '__init__.py')\n"
             "print(p.backend, p.phase, p.priority)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join((str(tree), str(REPO)))})

@@ -52,12 +52,30 @@ BRIDGE_OVERRIDES: dict[str, tuple[Home, ...]] = {
 BRIDGE_SECTIONS = ("mixed_precision", "model", "ddp", "optimizer", "train", "checkpoint", "logger", "dist",
                    "dataset")
 
-# Arguments a guard reads that Bridge spells differently: dest -> the field whose truth sets it.
-# Packed (THD) sequences are Bridge's packed-sequence specs; Megatron's argparse path knows them
-# from --sft, which is the blocker the fused-QKV-RoPE guard names.
-BRIDGE_DERIVED: dict[str, str] = {
-    "sft": "dataset.packed_sequence_specs.packed_sequence_size",
-}
+# Where a field's declared default is Megatron's or Bridge's generic one (module prefixes). A model
+# provider that redeclares a toggle field (Bridge's Falcon-H1 turns cross-entropy fusion off, its
+# audio and omni models gradient-accumulation fusion) made a choice for that model, even where it
+# equals the generic default: its value counts as set. So does the default of any class not listed.
+BRIDGE_GENERIC_MODULES = ("megatron.core.", "megatron.bridge.training.", "megatron.bridge.models.gpt_provider",
+                          "megatron.bridge.models.hybrid.hybrid_provider")
+
+# Fields Bridge fills in only in runtime_config_update, after the plugin: placeholders before it
+# (the dataset's data_parallel_size is 1 until then), so they are not read as arguments.
+BRIDGE_RUNTIME_FIELDS = ("data_parallel_size",)
+
+# Arguments a guard reads that Bridge spells differently: (dest, the field whose truth sets it), any
+# of a dest's fields; a number is true above zero (Bridge's -1 means off). Packed (THD) sequences:
+# Bridge 0.6 turns offline or in-batch packing on by name, Bridge 0.5 and older gave the packed
+# size; Megatron's argparse path knows them from --sft, the blocker the fused-QKV-RoPE guard names.
+BRIDGE_DERIVED: tuple[tuple[str, Home], ...] = (
+    ("sft", Home("dataset.enable_offline_packing")),
+    ("sft", Home("dataset.enable_in_batch_packing")),
+    ("sft", Home("dataset.packed_sequence_specs.packed_sequence_size")),
+    # The memory model's shape of the model, as Megatron's flags give it on the argparse path.
+    ("swiglu", Home("model.gated_linear_unit")),
+    ("group_query_attention", Home("model.num_query_groups")),
+    ("untie_embeddings_and_output_weights", Home("model.share_embeddings_and_output_weights", inverted=True)),
+)
 
 # Primus's namespace is Megatron's: each toggle is its own dest there.
 PRIMUS_HOMES: dict[str, tuple[Home, ...]] = {dest: (Home(dest),) for dest in (*(t.dest for t in TOGGLES),

@@ -223,3 +223,8 @@ def chain_providers(*providers: Provider | None) -> Provider:
 
     chained.providers = tuple(chain)  # type: ignore[attr-defined]
     return chained
+
+
+# Records and messages name the provider as users write it (``megatron_perf_toggles:extra_args_provider``),
+# not by the module that happens to define it.
+extra_args_provider.__module__ = chain_providers.__module__ = "megatron_perf_toggles"
