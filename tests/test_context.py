@@ -160,3 +160,28 @@ def test_the_dry_run_leaves_no_exception_type_for_callers() -> None:
         done = [name for name, value in vars(module).items()
                 if isinstance(value, type) and issubclass(value, BaseException) and "Done" in name]
         assert done == [], module.__name__
+
+
+def test_a_launcher_dry_run_is_a_mode_of_its_context(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import types
+
+    _fake(monkeypatch)
+    torch = sys.modules["torch"]  # the fake's: the planned GPU's stand-ins answer its device questions
+    monkeypatch.setattr(torch, "cuda", types.SimpleNamespace(is_available=lambda: False), raising=False)
+    monkeypatch.setattr(torch, "version", types.SimpleNamespace(cuda=None, hip=None), raising=False)
+    script = tmp_path / "train.py"
+    script.write_text("from megatron.training import initialize\n"
+                      "initialize.initialize_megatron(extra_args_provider=None, args_defaults={})\n"
+                      "raise AssertionError('a dry run ends before the script goes on')\n")
+    monkeypatch.setattr(sys, "argv", ["run"])
+    with pytest.raises(SystemExit) as done:
+        launch.main(["--dry-run", "--json", "--world-size", "8", "--gpu", "h100", str(script)])
+    ctx = run_context.current()
+    assert done.value.code == 0 and ctx is not None and (ctx.entry, ctx.mode) == ("launcher", "dry-run")
+    assert ctx.target is not None and ctx.target.world_size == 8 and ctx.controller is not None
+    assert ctx.controller.target is ctx.target and ctx.capabilities is not None and ctx.capabilities.device == "cuda"
+    record = json.loads(capsys.readouterr().out)
+    assert record["dry_run"] and record["target"]["world_size"] == 8 and ctx.record is None  # printed, not kept
