@@ -165,7 +165,6 @@ def test_the_dry_run_leaves_no_exception_type_for_callers() -> None:
 def test_a_launcher_dry_run_is_a_mode_of_its_context(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     import json
-
     import types
 
     _fake(monkeypatch)
