@@ -184,3 +184,34 @@ def test_a_launcher_dry_run_is_a_mode_of_its_context(monkeypatch: pytest.MonkeyP
     assert ctx.controller.target is ctx.target and ctx.capabilities is not None and ctx.capabilities.device == "cuda"
     record = json.loads(capsys.readouterr().out)
     assert record["dry_run"] and record["target"]["world_size"] == 8 and ctx.record is None  # printed, not kept
+
+
+def test_the_walk_from_the_provider_to_the_decision_record_stays_in_two_wings() -> None:
+    """A toggle's value, from the bare provider to ``args.perf_toggles``: every function of the
+    package that runs is in ``runtime`` or ``core`` (or the modules below them), and the plan goes
+    down into ``core`` once (``decide``) and comes back up once, to write the records."""
+    from megatron_perf_toggles.runtime.controller import Controller
+
+    wings: set[str] = set()
+    descents: list[str] = []
+
+    def profile(frame, event, arg):  # sys.setprofile's signature
+        if event != "call":
+            return
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("megatron_perf_toggles."):
+            return
+        wings.add(module.split(".")[1])
+        caller = frame.f_back
+        if caller is not None and caller.f_code is Controller.plan.__code__ and ".core." in f"{module}.":
+            descents.append(f"{module}:{frame.f_code.co_name}")
+
+    parser = extra_args_provider(argparse.ArgumentParser())
+    sys.setprofile(profile)
+    try:
+        args = parser.parse_args([])
+    finally:
+        sys.setprofile(None)
+    assert args.perf_toggles  # the records are there
+    assert {"runtime", "core"} <= wings <= {"runtime", "core", "errors", "_version"}, wings
+    assert descents == ["megatron_perf_toggles.core.decide:decide"], descents
