@@ -45,8 +45,9 @@ def _layout(tp: int, pp: int) -> list[str]:
 @pytest.mark.parametrize(("gpu", "vendor"), [("h100", "cuda"), ("mi355x", "rocm")])
 def test_a_plan_for_another_gpu_rests_on_its_planned_stack(gpu: str, vendor: str) -> None:
     stack = parse_assume(PLANNED_STACKS[vendor])
-    with planned.stand_ins(planned.make_target(world_size=64, gpu=gpu)):
-        caps = for_plan(None)
+    job = planned.make_target(world_size=64, gpu=gpu)
+    with planned.stand_ins(job):
+        caps = for_plan(None, target=job)
     assert caps.device == vendor and caps.te_version == stack["te_version"]
     assert caps.te_fused_qkv_rope and caps.wgrad_fallback and not caps.apex_fused_wgrad
     assert bool(caps.aiter_version) == (vendor == "rocm")
@@ -54,8 +55,9 @@ def test_a_plan_for_another_gpu_rests_on_its_planned_stack(gpu: str, vendor: str
 
 
 def test_the_variable_changes_only_what_it_names_on_top_of_the_stack() -> None:
-    with planned.stand_ins(planned.make_target(gpu="h100")):
-        caps = for_plan("apex,te=2.1")
+    job = planned.make_target(gpu="h100")
+    with planned.stand_ins(job):
+        caps = for_plan("apex,te=2.1", target=job)
     assert caps.apex_fused_wgrad and caps.te_version == "2.1" and not caps.te_fused_qkv_rope
     assert caps.wgrad_fallback  # from the stack: the variable did not name it
 

@@ -16,6 +16,7 @@ import pytest
 
 from megatron_perf_toggles.launcher import megatron_hooks
 from megatron_perf_toggles.launcher.import_shims import megatron_importable
+from megatron_perf_toggles.runtime import context as run_context
 from megatron_perf_toggles.runtime import rank_check, safety_net, wgrad_fallback
 from megatron_perf_toggles.runtime.controller import Controller
 from megatron_perf_toggles.runtime.patches import PATCHES, ProcessPatches
@@ -52,22 +53,18 @@ def test_a_scope_undoes_only_what_was_changed_inside_it() -> None:
     assert vars(owner) == {"before": 1}
 
 
-def test_held_state_and_installed_changes_are_undone_like_any_other() -> None:
-    """State that outlives a call (held) and a change made by a callback (install) have PATCHES as
-    their owner: a scope's end and uninstall put back what was there before."""
+def test_a_scope_undoes_a_callback_change_and_keeps_older_ones() -> None:
+    """A change made by a callback (install) has the log as its owner: a scope's end undoes what
+    was recorded inside it, uninstall the rest."""
     patches = ProcessPatches()
     log: list[str] = []
-    patches.hold("fingerprint", {"toggles": 1})
+    patches.install("older", lambda: log.append("older"), lambda: log.append("older undone"))
     with patches.scope():
-        patches.hold("fingerprint", {"toggles": 2})
         patches.install("a callback change", lambda: log.append("applied"), lambda: log.append("undone"))
-        assert patches.held("fingerprint") == {"toggles": 2} and log == ["applied"]
-    assert patches.held("fingerprint") == {"toggles": 1} and log == ["applied", "undone"]
-    patches.drop("fingerprint")
-    assert patches.held("fingerprint", "none") == "none"
-    patches.hold("fingerprint", 3)
+        assert log == ["older", "applied"] and patches.labels == ["older", "a callback change"]
+    assert log == ["older", "applied", "undone"] and patches.labels == ["older"]
     patches.uninstall()
-    assert patches.held("fingerprint") is None and patches.labels == []
+    assert log[-1] == "older undone" and patches.labels == []
 
 
 def _fake_megatron(monkeypatch: pytest.MonkeyPatch) -> dict[str, types.ModuleType]:
@@ -142,7 +139,7 @@ def test_after_uninstall_the_process_is_as_it_was(monkeypatch: pytest.MonkeyPatc
 
     after = _snapshot(modules)
     assert after == before
-    assert megatron_hooks.active() is None and not safety_net.NET.installed and not PATCHES.held(rank_check.FINGERPRINT)
+    assert megatron_hooks.active() is None and not safety_net.NET.installed and run_context.current() is None
 
 
 def test_a_dry_run_controller_plans_without_touching_the_process() -> None:
@@ -157,7 +154,7 @@ def test_a_dry_run_controller_plans_without_touching_the_process() -> None:
     assert args.perf_toggles == provenance.decision_records(controller.last.plan)
     assert {dest: {k: v for k, v in r.items() if k != "peak_memory_delta_mb"} for dest, r in args.perf_toggles.items()} \
         == {dest: d.to_record() for dest, d in controller.last.plan.decisions.items()}
-    assert PATCHES.labels == [] and not PATCHES.held(rank_check.FINGERPRINT) and wgrad_fallback.MODULE_NAME not in sys.modules
+    assert PATCHES.labels == [] and run_context.current() is None and wgrad_fallback.MODULE_NAME not in sys.modules
 
 
 def test_a_plan_inside_a_scope_hands_a_launch_its_hooks_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,15 +89,6 @@ class ReportedExit(SystemExit):
     """The dry run ended with its one line already printed (Megatron refused the command line)."""
 
 
-class DryRunDone(Exception):
-    """A captured dry run's result: the record and the plan (``hook_parse_path(..., capture=True)``)."""
-
-    def __init__(self, payload: dict[str, Any], plan: Any) -> None:
-        super().__init__("dry run done")
-        self.payload = payload
-        self.plan = plan
-
-
 def assertion_site(error: BaseException) -> str:
     """Where a bare ``assert`` of Megatron's failed: file, line and the assert's source, so that
     "AssertionError" with no message still says which check refused the command line."""
@@ -200,7 +191,7 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     outcome = hooks.outcome()
     plan = outcome.plan if outcome is not None else None
     if hooks.capture:
-        raise DryRunDone(payload, plan)
+        hooks.context.stop(payload, plan)  # the planning entry point that made the context takes it
     if rank_of(os.environ) == 0:  # one report per job, from rank 0
         if hooks.output == "json":
             for line in provenance.lines(plan) if plan is not None else []:

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..core.registry import flag_of
 from ..errors import OneLineArgumentParser, PerfTogglesError, report
 from ..runtime import target as planned
+from ..runtime.context import RunContext
 from ..runtime.provider import extra_args_provider
 from . import megatron_hooks as hooks
 from .import_shims import megatron_importable
@@ -153,8 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 contextlib.redirect_stdout(chatter or sys.stderr) if dry_run else contextlib.nullcontext(), \
                 contextlib.redirect_stderr(chatter) if chatter is not None else contextlib.nullcontext():
             providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
+            # The launcher's entry point: one run context for the process, which the script runs in.
+            ctx = RunContext.create("launcher", mode="dry-run" if dry_run else "run", target=target).install()
             hooks.hook_parse_path([*providers, extra_args_provider], dry_run=dry_run, target=target, output=output,
-                                  out=stdout, err=stderr, chatter=chatter)
+                                  out=stdout, err=stderr, chatter=chatter, context=ctx)
             runpy.run_path(str(script), run_name="__main__")
         return 0
     except SystemExit as done:

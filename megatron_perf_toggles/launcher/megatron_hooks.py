@@ -32,29 +32,23 @@ from typing import Any, TextIO
 
 from ..core.env import EnvSettings, read_bool_setting, read_env
 from ..core.facts import parse_assume
-from ..errors import OneLineArgumentParser, PerfTogglesError, fail
+from ..errors import PerfTogglesError, fail
+from ..runtime import context as run_context
 from ..runtime import provider as plugin
 from ..runtime import target as planned
-from ..runtime.controller import Controller, Outcome, use_for_process
-from ..runtime.patches import PATCHES
+from ..runtime.context import Mode, RunContext
+from ..runtime.controller import Controller, Outcome
 from ..runtime.provider import flatten
 from ..runtime.rebinding import ORIGINAL_ATTR, megatron_root, rebind
 from .import_shims import import_failure
+from .provider_specs import DEFAULT_PROVIDER_ATTR as DEFAULT_PROVIDER_ATTR  # the launcher's help names it
+from .provider_specs import PROVIDER_FLAG, provider_name, pull_provider_specs, resolve_provider
+from .provider_specs import ProviderSpecError as ProviderSpecError  # what resolve_provider raises
 
 Provider = plugin.Provider
 
-PROVIDER_FLAG = "--extra-args-provider"
 DRY_RUN_ENV = "MEGATRON_PERF_TOGGLES_DRY_RUN"  # registered in core.registry.SETTINGS
-DEFAULT_PROVIDER_ATTR = "extra_args_provider"
 MEGATRON_HINT = "put the Megatron-LM checkout on PYTHONPATH, e.g. PYTHONPATH=/path/to/Megatron-LM"
-
-
-class ProviderSpecError(PerfTogglesError):
-    """A ``--extra-args-provider MOD:FUNC`` that cannot be imported or is not a provider."""
-
-    def __init__(self, spec: str, problem: str, hint: str | None = None) -> None:
-        super().__init__(f"{PROVIDER_FLAG} {spec}: {problem}", hint)
-        self.spec = spec
 
 
 class MegatronImportError(PerfTogglesError):
@@ -63,59 +57,6 @@ class MegatronImportError(PerfTogglesError):
 
 class HookError(PerfTogglesError):
     """This Megatron's parse path does not have the shape the hooks rely on."""
-
-
-# --- naming and resolving providers ---------------------------------------------------------------
-
-
-def provider_name(p: Callable[..., Any]) -> str:
-    """``module:qualname`` of a provider, as a user would name it on the command line."""
-    module = getattr(p, "__module__", None) or "?"
-    name = getattr(p, "__qualname__", None) or getattr(p, "__name__", None) or repr(p)
-    return f"{module}:{name}"
-
-
-def resolve_provider(spec: str) -> Provider:
-    """``MOD:FUNC`` (``MOD`` alone means ``MOD:extra_args_provider``) -> the callable, or a
-    ProviderSpecError naming what could not be found."""
-    module_name, _, attr = spec.strip().partition(":")
-    attr = attr.strip() or DEFAULT_PROVIDER_ATTR
-    if not module_name or any(not part.isidentifier() for part in module_name.split(".")):
-        raise ProviderSpecError(spec, "expected MODULE:FUNCTION", "e.g. megatron_perf_toggles:extra_args_provider")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        missing = error.name or module_name
-        if module_name == missing or module_name.startswith(missing + "."):
-            raise ProviderSpecError(spec, f"cannot import module {module_name!r} (no module named {missing!r})",
-                                    "is it installed, or on PYTHONPATH?") from None
-        raise ProviderSpecError(spec, f"importing module {module_name!r} failed: {error}") from None
-    except Exception as error:  # noqa: BLE001 - any failure of a user module is one clear line
-        raise ProviderSpecError(spec, f"importing module {module_name!r} failed: "
-                                      f"{type(error).__name__}: {error}") from None
-    target: Any = module
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ProviderSpecError(spec, f"module {module_name!r} has no function {attr!r}") from None
-    if not callable(target):
-        raise ProviderSpecError(spec, f"{module_name}:{attr} is a {type(target).__name__}, not a function "
-                                      "taking the parser")
-    return target
-
-
-def pull_provider_specs(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split ``--extra-args-provider X`` / ``--extra-args-provider=X`` out of ``argv``.
-
-    Returns (specs in order, the other words in their order). argparse does the splitting, so
-    the ``=`` form and a missing value behave as everywhere else.
-    """
-    parser = OneLineArgumentParser(prog="megatron-perf-toggles", add_help=False, allow_abbrev=False, message_prefix="",
-                                   usage_hint=f"use {PROVIDER_FLAG} MOD:FUNC, e.g. megatron_perf_toggles:extra_args_provider")
-    parser.add_argument(PROVIDER_FLAG, action="append", default=[], dest="providers", metavar="MOD:FUNC")
-    ns, rest = parser.parse_known_args(list(argv))
-    return list(ns.providers), rest
 
 
 def dry_run_requested(environ: Mapping[str, str] | None = None) -> bool:
@@ -173,25 +114,37 @@ class Hooks:
     """What is installed: our providers, dry-run or not, and the Megatron functions we replaced."""
 
     providers: list[Provider]
+    context: RunContext  # the run context these hooks belong to: it holds the controller and the target
     dry_run: bool = False
     root: str | None = None
     originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
     wrappers: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    controller: Controller | None = None  # made at the first parse that includes the plugin
     last_chain: Chain | None = None
     out: TextIO | None = None  # where a dry run prints its report: stdout as it was at install time
-    target: planned.Target | None = None  # the world and GPU a dry run plans for (runtime/target.py)
     capture: bool = False  # a dry run hands its record to the caller (explain) instead of printing it
     err: TextIO | None = None  # where a dry run's one-line error goes: stderr as it was at install time
     chatter: io.StringIO | None = None  # the script's and Megatron's own output, held for a summary's log
     output: str = "summary"  # what a dry run prints: summary | json | verbose (MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT)
 
+    @property
+    def controller(self) -> Controller | None:
+        """The context's controller: made at the first parse that includes the plugin."""
+        return self.context.controller
+
+    @property
+    def target(self) -> planned.Target | None:
+        """The world and GPU a dry run plans for (runtime/target.py): the context's."""
+        return self.context.target
+
     def controller_for_parse(self) -> Controller:
-        """The process's controller (made on first use, so a bad variable is reported at the parse)."""
-        if self.controller is None:
-            self.controller = plugin.new_controller(mode="dry-run" if self.dry_run else "run")
-        use_for_process(self.controller)  # for a provider that calls extra_args_provider itself
-        return self.controller
+        """The context's controller (made on first use, so a bad variable is reported at the parse);
+        a provider that calls extra_args_provider itself joins it through the context."""
+        ctx = self.context
+        if ctx.controller is None:
+            ctx.use_controller(plugin.new_controller(mode="dry-run" if self.dry_run else "run", target=ctx.target))
+        assert ctx.controller is not None
+        ctx.controller.target = ctx.target  # a later hook_parse_path may have named another job
+        return ctx.controller
 
     def outcome(self) -> Outcome | None:
         """The plan of the last parse, if the plugin was in its provider chain."""
@@ -205,12 +158,10 @@ class Hooks:
         return Chain(flatten([*own, *self.providers]), self)
 
 
-HOOKS = "parse hooks"  # what PATCHES holds: the Hooks in place, while Megatron's parse path is hooked
-
-
 def active() -> Hooks | None:
-    """The installed hooks, if any."""
-    return PATCHES.held(HOOKS)
+    """The hooks of the installed run context, if any (the wrappers Megatron calls bare ask)."""
+    ctx = run_context.current()
+    return None if ctx is None else ctx.hooks
 
 
 def import_megatron() -> tuple[types.ModuleType, ...]:
@@ -303,33 +254,48 @@ def _targets(arguments: types.ModuleType, initialize: types.ModuleType) -> list[
     return out
 
 
+def context_mode(dry_run: bool, capture: bool) -> Mode:
+    """What a run context with these hooks is: a plan handed back, a dry run, or a run."""
+    return "plan" if capture else ("dry-run" if dry_run else "run")
+
+
 def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = False,
             target: planned.Target | None = None, capture: bool = False, output: str = "summary",
-            out: TextIO | None = None, err: TextIO | None = None, chatter: io.StringIO | None = None) -> Hooks:
+            out: TextIO | None = None, err: TextIO | None = None, chatter: io.StringIO | None = None,
+            context: RunContext | None = None) -> Hooks:
     """Chain ``providers`` into every parse Megatron makes from now on (importing Megatron).
 
-    A second call updates the providers and the dry-run switch; it never wraps twice. ``target``
-    is the world and GPU a dry run's parse and validate see; ``capture`` makes a dry run raise
-    :class:`DryRunDone` with its record instead of printing it and exiting.
+    The hooks belong to ``context`` (default: the installed one; with none, one is made for the
+    caller and installed). A second call updates the providers and the dry-run switch; it never
+    wraps twice. ``target`` is the world and GPU a dry run's parse and validate see; ``capture``
+    makes a dry run hand its record to the context (``RunContext.stop``) instead of printing it.
     """
     arguments, initialize, _training = import_megatron()
     root = megatron_root(arguments)
-    hooks = active()
+    ctx = context or run_context.current()
+    if ctx is None:
+        ctx = RunContext.create("launcher", mode=context_mode(dry_run, capture), target=target)
+    ctx.install()
+    undo = ctx.undo
+    hooks = ctx.hooks
     if hooks is None:
-        hooks = Hooks(providers=[])
-        PATCHES.hold(HOOKS, hooks)
-    # Every change to hooks already in place goes through PATCHES, so that a scoped plan
-    # (explain --megatron) hands a launch's hooks back exactly as they were.
+        hooks = Hooks(providers=[], context=ctx)
+        undo.set_attr(ctx, "hooks", hooks, "run context: parse hooks")
+    # Every change to hooks already in place goes through the undo log, so that a scoped plan
+    # hands a launch's hooks back exactly as they were.
     fields: dict[str, Any] = {"providers": flatten(providers), "dry_run": dry_run,
                               "out": (out or sys.stdout) if dry_run else None, "chatter": chatter,
-                              "err": (err or sys.stderr) if dry_run else None, "root": root, "target": target,
+                              "err": (err or sys.stderr) if dry_run else None, "root": root,
                               "capture": capture, "output": output}
-    if hooks.dry_run != dry_run:
-        fields["controller"] = None  # a controller's mode is fixed: the next parse makes the right one
-        use_for_process(None)
+    for name, value in {"target": target, "mode": context_mode(dry_run, capture)}.items():
+        if getattr(ctx, name) is not value and getattr(ctx, name) != value:
+            undo.set_attr(ctx, name, value, f"run context: {name}")
+    if hooks.dry_run != dry_run and ctx.controller is not None:
+        # a controller's mode is fixed: the next parse makes the right one
+        undo.set_attr(ctx, "controller", None, "run context: controller")
     for name, value in fields.items():
         if getattr(hooks, name) is not value:
-            PATCHES.set_attr(hooks, name, value, f"parse hooks: {name}")
+            undo.set_attr(hooks, name, value, f"parse hooks: {name}")
     for key, module, attr in _targets(arguments, initialize):
         current = getattr(module, attr)
         original = getattr(current, ORIGINAL_ATTR, current)
@@ -337,11 +303,11 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
             _wrap_parse_args(original) if key == "parse_args" else _wrap_entry(original, key)
         )
         if hooks.wrappers.get(key) is not wrapper:
-            PATCHES.set_item(hooks.originals, key, original, f"parse hooks: original {key}")
-            PATCHES.set_item(hooks.wrappers, key, wrapper, f"parse hooks: wrapper {key}")
+            undo.set_item(hooks.originals, key, original, f"parse hooks: original {key}")
+            undo.set_item(hooks.wrappers, key, wrapper, f"parse hooks: wrapper {key}")
         rebind(original, wrapper, root)
         if current is original:  # newly wrapped: undone (newest first) before the records above
-            PATCHES.on_uninstall(f"Megatron's {attr}, rebound wherever it was imported",
+            undo.on_uninstall(f"Megatron's {attr}, rebound wherever it was imported",
                                  functools.partial(rebind, wrapper, original, root))
     return hooks
 
@@ -364,13 +330,15 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
             from .import_shims import install_stand_ins
 
             install_stand_ins()  # triton, which core 0.16+ import, on a machine without it
+        # The patched script's entry point: its run context, installed for the process.
+        ctx = RunContext.create("script", environ, mode=context_mode(dry, False), target=target).install()
         hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry, target=target,
-                        output=settings.dry_run_output or "summary")
+                        output=settings.dry_run_output or "summary", context=ctx)
     except PerfTogglesError as error:
         fail(error)
     if dry:
         # The process ends in the dry run; hooks.out keeps the real stdout for the report.
-        PATCHES.set_attr(sys, "stdout", sys.stderr, "sys.stdout -> sys.stderr (dry run)")
+        ctx.undo.set_attr(sys, "stdout", sys.stderr, "sys.stdout -> sys.stderr (dry run)")
     return rest
 
 

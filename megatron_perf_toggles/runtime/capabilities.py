@@ -14,7 +14,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.facts import (
     TE_MIN_CROSS_ENTROPY,
@@ -29,6 +29,9 @@ from ..core.facts import (
 from .assume import assumed, assumed_device  # noqa: F401 - asked of this module by its callers
 from .probe import installed as _installed
 from .probe import torch_module
+
+if TYPE_CHECKING:  # types only
+    from .target import Target
 
 
 def _dist_version(*names: str) -> str | None:
@@ -142,11 +145,8 @@ def _detect(root: str | None) -> tuple[str, ...] | None:
     return tuple(found)
 
 
-def _detect_torch(deep: bool) -> dict[str, Any]:
+def _detect_torch(deep: bool, planned: Target | None = None) -> dict[str, Any]:
     torch = torch_module(import_it=deep)
-    from .target import active
-
-    planned = active()
     out: dict[str, Any]
     if torch is None:
         out = {"torch_version": _dist_version("torch") if deep else None}
@@ -198,8 +198,9 @@ def gpu_name_here() -> str | None:
         return None
 
 
-def detect(deep: bool = False) -> Capabilities:
-    """Probe this machine. ``deep`` also imports torch/TE kernels when they are installed."""
+def detect(deep: bool = False, target: Target | None = None) -> Capabilities:
+    """Probe this machine. ``deep`` also imports torch/TE kernels when they are installed. A
+    ``target`` with a GPU (a plan for another machine) answers the GPU's facts from its table."""
     notes: dict[str, str] = {}
     te_imported = "transformer_engine" in sys.modules
     te_version = _te_version() if te_imported or _installed("transformer_engine") else None
@@ -243,7 +244,7 @@ def detect(deep: bool = False) -> Capabilities:
         wgrad_fallback=fallback,
         aiter_version=aiter_version,
         notes=notes,
-        **_detect_torch(deep),
+        **_detect_torch(deep, target),
     )
 
 
@@ -251,26 +252,25 @@ def resolve(spec: str | None, deep: bool = False) -> Capabilities:
     return with_assumptions(detect(deep=deep), spec)
 
 
-def effective_assume(spec: str | None, target: Any = None) -> str | None:
-    """The ASSUME spec that holds for ``target`` (default: the active one): for a plan for another
+def effective_assume(spec: str | None, target: Target | None = None) -> str | None:
+    """The ASSUME spec that holds for ``target`` (None: this machine): for a plan for another
     machine (``target.elsewhere``), that GPU family's planned stack with ``spec`` on top; for
     this machine, ``spec`` alone."""
-    from .target import active, elsewhere
+    from .target import elsewhere
 
-    target = active() if target is None else target
     if not elsewhere(target):
         return spec
     assert target is not None and target.gpu is not None
     return planned_stack(target.gpu.vendor, spec)
 
 
-def for_plan(spec: str | None, deep: bool = False) -> Capabilities:
+def for_plan(spec: str | None, deep: bool = False, target: Target | None = None) -> Capabilities:
     """The capabilities a plan rests on, one rule for ``explain`` and the dry run: detected here for
     a plan for this machine; for another machine (a named GPU or world, or no GPU here), the planned
     stack of its GPU family, named in ``Capabilities.stack``, with ``MEGATRON_PERF_TOGGLES_ASSUME``
     on top. Facts of this machine's packages never describe another machine."""
-    effective = effective_assume(spec)
-    caps = with_assumptions(detect(deep=deep), effective)
+    effective = effective_assume(spec, target)
+    caps = with_assumptions(detect(deep=deep, target=target), effective)
     if effective == spec:
         return caps
     caps = dataclasses.replace(caps, stack=describe_stack(caps))

@@ -4,7 +4,8 @@ The argparse adapter (``provider``) hands every parse here. :meth:`Controller.pl
 writes the decisions onto the parsed namespace, and changes nothing else in the process; it is all
 that ``explain`` and the dry run need. :meth:`Controller.apply` does what a real run needs on top:
 the wgrad fallback, the cross-rank check, the start-up table and the provenance record. Every
-process-wide change made there goes through ``patches.PATCHES``, which can undo it.
+process-wide change made there goes through ``patches.PATCHES``, which can undo it; the
+controller belongs to a run context (``context.py``), which holds it for the process.
 
 What a controller is for is said once, by its ``mode``:
 
@@ -23,7 +24,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from ..core.ckpt_layout import checkpoint_facts
 from ..core.decide import Decision, Message, Plan, decide
@@ -31,13 +32,12 @@ from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
 from . import provenance, resume
 from .capabilities import for_plan
-from .patches import PATCHES
+from .context import MODES, Mode, RunContext, current
 
 if TYPE_CHECKING:  # loaded only when a profile is set: the import path stays short
     from ..core.profile import Profile
+    from .target import Target
 
-Mode = Literal["run", "dry-run", "plan"]
-MODES: tuple[Mode, ...] = ("run", "dry-run", "plan")
 
 
 class _Unset:
@@ -68,20 +68,11 @@ class Outcome:
     original_dirs: dict[str, str]  # log directories as given, before the precision tag
 
 
-PROCESS_CONTROLLER = "process controller"  # what PATCHES holds for process_controller()
-
-
 def process_controller() -> Controller | None:
-    """The controller the launcher runs this process with, if any: a provider that calls
+    """The controller of the installed run context, if any: a provider that calls
     ``extra_args_provider`` itself (the ROCm fork's combined provider) joins it."""
-    return PATCHES.held(PROCESS_CONTROLLER)
-
-
-def use_for_process(controller: Controller | None) -> None:
-    """Set (or, with ``None``, clear) :func:`process_controller`; the launcher's hooks use it.
-    :data:`PATCHES` holds it and records each change, so a scope's end or uninstall restores it."""
-    if PATCHES.held(PROCESS_CONTROLLER) is not controller:
-        PATCHES.hold(PROCESS_CONTROLLER, controller)
+    ctx = current()
+    return None if ctx is None else ctx.controller
 
 
 class Controller:
@@ -89,7 +80,8 @@ class Controller:
     the decisions were announced, and which launch this is in the checkpoint's history."""
 
     def __init__(self, environ: Mapping[str, str] | None = None, *, mode: Mode = "run",
-                 capabilities: Capabilities | None = None, announce: bool = True) -> None:
+                 capabilities: Capabilities | None = None, announce: bool = True,
+                 target: Target | None = None) -> None:
         """``read_env`` validates every variable here, and the profile it names is read and checked,
         so a bad value or a malformed profile is one error before any parse."""
         if mode not in MODES:
@@ -108,6 +100,8 @@ class Controller:
         self.announced = False  # the start-up table went out (once per process, not per parse)
         self.launch_id: str | None = None  # this launch's line in perf_toggles_history.jsonl
         self.last: Outcome | None = None
+        self.target = target  # the job planned for (None: this machine); capabilities are detected for it
+        self.context: RunContext | None = None  # the run context this controller belongs to, if any
 
     @property
     def here(self) -> bool:
@@ -127,15 +121,15 @@ class Controller:
             else:
                 explicit[dest] = value
         writer = resume.checkpoint_writer(vars(ns))  # reading the resumed run's history is safe
-        caps = self.capabilities or for_plan(self.env.assume)
+        caps = self.capabilities or for_plan(self.env.assume, target=self.target)
         observed = None
         if self.profile is not None:
             from . import profile_file
 
-            observed = profile_file.observed_for(self.profile, caps, self.environ, self.mode)
+            observed = profile_file.observed_for(self.profile, caps, self.environ, self.mode, self.target)
         args = vars(ns)
         if args.get("world_size") is None:  # Megatron's parse_args sets it after this step (memory_guard needs it)
-            args = {**args, "world_size": planned_world_size()}
+            args = {**args, "world_size": planned_world_size(self.target)}
         plan = decide(args, explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
                       observed=observed)
         original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
@@ -151,6 +145,8 @@ class Controller:
                                              "on planned capabilities, not on this machine's"))
             plan.messages.extend(resume.compare_with_checkpoint(writer, ns.perf_toggles))
         self.last = Outcome(plan, caps, writer, original_dirs)
+        if self.context is not None:
+            self.context.capabilities = caps
         return plan
 
     # -- applying: what a real run needs beyond the namespace -------------------------------------
@@ -198,7 +194,7 @@ class Controller:
         from . import rank_check
 
         fp = rank_check.fingerprint(ns.perf_toggles, outcome.capabilities.to_record(), outcome.plan.wgrad_path)
-        rank_check.arm(fp, enabled=self.env.rank_check)
+        rank_check.arm(fp, enabled=self.env.rank_check, context=self.context)
 
     def _persist(self, ns: argparse.Namespace, outcome: Outcome) -> None:
         """Rank 0 of a real run: the JSON record beside the logs, and the launch history in --save."""
@@ -253,13 +249,10 @@ def backed_off_values(sources: dict[str, str]) -> str:
     return " and ".join(parts)
 
 
-def planned_world_size() -> int | None:
+def planned_world_size(target: Any = None) -> int | None:
     """The world Megatron's parse_args will read once the parser (and this plugin's step) is done:
-    a planned target's (a dry run, ``explain --world-size``), else ``WORLD_SIZE`` as torchrun sets it."""
-    from .target import active
-
-    target = active()
+    the planned target's (a dry run, ``explain --world-size``), else ``WORLD_SIZE`` as torchrun sets it."""
     if target is not None and target.world_size is not None:
-        return target.world_size
+        return int(target.world_size)
     text = os.environ.get("WORLD_SIZE", "")
     return int(text) if text.strip().isdigit() and int(text) > 0 else None

@@ -12,6 +12,9 @@ A :class:`ProcessPatches` of one's own is a scoped owner: the dry run's stand-in
 world and GPU use one for the length of Megatron's parse and validate. :meth:`ProcessPatches.scope`
 does the same for the shared owner: planning in-process (``explain --megatron``) hooks Megatron's
 parse path and installs the safety net like a launch does, and leaves none of it behind.
+
+This is an undo log only: the plugin's state (controller, parse hooks, rank fingerprint, the
+planned target) lives on the run context (``context.py``), not here.
 """
 
 from __future__ import annotations
@@ -46,26 +49,11 @@ class ProcessPatches:
 
     def __init__(self) -> None:
         self._changes: list[Undo] = []
-        self._held: dict[str, Any] = {}
 
     def install(self, label: str, apply: Callable[[], object], undo: Callable[[], object]) -> None:
         """Make a change by calling ``apply`` and own it: ``undo`` takes it back on uninstall."""
         apply()
         self._changes.append(Undo(label, undo))
-
-    def hold(self, key: str, value: Any) -> None:
-        """Keep process state that must outlive a call (the active parse hooks, the launch's
-        controller, the rank check's fingerprint) here rather than in a module global: uninstall,
-        or the end of a :meth:`scope`, restores what was held before."""
-        self.set_item(self._held, key, value, f"held: {key}")
-
-    def held(self, key: str, default: Any = None) -> Any:
-        """What :meth:`hold` keeps under ``key`` (``default`` when nothing)."""
-        return self._held.get(key, default)
-
-    def drop(self, key: str) -> None:
-        """Forget ``key`` now, as the undo of the change it stood for does (records nothing)."""
-        self._held.pop(key, None)
 
     def set_attr(self, owner: Any, name: str, value: Any, label: str | None = None) -> None:
         """``setattr(owner, name, value)``, remembering the old value (or its absence)."""
@@ -102,18 +90,23 @@ class ProcessPatches:
 
     def uninstall(self) -> None:
         """Undo every recorded change, newest first. Idempotent."""
-        self._undo_to(0)
+        self.undo_to(0)
 
     @contextmanager
     def scope(self) -> Iterator[None]:
         """Changes recorded inside the block are undone, newest first, when it ends; older ones stay."""
-        mark = len(self._changes)
+        mark = self.mark()
         try:
             yield
         finally:
-            self._undo_to(mark)
+            self.undo_to(mark)
 
-    def _undo_to(self, mark: int) -> None:
+    def mark(self) -> int:
+        """A point in the log to come back to with :meth:`undo_to` (a run context's install)."""
+        return len(self._changes)
+
+    def undo_to(self, mark: int) -> None:
+        """Undo the changes recorded after ``mark``, newest first."""
         while len(self._changes) > mark:
             self._changes.pop().undo()
 

@@ -42,13 +42,13 @@ def load(path: str) -> Profile:
     return replace(parse_profile(text, path), source=os.path.abspath(path))
 
 
-def _gpu(caps: Capabilities, mode: str, probe: bool = True) -> tuple[str | None, str | None]:
+def _gpu(caps: Capabilities, mode: str, probe: bool = True,
+         target: planned.Target | None = None) -> tuple[str | None, str | None]:
     """(name, None) where this run's GPU is known; (None, why) where it is not. ``probe``: whether
     asking torch for it is worth it (not where the profile recorded no GPU to compare with)."""
     source = caps.gpu_source or ""
     if caps.gpu_name and (source == "detected" or source.startswith("--gpu")):
         return caps.gpu_name, None
-    target = planned.active()
     if target is not None and target.gpu is not None:
         if target.gpu_source.startswith("--gpu"):
             return target.gpu.product, None
@@ -60,8 +60,8 @@ def _gpu(caps: Capabilities, mode: str, probe: bool = True) -> tuple[str | None,
     return None, source or "no GPU is visible where the toggles are decided"
 
 
-def _world_size(environ: Mapping[str, str], mode: str) -> tuple[int | None, str | None]:
-    target = planned.active()
+def _world_size(environ: Mapping[str, str], mode: str,
+                target: planned.Target | None = None) -> tuple[int | None, str | None]:
     if target is not None and target.world_size is not None:
         return target.world_size, None
     raw = (environ.get("WORLD_SIZE") or "").strip()
@@ -74,7 +74,8 @@ def _world_size(environ: Mapping[str, str], mode: str) -> tuple[int | None, str 
     return 1, None  # Megatron's own reading of an unset WORLD_SIZE
 
 
-def observed(caps: Capabilities, environ: Mapping[str, str], mode: str, probe_gpu: bool = True) -> Observed:
+def observed(caps: Capabilities, environ: Mapping[str, str], mode: str, probe_gpu: bool = True,
+             target: planned.Target | None = None) -> Observed:
     """This run's Megatron, TE, torch, GPU and world size, each known or with why it is not.
 
     In ``plan`` mode (explain) the TE and torch found are the planning machine's, often a laptop
@@ -95,10 +96,10 @@ def observed(caps: Capabilities, environ: Mapping[str, str], mode: str, probe_gp
         unknown["torch"] = "torch is not installed here"
     elif mode == "plan":
         unknown["torch"] = "a plan sees the planning machine's, not the run's"
-    gpu, why = _gpu(caps, mode, probe_gpu)
+    gpu, why = _gpu(caps, mode, probe_gpu, target)
     if why:
         unknown["gpu"] = why
-    world, why = _world_size(environ, mode)
+    world, why = _world_size(environ, mode, target)
     if why:
         unknown["world_size"] = why
     env = Environment(megatron=caps.megatron.version, transformer_engine=caps.te_version,
@@ -106,9 +107,11 @@ def observed(caps: Capabilities, environ: Mapping[str, str], mode: str, probe_gp
     return Observed(env, unknown)
 
 
-def observed_for(profile: Profile | None, caps: Capabilities, environ: Mapping[str, str], mode: str) -> Observed | None:
+def observed_for(profile: Profile | None, caps: Capabilities, environ: Mapping[str, str], mode: str,
+                 target: planned.Target | None = None) -> Observed | None:
     """What a plan compares ``profile``'s environment with (None without a profile). With no GPU
-    recorded there is nothing to compare, so torch is not asked for this machine's GPU."""
+    recorded there is nothing to compare, so torch is not asked for this machine's GPU. ``target``:
+    the job planned for (its world and GPU), None for this machine."""
     if profile is None:
         return None
-    return observed(caps, environ, mode, probe_gpu=profile.environment.gpu is not None)
+    return observed(caps, environ, mode, probe_gpu=profile.environment.gpu is not None, target=target)

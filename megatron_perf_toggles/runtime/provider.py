@@ -20,7 +20,8 @@ from ..core.env import EnvSettings
 from ..core.facts import Capabilities
 from ..core.registry import GROUPS, TOGGLES, Toggle, format_value
 from ..errors import PerfTogglesError, fail
-from .controller import UNSET, Controller, Registration, process_controller
+from .context import RunContext, current
+from .controller import UNSET, Controller, Registration
 
 if TYPE_CHECKING:  # the profile modules load only when a profile is named (start-up time)
     from ..core.profile import Profile
@@ -183,8 +184,16 @@ def registration(parser: argparse.ArgumentParser) -> Registration | None:
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron's ``extra_args_provider`` hook: register the toggles on ``parser`` and return it."""
-    return attach(parser, controller=process_controller())
+    """Megatron's ``extra_args_provider`` hook: register the toggles on ``parser`` and return it.
+
+    Inside a launcher's (or a patched script's, or a planning run's) context, this parse joins its
+    controller. Called bare, it is an entry point of its own: a fresh run context for this parser,
+    installed for the process, where ``check_ranks()`` finds the fingerprint later."""
+    ctx = current()
+    if ctx is None or ctx.entry == "provider":
+        ctx = RunContext.create("provider").install()
+        ctx.use_controller(new_controller(ctx.environ))
+    return attach(parser, controller=ctx.controller)
 
 
 def flatten(providers: Iterable[Provider | None]) -> list[Provider]:

@@ -16,11 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.registry import BY_DEST
-from .patches import PATCHES
+from .context import RunContext, current
 
 CAPABILITY_KEYS = ("te_version", "apex_fused_wgrad", "wgrad_fallback", "aiter_version", "device")
-
-FINGERPRINT = "rank check fingerprint"  # what PATCHES holds: this process's decisions, once decided
 
 
 class RankMismatchError(RuntimeError):
@@ -33,35 +31,44 @@ def fingerprint(decisions: Mapping[str, Any], capabilities: Mapping[str, Any], w
     return {"toggles": values, "capabilities": caps, "wgrad_path": wgrad_path}
 
 
-def arm(fp: dict[str, Any], enabled: bool = True) -> None:
-    """Remember this rank's fingerprint and check it as soon as the process group exists."""
-    PATCHES.hold(FINGERPRINT, dict(fp))
+def _fingerprint_of(context: RunContext | None) -> dict[str, Any] | None:
+    return None if context is None else context.rank_fingerprint
+
+
+def arm(fp: dict[str, Any], enabled: bool = True, context: RunContext | None = None) -> None:
+    """Remember this rank's fingerprint on the run context and check it as soon as the process
+    group exists. Without a context (a controller used on its own), the installed one holds it,
+    or one is installed for the process: ``check_ranks()`` is called bare, after
+    ``init_process_group``, and reads it from there."""
+    context = context or current() or RunContext.create("rank check").install()
+    context.rank_fingerprint = dict(fp)
+    undo = context.undo
     dist = _dist()
     if dist is None:
         return
-    current = dist.init_process_group
+    hooked = dist.init_process_group
     if not enabled:
         # An earlier parse in this process (or a forked parent) may have armed the check.
-        if getattr(current, "_perf_toggles_wrapped", False):
-            PATCHES.set_attr(dist, "init_process_group", current.__wrapped__)
+        if getattr(hooked, "_perf_toggles_wrapped", False):
+            undo.set_attr(dist, "init_process_group", hooked.__wrapped__)
         return
     if dist.is_available() and dist.is_initialized():
         check_ranks()
         return
-    if getattr(current, "_perf_toggles_wrapped", False):
+    if getattr(hooked, "_perf_toggles_wrapped", False):
         return
-    original = current
+    original = hooked
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         dist.init_process_group = original  # one check per process
-        if PATCHES.held(FINGERPRINT):
+        if _fingerprint_of(context):
             check_ranks()
         return result
 
     init_process_group._perf_toggles_wrapped = True  # type: ignore[attr-defined]
-    PATCHES.set_attr(dist, "init_process_group", init_process_group, "torch.distributed.init_process_group (rank check)")
+    undo.set_attr(dist, "init_process_group", init_process_group, "torch.distributed.init_process_group (rank check)")
 
 
 def _dist() -> Any:
@@ -123,7 +130,7 @@ def check_ranks(group: Any = None) -> None:
     import torch
 
     payload = json.dumps(
-        {"rank": dist.get_rank(), "host": socket.gethostname(), "fp": PATCHES.held(FINGERPRINT, {})}, sort_keys=True
+        {"rank": dist.get_rank(), "host": socket.gethostname(), "fp": _fingerprint_of(current()) or {}}, sort_keys=True
     ).encode()
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -212,14 +212,6 @@ def elsewhere(target: Target | None) -> bool:
     return target is not None and target.gpu is not None
 
 
-_ACTIVE: Target | None = None  # set only by stand_ins(), whose scoped patches restore it
-
-
-def active() -> Target | None:
-    """The target whose stand-ins are in place right now, if any (capability detection asks)."""
-    return _ACTIVE
-
-
 class _Properties:
     """What ``torch.cuda.get_device_properties`` returns, for the planned GPU."""
 
@@ -283,7 +275,9 @@ def _te_version(stand: ProcessPatches, te_version: str | None) -> None:
 
 @contextmanager
 def stand_ins(target: Target | None, te_version: str | None = None) -> Iterator[Target | None]:
-    """Within this block Megatron sees ``target``'s world and GPU; afterwards, this machine again."""
+    """Within this block Megatron sees ``target``'s world and GPU; afterwards, this machine again.
+    The plugin's own code is never told through here: the target is passed to it (the run context's
+    ``target``, capabilities.for_plan, profile_file.observed)."""
     stand = ProcessPatches()  # scoped: undone when the block ends, however it ends
     try:
         if target is not None:
@@ -291,7 +285,6 @@ def stand_ins(target: Target | None, te_version: str | None = None) -> Iterator[
             if target.gpu is not None:
                 _device(stand, target.gpu, target.per_node or min(target.world_size or 1, 8))
         _te_version(stand, te_version)
-        stand.set_attr(sys.modules[__name__], "_ACTIVE", target, "the active planning target")
         yield target
     finally:
         stand.uninstall()

@@ -32,9 +32,8 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     from pathlib import Path
 
     from ..launcher import megatron_hooks as hooks
-    from ..launcher.dry_run import DryRunDone
     from ..launcher.import_shims import megatron_importable
-    from ..runtime.patches import PATCHES
+    from ..runtime.context import RunContext
     from ..runtime.provider import extra_args_provider
 
     root = Path(tree)
@@ -44,27 +43,29 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
                                "megatron/training/arguments.py there)", "pass --megatron /path/to/Megatron-LM")
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     chatter = io.StringIO()  # Megatron's own printing and warnings; the explanation is ours
-    try:  # the scope undoes what the planning run changed: parse hooks, safety net, import shims
-        with PATCHES.scope(), megatron_importable(tree), contextlib.redirect_stdout(chatter), \
+    # This entry point's run context: a dry run that hands its record back. Leaving the block undoes
+    # what the planning run changed (parse hooks, safety net, import shims) and restores the slot.
+    ctx = RunContext.create("planning", mode="plan", target=target)
+    try:
+        with ctx, ctx.until_stopped(), megatron_importable(tree), contextlib.redirect_stdout(chatter), \
                 contextlib.redirect_stderr(chatter):
-            installed = hooks.hook_parse_path([extra_args_provider], dry_run=True, target=target, capture=True)
+            hooks.hook_parse_path([extra_args_provider], dry_run=True, target=target, capture=True, context=ctx)
             sys.argv = [str(script), *megatron_args]
             sys.path.insert(0, str(script.resolve().parent))
             runpy.run_path(str(script), run_name="__main__")
-    except DryRunDone as done:
-        outcome = installed.outcome()
-        caps = outcome.capabilities if outcome is not None else None
-        if done.plan is None or caps is None:
-            raise PerfTogglesError(f"{script} did not reach the plugin", "is it Megatron's pretrain_gpt.py?") from None
-        label = f"Megatron-LM {caps.megatron.version} at {caps.megatron.path} (its pretrain_gpt.py, parse and validate)"
-        return done.plan, caps, label, done.payload["effective_args"]
     except SystemExit as done:  # Megatron's argparse refused the command line (its message is the last line)
         said = [line for line in chatter.getvalue().splitlines() if line.strip()]
         raise PerfTogglesError(f"Megatron's parser: {said[-1] if said else f'exit {done.code}'}") from None
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
-    raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments")
+    if ctx.record is None:
+        raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments")
+    caps = ctx.capabilities
+    if ctx.plan is None or caps is None:
+        raise PerfTogglesError(f"{script} did not reach the plugin", "is it Megatron's pretrain_gpt.py?")
+    label = f"Megatron-LM {caps.megatron.version} at {caps.megatron.path} (its pretrain_gpt.py, parse and validate)"
+    return ctx.plan, caps, label, ctx.record["effective_args"]
 
 
 def plan_command_line(
@@ -87,12 +88,13 @@ def plan_command_line(
     except KeyError as error:
         raise PerfTogglesError(str(error.args[0])) from None
     parser = replay.parser_from_surface(recorded)
-    controller = Controller(environ, mode="plan")  # validates the environment first, as a run would
+    controller = Controller(environ, mode="plan", target=target)  # validates the environment first, as a run would
     label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
     # the planned world and GPU hold for the whole plan, as in a dry run: the capabilities follow
     # the one rule the dry run follows (capabilities.for_plan), the memory guard sees the world
     with planned.stand_ins(target):
-        caps = replace(for_plan(controller.env.assume, deep=True), megatron=megatron_facts_from_surface(recorded))
+        caps = replace(for_plan(controller.env.assume, deep=True, target=target),
+                       megatron=megatron_facts_from_surface(recorded))
         controller.capabilities = caps
         attach(parser, controller=controller)
         ns = parser.parse_args(list(megatron_args))
