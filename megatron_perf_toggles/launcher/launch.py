@@ -119,6 +119,8 @@ def plan_target(ns: argparse.Namespace, dry_run: bool) -> planned.Target | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse our options, install the hooks, run SCRIPT as ``__main__``; 2 on a usage error."""
+    # Longer than 60 lines on purpose: the launch in the order it happens, with each way it can end
+    # (usage error, fail-fast check, the script's own exit, a dry run's report) beside its step.
     try:
         ns = build_launcher_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as done:  # --help
