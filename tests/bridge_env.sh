@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build (once) the Python 3.12 environment the Megatron-Bridge suite runs in, and print its python.
-#   tests/bridge_env.sh [VENV]   (default: .venv-bridge; reused when it already imports Bridge)
+#   tests/bridge_env.sh [VENV]   (default: $BRIDGE_VENV, else a cache outside the checkout,
+#   ~/.cache/megatron-perf-toggles/bridge-venv, so fresh clones reuse it; reused when it imports Bridge)
 # Python 3.12 is PYTHON312, else python3.12 on PATH, else the newest 3.12 under pyenv's root.
 # Prints nothing and exits 0 when no Python 3.12 is found: the suite then skips.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${1:-.venv-bridge}
+venv=${1:-${BRIDGE_VENV:-$HOME/.cache/megatron-perf-toggles/bridge-venv}}
 case $venv in /*) ;; *) venv="$PWD/$venv" ;; esac  # an absolute path: callers run from anywhere
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.bridge') is None)" 2>/dev/null; then
   echo "$venv/bin/python"; exit 0
