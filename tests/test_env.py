@@ -111,3 +111,14 @@ def test_single_setting_readers_are_typed_by_kind():
     assert read_text_setting("MEGATRON_PERF_TOGGLES_ASSUME", {"MEGATRON_PERF_TOGGLES_ASSUME": "rocm"}) == "rocm"
     with pytest.raises(RegistryError, match="of kind 'bool', read as 'text'"):
         read_text_setting("MEGATRON_PERF_TOGGLES_DRY_RUN", {})
+
+
+@pytest.mark.parametrize("text, release", [
+    ("0.17.0rc0", (0, 17, 0)), ("0.18.2", (0, 18, 2)), ("2.20.2", (2, 20, 2)), ("2.8.0.dev0+3fa1", (2, 8, 0)),
+    # a local part is no number of the release: Megatron stamps the enclosing checkout's commit
+    ("0.19.2+e810d78", (0, 19, 2)), ("0.18.0+1a2", (0, 18, 0)), ("unknown", ()),
+])
+def test_version_tuple_reads_the_release_only(text, release):
+    from megatron_perf_toggles.core.facts import version_tuple
+
+    assert version_tuple(text) == release

@@ -72,9 +72,16 @@ class Capabilities:
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
+    """The release numbers at the start of a version: ``0.17.0rc0`` -> (0, 17, 0), and a local part
+    is not a number of the release (``0.19.2+e810d78``, as Megatron stamps a checkout's commit,
+    -> (0, 19, 2))."""
     parts: list[int] = []
-    for piece in text.split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
+    for piece in text.split("+", 1)[0].split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
         if not digits:
             break
         parts.append(int(digits))
