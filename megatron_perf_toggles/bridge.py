@@ -35,6 +35,7 @@ from .core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_R
 from .core.decide import Plan
 from .core.facts import Capabilities
 from .runtime import frontend
+from .runtime.target import planned_world
 
 _MISSING = object()
 
@@ -179,9 +180,9 @@ def apply(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str] 
     environ = os.environ if environ is None else environ
     _resolve_mixed_precision(cfg)
     found = read(cfg, explicit)
-    world = str(environ.get("WORLD_SIZE", ""))
-    if world.isdigit() and not found.args.get("world_size"):  # as Megatron's parse_args reads it
-        found.args["world_size"] = int(world)
+    world = planned_world(None, environ)
+    if world is not None and not found.args.get("world_size"):  # as Megatron's parse_args reads it
+        found.args["world_size"] = world
     plan, caps, env = frontend.decide_found(found, environ, capabilities)
     write(cfg, plan)
     if plan.wgrad_path == "fallback" and capabilities is None:

@@ -33,6 +33,7 @@ from ..core.facts import Capabilities
 from . import provenance, resume
 from .capabilities import for_plan
 from .context import MODES, Mode, RunContext, current
+from .target import planned_world
 
 if TYPE_CHECKING:  # loaded only when a profile is set: the import path stays short
     from ..core.profile import Profile
@@ -129,7 +130,7 @@ class Controller:
             observed = profile_file.observed_for(self.profile, caps, self.environ, self.mode, self.target)
         args = vars(ns)
         if args.get("world_size") is None:  # Megatron's parse_args sets it after this step (memory_guard needs it)
-            args = {**args, "world_size": planned_world_size(self.target)}
+            args = {**args, "world_size": planned_world(self.target, os.environ)}
         plan = decide(args, explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
                       observed=observed)
         original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
@@ -247,12 +248,3 @@ def backed_off_values(sources: dict[str, str]) -> str:
     parts = ([f"the plugin default of {', '.join(defaults)}"] if defaults else []) + \
         ([f"the profile's value of {', '.join(profile)}"] if profile else [])
     return " and ".join(parts)
-
-
-def planned_world_size(target: Any = None) -> int | None:
-    """The world Megatron's parse_args will read once the parser (and this plugin's step) is done:
-    the planned target's (a dry run, ``explain --world-size``), else ``WORLD_SIZE`` as torchrun sets it."""
-    if target is not None and target.world_size is not None:
-        return int(target.world_size)
-    text = os.environ.get("WORLD_SIZE", "")
-    return int(text) if text.strip().isdigit() and int(text) > 0 else None

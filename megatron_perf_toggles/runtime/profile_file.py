@@ -62,11 +62,9 @@ def _gpu(caps: Capabilities, mode: str, probe: bool = True,
 
 def _world_size(environ: Mapping[str, str], mode: str,
                 target: planned.Target | None = None) -> tuple[int | None, str | None]:
-    if target is not None and target.world_size is not None:
-        return target.world_size, None
-    raw = (environ.get("WORLD_SIZE") or "").strip()
-    if raw.isdigit():
-        return int(raw), None
+    world = planned.planned_world(target, environ)
+    if world is not None:
+        return world, None
     if mode == "plan":
         return None, "explain plans for no particular world size (WORLD_SIZE is not set)"
     if mode == "doctor":

@@ -184,6 +184,15 @@ def from_environment(environ: Mapping[str, str] | None = None) -> Target:
                    gpu_source=f"{PLAN_ENV}={text}" if gpu is not None else target.gpu_source)
 
 
+def planned_world(target: Target | None, environ: Mapping[str, str]) -> int | None:
+    """The world Megatron's ``parse_args`` will see: a planned target's, else ``WORLD_SIZE`` as
+    torchrun sets it; None where neither says."""
+    if target is not None and target.world_size is not None:
+        return target.world_size
+    raw = (environ.get("WORLD_SIZE") or "").strip()
+    return int(raw) if raw.isdigit() else None
+
+
 def add_options(group: Any) -> None:
     """The planning options, declared once for the launcher's dry run and for ``explain``."""
     group.add_argument("--world-size", type=int, metavar="N", help="ranks in the job (default: WORLD_SIZE, else 1)")
