@@ -60,13 +60,35 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without trees every real-Megatron test is skipped here, for one reason, rather than by each file."""
+    """Real-Megatron tests run last, while the trees' workers have the time the unit tests take to
+    get ahead (tests/tree_driver.py). Without trees each is skipped here, for one reason."""
+    items.sort(key=lambda item: item.get_closest_marker(REAL_MEGATRON) is not None)
     if megatron_trees():
         return
     skip = pytest.mark.skip(reason=NO_TREES)
     for item in items:
         if item.get_closest_marker(REAL_MEGATRON) is not None:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the trees' workers now (tests/tree_driver.py), so they work while the unit tests run."""
+    import sys
+
+    driver = sys.modules.get("tree_driver")  # imported by the suites that use it
+    if driver is None:
+        return
+    if not any(item.get_closest_marker(REAL_MEGATRON) is not None for item in session.items):
+        driver.SESSION.suites.clear()  # a selection without real-tree tests starts no worker
+    driver.SESSION.start()
+
+
+def pytest_unconfigure(config):
+    import sys
+
+    driver = sys.modules.get("tree_driver")
+    if driver is not None:
+        driver.SESSION.close()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -3,7 +3,8 @@
 Every tree in MEGATRON_LM_TREES ships ``tests/functional_tests/test_cases/<family>/<case>/model_config.yaml``
 whose ``MODEL_ARGS`` mapping Megatron's CI turns into a training command line. This module finds
 those configs, keeps the ones pretrain_gpt.py runs, turns each into argv the way the CI does, and
-runs every tree's corpus (or fuzz samples) in one driver subprocess per tree (tests/corpus_driver.py).
+runs every tree's corpus (or fuzz samples) as one batch on the tree's worker (tests/tree_driver.py,
+tests/corpus_cases.py).
 
 How a config becomes argv (Megatron's CI, tests/functional_tests/shell_test_utils/_run_training.sh,
 which is not part of source exports): ``${VAR}`` placeholders are substituted from the environment
@@ -24,7 +25,6 @@ a ``[a, b]`` value is split into words. Then, for a CPU box without data, this m
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -35,7 +35,6 @@ import yaml
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-DRIVER = TESTS / "corpus_driver.py"
 TREES_ENV = "MEGATRON_LM_TREES"
 
 # Model families pretrain_gpt.py trains (GPT, MoE, Mixtral/DeepSeek proxies). Other families run
@@ -69,7 +68,7 @@ MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
 CI_GPUS_PER_NODE = 8
 
 
-trees, tree_id, workers, PerTree = tree_driver.trees, tree_driver.tree_id, tree_driver.workers, tree_driver.PerTree
+trees, tree_id = tree_driver.trees, tree_driver.tree_id
 
 
 # --- YAML the way yq reads it: scalars keep their text, only true/false/null are typed -----------
@@ -217,23 +216,38 @@ def corpus_cases(tree: str, work: Path) -> tuple[list[dict[str, Any]], Counter[s
     return cases, excluded, total
 
 
-# --- running the driver ---------------------------------------------------------------------------
+# --- running on the trees' workers ----------------------------------------------------------------
 
 
-def run_driver(tree: str, plan: dict[str, Any], work: Path, timeout: int = 1800) -> dict[str, Any]:
-    """The corpus driver on ``tree`` (tree_driver.run_driver); PTT_TE_VERSION reaches it."""
-    env = tree_driver.driver_env(work, drop=("MEGATRON_PERF_TOGGLES", "PTT_FUZZ"))
-    return tree_driver.run_driver(DRIVER, [tree], plan, work, env=env, timeout=timeout)
+class Batch:
+    """A suite of one ``corpus`` batch per tree: ``plan(tree, work)`` gives (the batch, what the
+    judging needs besides the results); ``get(tree)`` the worker's payload with that added."""
+
+    def __init__(self, name: str, plan: Any) -> None:
+        self.plan = plan
+        self.extras: dict[str, dict[str, Any]] = {}
+        self.name = tree_driver.SESSION.suite(name, self._build)
+
+    def _build(self, tree: str, work: Path) -> list[dict[str, Any]]:
+        batch, self.extras[tree] = self.plan(tree, work)
+        te_version = tree_driver.SESSION.environ.get("PTT_TE_VERSION", "")
+        return [{"tree": tree, "cases": [{"name": self.name, "kind": "corpus", "te_version": te_version, **batch}]}]
+
+    def get(self, tree: str) -> dict[str, Any]:
+        found = tree_driver.SESSION.results(self.name, tree)[self.name]
+        assert "driver_error" not in found, found["driver_error"]
+        payload = {**found, **self.extras[tree]}
+        if "samples" in found:
+            payload["cases"] = found["samples"]
+        return payload
 
 
-def _corpus_job(tree: str, work: Path) -> dict[str, Any]:
+def _corpus_plan(tree: str, work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     cases, excluded, total = corpus_cases(tree, work)
-    payload = run_driver(tree, {"cases": cases}, work)
-    payload.update({"found": total, "excluded": dict(excluded), "cases": cases})
-    return payload
+    return {"cases": cases}, {"found": total, "excluded": dict(excluded), "cases": cases}
 
 
-CORPUS = PerTree("ptt-corpus-", _corpus_job)
+CORPUS = Batch("corpus", _corpus_plan)
 
 
 # --- judging --------------------------------------------------------------------------------------
@@ -365,17 +379,16 @@ FUZZ_SEED, FUZZ_COUNT = 20251130, 100  # CI: a fixed seed; 100 samples keep a tr
 
 
 def fuzz_params() -> tuple[int, int]:
-    return (int(os.environ.get(FUZZ_SEED_ENV, "") or FUZZ_SEED), int(os.environ.get(FUZZ_COUNT_ENV, "") or FUZZ_COUNT))
+    environ = tree_driver.SESSION.environ  # as the session started (builds run beside the tests)
+    return (int(environ.get(FUZZ_SEED_ENV, "") or FUZZ_SEED), int(environ.get(FUZZ_COUNT_ENV, "") or FUZZ_COUNT))
 
 
-def _fuzz_job(tree: str, work: Path) -> dict[str, Any]:
+def _fuzz_plan(tree: str, work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     seed, count = fuzz_params()
-    payload = run_driver(tree, {"fuzz": {"seed": seed, "count": count, "workdir": str(work / "samples")}}, work)
-    payload.update({"seed": seed, "count": count, "cases": payload["samples"]})
-    return payload
+    return {"fuzz": {"seed": seed, "count": count, "workdir": str(work / "samples")}}, {"seed": seed, "count": count}
 
 
-FUZZ = PerTree("ptt-fuzz-", _fuzz_job)
+FUZZ = Batch("fuzz", _fuzz_plan)
 
 
 def plugin_refusal(result: dict[str, Any]) -> bool:

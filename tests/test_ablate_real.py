@@ -6,7 +6,7 @@ import json
 import os
 import threading
 
-import megatron_runs as runs
+import launcher_cases as runs
 import pytest
 from conftest import REPO, megatron_trees
 

@@ -14,10 +14,10 @@ import os
 import re
 import subprocess
 import sys
-from functools import cache
 from pathlib import Path
 
 import pytest
+import tree_driver
 from conftest import REPO, megatron_trees
 
 QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"
@@ -50,7 +50,7 @@ CASES = {
 
 
 def _tree() -> Path | None:
-    named = os.environ.get("BRIDGE_MEGATRON_TREE")
+    named = tree_driver.SESSION.environ.get("BRIDGE_MEGATRON_TREE")
     if named:
         return Path(named)
     trees = megatron_trees()
@@ -58,10 +58,11 @@ def _tree() -> Path | None:
 
 
 def _run(cases: dict, tree: Path | None) -> dict:
-    python = os.environ.get("BRIDGE_PYTHON")
+    environ = tree_driver.SESSION.environ  # as the session started: this runs beside the unit tests
+    python = environ.get("BRIDGE_PYTHON")
     if not python:
         pytest.skip(f"Megatron-Bridge suite: {ENABLE}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "FP4_"))}
+    env = {k: v for k, v in environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "FP4_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree) if tree else "", str(REPO)) if p)
     proc = subprocess.run([python, str(REPO / "tests" / "bridge_driver.py")], input=json.dumps(list(cases.values())),
                           capture_output=True, text=True, env=env, timeout=600)
@@ -74,16 +75,19 @@ def _run(cases: dict, tree: Path | None) -> dict:
     return dict(zip(cases, out["results"], strict=True))
 
 
-@cache
+# Both runs start with the session's workers (tests/tree_driver.py), beside the unit tests.
+RUNS = tree_driver.SESSION.background("bridge", lambda: _run(CASES, _tree()))
+# The same recipe with no Megatron-LM tree: the megatron-core installed beside Bridge (PyPI's
+# wheel, which ships megatron.training too).
+INSTALLED = tree_driver.SESSION.background("bridge-installed-core", lambda: _run({"defaults": CASES["defaults"]}, None))
+
+
 def results() -> dict:
-    return _run(CASES, _tree())
+    return tree_driver.SESSION.outcome(RUNS)
 
 
-@cache
 def installed_core_results() -> dict:
-    """The same recipe with no Megatron-LM tree: the megatron-core installed beside Bridge (PyPI's
-    wheel, which ships megatron.training too)."""
-    return _run({"defaults": CASES["defaults"]}, None)
+    return tree_driver.SESSION.outcome(INSTALLED)
 
 
 def case(name: str) -> dict:

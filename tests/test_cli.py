@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import tree_driver
 from conftest import REPO, megatron_trees
 
 from megatron_perf_toggles.core.facts import Capabilities
@@ -234,19 +236,35 @@ def test_explain_on_the_fork_surface_takes_an_enum_flag():
     assert json.loads(proc.stdout)["precision"] == "mxfp4"
 
 
+def _surface_cases(tree: str, work: Path) -> list[dict]:
+    """``surface TREE`` (the command line's ``main``) on each tree's worker (tests/tree_driver.py)."""
+    from megatron_perf_toggles.tools.surfaces import replay
+
+    if Path(tree).name not in replay.available():
+        return []
+    return [{"tree": tree, "cases": [{"name": "surface", "kind": "cli", "mode": "cli",
+                                      "argv": ["surface", tree, "--out", str(work / "surface.json")]}]}]
+
+
+SURFACES = tree_driver.SESSION.suite("surfaces", _surface_cases)
+
+
 @pytest.mark.real_megatron
-def test_recorded_surfaces_match_the_trees(tmp_path):
+def test_recorded_surfaces_match_the_trees():
     # The packaged surface of each tree is what `surface TREE` records from it now, enum choices
     # included (by the names Megatron's own enum flags accept).
     from megatron_perf_toggles.tools.surfaces import replay
 
+    checked = 0
     for tree in megatron_trees():
         if tree.name not in replay.available():
             continue
-        out = tmp_path / f"{tree.name}.json"
-        proc = run_cli("surface", str(tree), "--out", str(out), timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        fresh = json.loads(out.read_text())
+        result = tree_driver.SESSION.results(SURFACES, str(tree))["surface"]
+        assert result["error"] is None and result["code"] == 0, (result["code"], result["error"] or result["stderr"][-600:])
+        fresh = json.loads(Path(result["argv"][-1]).read_text())
         assert fresh["actions"] == replay.load_surface(tree.name)["actions"], tree.name
         backend = next(a for a in fresh["actions"] if a["dest"] == "attention_backend")
         assert "fused" in backend["choices"] and backend["enum"] == "AttnBackend"
+        checked += 1
+    if not checked:
+        pytest.skip("no tree in MEGATRON_LM_TREES has a recorded surface to compare with")

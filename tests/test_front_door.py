@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import launcher_cases as runs
 import pytest
+import tree_driver
 from conftest import REPO, megatron_trees
 
 from megatron_perf_toggles.core import launch_env
@@ -219,11 +220,11 @@ def _has_fused_field(tree: str) -> bool:
     return "fused_single_qkv_rope" in source
 
 
-def _check_summary(done: subprocess.CompletedProcess[str], tree: str) -> None:
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert len(lines) <= 60, done.stdout
-    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in done.stdout  # listed as launch environment
+def _check_summary(code: int, stdout: str, stderr: str, tree: str) -> None:
+    assert code == 0, stderr[-3000:]
+    lines = stdout.splitlines()
+    assert len(lines) <= 60, stdout
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in stdout  # listed as launch environment
     assert any(line.startswith("stack:") and "planned" in line for line in lines)
     rope = next(line for line in lines if line.strip().startswith("fused_single_qkv_rope "))
     assert (" on " in rope) == _has_fused_field(tree), rope  # on under the planned stack, where Megatron has it
@@ -238,39 +239,62 @@ def _check_summary(done: subprocess.CompletedProcess[str], tree: str) -> None:
     assert any(line.strip().startswith("memory: stock's estimated peak") for line in lines)
 
 
+# No variables set: the plugin's own are not in a worker's environment; these go too.
+SUMMARY = {"unset": ["CUDA_DEVICE_MAX_CONNECTIONS", "MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT"]}
+
+
+def _build(tree: str, work: Path) -> list[dict]:
+    """On each tree's worker (tests/tree_driver.py): the 64-rank plan through the launcher, and
+    through a patched checkout (the launcher suite's patched copy), once well and once with a bad value."""
+    script = str(runs.patched(tree) / "pretrain_gpt.py")
+    patched = {**SUMMARY, "kind": "script", "mode": "script", "env": {"MEGATRON_PERF_TOGGLES_DRY_RUN": "1",
+               "MEGATRON_PERF_TOGGLES_PLAN": "64:h100"},
+               "argv": [script, "--extra-args-provider", "megatron_perf_toggles", *_layout(8, 4)]}
+    return [
+        {"tree": tree, "cases": [{**SUMMARY, "name": "cpu-plan", "kind": "launcher", "mode": "launcher",
+                                  "argv": ["--dry-run", "--world-size", "64", "--gpu", "h100",
+                                           f"{tree}/pretrain_gpt.py", *_layout(8, 4)]}]},
+        {"tree": str(runs.patched(tree)), "cases": [
+            {**patched, "name": "patched-plan"},
+            {**patched, "name": "patched-bad", "env": {**patched["env"], "FUSED_SINGLE_QKV_ROPE": "maybe"}}]},
+    ]
+
+
+SUITE = tree_driver.SESSION.suite("front_door", _build)
+
+
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", _tree_params())
-def test_a_64_rank_h100_plan_from_a_cpu_machine(tree: str, tmp_path: Path) -> None:
+def test_a_64_rank_h100_plan_from_a_cpu_machine(tree: str) -> None:
+    r = tree_driver.SESSION.results(SUITE, tree)["cpu-plan"]
+    assert r["error"] is None, r["error"]
+    _check_summary(r["code"], r["stdout"], r["stderr"], tree)
+
+
+@pytest.mark.real_megatron
+@pytest.mark.parametrize("tree", _tree_params()[-1:])
+def test_the_64_rank_plan_as_a_process_of_its_own(tree: str, tmp_path: Path) -> None:
+    """The README's command itself, on the newest tree: its own process, nothing set."""
     env = _env(PYTHONPATH=os.pathsep.join([str(REPO), tree]))
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # no variables set
     done = subprocess.run([sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", "--world-size", "64",
                            "--gpu", "h100", f"{tree}/pretrain_gpt.py", *_layout(8, 4)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
-    _check_summary(done, tree)
+    _check_summary(done.returncode, done.stdout, done.stderr, tree)
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", _tree_params())
-def test_a_patched_checkout_plans_a_64_rank_h100_job(tree: str, tmp_path: Path) -> None:
-    from megatron_perf_toggles.tools import patching
-
-    copy = tmp_path / "Megatron-LM"
-    shutil.copytree(tree, copy, ignore=shutil.ignore_patterns(".git", "tests", "docs", "examples"))
-    checked = patching.inspect_tree(copy)
-    name = patching.patch_set_for(checked)
-    outcome = patching.apply(copy, patching.patch_files(patching.patches_dir(), name))
-    assert outcome.ok, outcome
-    env = _env(PYTHONPATH=os.pathsep.join([str(REPO), str(copy)]), MEGATRON_PERF_TOGGLES_DRY_RUN="1",
-               MEGATRON_PERF_TOGGLES_PLAN="64:h100")
-    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-    argv = [sys.executable, str(copy / "pretrain_gpt.py"), "--extra-args-provider", "megatron_perf_toggles",
-            *_layout(8, 4)]
-    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    _check_summary(done, tree)
-    bad = subprocess.run(argv, cwd=tmp_path, env={**env, "FUSED_SINGLE_QKV_ROPE": "maybe"}, capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        line for line in bad.stderr.strip().splitlines() if line.startswith("[perf-toggles] error: ")]
+def test_a_patched_checkout_plans_a_64_rank_h100_job(tree: str) -> None:
+    found = tree_driver.SESSION.results(SUITE, tree)
+    done, bad = found["patched-plan"], found["patched-bad"]
+    assert done["error"] is None and bad["error"] is None, done["error"] or bad["error"]
+    _check_summary(done["code"], done["stdout"], done["stderr"], tree)
+    errors = bad["stderr"].strip().splitlines()
+    assert bad["code"] == 2 and errors and errors == [line for line in errors if line.startswith("[perf-toggles] error: ")]
 
 
+@pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", _tree_params()[-1:])
 def test_ablate_headline_dry_run_on_a_qk_layernorm_model(tree: str, tmp_path: Path) -> None:
     env = _env(PYTHONPATH=os.pathsep.join([str(REPO), tree]))

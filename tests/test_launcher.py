@@ -3,7 +3,7 @@
 Three layers: pure helpers (no Megatron); a small fake Megatron written to tmp, in both parse-path
 shapes (<= 0.17: pretrain -> initialize_megatron -> parse_args; 0.18+: the script calls
 parse_and_validate_args), which runs on any machine in well under a second per case; and real
-Megatron-LM trees from MEGATRON_LM_TREES (tests/megatron_runs.py: one subprocess per version).
+Megatron-LM trees from MEGATRON_LM_TREES (tests/launcher_cases.py, on each tree's worker: tests/tree_driver.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import megatron_runs as runs
+import launcher_cases as runs
 import pytest
 from example_layouts import all_layouts
 
@@ -517,6 +517,26 @@ EXPLAIN_MATRIX = [pytest.param(t, name, gpu, id=f"{runs.tree_id(t)}-{name}-{gpu}
 @pytest.mark.parametrize(("tree", "name", "gpu"), EXPLAIN_MATRIX)
 def test_explain_decides_as_the_launcher_dry_run_on_the_same_tree(tmp_path: Path, tree: str, name: str,
                                                                  gpu: str) -> None:
+    """Both as their command lines' ``main``, on the tree's worker (tests/tree_driver.py)."""
+    layout = LAYOUTS[name]
+    argv = [a.replace("/unused", str(tmp_path)) for a in layout.argv]
+    plan = ["--world-size", str(layout.world_size), "--gpu", gpu]
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
+    found = runs.run_cases(tree, [
+        {"name": "dry", "mode": "launcher", "env": env,
+         "argv": ["--dry-run", "--json", *plan, f"{tree}/pretrain_gpt.py", *argv]},
+        {"name": "explain", "mode": "cli", "env": env,
+         "argv": ["explain", "--megatron", tree, "--json", *plan, "--", *argv]}])
+    dry, explain = found["dry"], found["explain"]
+    assert dry["error"] is None and dry["code"] == 0, dry["error"] or dry["stderr"][-3000:]
+    assert explain["error"] is None and explain["code"] == 0, explain["error"] or explain["stderr"][-3000:]
+    assert _decided(json.loads(explain["stdout"])) == _decided(json.loads(dry["stdout"]))
+
+
+@pytest.mark.real_megatron
+@pytest.mark.parametrize(("tree", "name", "gpu"), EXPLAIN_MATRIX[-1:])
+def test_explain_and_the_dry_run_decide_alike_as_processes_of_their_own(tmp_path: Path, tree: str, name: str,
+                                                                       gpu: str) -> None:
     layout = LAYOUTS[name]
     argv = [a.replace("/unused", str(tmp_path)) for a in layout.argv]
     plan = ["--world-size", str(layout.world_size), "--gpu", gpu]

@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import REPO
 
 # What a test reaches real trees through: the trees themselves, or parameters made from them.
-TREE_NAMES = {"TREES", "TREE_PARAMS", "EXPLAIN_MATRIX", "PICKED", "megatron_trees"}
+TREE_NAMES = {"TREES", "TREE_PARAMS", "EXPLAIN_MATRIX", "PICKED", "megatron_trees", "_tree_params", "SESSION"}
 
 
 def _marked(decorators: list[ast.expr]) -> bool:

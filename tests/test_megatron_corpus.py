@@ -6,7 +6,7 @@ parse_args + validate_args + core_transformer_config_from_args on CPU:
 
 - A: stock Megatron, no provider;
 - B: the plugin with MEGATRON_PERF_TOGGLES=0; its namespace must equal A's apart from what the
-  plugin documents (corpus_driver.ALLOWED_B_DIFFERENCES);
+  plugin documents (corpus_cases.ALLOWED_B_DIFFERENCES);
 - C1: plugin defaults, MEGATRON_PERF_TOGGLES_ASSUME=apex,te=<TE>,cuda; C2: ...ASSUME=none.
 
 Whatever A accepts, B, C1 and C2 accept; a toggle flag in the config keeps its value, with source

@@ -1,4 +1,4 @@
-"""Real Megatron-LM: parse_args + validate_args + TransformerConfig on CPU, one subprocess per tree.
+"""Real Megatron-LM: parse_args + validate_args + TransformerConfig on CPU, on each tree's worker (tree_driver).
 
 Trees come from MEGATRON_LM_TREES (':'-separated checkouts). Expected values come from the
 version facts of the product brief (e.g. the te cross-entropy assertion from core 0.18.2, the
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import tree_driver
-from conftest import REPO, megatron_trees
+from conftest import megatron_trees
 
 from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.runtime.capabilities import detect_rules
@@ -141,25 +141,19 @@ def _version_of(tree: Path) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _run_tree(tree: str, work: Path, cases_dir: Path) -> dict:
-    """Every case of ``tree`` in one driver process (tree_driver's skeleton); what the cases write
-    (records, checkpoints) goes under ``cases_dir``, which outlives the run for the tests to read."""
-    data = tree_driver.run_driver(REPO / "tests" / "megatron_driver.py", [tree], _cases(str(cases_dir), Path(tree)),
-                                  work, timeout=900)
-    data["by_id"] = {r["id"]: r for r in data["results"]}
-    return data
+def _build(tree: str, work: Path) -> list[dict]:
+    """The suite's cases for one tree's worker; what they write (records, checkpoints) goes under
+    ``work``, which lives as long as the test session."""
+    cases = [{"kind": "parse", **case, "name": case["id"]} for case in _cases(str(work), Path(tree))]
+    return [{"tree": tree, "cases": cases}]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    base = tmp_path_factory.mktemp("megatron")
-    return tree_driver.PerTree("ptt-real-", lambda tree, work: _run_tree(tree, work, base / Path(tree).name))
+SUITE = tree_driver.SESSION.suite("parse", _build)
 
 
 @pytest.fixture(params=TREES, ids=lambda p: p.name)
-def tree(request, results):
-    data = results.get(str(request.param))
-    return request.param, _version_of(request.param), data["by_id"]
+def tree(request):
+    return request.param, _version_of(request.param), tree_driver.SESSION.results(SUITE, str(request.param))
 
 
 def ok(result: dict) -> dict:

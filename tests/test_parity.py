@@ -6,7 +6,7 @@ deliberately differs, what it does instead and why. Each environment goes throug
 examples/llama/train_llama3.sh (same variables as the originating script) to a command line, then:
 
 - on every real tree in MEGATRON_LM_TREES: the launcher's dry run (Megatron's own parse and
-  validate), all environments in one subprocess per tree;
+  validate), all environments on the tree's worker (tests/tree_driver.py);
 - on the recorded ROCm fork surface: the plugin on the replayed parser (what
   ``explain --megatron-version rocm_fork`` runs).
 
@@ -24,15 +24,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-import megatron_runs as runs
+import launcher_cases as runs
 import pytest
+import tree_driver
 from conftest import REPO
 
 from megatron_perf_toggles.core.decide import FP4_RECIPE_SELECTION
@@ -242,53 +240,30 @@ def test_parity_on_the_fork_surface(case, capsys):
     compare(case, want, code, args, messages, capsys.readouterr().err)
 
 
-# --- real Megatron trees: one subprocess per tree, every environment in it --------------------------
+# --- real Megatron trees: every environment on the tree's worker (tree_driver) -------------------
 
 TREE_PARAMS = [pytest.param(Path(t), id=runs.tree_id(t)) for t in runs.trees()] or [
     pytest.param(None, id="no-trees")
 ]
-_lock = threading.Lock()
-_results: dict[str, dict[str, dict[str, Any]]] = {}
 
 
-def _run_tree(tree: Path, work: Path) -> dict[str, dict[str, Any]]:
-    script = str(tree / "pretrain_gpt.py")
+def _build(tree: str, work: Path) -> list[dict[str, Any]]:
+    script = str(Path(tree) / "pretrain_gpt.py")
     cases = []
     for case in CASES:
         argv, _err = example_command(case["id"])
         if argv is None:
             continue
-        cases.append({"name": case["id"], "mode": "launcher", "env": {**case["env"], **PLANNED},
+        cases.append({"name": case["id"], "kind": "launcher", "mode": "launcher", "env": {**case["env"], **PLANNED},
                       "te_version": TE_PLANNED, "device_arch": DEVICE_ARCH_PLANNED, "argv": ["--dry-run", script, *argv]})
-    plan_file, results_file = work / f"plan-{tree.name}.json", work / f"results-{tree.name}.json"
-    plan_file.write_text(json.dumps({"phases": [{"tree": str(tree.resolve()), "cases": cases}]}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")
-           and k not in {t.env for t in TOGGLES} and not k.startswith("FP4_")}
-    env["PYTHONPATH"] = str(REPO)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "megatron_runs.py"), str(plan_file), str(results_file)],
-                          env=env, cwd=work, capture_output=True, text=True, timeout=900, check=False)
-    if done.returncode != 0 or not results_file.exists():
-        raise AssertionError(f"driver for {tree} failed ({done.returncode}):\n{done.stderr[-5000:]}")
-    return {r["name"]: r for r in json.loads(results_file.read_text())}
+    return [{"tree": tree, "cases": cases}]
+
+
+SUITE = tree_driver.SESSION.suite("parity", _build)
 
 
 def tree_results(tree: Path) -> dict[str, dict[str, Any]]:
-    with _lock:
-        if not _results:
-            work = Path(tempfile.mkdtemp(prefix="ptt-parity-"))
-            names = [Path(t) for t in runs.trees()]
-            with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
-                futures = {t: pool.submit(_run_tree, t, work) for t in names}
-                for t, future in futures.items():
-                    try:
-                        _results[str(t)] = future.result()
-                    except Exception as error:  # noqa: BLE001 - reported per tree
-                        _results[str(t)] = {"__error__": {"error": str(error)}}
-            shutil.rmtree(work, ignore_errors=True)
-    found = _results[str(tree)]
-    assert "__error__" not in found, found["__error__"]["error"]
-    return found
+    return tree_driver.SESSION.results(SUITE, str(tree))
 
 
 @pytest.mark.real_megatron

@@ -3,7 +3,7 @@
 Fast: version detection, the patch files' own content, CLI errors. On real trees
 (MEGATRON_LM_TREES): ``--check`` on every tree, apply/again/reverse round trips on copies (git
 and the ``patch -p1`` fallback), and dry runs through a patched pretrain_gpt.py
-(tests/megatron_runs.py, shared with test_launcher.py).
+(tests/launcher_cases.py, shared with test_launcher.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import megatron_runs as runs
+import launcher_cases as runs
 import pytest
 
 from megatron_perf_toggles.tools import patching

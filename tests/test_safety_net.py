@@ -2,7 +2,7 @@
 
 Two layers: a fake ``megatron.training.arguments`` module with a rule of our choosing (any
 machine, milliseconds), and real trees from MEGATRON_LM_TREES whose copy gets a rule injected
-into ``validate_args`` that rejects a plugin default (tests/megatron_runs.py, phase "injected").
+into ``validate_args`` that rejects a plugin default (tests/launcher_cases.py, the injected copy's phase).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 import types
 
-import megatron_runs as runs
+import launcher_cases as runs
 import pytest
 
 from megatron_perf_toggles.core.facts import Capabilities

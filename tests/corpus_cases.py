@@ -1,10 +1,6 @@
-"""Run Megatron's real parse_args + validate_args + TransformerConfig, stock and with the plugin,
-for many command lines inside ONE process per Megatron tree.
-
-Usage (by tests/megatron_corpus.py): ``python corpus_driver.py TREE PLAN.json RESULTS.json``.
-
-Megatron trees share module names, so each version needs its own interpreter; importing one costs
-seconds, so every command line of that tree runs here, back to back, each in every mode:
+"""Megatron's real parse_args + validate_args + TransformerConfig, stock and with the plugin, for a
+batch of command lines (kind ``corpus``: functional-test configs or fuzz samples) on a tree's worker
+(tree_driver.py), each in every mode:
 
 - ``A``: stock Megatron, no extra_args_provider at all;
 - ``B``: the plugin with ``MEGATRON_PERF_TOGGLES=0`` (on the same assumed machine as C1);
@@ -12,11 +8,12 @@ seconds, so every command line of that tree runs here, back to back, each in eve
 - ``C2``: plugin defaults with nothing installed.
 
 Where Megatron asks the device (compute capability, device properties, the Transformer Engine
-version), this process answers like an H100 (sm_90) with TE ``PTT_TE_VERSION`` installed, without
-touching a GPU. Each case gets a fresh argv, environment, temporary directories and torch
-determinism flag; Megatron's module-level globals are put back after every case.
+version), the batch answers like an H100 (sm_90) with the batch's TE version installed, without
+touching a GPU, and puts the real answers back when it ends. Each case gets a fresh argv,
+environment, temporary directories and torch determinism flag; Megatron's module-level globals
+are put back after every case.
 
-Stock mode calls the functions captured right after import (Megatron's own); plugin modes look
+Stock mode calls the functions captured before the plugin ran (Megatron's own); plugin modes look
 ``parse_args``, ``validate_args`` and ``core_transformer_config_from_args`` up on Megatron's
 ``arguments`` module at call time, so whatever wrapper the plugin installs there is what runs.
 """
@@ -26,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import json
 import os
 import shutil
 import sys
@@ -39,14 +35,19 @@ from typing import Any
 
 import tree_driver
 
-TE_VERSION = os.environ.get("PTT_TE_VERSION", "2.12.0")
-GPU_BOX = f"apex,te={TE_VERSION},cuda"
-MODE_ENV: dict[str, dict[str, str]] = {
-    "A": {},
-    "B": {"MEGATRON_PERF_TOGGLES": "0", "MEGATRON_PERF_TOGGLES_ASSUME": GPU_BOX},
-    "C1": {"MEGATRON_PERF_TOGGLES_ASSUME": GPU_BOX},
-    "C2": {"MEGATRON_PERF_TOGGLES_ASSUME": "none"},
-}
+# The TE version the assumed GPU box has (the parent reads PTT_TE_VERSION and puts it in the batch).
+TE_VERSION = "2.12.0"
+
+
+def mode_env(te_version: str) -> dict[str, dict[str, str]]:
+    """Each mode's plugin variables, for a GPU box with ``te_version``."""
+    gpu_box = f"apex,te={te_version},cuda"
+    return {
+        "A": {},
+        "B": {"MEGATRON_PERF_TOGGLES": "0", "MEGATRON_PERF_TOGGLES_ASSUME": gpu_box},
+        "C1": {"MEGATRON_PERF_TOGGLES_ASSUME": gpu_box},
+        "C2": {"MEGATRON_PERF_TOGGLES_ASSUME": "none"},
+    }
 PLUGIN_VAR_PREFIXES = ("MEGATRON_PERF_TOGGLES", "FP4_SELECTIVE_BF16", "FP4_BF16_")
 NET_WORDS = "found at run time"
 # The plugin's error lines (megatron_perf_toggles.errors.PREFIX).
@@ -68,19 +69,20 @@ class _H100Properties:
         return f"_CudaDeviceProperties(name='{self.name}', major=9, minor=0)"
 
 
-def answer_like_a_gpu_machine() -> None:
-    """Make Megatron's device and Transformer Engine probes see an H100 with TE installed.
+def answer_like_a_gpu_machine(te_version: str, patches: Any) -> None:
+    """Make Megatron's device and Transformer Engine probes see an H100 with ``te_version``
+    installed, through ``patches`` (a ProcessPatches: undone when the batch ends).
 
     Only the probes validate_args and TransformerConfig use are answered; torch.cuda.is_available
     stays as it is, so nothing tries to create a CUDA context.
     """
     import torch
 
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
-    torch.cuda.get_device_properties = lambda device=None: _H100Properties()
-    torch.cuda.device_count = lambda: 8
-    torch.cuda.get_device_name = lambda device=None: _H100Properties.name
-    tree_driver.plan_te_version(TE_VERSION)
+    patches.set_attr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    patches.set_attr(torch.cuda, "get_device_properties", lambda device=None: _H100Properties())
+    patches.set_attr(torch.cuda, "device_count", lambda: 8)
+    patches.set_attr(torch.cuda, "get_device_name", lambda device=None: _H100Properties.name)
+    tree_driver.plan_te_version(te_version)
     # TransformerConfig checks that TE's fused kernels imported (RoPE, MoE permutation): without TE
     # these module attributes are None (or, on older trees, missing). A stand-in answers "present";
     # nothing here calls it.
@@ -91,7 +93,7 @@ def answer_like_a_gpu_machine() -> None:
             continue
         for attr in attrs:
             if getattr(module, attr, None) is None:
-                setattr(module, attr, _te_kernel_stand_in)
+                patches.set_attr(module, attr, _te_kernel_stand_in)
 
 
 TE_KERNEL_PROBES = {
@@ -105,26 +107,6 @@ TE_KERNEL_PROBES = {
 
 def _te_kernel_stand_in(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("a Transformer Engine kernel stand-in was called: only its presence is answered")
-
-
-def cache_parser_help_text() -> None:
-    """Megatron 0.16+ builds part of its parser from dataclass docstrings, parsing the source with
-    ``ast`` on every ``parse_args`` (~0.4 s a call). The text depends on the class alone, so it is
-    cached per class; the parser Megatron builds is the same."""
-    module = sys.modules.get("megatron.training.argument_utils")
-    for cls in vars(module).values() if module else ():
-        original = getattr(cls, "_get_field_docstrings", None) if isinstance(cls, type) else None
-        if original is None or getattr(original, "_ptt_cached", False):
-            continue
-        memo: dict[type, dict[str, str]] = {}
-
-        def cached(self: Any, src_cfg_class: type, _original: Any = original, _memo: dict = memo) -> dict[str, str]:
-            if src_cfg_class not in _memo:
-                _memo[src_cfg_class] = _original(self, src_cfg_class)
-            return dict(_memo[src_cfg_class])
-
-        cached._ptt_cached = True  # type: ignore[attr-defined]
-        cls._get_field_docstrings = cached
 
 
 # --- isolation ------------------------------------------------------------------------------------
@@ -211,7 +193,7 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
     from megatron_perf_toggles import extra_args_provider
     from megatron_perf_toggles.runtime.patches import PATCHES
 
-    _clean_environ(base_env, {**env, **MODE_ENV[mode]})
+    _clean_environ(base_env, {**env, **api["mode_env"][mode]})
     _fresh_dirs(dirs)
     sys.argv = ["pretrain_gpt.py", *argv]
     arguments = api["module"]
@@ -316,7 +298,7 @@ def namespace_diff(a: Any, b: Any) -> list[str]:
 # --- cases ----------------------------------------------------------------------------------------
 
 
-def run_case(case: dict[str, Any], api: dict[str, Any], base_env: dict[str, str]) -> dict[str, Any]:
+def run_case_modes(case: dict[str, Any], api: dict[str, Any], base_env: dict[str, str]) -> dict[str, Any]:
     """Every mode of one command line. B and C run only where A accepts (nothing to hold otherwise)."""
     started = time.perf_counter()
     dirs = case.get("dirs", [])
@@ -363,16 +345,17 @@ def explicit_dests(argv: list[str], dests: dict[str, str]) -> list[str]:
     return sorted(named - ALLOWED_B_DIFFERENCES)
 
 
-def cache_megatron_facts() -> None:
+def cache_megatron_facts(patches: Any) -> None:
     """The plugin reads this tree's facts (version, TransformerConfig fields) from source on every
-    parse (~0.1 s); they cannot change within this process, so they are read once."""
+    parse (~0.1 s); they cannot change within the batch, so they are read once (through
+    ``patches``: the batch's end puts the uncached function back)."""
     import functools
 
     from megatron_perf_toggles.runtime import capabilities
 
     original = capabilities.megatron_facts
     if not getattr(original, "cache_info", None) and not inspect_params(original):
-        capabilities.megatron_facts = functools.cache(original)
+        patches.set_attr(capabilities, "megatron_facts", functools.cache(original))
 
 
 def inspect_params(fn: Any) -> bool:
@@ -384,23 +367,25 @@ def inspect_params(fn: Any) -> bool:
         return True
 
 
-def main() -> int:
-    tree, plan_file, results_file = sys.argv[1], sys.argv[2], sys.argv[3]
-    plan = json.loads(Path(plan_file).read_text())
-    saved_argv = list(sys.argv)
-    base_env = dict(os.environ)
-    started = time.perf_counter()
+def run_case(batch: dict[str, Any]) -> dict[str, Any]:
+    """One batch in the worker: ``batch["cases"]`` (functional-test configs) or ``batch["fuzz"]``
+    (seed, count, workdir: the samples are generated here, from this tree's flags)."""
     from megatron_perf_toggles.launcher.import_shims import megatron_importable
+    from megatron_perf_toggles.runtime.patches import ProcessPatches
 
-    with megatron_importable(tree):
+    saved_argv, base_env = list(sys.argv), dict(os.environ)
+    started = time.perf_counter()
+    with megatron_importable():
         from megatron.core import package_info
         from megatron.training import arguments
     import_seconds = time.perf_counter() - started
-    answer_like_a_gpu_machine()
-    cache_parser_help_text()
-    cache_megatron_facts()
+    te_version = batch.get("te_version") or TE_VERSION
+    patches = ProcessPatches()
+    answer_like_a_gpu_machine(te_version, patches)
+    cache_megatron_facts(patches)
+
     def te_reset() -> None:
-        tree_driver.plan_te_version(TE_VERSION)
+        tree_driver.plan_te_version(te_version)
 
     api = {
         "module": arguments,
@@ -408,32 +393,31 @@ def main() -> int:
         "validate_args": arguments.validate_args,
         "core_transformer_config_from_args": arguments.core_transformer_config_from_args,
         "te_reset": te_reset,
+        "mode_env": mode_env(te_version),
     }
-    payload: dict[str, Any] = {"tree": tree, "version": package_info.__version__, "te_version": TE_VERSION,
+    payload: dict[str, Any] = {"version": package_info.__version__, "te_version": te_version,
                                "import_seconds": round(import_seconds, 2), "results": []}
-    with megatron_importable(None):
-        api["dests"] = option_dests(api, base_env)
-        if plan.get("fuzz"):
-            import megatron_fuzz
+    try:
+        with megatron_importable():
+            api["dests"] = option_dests(api, base_env)
+            if batch.get("fuzz"):
+                import megatron_fuzz
 
-            fuzz = plan["fuzz"]
-            samples = megatron_fuzz.generate(fuzz["seed"], fuzz["count"], sorted(api["dests"]), fuzz["workdir"])
-            payload["samples"] = samples
-            cases = samples
-        else:
-            cases = plan["cases"]
-        for case in cases:
-            try:
-                payload["results"].append(run_case(case, api, base_env))
-            except BaseException as exc:  # noqa: BLE001 - one broken case must not hide the others
-                payload["results"].append({"id": case["id"], "driver_error": _error_line(exc)})
-    sys.argv = saved_argv
-    os.environ.clear()
-    os.environ.update(base_env)
+                fuzz = batch["fuzz"]
+                cases = megatron_fuzz.generate(fuzz["seed"], fuzz["count"], sorted(api["dests"]), fuzz["workdir"])
+                payload["samples"] = cases
+            else:
+                cases = batch["cases"]
+            for case in cases:
+                try:
+                    payload["results"].append(run_case_modes(case, api, base_env))
+                except BaseException as exc:  # noqa: BLE001 - one broken case must not hide the others
+                    payload["results"].append({"id": case["id"], "driver_error": _error_line(exc)})
+    finally:
+        patches.uninstall()
+        tree_driver.plan_te_version(None)
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(base_env)
     payload["seconds"] = round(time.perf_counter() - started, 2)
-    Path(results_file).write_text(json.dumps(payload, default=repr))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return payload

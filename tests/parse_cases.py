@@ -1,19 +1,16 @@
-"""Run parse_args + validate_args + TransformerConfig for many cases inside ONE process per tree.
+"""Parse + validate + TransformerConfig cases (kind ``parse``) and the wgrad fallback's sites (kind
+``wgrad_sites``), run on a tree's worker (tree_driver.py) for tests/test_megatron_real.py.
 
-Usage (by tests/test_megatron_real.py, through tree_driver): ``python megatron_driver.py TREE
-CASES.json RESULTS.json``. Megatron trees share module names, so each version needs its own
-interpreter; within one version the cases run back to back, each with its own environment and argv.
+Each case has its own environment and argv on top of ``COMMON``; ``run_case`` is what the worker calls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import tree_driver
 
@@ -37,13 +34,22 @@ def _clean_environ(extra: dict[str, str]) -> None:
     os.environ.setdefault("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "json")  # the record on stdout, for the checks
 
 
-def run_case(case: dict, api: dict) -> dict:
-    saved_environ = dict(os.environ)
+def run_case(case: dict) -> dict:
+    """One case in the worker, Megatron imported from the tree on its path."""
+    from megatron_perf_toggles.launcher.import_shims import megatron_importable
+
+    if case["kind"] == "wgrad_sites":
+        with megatron_importable():
+            return wgrad_sites()
+    with megatron_importable():
+        from megatron.training import arguments
+    saved_environ, saved_argv = dict(os.environ), list(sys.argv)
     try:
-        return _run_case(case, api)
+        return _run_case(case, {"module": arguments, "parse_args": arguments.parse_args})
     finally:
         os.environ.clear()
         os.environ.update(saved_environ)
+        sys.argv = saved_argv
         tree_driver.plan_te_version(None)
 
 
@@ -141,33 +147,3 @@ def wgrad_sites() -> dict:
 
     after["lazy_import_is_fallback"] = wgrad_fallback.is_fallback(fused_weight_gradient_mlp_cuda)
     return {"before": before, "after": after}
-
-
-def main() -> int:
-    tree, cases_file, results_file = sys.argv[1:4]
-    cases = json.loads(Path(cases_file).read_text())
-    saved_argv = list(sys.argv)
-    from megatron_perf_toggles.launcher.import_shims import megatron_importable
-
-    with megatron_importable(tree):
-        from megatron.core import package_info
-        from megatron.training import arguments
-
-    api = {
-        "module": arguments,
-        "parse_args": arguments.parse_args,
-        "validate_args": arguments.validate_args,
-        "core_transformer_config_from_args": arguments.core_transformer_config_from_args,
-    }
-    results = [run_case(case, api) for case in cases if case.get("kind") != "wgrad_sites"]
-    if any(case.get("kind") == "wgrad_sites" for case in cases):
-        with megatron_importable(None):
-            results.append({"id": "wgrad_sites", **wgrad_sites()})
-    sys.argv = saved_argv
-    Path(results_file).write_text(json.dumps({"version": package_info.__version__, "tree": tree, "results": results},
-                                             default=repr))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,9 +1,10 @@
-"""Real-Megatron runs of the launcher, patched checkouts and the safety net, and their cases.
+"""Real-Megatron cases of the launcher, patched checkouts and the safety net (the suite "launcher").
 
-On tree_driver's skeleton (one subprocess per tree, the trees in parallel): this file, run as a
-script, runs every case in-process, first on the tree itself, then, after dropping the tree's
-modules (a re-import costs ~2 s), on a patched copy of it. ``run_cases`` runs any batch of
-launcher cases on one tree the same way. Trees come from MEGATRON_LM_TREES (':'-separated) only.
+On the one driver (tree_driver.py): the suite's phases run on each tree's worker, the tree's own
+cases with every other suite's, then a patched copy of the tree and a copy with an injected rule,
+each after the worker drops the tree's modules. ``run_cases`` runs any batch of launcher cases on
+one tree's worker. ``run_case`` is what the worker calls for a case of kind ``launcher`` (the
+launcher's ``main``) or ``script`` (``python SCRIPT``). Trees come from MEGATRON_LM_TREES only.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import json
 import os
 import runpy
 import shutil
+import subprocess
 import sys
-import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -243,65 +245,63 @@ def _prepare(work: Path) -> None:
 
 
 def patch_copy(tree: str, dest: Path) -> Path:
-    """A copy of ``tree`` with its patch set applied through the real CLI code."""
-    from megatron_perf_toggles.tools import patching
-
+    """A copy of ``tree`` with its patch set applied through the real command line, in a process
+    of its own (this runs beside the unit tests: nothing here may print into theirs)."""
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(tree, dest, ignore=shutil.ignore_patterns("__pycache__", ".git"))
-    code = patching.main(["--megatron", str(dest)])
-    assert code == 0, f"patching a copy of {tree} failed"
+    done = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "patch", "--megatron", str(dest)],
+                          env=tree_driver.driver_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, f"patching a copy of {tree} failed: {done.stderr[-2000:]}"
     return dest
 
 
-def _run_version(tree: str, work: Path) -> dict[str, dict[str, Any]]:
-    _prepare(work)
-    copy = patch_copy(tree, work / "patched" / tree_id(tree))
+_COPIES: dict[str, Path] = {}
+_COPIES_LOCK = threading.Lock()
+
+
+def patched(tree: str) -> Path:
+    """The session's patched copy of ``tree`` (made once, for every suite that runs cases on it)."""
+    with _COPIES_LOCK:
+        if tree not in _COPIES:
+            _COPIES[tree] = patch_copy(tree, tree_driver.SESSION.work(tree) / "patched" / tree_id(tree))
+        return _COPIES[tree]
+
+
+def _build(tree: str, work: Path) -> list[dict[str, Any]]:
+    """The launcher suite's phases on one tree: the tree itself, a patched copy, an injected copy."""
+    _prepare(work.parent)  # the worker's directory, on its sys.path: the provider module and scripts
+    copy = patched(tree)
     injected = inject_copy(tree, work / "injected" / tree_id(tree))
-    plan = {"phases": [
-        {"tree": str(Path(tree).resolve()), "cases": stock_cases(tree, work)},
-        {"tree": str(copy.resolve()), "cases": patched_cases(str(copy), has_fused_field(tree))},
-        {"tree": str(injected.resolve()), "cases": net_cases(str(injected))},
-    ]}
-    return _drive_in_subprocess(plan, work)
+    return [
+        {"tree": tree, "cases": _kinds(stock_cases(tree, work.parent))},
+        {"tree": str(copy), "cases": _kinds(patched_cases(str(copy), has_fused_field(tree)))},
+        {"tree": str(injected), "cases": _kinds(net_cases(str(injected)))},
+    ]
+
+
+def _kinds(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"kind": case["mode"], **case} for case in cases]
+
+
+SUITE = tree_driver.SESSION.suite("launcher", _build)
 
 
 def run_cases(tree: str, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``cases`` on ``tree`` in ONE subprocess that imports Megatron once: how a test batches many
-    dry runs of one tree (e.g. every arm of an ablation) instead of starting a process for each."""
-    work = Path(tempfile.mkdtemp(prefix="ptt-batch-"))
-    try:
-        _prepare(work)
-        return _drive_in_subprocess({"phases": [{"tree": str(Path(tree).resolve()), "cases": cases}]}, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _drive_in_subprocess(plan: dict[str, Any], work: Path) -> dict[str, dict[str, Any]]:
-    env = tree_driver.driver_env(path=[work])
-    found = tree_driver.run_driver(Path(__file__), [], plan, work, env=env, timeout=900)
-    return {r["name"]: r for r in found}
-
-
-RUNS = tree_driver.PerTree("ptt-megatron-", _run_version)
+    """``cases`` on ``tree``'s worker, which has Megatron imported already: how a test runs many
+    dry runs of one tree (e.g. every arm of an ablation) without starting a process for each."""
+    return tree_driver.SESSION.run(tree, _kinds(cases))
 
 
 def results(tree: str) -> dict[str, dict[str, Any]]:
-    """Every case's result for ``tree``; the first call runs all trees, in parallel."""
-    return RUNS.get(tree)
+    """Every case's result for ``tree`` (waits for the tree's worker)."""
+    return tree_driver.SESSION.results(SUITE, tree)
 
 
 # --- the driver: runs in the subprocess -----------------------------------------------------------
 
 
 _MISSING = object()
-
-
-def _drop_tree_modules(root: str) -> None:
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None) or ""
-        if name == "megatron" or name.startswith("megatron.") or path.startswith(root + os.sep):
-            del sys.modules[name]
 
 
 _ARCH_ORIGINAL: dict[str, Any] = {}
@@ -323,7 +323,8 @@ def _plan_device_arch(major: int | None) -> None:
     arguments.get_device_arch_version = lambda: major
 
 
-def _run_case(case: dict[str, Any]) -> dict[str, Any]:
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """One launcher or script case, in the worker (tree_driver)."""
     import torch
 
     from megatron_perf_toggles.launcher import launch as run
@@ -338,8 +339,11 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     out, err = io.StringIO(), io.StringIO()
     saved = (sys.stdout, sys.stderr, list(sys.argv), list(sys.path), dict(os.environ))
     blocked = {name: sys.modules.get(name, _MISSING) for name in case.get("block", [])}
+    for name in case.get("unset", []):
+        os.environ.pop(name, None)
     os.environ.update(case.get("env", {}))
-    os.environ.setdefault("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "json")  # the record on stdout, for the checks
+    if "MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT" not in case.get("unset", []):  # the record on stdout, for the checks
+        os.environ.setdefault("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "json")
     world_vars = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     world_before = {v: os.environ.get(v) for v in world_vars}
     world_after: dict[str, Any] = {}
@@ -354,8 +358,12 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     try:
         tree_driver.plan_te_version(case.get("te_version"))
         _plan_device_arch(case.get("device_arch"))
-        if case["mode"] == "launcher":
+        if case["mode"] == "launcher":  # as `python -m megatron_perf_toggles.run ARGV`
             code = run.main(case["argv"])
+        elif case["mode"] == "cli":  # as `python -m megatron_perf_toggles ARGV`
+            from megatron_perf_toggles.tools import cli
+
+            code = cli.main(case["argv"])
         else:  # as `python SCRIPT ARGS`
             sys.argv = list(case["argv"])
             sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
@@ -386,24 +394,6 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     undone = (all(getattr(torch.cuda, name) is fn for name, fn in device_queries.items())
               and (torch.version.cuda, torch.version.hip) == versions
               and world_after == world_before)
-    return {"name": case["name"], "code": code, "stand_ins_undone": undone,
+    return {"name": case["name"], "argv": case["argv"], "code": code, "stand_ins_undone": undone,
             "stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,
             "seconds": round(time.perf_counter() - started, 2)}
-
-
-def drive(plan_file: str, results_file: str) -> None:
-    plan = json.loads(Path(plan_file).read_text())
-    found: list[dict[str, Any]] = []
-    previous = None
-    for phase in plan["phases"]:
-        if previous is not None:
-            _drop_tree_modules(previous)
-            sys.path.remove(previous)
-        sys.path.insert(0, phase["tree"])
-        previous = phase["tree"]
-        found.extend(_run_case(case) for case in phase["cases"])
-    Path(results_file).write_text(json.dumps(found))
-
-
-if __name__ == "__main__":
-    drive(sys.argv[1], sys.argv[2])
