@@ -76,11 +76,11 @@ def pytest_collection_finish(session):
     import sys
 
     driver = sys.modules.get("tree_driver")  # imported by the suites that use it
-    if driver is None:
+    if driver is None or session.config.option.collectonly:
         return
-    if not any(item.get_closest_marker(REAL_MEGATRON) is not None for item in session.items):
-        driver.SESSION.suites.clear()  # a selection without real-tree tests starts no worker
-    driver.SESSION.start()
+    # Only what the selected tests need: suites for their real-Megatron tests, jobs for any test.
+    real = {item.module.__name__ for item in session.items if item.get_closest_marker(REAL_MEGATRON) is not None}
+    driver.SESSION.start(real, {item.module.__name__ for item in session.items})
 
 
 def pytest_unconfigure(config):

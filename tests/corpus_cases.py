@@ -379,6 +379,7 @@ def run_case(batch: dict[str, Any]) -> dict[str, Any]:
         from megatron.core import package_info
         from megatron.training import arguments
     import_seconds = time.perf_counter() - started
+    tree_driver.assert_megatron_unwrapped(arguments)
     te_version = batch.get("te_version") or TE_VERSION
     patches = ProcessPatches()
     answer_like_a_gpu_machine(te_version, patches)

@@ -1,10 +1,11 @@
 """Real-Megatron cases of the launcher, patched checkouts and the safety net (the suite "launcher").
 
-On the one driver (tree_driver.py): the suite's phases run on each tree's worker, the tree's own
-cases with every other suite's, then a patched copy of the tree and a copy with an injected rule,
-each after the worker drops the tree's modules. ``run_cases`` runs any batch of launcher cases on
-one tree's worker. ``run_case`` is what the worker calls for a case of kind ``launcher`` (the
-launcher's ``main``) or ``script`` (``python SCRIPT``). Trees come from MEGATRON_LM_TREES only.
+On the one driver (tree_driver.py): a patched copy of each tree and a copy with an injected rule
+run first on the tree's worker, each after the worker drops the previous tree's modules; the
+tree's own cases then run with every other suite's. ``run_cases`` runs any batch of cases on one
+tree's worker. ``run_case`` is what the worker calls for a case of kind ``launcher`` (the
+launcher's ``main``), ``cli`` (the command line's ``main``) or ``script`` (``python SCRIPT``).
+Trees come from MEGATRON_LM_TREES only.
 """
 
 from __future__ import annotations
@@ -256,16 +257,24 @@ def patch_copy(tree: str, dest: Path) -> Path:
     return dest
 
 
-_COPIES: dict[str, Path] = {}
-_COPIES_LOCK = threading.Lock()
+_COPIES: dict[str, Path | BaseException] = {}
+_COPY_LOCKS: dict[str, threading.Lock] = {}
 
 
 def patched(tree: str) -> Path:
-    """The session's patched copy of ``tree`` (made once, for every suite that runs cases on it)."""
-    with _COPIES_LOCK:
+    """The session's patched copy of ``tree``, made once (or failed once) for every suite that runs
+    cases on it; trees are copied in parallel."""
+    lock = _COPY_LOCKS.setdefault(tree, threading.Lock())
+    with lock:
         if tree not in _COPIES:
-            _COPIES[tree] = patch_copy(tree, tree_driver.SESSION.work(tree) / "patched" / tree_id(tree))
-        return _COPIES[tree]
+            try:
+                _COPIES[tree] = patch_copy(tree, tree_driver.SESSION.work(tree) / "patched" / tree_id(tree))
+            except Exception as error:  # noqa: BLE001 - each suite that needs the copy reports it
+                _COPIES[tree] = error
+        found = _COPIES[tree]
+    if isinstance(found, BaseException):
+        raise AssertionError(f"the patched copy of {tree} could not be made: {found}")
+    return found
 
 
 def _build(tree: str, work: Path) -> list[dict[str, Any]]:
@@ -284,7 +293,7 @@ def _kinds(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"kind": case["mode"], **case} for case in cases]
 
 
-SUITE = tree_driver.SESSION.suite("launcher", _build)
+SUITE = tree_driver.SESSION.suite("launcher", _build, owners=("test_launcher", "test_patches", "test_safety_net"))
 
 
 def run_cases(tree: str, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -293,12 +302,41 @@ def run_cases(tree: str, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any
     return tree_driver.SESSION.run(tree, _kinds(cases))
 
 
+def cli_on_worker(tree: str | os.PathLike[str], argv: list[str], env: dict[str, str] | None = None
+                  ) -> subprocess.CompletedProcess[str]:
+    """``python -m megatron_perf_toggles ARGV`` as its ``main`` on ``tree``'s worker, answered as a
+    finished process would be (exit code, stdout, stderr)."""
+    found = run_cases(str(tree), [{"name": "cli", "mode": "cli", "env": dict(env or {}), "argv": list(argv)}])["cli"]
+    assert found["error"] is None, found["error"]
+    return subprocess.CompletedProcess(argv, found["code"], found["stdout"], found["stderr"])
+
+
+def arm_resolver(tree: str | os.PathLike[str]) -> Any:
+    """A resolver for ablate (as ``resolve_arm``): each arm's dry run on ``tree``'s worker, as rank
+    0, in the arm's environment; a failed dry run raises the ConfoundError ``resolve_arm`` would."""
+    from megatron_perf_toggles.tools.ablate import runner as ablate
+
+    def resolver(script: str, args: list[str], arm: Any, environ: dict[str, str], world: int | None = None
+                 ) -> dict[str, Any]:
+        plugin_env = {k: v for k, v in environ.items() if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA_DEVICE"))}
+        case = {"name": "arm", "mode": "launcher", "argv": ablate.dry_run_command(script, args, arm, world)[3:],
+                "env": {**plugin_env, **arm.env(), "RANK": "0"}}
+        result = run_cases(str(tree), [case])["arm"]
+        assert not result["error"], f"arm {arm.name}: {result['error']}"
+        if result["code"] != 0:
+            tail = " | ".join(result["stderr"].strip().splitlines()[-3:])
+            raise ablate.ConfoundError(f"arm {arm.name}: the dry run failed (exit {result['code']}): {tail}")
+        return json.loads(result["stdout"])
+
+    return resolver
+
+
 def results(tree: str) -> dict[str, dict[str, Any]]:
     """Every case's result for ``tree`` (waits for the tree's worker)."""
     return tree_driver.SESSION.results(SUITE, tree)
 
 
-# --- the driver: runs in the subprocess -----------------------------------------------------------
+# --- in the worker -----------------------------------------------------------------------------------
 
 
 _MISSING = object()
@@ -342,8 +380,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     for name in case.get("unset", []):
         os.environ.pop(name, None)
     os.environ.update(case.get("env", {}))
-    if "MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT" not in case.get("unset", []):  # the record on stdout, for the checks
-        os.environ.setdefault("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "json")
+    if case["mode"] != "cli" and "MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT" not in case.get("unset", []):
+        os.environ.setdefault("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "json")  # the record on stdout, for the checks
     world_vars = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     world_before = {v: os.environ.get(v) for v in world_vars}
     world_after: dict[str, Any] = {}
@@ -363,6 +401,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         elif case["mode"] == "cli":  # as `python -m megatron_perf_toggles ARGV`
             from megatron_perf_toggles.tools import cli
 
+            sys.argv = ["megatron-perf-toggles", *case["argv"]]  # its messages name the program as users run it
             code = cli.main(case["argv"])
         else:  # as `python SCRIPT ARGS`
             sys.argv = list(case["argv"])

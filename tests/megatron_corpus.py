@@ -223,10 +223,10 @@ class Batch:
     """A suite of one ``corpus`` batch per tree: ``plan(tree, work)`` gives (the batch, what the
     judging needs besides the results); ``get(tree)`` the worker's payload with that added."""
 
-    def __init__(self, name: str, plan: Any) -> None:
+    def __init__(self, name: str, plan: Any, owner: str) -> None:
         self.plan = plan
         self.extras: dict[str, dict[str, Any]] = {}
-        self.name = tree_driver.SESSION.suite(name, self._build)
+        self.name = tree_driver.SESSION.suite(name, self._build, owners=(owner,))
 
     def _build(self, tree: str, work: Path) -> list[dict[str, Any]]:
         batch, self.extras[tree] = self.plan(tree, work)
@@ -247,7 +247,7 @@ def _corpus_plan(tree: str, work: Path) -> tuple[dict[str, Any], dict[str, Any]]
     return {"cases": cases}, {"found": total, "excluded": dict(excluded), "cases": cases}
 
 
-CORPUS = Batch("corpus", _corpus_plan)
+CORPUS = Batch("corpus", _corpus_plan, "test_megatron_corpus")
 
 
 # --- judging --------------------------------------------------------------------------------------
@@ -388,7 +388,7 @@ def _fuzz_plan(tree: str, work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return {"fuzz": {"seed": seed, "count": count, "workdir": str(work / "samples")}}, {"seed": seed, "count": count}
 
 
-FUZZ = Batch("fuzz", _fuzz_plan)
+FUZZ = Batch("fuzz", _fuzz_plan, "test_megatron_fuzz")
 
 
 def plugin_refusal(result: dict[str, Any]) -> bool:

@@ -43,6 +43,8 @@ def run_case(case: dict) -> dict:
             return wgrad_sites()
     with megatron_importable():
         from megatron.training import arguments
+    if case.get("stock"):
+        tree_driver.assert_megatron_unwrapped(arguments)
     saved_environ, saved_argv = dict(os.environ), list(sys.argv)
     try:
         return _run_case(case, {"module": arguments, "parse_args": arguments.parse_args})

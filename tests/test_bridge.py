@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import tree_driver
-from conftest import REPO, megatron_trees
+from conftest import REPO
 
 QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"
 QWEN3_SFT = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_sft_1gpu_h100_bf16_config"
@@ -53,7 +53,7 @@ def _tree() -> Path | None:
     named = tree_driver.SESSION.environ.get("BRIDGE_MEGATRON_TREE")
     if named:
         return Path(named)
-    trees = megatron_trees()
+    trees = [Path(t) for t in tree_driver.trees()]  # as the session started: this runs beside the tests
     return next((t for t in trees if t.name == "main"), trees[-1] if trees else None)
 
 
@@ -76,10 +76,11 @@ def _run(cases: dict, tree: Path | None) -> dict:
 
 
 # Both runs start with the session's workers (tests/tree_driver.py), beside the unit tests.
-RUNS = tree_driver.SESSION.background("bridge", lambda: _run(CASES, _tree()))
+RUNS = tree_driver.SESSION.background("bridge", lambda: _run(CASES, _tree()), real=False)
 # The same recipe with no Megatron-LM tree: the megatron-core installed beside Bridge (PyPI's
 # wheel, which ships megatron.training too).
-INSTALLED = tree_driver.SESSION.background("bridge-installed-core", lambda: _run({"defaults": CASES["defaults"]}, None))
+INSTALLED = tree_driver.SESSION.background("bridge-installed-core", lambda: _run({"defaults": CASES["defaults"]}, None),
+                                           real=False)
 
 
 def results() -> dict:

@@ -271,16 +271,50 @@ def test_a_64_rank_h100_plan_from_a_cpu_machine(tree: str) -> None:
     _check_summary(r["code"], r["stdout"], r["stderr"], tree)
 
 
+def _processes_of_their_own(tree: str) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The README's dry run, a patched checkout's ``python pretrain_gpt.py`` (well, then with a bad
+    value) and ``ablate --design headline --dry-run``, each as users run them: processes of their
+    own, nothing set. A background job (tests/tree_driver.py): they run beside the unit tests."""
+    work = tree_driver.SESSION.tempdir("ptt-front-door-")
+    env = {k: v for k, v in tree_driver.driver_env().items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    plain = {**env, "PYTHONPATH": os.pathsep.join([str(REPO), tree])}
+
+    def run(argv: list[str], environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, cwd=work, env=environ, capture_output=True, text=True, timeout=600)
+
+    copy = runs.patched(tree)
+    patched_env = {**env, "PYTHONPATH": os.pathsep.join([str(REPO), str(copy)]), "MEGATRON_PERF_TOGGLES_DRY_RUN": "1",
+                   "MEGATRON_PERF_TOGGLES_PLAN": "64:h100"}
+    patched_argv = [sys.executable, str(copy / "pretrain_gpt.py"), "--extra-args-provider", "megatron_perf_toggles",
+                    *_layout(8, 4)]
+    return {
+        "readme": run([sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", "--world-size", "64", "--gpu",
+                       "h100", f"{tree}/pretrain_gpt.py", *_layout(8, 4)], plain),
+        "patched": run(patched_argv, patched_env),
+        "patched-bad": run(patched_argv, {**patched_env, "FUSED_SINGLE_QKV_ROPE": "maybe"}),
+        "ablate": run([sys.executable, "-m", "megatron_perf_toggles", "ablate", "--design", "headline", "--dry-run",
+                       "--out", str(work / "out"), f"{tree}/pretrain_gpt.py", *_layout(1, 1), "--qk-layernorm"], plain),
+    }
+
+
+NEWEST = [str(t) for t in megatron_trees()[-1:]]
+PROCESSES = tree_driver.SESSION.background("front-door-processes", lambda: _processes_of_their_own(NEWEST[0])) if NEWEST else ""
+
+
 @pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", _tree_params()[-1:])
-def test_the_64_rank_plan_as_a_process_of_its_own(tree: str, tmp_path: Path) -> None:
-    """The README's command itself, on the newest tree: its own process, nothing set."""
-    env = _env(PYTHONPATH=os.pathsep.join([str(REPO), tree]))
-    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # no variables set
-    done = subprocess.run([sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", "--world-size", "64",
-                           "--gpu", "h100", f"{tree}/pretrain_gpt.py", *_layout(8, 4)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    _check_summary(done.returncode, done.stdout, done.stderr, tree)
+def test_the_entry_points_as_processes_of_their_own(tree: str) -> None:
+    """On the newest tree, as users run them (the per-tree tests run the same on the trees' workers)."""
+    found = tree_driver.SESSION.outcome(PROCESSES)
+    for name in ("readme", "patched"):
+        _check_summary(found[name].returncode, found[name].stdout, found[name].stderr, tree)
+    bad = found["patched-bad"]
+    errors = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and errors and errors == [line for line in errors if line.startswith("[perf-toggles] error: ")]
+    ablate = found["ablate"]
+    assert ablate.returncode == 0, ablate.stderr[-3000:]
+    assert "[ablate] left out fused_single_qkv_rope: a guard turns it off for this model (--qk-layernorm" in ablate.stderr
+    assert "all-on (" not in ablate.stdout and "FUSED_SINGLE_QKV_ROPE" not in ablate.stdout
 
 
 @pytest.mark.real_megatron
@@ -296,14 +330,17 @@ def test_a_patched_checkout_plans_a_64_rank_h100_job(tree: str) -> None:
 
 @pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", _tree_params()[-1:])
-def test_ablate_headline_dry_run_on_a_qk_layernorm_model(tree: str, tmp_path: Path) -> None:
-    env = _env(PYTHONPATH=os.pathsep.join([str(REPO), tree]))
-    done = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "ablate", "--design", "headline", "--dry-run",
-                           "--out", str(tmp_path / "out"), f"{tree}/pretrain_gpt.py", *_layout(1, 1), "--qk-layernorm"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "[ablate] left out fused_single_qkv_rope: a guard turns it off for this model (--qk-layernorm" in done.stderr
-    assert "all-on (" not in done.stdout and "FUSED_SINGLE_QKV_ROPE" not in done.stdout
+def test_ablate_headline_dry_run_on_a_qk_layernorm_model(tree: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``ablate --design headline --dry-run`` as its ``main``, each arm's dry run on the tree's worker."""
+    from megatron_perf_toggles.tools.ablate import runner as ablate
+
+    code = ablate.main(["--design", "headline", "--dry-run", "--out", str(tmp_path / "out"), f"{tree}/pretrain_gpt.py",
+                        *_layout(1, 1), "--qk-layernorm"], resolver=runs.arm_resolver(tree))
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "[ablate] left out fused_single_qkv_rope: a guard turns it off for this model (--qk-layernorm" in err
+    assert "all-on (" not in out and "FUSED_SINGLE_QKV_ROPE" not in out
 
 
 def test_explain_lists_the_launch_environment_as_the_dry_run_does() -> None:

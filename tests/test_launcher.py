@@ -17,6 +17,7 @@ from pathlib import Path
 
 import launcher_cases as runs
 import pytest
+import tree_driver
 from example_layouts import all_layouts
 
 from megatron_perf_toggles import chain_providers, extra_args_provider
@@ -489,7 +490,7 @@ def test_real_example_layout_dry_run_with_world_size(tree: str, name: str) -> No
 
 
 def _subprocess(argv: list[str], tmp: Path, timeout: int = 600, **extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    env = {k: v for k, v in tree_driver.SESSION.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
     env.update(PYTHONPATH=str(REPO), CUDA_DEVICE_MAX_CONNECTIONS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
     env.update(extra)
     return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp, env=env,
@@ -517,32 +518,42 @@ EXPLAIN_MATRIX = [pytest.param(t, name, gpu, id=f"{runs.tree_id(t)}-{name}-{gpu}
 @pytest.mark.parametrize(("tree", "name", "gpu"), EXPLAIN_MATRIX)
 def test_explain_decides_as_the_launcher_dry_run_on_the_same_tree(tmp_path: Path, tree: str, name: str,
                                                                  gpu: str) -> None:
-    """Both as their command lines' ``main``, on the tree's worker (tests/tree_driver.py)."""
+    """Both as their command lines' ``main``, on the tree's worker (tests/tree_driver.py): explain
+    first, and each leaves the process as it found it, so neither decides from what the other left."""
     layout = LAYOUTS[name]
     argv = [a.replace("/unused", str(tmp_path)) for a in layout.argv]
     plan = ["--world-size", str(layout.world_size), "--gpu", gpu]
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
     found = runs.run_cases(tree, [
-        {"name": "dry", "mode": "launcher", "env": env,
-         "argv": ["--dry-run", "--json", *plan, f"{tree}/pretrain_gpt.py", *argv]},
         {"name": "explain", "mode": "cli", "env": env,
-         "argv": ["explain", "--megatron", tree, "--json", *plan, "--", *argv]}])
-    dry, explain = found["dry"], found["explain"]
-    assert dry["error"] is None and dry["code"] == 0, dry["error"] or dry["stderr"][-3000:]
-    assert explain["error"] is None and explain["code"] == 0, explain["error"] or explain["stderr"][-3000:]
-    assert _decided(json.loads(explain["stdout"])) == _decided(json.loads(dry["stdout"]))
+         "argv": ["explain", "--megatron", tree, "--json", *plan, "--", *argv]},
+        {"name": "dry", "mode": "launcher", "env": env,
+         "argv": ["--dry-run", "--json", *plan, f"{tree}/pretrain_gpt.py", *argv]}])
+    for case in found.values():
+        assert case["error"] is None and case["code"] == 0, case["error"] or case["stderr"][-3000:]
+        assert case["stand_ins_undone"], f"{case['name']} left its planned machine behind"
+    assert _decided(json.loads(found["explain"]["stdout"])) == _decided(json.loads(found["dry"]["stdout"]))
+
+
+def _pair_as_processes(tree: str, name: str, gpu: str) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    work = tree_driver.SESSION.tempdir("ptt-explain-")
+    layout = LAYOUTS[name]
+    argv = [a.replace("/unused", str(work)) for a in layout.argv]
+    plan = ["--world-size", str(layout.world_size), "--gpu", gpu]
+    return (_subprocess(["megatron_perf_toggles.run", "--dry-run", "--json", *plan, f"{tree}/pretrain_gpt.py", *argv], work),
+            _subprocess(["megatron_perf_toggles", "explain", "--megatron", tree, "--json", *plan, "--", *argv], work))
+
+
+PAIR = [param.values for param in EXPLAIN_MATRIX[-1:] if param.values[0] is not None]
+PROCESS_PAIR = tree_driver.SESSION.background("explain-and-dry-run-processes",
+                                              lambda: _pair_as_processes(*PAIR[0])) if PAIR else ""
 
 
 @pytest.mark.real_megatron
 @pytest.mark.parametrize(("tree", "name", "gpu"), EXPLAIN_MATRIX[-1:])
-def test_explain_and_the_dry_run_decide_alike_as_processes_of_their_own(tmp_path: Path, tree: str, name: str,
-                                                                       gpu: str) -> None:
-    layout = LAYOUTS[name]
-    argv = [a.replace("/unused", str(tmp_path)) for a in layout.argv]
-    plan = ["--world-size", str(layout.world_size), "--gpu", gpu]
-    dry = _subprocess(["megatron_perf_toggles.run", "--dry-run", "--json", *plan, f"{tree}/pretrain_gpt.py", *argv], tmp_path)
+def test_explain_and_the_dry_run_decide_alike_as_processes_of_their_own(tree: str, name: str, gpu: str) -> None:
+    """The newest tree's case as users run both: processes of their own (a background job)."""
+    dry, explain = tree_driver.SESSION.outcome(PROCESS_PAIR)
     assert dry.returncode == 0, dry.stderr[-3000:]
-    explain = _subprocess(["megatron_perf_toggles", "explain", "--megatron", tree, "--json", *plan, "--", *argv],
-                          tmp_path)
     assert explain.returncode == 0, explain.stderr[-3000:]
     assert _decided(json.loads(explain.stdout)) == _decided(json.loads(dry.stdout))

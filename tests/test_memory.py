@@ -7,6 +7,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import launcher_cases as runs
 import pytest
 from conftest import REPO, full_caps, megatron_trees
 
@@ -204,7 +205,8 @@ def heavy_argv(layers: int = 10) -> list[str]:
 @pytest.mark.parametrize("tree", megatron_trees()[-2:] or [None])
 def test_real_tree_h100_backs_off_and_h200_keeps(tree):
     env = {"CROSS_ENTROPY_FUSION_IMPL": "native"}
-    h100 = run_cli("explain", "--json", "--megatron", str(tree), "--gpu", "h100", "--", *heavy_argv(), env=env)
+    h100 = runs.cli_on_worker(tree, ["explain", "--json", "--megatron", str(tree), "--gpu", "h100", "--", *heavy_argv()],
+                              env)
     assert h100.returncode == 0, h100.stderr[-2000:]
     record = json.loads(h100.stdout)
     ce = record["decisions"]["cross_entropy_loss_fusion"]
@@ -212,7 +214,8 @@ def test_real_tree_h100_backs_off_and_h200_keeps(tree):
     assert memory_record["stock_peak_mb"] < memory_record["limit_mb"]
     assert ce["value"] is False and ce["source"] == "guard", ce
     assert "fits" in ce["reason"] and "GB" in ce["reason"] and "backed off" in ce["reason"]
-    h200 = run_cli("explain", "--json", "--megatron", str(tree), "--gpu", "h200", "--", *heavy_argv(), env=env)
+    h200 = runs.cli_on_worker(tree, ["explain", "--json", "--megatron", str(tree), "--gpu", "h200", "--", *heavy_argv()],
+                              env)
     assert h200.returncode == 0, h200.stderr[-2000:]
     assert json.loads(h200.stdout)["decisions"]["cross_entropy_loss_fusion"]["value"] is True
 
@@ -285,7 +288,8 @@ def test_a_planned_world_reaches_the_memory_model_and_the_rules_of_the_checkout(
     parser): the planned world must still give the data-parallel size the distributed optimizer
     shards over, and the facts read from validate_args must see through the safety net's wrapper."""
     def explain(world: int) -> dict:
-        proc = run_cli("explain", "--json", "--megatron", str(tree), "--world-size", str(world), "--gpu", "h100")
+        proc = runs.cli_on_worker(tree, ["explain", "--json", "--megatron", str(tree), "--world-size", str(world), "--gpu",
+                                         "h100"])
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
 

@@ -117,7 +117,7 @@ def test_example_keeps_the_scripts_variables_and_defaults():
 
 
 def _example(env: dict[str, str], **extra: str) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items()
+    base = {k: v for k, v in tree_driver.SESSION.environ.items()  # as the session started: builds run beside tests
             if k in ("PATH", "HOME", "LANG", "TMPDIR") or k.startswith("LC_")}
     full = {**base, "MEGATRON_LM": "<MEGATRON_LM>", "PRINT_ONLY": "1", "TIME_STAMP": TIME_STAMP,
             "GPUS_PER_NODE": "8", "PYTHON": sys.executable, **extra, **env}

@@ -221,3 +221,28 @@ def test_stand_in_imports_last_only_as_long_as_their_block(monkeypatch: pytest.M
     assert builtins.__import__ is real
     with megatron_importable(None, stand_ins=False):
         assert builtins.__import__ is real
+
+
+def test_rebinding_sees_modules_added_or_replaced_since_its_last_walk(monkeypatch):
+    """The holders of stale references are kept between rebinds only while sys.modules holds the
+    same module objects: a module imported (or re-imported) since then is walked too."""
+    from megatron_perf_toggles.runtime.rebinding import rebind
+
+    def original():
+        return "megatron's"
+
+    def wrapper():
+        return "wrapped"
+
+    first = types.ModuleType("megatron.ptt_rebind_first")
+    first.fn = original
+    monkeypatch.setitem(sys.modules, first.__name__, first)
+    assert rebind(original, wrapper, None) == 1 and first.fn is wrapper
+    later = types.ModuleType("megatron.ptt_rebind_later")  # imported after the first walk
+    later.fn = wrapper
+    monkeypatch.setitem(sys.modules, later.__name__, later)
+    assert rebind(wrapper, original, None) == 2 and first.fn is original and later.fn is original
+    replaced = types.ModuleType(first.__name__)  # the same name, a new module object (a re-import)
+    replaced.fn = original
+    monkeypatch.setitem(sys.modules, first.__name__, replaced)
+    assert rebind(original, wrapper, None) == 2 and replaced.fn is wrapper and later.fn is wrapper

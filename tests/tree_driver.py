@@ -29,6 +29,7 @@ before the next. A worker that dies fails only its own tree's tests, with the en
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -37,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,7 +47,9 @@ from typing import Any
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 TREES_ENV = "MEGATRON_LM_TREES"
-REPLY_FD_ENV = "PTT_DRIVER_REPLY_FD"
+FDS_ENV = "PTT_DRIVER_FDS"  # the worker's request and reply pipes
+# What a worker's environment leaves out besides the toggles' own variables.
+DROP = ("MEGATRON_PERF_TOGGLES", "PTT_", "FP4_")
 # Which module runs a case of each kind, in the worker (the function ``run_case(case)``).
 KINDS = {"launcher": "launcher_cases", "script": "launcher_cases", "cli": "launcher_cases", "parse": "parse_cases",
          "wgrad_sites": "parse_cases", "corpus": "corpus_cases"}
@@ -57,19 +59,23 @@ TIMEOUT = 1800
 
 
 def trees() -> list[str]:
-    return [t for t in os.environ.get(TREES_ENV, "").split(os.pathsep) if t.strip()]
+    """The trees in MEGATRON_LM_TREES, as the session started (tests change the environment while
+    the workers' threads read this)."""
+    return [t for t in SESSION.environ.get(TREES_ENV, "").split(os.pathsep) if t.strip()]
 
 
 def tree_id(tree: str | os.PathLike[str] | None) -> str:
     return Path(tree).name if tree else "no-trees"
 
 
-def driver_env(work: Path | None = None, drop: tuple[str, ...] = ("MEGATRON_PERF_TOGGLES", "PTT_"),
-               path: Iterable[str | os.PathLike[str]] = (), base: dict[str, str] | None = None) -> dict[str, str]:
-    """A worker's environment: ``base`` (the session's environment as it started: tests change
-    theirs while workers start) without the plugin's (and the tests') variables, the repository,
-    the tests and ``path`` importable, no bytecode written into the trees."""
-    env = {k: v for k, v in (SESSION.environ if base is None else base).items() if not k.startswith(drop)}
+def driver_env(work: Path | None = None, path: Iterable[str | os.PathLike[str]] = ()) -> dict[str, str]:
+    """A worker's (or a test's own process's) environment: the session's as it started, without the
+    plugin's and the tests' variables or a toggle's, with the repository, the tests and ``path``
+    importable and no bytecode written into the trees."""
+    from megatron_perf_toggles.core.registry import TOGGLES
+
+    toggles = {t.env for t in TOGGLES}
+    env = {k: v for k, v in SESSION.environ.items() if not k.startswith(DROP) and k not in toggles}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), *map(str, path), env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
@@ -79,8 +85,8 @@ def driver_env(work: Path | None = None, drop: tuple[str, ...] = ("MEGATRON_PERF
 
 
 def workers(count: int) -> int:
-    """Trees run in parallel, one per CPU (PTT_CORPUS_WORKERS overrides)."""
-    wanted = int(os.environ.get("PTT_CORPUS_WORKERS", "0") or 0) or (os.cpu_count() or 1)
+    """Trees run in parallel, one per CPU (PTT_TREE_WORKERS overrides)."""
+    wanted = int(SESSION.environ.get("PTT_TREE_WORKERS", "0") or 0) or (os.cpu_count() or 1)
     return max(1, min(count, wanted))
 
 
@@ -88,8 +94,9 @@ def workers(count: int) -> int:
 
 
 class Worker:
-    """One tree's process: requests go in on its stdin, ``done`` comes back on a pipe of its own
-    (Megatron prints to stdout and stderr, which go to a log file)."""
+    """One tree's process. Requests go in on a pipe of its own and ``done`` comes back on another
+    (stdin is closed: a case that reads it gets nothing); Megatron's output goes to a log file,
+    with each case's name before it."""
 
     def __init__(self, tree: str, work: Path) -> None:
         self.tree, self.work = tree, work
@@ -97,15 +104,17 @@ class Worker:
         self.log = work / "worker.log"
         self.lock = threading.Lock()
         self.count = 0
-        read_end, write_end = os.pipe()
+        request_read, request_write = os.pipe()
+        reply_read, reply_write = os.pipe()
         env = driver_env(work, path=[work])
-        env[REPLY_FD_ENV] = str(write_end)
+        env[FDS_ENV] = f"{request_read},{reply_write}"
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--serve"], stdin=subprocess.PIPE,
-                                         stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env, text=True,
-                                         pass_fds=(write_end,))
-        os.close(write_end)
-        self.replies = os.fdopen(read_end)
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__))], stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, cwd=work, env=env, pass_fds=(request_read, reply_write))
+        os.close(request_read)
+        os.close(reply_write)
+        self.requests = os.fdopen(request_write, "w")
+        self.replies = os.fdopen(reply_read)
 
     def request(self, phases: list[dict[str, Any]], timeout: int = TIMEOUT) -> list[dict[str, Any]]:
         """Run ``phases`` in the worker; the results of their cases, in order."""
@@ -116,132 +125,171 @@ class Worker:
             timer = threading.Timer(timeout, self.proc.kill)
             timer.start()
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(f"{plan_file}\t{results_file}\n")
-                self.proc.stdin.flush()
+                self.requests.write(f"{plan_file}\t{results_file}\n")
+                self.requests.flush()
                 reply = self.replies.readline()
-            except (BrokenPipeError, OSError):
+            except (BrokenPipeError, OSError, ValueError):
                 reply = ""
             finally:
                 timer.cancel()
             if reply.strip() != "done" or not results_file.exists():
                 tail = self.log.read_text(errors="replace")[-5000:] if self.log.exists() else ""
-                raise AssertionError(f"the driver for {tree_id(self.tree)} stopped (exit {self.proc.poll()}):\n{tail}")
+                raise AssertionError(f"the driver for {tree_id(self.tree)} stopped (exit {self.proc.poll()}; the log "
+                                     f"names the case it was on):\n{tail}")
             return json.loads(results_file.read_text())
 
     def close(self) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
+        """Let an idle worker end; stop a busy one (an interrupted session)."""
+        if self.lock.acquire(blocking=False):
+            with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+                self.requests.write("quit\n")
+                self.requests.close()
+            self.lock.release()
+        else:
+            self.proc.kill()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        self.replies.close()
+        with contextlib.suppress(OSError, ValueError):
+            self.replies.close()
+
+
+@dataclasses.dataclass
+class _Suite:
+    build: Callable[[str, Path], list[dict[str, Any]]]
+    owners: frozenset[str]
 
 
 class Session:
     """Every real-tree suite's cases, one worker per tree, for the whole test session."""
 
     def __init__(self) -> None:
-        self.suites: dict[str, Callable[[str, Path], list[dict[str, Any]]]] = {}
+        self.suites: dict[str, _Suite] = {}
+        self.jobs: dict[str, tuple[Callable[[], Any], frozenset[str], bool]] = {}
         self.lock = threading.Lock()
+        self.environ: dict[str, str] = dict(os.environ)
         self.base: Path | None = None
         self.pool: ThreadPoolExecutor | None = None
-        self.bulk: dict[str, Future[dict[str, Any]]] = {}
-        self.workers: dict[str, Worker] = {}
-        self.environ: dict[str, str] = dict(os.environ)
-        self.jobs: dict[str, Callable[[], Any]] = {}
-        self.started: dict[str, Future[Any]] = {}
         self.side: ThreadPoolExecutor | None = None
+        self.bulk: dict[str, Future[dict[str, Any]]] = {}
+        self.started: dict[str, Future[Any]] = {}
+        self.workers: dict[str, Worker] = {}
+        self.scratch: list[Path] = []
 
-    def suite(self, name: str, build: Callable[[str, Path], list[dict[str, Any]]]) -> str:
-        """Register a suite: ``build(tree, work)`` gives its phases for one tree."""
-        self.suites[name] = build
+    @staticmethod
+    def _owners(owners: Iterable[str] | None) -> frozenset[str]:
+        """The test modules a suite or job serves (the registering module, unless named)."""
+        return frozenset(owners) if owners is not None else frozenset({sys._getframe(2).f_globals["__name__"]})
+
+    def suite(self, name: str, build: Callable[[str, Path], list[dict[str, Any]]],
+              owners: Iterable[str] | None = None) -> str:
+        """Register a suite: ``build(tree, work)`` gives its phases for one tree. It runs when a
+        selected real-Megatron test is in one of ``owners`` (test modules; default: the caller)."""
+        self.suites[name] = _Suite(build, self._owners(owners))
         return name
 
-    def background(self, name: str, job: Callable[[], Any]) -> str:
-        """Register a job of another kind (e.g. the Megatron-Bridge suite's own interpreter) that
-        starts with the workers; ``outcome(name)`` waits for it and returns (or raises) what it did."""
-        self.jobs[name] = job
+    def background(self, name: str, job: Callable[[], Any], real: bool = True, owners: Iterable[str] | None = None
+                   ) -> str:
+        """Register a job of another kind (a process of its own: the Megatron-Bridge suite's
+        interpreter, an entry point run as users run it) that starts with the workers when a test
+        of ``owners`` is selected (a real-Megatron one where ``real``); ``outcome(name)`` waits for
+        it and returns (or raises) what it did."""
+        self.jobs[name] = (job, self._owners(owners), real)
         return name
+
+    def start(self, real: set[str] | None = None, every: set[str] | None = None) -> None:
+        """Start what the selected tests need (everything where None): the suites of the modules in
+        ``real`` (those with a selected real-Megatron test), each tree's worker at most one per CPU
+        at a time, and the jobs of ``real`` or ``every`` module, one after another beside them."""
+        with self.lock:
+            if self.pool is not None or self.side is not None:
+                return
+            self.environ = dict(os.environ)  # before any test changes it
+            if real is not None:
+                self.jobs = {k: v for k, v in self.jobs.items() if v[1] & (real if v[2] else real | (every or set()))}
+                self.suites = {k: v for k, v in self.suites.items() if v.owners & real}
+            if self.jobs:
+                self.side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side")
+                self.started = {name: self.side.submit(job) for name, (job, *_) in self.jobs.items()}
+            names = trees()
+            if not names or real == set():  # no real-Megatron test selected: no worker
+                return
+            self.base = Path(tempfile.mkdtemp(prefix="ptt-trees-"))
+            self.pool = ThreadPoolExecutor(max_workers=workers(len(names)), thread_name_prefix="tree")
+            for i, tree in enumerate(names):
+                self.workers[tree] = Worker(tree, self.base / f"{i}-{tree_id(tree)}")
+                self.bulk[tree] = self.pool.submit(self._run_suites, tree)
+
+    def tempdir(self, prefix: str) -> Path:
+        """A directory for a job's files, removed when the session ends."""
+        made = Path(tempfile.mkdtemp(prefix=prefix))
+        self.scratch.append(made)
+        return made
 
     def outcome(self, name: str) -> Any:
         self.start()
         future = self.started.get(name)
-        return future.result() if future is not None else self.jobs[name]()
+        return future.result() if future is not None else self.jobs[name][0]()
 
-    def start(self) -> None:
-        """Start every tree's worker on every registered suite (at most one per CPU at a time),
-        and the background jobs beside them."""
-        with self.lock:
-            if self.pool is None and self.side is None:
-                self.environ = dict(os.environ)  # before any test changes it
-            if self.jobs and self.side is None:
-                self.side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side")
-                self.started = {name: self.side.submit(job) for name, job in self.jobs.items()}
-            if self.pool is not None or not trees() or not self.suites:
-                return
-            self.base = Path(tempfile.mkdtemp(prefix="ptt-trees-"))
-            names = trees()
-            self.pool = ThreadPoolExecutor(max_workers=workers(len(names)), thread_name_prefix="tree")
-            for i, tree in enumerate(names):
-                self.bulk[tree] = self.pool.submit(self._run_suites, tree, self.base / f"{i}-{tree_id(tree)}")
-
-    def work(self, tree: str) -> Path:
-        """The tree's working directory (lives until the session ends)."""
+    def worker(self, tree: str | os.PathLike[str]) -> Worker:
         self.start()
-        assert self.base is not None
-        return self.base / f"{trees().index(str(tree))}-{tree_id(tree)}"
+        found = self.workers.get(str(tree))
+        assert found is not None, f"{tree} is not one of {TREES_ENV} ({', '.join(trees())}) or no suite needs it"
+        return found
 
-    def _run_suites(self, tree: str, work: Path) -> dict[str, Any]:
-        started = time.perf_counter()
-        worker = self.workers[tree] = Worker(tree, work)
-        by_tree: dict[str, list[dict[str, Any]]] = {}  # one phase per path: copies first, the tree last
-        for name, build in list(self.suites.items()):
-            (work / name).mkdir(parents=True, exist_ok=True)
-            for phase in build(tree, work / name):
+    def work(self, tree: str | os.PathLike[str]) -> Path:
+        """The tree's working directory (lives until the session ends)."""
+        return self.worker(tree).work
+
+    def _run_suites(self, tree: str) -> dict[str, Any]:
+        """Build every suite's phases (a suite whose build fails fails only its own tests) and run
+        them: phases on other paths first, the tree's own cases last, corpus batches last of all."""
+        worker = self.worker(tree)
+        by_tree: dict[str, list[dict[str, Any]]] = {}
+        found: dict[str, Any] = {}
+        for name, suite in list(self.suites.items()):
+            (worker.work / name).mkdir(parents=True, exist_ok=True)
+            try:
+                phases = suite.build(tree, worker.work / name)
+            except Exception:  # noqa: BLE001 - reported by that suite's tests
+                found[name] = {"__error__": f"building the suite {name!r} failed:\n{traceback.format_exc()[-3000:]}"}
+                continue
+            found[name] = {}
+            for phase in phases:
                 by_tree.setdefault(str(Path(phase["tree"]).resolve()), []).extend(
                     {**case, "suite": name} for case in phase["cases"])
         own = by_tree.pop(str(Path(tree).resolve()), [])
         own.sort(key=lambda case: case.get("kind") in LAST_KINDS)
         phases = [{"tree": path, "cases": cases} for path, cases in by_tree.items()]
         phases.append({"tree": str(Path(tree).resolve()), "cases": own})
-        found: dict[str, Any] = {name: {} for name in self.suites}
         for result in worker.request(phases):
             found[result.pop("suite")][result["name"]] = result
-        found["__seconds__"] = round(time.perf_counter() - started, 1)
         return found
-
-    def _bulk_of(self, tree: str) -> dict[str, Any]:
-        self.start()
-        future = self.bulk.get(str(tree))
-        assert future is not None, f"{tree} is not in {TREES_ENV}"
-        return future.result()
 
     def results(self, suite: str, tree: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
         """Every case of ``suite`` on ``tree``, by name (waits for the tree's worker)."""
-        return self._bulk_of(str(tree))[suite]
+        self.worker(tree)
+        found = self.bulk[str(tree)].result()[suite]
+        assert "__error__" not in found, found["__error__"]
+        return found
 
     def run(self, tree: str | os.PathLike[str], cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """``cases`` on the tree's worker, now, by name (after the registered suites' cases)."""
-        tree = str(tree)
-        with contextlib.suppress(Exception):  # a failed suite run is reported by its own tests
-            self._bulk_of(tree)
-        worker = self.workers[tree]
+        """``cases`` on the tree's worker, by name: after the registered suites' cases (the worker
+        runs one request at a time)."""
+        worker = self.worker(tree)
         found = worker.request([{"tree": str(Path(tree).resolve()), "cases": cases}])
         return {r["name"]: r for r in found}
 
     def close(self) -> None:
-        if self.side is not None:
-            self.side.shutdown(wait=True, cancel_futures=True)
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
         for worker in self.workers.values():
             worker.close()
-        if self.base is not None:
-            shutil.rmtree(self.base, ignore_errors=True)
+        for pool in (self.side, self.pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        for made in [self.base, *self.scratch]:
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)
 
 
 SESSION = Session()
@@ -291,6 +339,19 @@ def cache_parser_help_text() -> None:
         cls._get_field_docstrings = cached
 
 
+def assert_megatron_unwrapped(arguments: Any) -> None:
+    """Stock Megatron is the baseline: no earlier case may have left one of the plugin's wrappers
+    on Megatron's parse path, or the safety net, in this worker (each case undoes its own)."""
+    from megatron_perf_toggles.runtime import safety_net
+    from megatron_perf_toggles.runtime.rebinding import ORIGINAL_ATTR
+
+    wrapped = [name for name in ("parse_args", "validate_args", "core_transformer_config_from_args")
+               if hasattr(getattr(arguments, name, None), ORIGINAL_ATTR)]
+    assert not wrapped and not safety_net.NET.installed, (
+        f"an earlier case left the plugin installed (wrapped: {wrapped}, safety net: {safety_net.NET.installed}): "
+        "stock Megatron cannot be the baseline")
+
+
 class _Trees:
     """The tree the worker has on ``sys.path``; moving to another drops every Megatron module."""
 
@@ -326,9 +387,10 @@ def run_one(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def serve() -> int:
-    """Read ``PLAN<TAB>RESULTS`` lines from stdin until ``quit``; answer ``done`` on the reply pipe."""
-    reply = os.fdopen(int(os.environ[REPLY_FD_ENV]), "w")
-    for line in sys.stdin:
+    """Read ``PLAN<TAB>RESULTS`` lines from the request pipe until ``quit``; answer ``done``."""
+    request_fd, reply_fd = (int(fd) for fd in os.environ.pop(FDS_ENV).split(","))
+    reply = os.fdopen(reply_fd, "w")
+    for line in os.fdopen(request_fd):
         if line.strip() == "quit" or not line.strip():
             break
         plan_file, results_file = line.rstrip("\n").split("\t")
@@ -336,7 +398,9 @@ def serve() -> int:
         found = []
         for phase in plan["phases"]:
             _Trees.enter(phase["tree"])
-            found += [run_one(case) for case in phase["cases"]]
+            for case in phase["cases"]:
+                print(f"--- case {case.get('suite')}/{case['name']} ({case['kind']}) on {phase['tree']}", flush=True)
+                found.append(run_one(case))
         Path(results_file).write_text(json.dumps(found, default=repr))
         reply.write("done\n")
         reply.flush()

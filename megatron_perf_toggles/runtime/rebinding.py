@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 # What a wrapper of a Megatron function carries: the function it wraps, so that wrapping twice
@@ -32,11 +32,22 @@ def _under(path: str, root: str) -> bool:
     return (path if os.path.isabs(path) else os.path.abspath(path)).startswith(root + os.sep)
 
 
-def holders(root: str | None) -> Iterator[dict[str, Any]]:
-    """Namespaces that may hold a stale reference: Megatron's modules, the script, the tree's files."""
+def holders(root: str | None) -> list[dict[str, Any]]:
+    """Namespaces that may hold a stale reference: Megatron's modules, the script, the tree's files.
+
+    With torch and Megatron loaded there are thousands of modules, and the plugin rebinds several
+    functions in a row (its hooks, the safety net, and both again to undo): the list is kept while
+    ``sys.modules`` holds the same module objects, and made again when any is added, dropped or
+    replaced.
+    """
     if root:
         root = os.path.abspath(root)
-    for name, module in list(sys.modules.items()):
+    modules = list(sys.modules.items())
+    key = (root, tuple(id(module) for _, module in modules))
+    if _HOLDERS.get("key") == key:
+        return _HOLDERS["found"]
+    found = []
+    for name, module in modules:
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
@@ -45,7 +56,13 @@ def holders(root: str | None) -> Iterator[dict[str, Any]]:
             name == "megatron" or name.startswith("megatron.") or name == "__main__"
             or (root and isinstance(path, str) and _under(path, root))
         ):
-            yield namespace
+            found.append(namespace)
+    _HOLDERS.update(key=key, found=found)
+    return found
+
+
+# The last walk's holders and what ``sys.modules`` held then (one entry: the process has one Megatron).
+_HOLDERS: dict[str, Any] = {}
 
 
 def rebind(old: Callable[..., Any], new: Callable[..., Any], root: str | None) -> int:
