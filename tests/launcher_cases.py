@@ -250,7 +250,7 @@ def patch_copy(tree: str, dest: Path) -> Path:
     of its own (this runs beside the unit tests: nothing here may print into theirs)."""
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(tree, dest, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+    shutil.copytree(tree, dest, ignore=shutil.ignore_patterns("__pycache__", ".git", "tests", "docs", "examples"))
     done = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "patch", "--megatron", str(dest)],
                           env=tree_driver.driver_env(), capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, f"patching a copy of {tree} failed: {done.stderr[-2000:]}"

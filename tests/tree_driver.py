@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -376,14 +377,16 @@ def run_one(case: dict[str, Any]) -> dict[str, Any]:
     from megatron_perf_toggles.runtime.patches import PATCHES
 
     cache_parser_help_text()
-    head = {"suite": case.get("suite"), "name": case["name"]}
+    started = time.perf_counter()
     try:
         runner = importlib.import_module(KINDS[case["kind"]]).run_case
         with PATCHES.scope():
-            return {**runner(case), **head}
+            found = runner(case)
     except BaseException as exc:  # noqa: BLE001 - one broken case must not hide the others
-        lines = traceback.format_exception(exc)
-        return {**head, "driver_error": "".join(lines)[-3000:], "error": "".join(lines)[-3000:]}
+        text = "".join(traceback.format_exception(exc))[-3000:]
+        found = {"driver_error": text, "error": text}
+    return {**found, "suite": case.get("suite"), "name": case["name"],
+            "driver_seconds": round(time.perf_counter() - started, 3)}
 
 
 def serve() -> int:

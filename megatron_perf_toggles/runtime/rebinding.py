@@ -8,6 +8,8 @@ reference to one object by identity. Nothing here imports Megatron.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 import sys
 from collections.abc import Callable
@@ -42,12 +44,11 @@ def holders(root: str | None) -> list[dict[str, Any]]:
     """
     if root:
         root = os.path.abspath(root)
-    modules = list(sys.modules.items())
-    key = (root, tuple(id(module) for _, module in modules))
+    key = (root, tuple(map(id, sys.modules.values())))
     if _HOLDERS.get("key") == key:
         return _HOLDERS["found"]
     found = []
-    for name, module in modules:
+    for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
@@ -69,6 +70,10 @@ def rebind(old: Callable[..., Any], new: Callable[..., Any], root: str | None) -
     """Replace every reference to ``old`` with ``new``; returns how many were replaced."""
     count = 0
     for namespace in holders(root):
+        # Most namespaces hold no reference: look by identity at C speed first (``in`` would
+        # compare with ==, which a tensor or an array answers elementwise).
+        if not any(map(operator.is_, namespace.values(), itertools.repeat(old))):
+            continue
         for key, value in list(namespace.items()):
             if value is old:
                 namespace[key] = new
