@@ -411,4 +411,6 @@ def serve() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(serve())
+    import tree_driver  # the case modules import it by that name: one module, one tree on the path
+
+    raise SystemExit(tree_driver.serve())
