@@ -79,8 +79,8 @@ def pytest_collection_finish(session):
     if driver is None or session.config.option.collectonly:
         return
     # Only what the selected tests need: suites for their real-Megatron tests, jobs for any test.
-    real = {item.module.__name__ for item in session.items if item.get_closest_marker(REAL_MEGATRON) is not None}
-    driver.SESSION.start(real, {item.module.__name__ for item in session.items})
+    real = {item.path.stem for item in session.items if item.get_closest_marker(REAL_MEGATRON) is not None}
+    driver.SESSION.start(real, {item.path.stem for item in session.items})
 
 
 def pytest_unconfigure(config):

@@ -264,14 +264,15 @@ _COPY_LOCKS: dict[str, threading.Lock] = {}
 def patched(tree: str) -> Path:
     """The session's patched copy of ``tree``, made once (or failed once) for every suite that runs
     cases on it; trees are copied in parallel."""
-    lock = _COPY_LOCKS.setdefault(tree, threading.Lock())
+    key = str(Path(tree).resolve())
+    lock = _COPY_LOCKS.setdefault(key, threading.Lock())
     with lock:
-        if tree not in _COPIES:
+        if key not in _COPIES:
             try:
-                _COPIES[tree] = patch_copy(tree, tree_driver.SESSION.work(tree) / "patched" / tree_id(tree))
+                _COPIES[key] = patch_copy(tree, tree_driver.SESSION.work(tree) / "patched" / tree_id(tree))
             except Exception as error:  # noqa: BLE001 - each suite that needs the copy reports it
-                _COPIES[tree] = error
-        found = _COPIES[tree]
+                _COPIES[key] = error
+        found = _COPIES[key]
     if isinstance(found, BaseException):
         raise AssertionError(f"the patched copy of {tree} could not be made: {found}")
     return found
@@ -321,14 +322,21 @@ def arm_resolver(tree: str | os.PathLike[str]) -> Any:
         plugin_env = {k: v for k, v in environ.items() if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA_DEVICE"))}
         case = {"name": "arm", "mode": "launcher", "argv": ablate.dry_run_command(script, args, arm, world)[3:],
                 "env": {**plugin_env, **arm.env(), "RANK": "0"}}
-        result = run_cases(str(tree), [case])["arm"]
-        assert not result["error"], f"arm {arm.name}: {result['error']}"
-        if result["code"] != 0:
-            tail = " | ".join(result["stderr"].strip().splitlines()[-3:])
-            raise ablate.ConfoundError(f"arm {arm.name}: the dry run failed (exit {result['code']}): {tail}")
-        return json.loads(result["stdout"])
+        return arm_record(run_cases(str(tree), [case])["arm"], arm)
 
     return resolver
+
+
+def arm_record(result: dict[str, Any], arm: Any) -> dict[str, Any]:
+    """An arm's dry-run record from its case's result; a failed dry run raises the ConfoundError
+    ablate's own ``resolve_arm`` would."""
+    from megatron_perf_toggles.tools.ablate import runner as ablate
+
+    assert not result["error"], f"arm {arm.name}: {result['error']}"
+    if result["code"] != 0:
+        tail = " | ".join(result["stderr"].strip().splitlines()[-3:])
+        raise ablate.ConfoundError(f"arm {arm.name}: the dry run failed (exit {result['code']}): {tail}")
+    return json.loads(result["stdout"])
 
 
 def results(tree: str) -> dict[str, dict[str, Any]]:

@@ -229,14 +229,14 @@ class Batch:
         self.name = tree_driver.SESSION.suite(name, self._build, owners=(owner,))
 
     def _build(self, tree: str, work: Path) -> list[dict[str, Any]]:
-        batch, self.extras[tree] = self.plan(tree, work)
+        batch, self.extras[str(Path(tree).resolve())] = self.plan(tree, work)
         te_version = tree_driver.SESSION.environ.get("PTT_TE_VERSION", "")
         return [{"tree": tree, "cases": [{"name": self.name, "kind": "corpus", "te_version": te_version, **batch}]}]
 
     def get(self, tree: str) -> dict[str, Any]:
         found = tree_driver.SESSION.results(self.name, tree)[self.name]
         assert "driver_error" not in found, found["driver_error"]
-        payload = {**found, **self.extras[tree]}
+        payload = {**found, **self.extras[str(Path(tree).resolve())]}
         if "samples" in found:
             payload["cases"] = found["samples"]
         return payload

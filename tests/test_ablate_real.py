@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 
@@ -57,12 +56,7 @@ def _one_process_for_all_arms(tree, arms):
             return batches[world]
 
     def resolver(script, args, arm, environ, world=None):
-        result = batch(script, args, environ, world)[arm.signature()]
-        assert not result["error"], f"arm {arm.name}: {result['error']}"
-        if result["code"] != 0:
-            tail = " | ".join(result["stderr"].strip().splitlines()[-3:])
-            raise ablate.ConfoundError(f"arm {arm.name}: the dry run failed (exit {result['code']}): {tail}")
-        return json.loads(result["stdout"])
+        return runs.arm_record(batch(script, args, environ, world)[arm.signature()], arm)
 
     return resolver
 

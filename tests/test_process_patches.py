@@ -223,26 +223,79 @@ def test_stand_in_imports_last_only_as_long_as_their_block(monkeypatch: pytest.M
         assert builtins.__import__ is real
 
 
-def test_rebinding_sees_modules_added_or_replaced_since_its_last_walk(monkeypatch):
+@pytest.fixture
+def fresh_holders():
+    from megatron_perf_toggles.runtime import rebinding
+
+    rebinding.forget_holders()
+    yield
+    rebinding.forget_holders()
+
+
+def _original():
+    return "megatron's"
+
+
+def _wrapper():
+    return "wrapped"
+
+
+def test_rebinding_sees_modules_added_or_replaced_since_its_last_walk(monkeypatch, fresh_holders):
     """The holders of stale references are kept between rebinds only while sys.modules holds the
-    same module objects: a module imported (or re-imported) since then is walked too."""
+    same modules under the same names: a module imported, re-imported or renamed since is walked."""
     from megatron_perf_toggles.runtime.rebinding import rebind
 
-    def original():
-        return "megatron's"
-
-    def wrapper():
-        return "wrapped"
-
     first = types.ModuleType("megatron.ptt_rebind_first")
-    first.fn = original
+    first.fn = _original
     monkeypatch.setitem(sys.modules, first.__name__, first)
-    assert rebind(original, wrapper, None) == 1 and first.fn is wrapper
+    assert rebind(_original, _wrapper, None) == 1 and first.fn is _wrapper
     later = types.ModuleType("megatron.ptt_rebind_later")  # imported after the first walk
-    later.fn = wrapper
+    later.fn = _wrapper
     monkeypatch.setitem(sys.modules, later.__name__, later)
-    assert rebind(wrapper, original, None) == 2 and first.fn is original and later.fn is original
+    assert rebind(_wrapper, _original, None) == 2 and first.fn is _original and later.fn is _original
     replaced = types.ModuleType(first.__name__)  # the same name, a new module object (a re-import)
-    replaced.fn = original
+    replaced.fn = _original
     monkeypatch.setitem(sys.modules, first.__name__, replaced)
-    assert rebind(original, wrapper, None) == 2 and replaced.fn is wrapper and later.fn is wrapper
+    assert rebind(_original, _wrapper, None) == 2 and replaced.fn is _wrapper and later.fn is _wrapper
+    outside = types.ModuleType("ptt_rebind_outside")  # not Megatron's: not walked ...
+    outside.fn = _wrapper
+    monkeypatch.setitem(sys.modules, outside.__name__, outside)
+    assert rebind(_wrapper, _original, None) == 2 and outside.fn is _wrapper
+    monkeypatch.delitem(sys.modules, outside.__name__)  # ... until the same object is Megatron's
+    monkeypatch.setitem(sys.modules, "megatron.ptt_rebind_moved", outside)
+    assert rebind(_wrapper, _original, None) == 1 and outside.fn is _original
+
+
+def test_rebinding_never_takes_a_new_module_for_a_freed_one(monkeypatch, fresh_holders):
+    """A module dropped and freed, and a new one made in its place (often at the same address),
+    is a different module: its references are found."""
+    import gc
+
+    from megatron_perf_toggles.runtime.rebinding import rebind
+
+    name = "megatron.ptt_rebind_reused"
+    for _ in range(20):
+        module = types.ModuleType(name)
+        module.fn = _original
+        monkeypatch.setitem(sys.modules, name, module)
+        assert rebind(_original, _wrapper, None) == 1
+        del sys.modules[name], module
+        gc.collect()
+        module = types.ModuleType(name)
+        module.fn = _original
+        sys.modules[name] = module
+        assert rebind(_original, _wrapper, None) == 1 and module.fn is _wrapper
+        del sys.modules[name], module
+
+
+def test_rebinding_walks_again_for_another_checkout(monkeypatch, tmp_path, fresh_holders):
+    from megatron_perf_toggles.runtime.rebinding import rebind
+
+    for tree in ("a", "b"):
+        module = types.ModuleType(f"ptt_rebind_tree_{tree}")
+        module.__file__ = str(tmp_path / tree / "pretrain_gpt.py")
+        module.fn = _original
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert rebind(_original, _wrapper, str(tmp_path / "a")) == 1
+    assert rebind(_original, _wrapper, str(tmp_path / "b")) == 1
+    assert sys.modules["ptt_rebind_tree_a"].fn is sys.modules["ptt_rebind_tree_b"].fn is _wrapper

@@ -65,6 +65,11 @@ def trees() -> list[str]:
     return [t for t in SESSION.environ.get(TREES_ENV, "").split(os.pathsep) if t.strip()]
 
 
+def _key(tree: str | os.PathLike[str]) -> str:
+    """A tree as the session knows it, however it was spelled (a trailing slash, ``./``)."""
+    return str(Path(tree).resolve())
+
+
 def tree_id(tree: str | os.PathLike[str] | None) -> str:
     return Path(tree).name if tree else "no-trees"
 
@@ -148,6 +153,8 @@ class Worker:
             self.lock.release()
         else:
             self.proc.kill()
+            with contextlib.suppress(OSError, ValueError):
+                self.requests.close()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -177,11 +184,12 @@ class Session:
         self.started: dict[str, Future[Any]] = {}
         self.workers: dict[str, Worker] = {}
         self.scratch: list[Path] = []
+        self.begun = False
 
     @staticmethod
     def _owners(owners: Iterable[str] | None) -> frozenset[str]:
-        """The test modules a suite or job serves (the registering module, unless named)."""
-        return frozenset(owners) if owners is not None else frozenset({sys._getframe(2).f_globals["__name__"]})
+        """The test files a suite or job serves, by stem (the registering file, unless named)."""
+        return frozenset(owners) if owners is not None else frozenset({Path(sys._getframe(2).f_globals["__file__"]).stem})
 
     def suite(self, name: str, build: Callable[[str, Path], list[dict[str, Any]]],
               owners: Iterable[str] | None = None) -> str:
@@ -204,8 +212,9 @@ class Session:
         ``real`` (those with a selected real-Megatron test), each tree's worker at most one per CPU
         at a time, and the jobs of ``real`` or ``every`` module, one after another beside them."""
         with self.lock:
-            if self.pool is not None or self.side is not None:
+            if self.begun:
                 return
+            self.begun = True
             self.environ = dict(os.environ)  # before any test changes it
             if real is not None:
                 self.jobs = {k: v for k, v in self.jobs.items() if v[1] & (real if v[2] else real | (every or set()))}
@@ -219,8 +228,8 @@ class Session:
             self.base = Path(tempfile.mkdtemp(prefix="ptt-trees-"))
             self.pool = ThreadPoolExecutor(max_workers=workers(len(names)), thread_name_prefix="tree")
             for i, tree in enumerate(names):
-                self.workers[tree] = Worker(tree, self.base / f"{i}-{tree_id(tree)}")
-                self.bulk[tree] = self.pool.submit(self._run_suites, tree)
+                self.workers[_key(tree)] = Worker(tree, self.base / f"{i}-{tree_id(tree)}")
+                self.bulk[_key(tree)] = self.pool.submit(self._run_suites, tree)
 
     def tempdir(self, prefix: str) -> Path:
         """A directory for a job's files, removed when the session ends."""
@@ -231,12 +240,13 @@ class Session:
     def outcome(self, name: str) -> Any:
         self.start()
         future = self.started.get(name)
-        return future.result() if future is not None else self.jobs[name][0]()
+        assert future is not None, f"the job {name!r} was not started for this selection of tests"
+        return future.result()
 
     def worker(self, tree: str | os.PathLike[str]) -> Worker:
         self.start()
-        found = self.workers.get(str(tree))
-        assert found is not None, f"{tree} is not one of {TREES_ENV} ({', '.join(trees())}) or no suite needs it"
+        found = self.workers.get(_key(tree))
+        assert found is not None, f"{tree} is not one of {TREES_ENV} ({', '.join(trees())}), or no real-Megatron test was selected"
         return found
 
     def work(self, tree: str | os.PathLike[str]) -> Path:
@@ -253,7 +263,9 @@ class Session:
             (worker.work / name).mkdir(parents=True, exist_ok=True)
             try:
                 phases = suite.build(tree, worker.work / name)
-            except Exception:  # noqa: BLE001 - reported by that suite's tests
+            except BaseException as error:  # pytest.skip and pytest.fail too: reported by that suite's tests
+                if isinstance(error, KeyboardInterrupt):
+                    raise
                 found[name] = {"__error__": f"building the suite {name!r} failed:\n{traceback.format_exc()[-3000:]}"}
                 continue
             found[name] = {}
@@ -271,13 +283,15 @@ class Session:
     def results(self, suite: str, tree: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
         """Every case of ``suite`` on ``tree``, by name (waits for the tree's worker)."""
         self.worker(tree)
-        found = self.bulk[str(tree)].result()[suite]
+        done = self.bulk[_key(tree)].result()
+        assert suite in done, f"the suite {suite!r} was not started for this selection of tests"
+        found = done[suite]
         assert "__error__" not in found, found["__error__"]
         return found
 
     def run(self, tree: str | os.PathLike[str], cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """``cases`` on the tree's worker, by name: after the registered suites' cases (the worker
-        runs one request at a time)."""
+        """``cases`` on the tree's worker, by name (the worker runs one request at a time: before or
+        after the registered suites' cases, each in its own ``PATCHES.scope()``)."""
         worker = self.worker(tree)
         found = worker.request([{"tree": str(Path(tree).resolve()), "cases": cases}])
         return {r["name"]: r for r in found}
@@ -369,6 +383,9 @@ class _Trees:
                     del sys.modules[name]
             with contextlib.suppress(ValueError):
                 sys.path.remove(cls.current)
+            from megatron_perf_toggles.runtime.rebinding import forget_holders
+
+            forget_holders()  # the dropped modules go with it
         sys.path.insert(0, tree)
         cls.current = tree
 

@@ -39,16 +39,19 @@ def holders(root: str | None) -> list[dict[str, Any]]:
 
     With torch and Megatron loaded there are thousands of modules, and the plugin rebinds several
     functions in a row (its hooks, the safety net, and both again to undo): the list is kept while
-    ``sys.modules`` holds the same module objects, and made again when any is added, dropped or
-    replaced.
+    ``sys.modules`` holds the same names bound to the same module objects, and made again when any
+    is added, dropped, renamed or replaced. The cache holds the module objects themselves, so a
+    freed module's address cannot come back as a "same" module.
     """
     if root:
         root = os.path.abspath(root)
-    key = (root, tuple(map(id, sys.modules.values())))
-    if _HOLDERS.get("key") == key:
-        return _HOLDERS["found"]
+    names, modules = tuple(sys.modules), tuple(sys.modules.values())
+    cached = _HOLDERS[0]  # read once: (root, names, modules, holders), swapped whole
+    if (cached is not None and cached[0] == root and cached[1] == names and len(cached[2]) == len(modules)
+            and all(map(operator.is_, cached[2], modules))):
+        return cached[3]
     found = []
-    for name, module in list(sys.modules.items()):
+    for name, module in zip(names, modules, strict=True):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
@@ -58,12 +61,17 @@ def holders(root: str | None) -> list[dict[str, Any]]:
             or (root and isinstance(path, str) and _under(path, root))
         ):
             found.append(namespace)
-    _HOLDERS.update(key=key, found=found)
+    _HOLDERS[0] = (root, names, modules, found)
     return found
 
 
-# The last walk's holders and what ``sys.modules`` held then (one entry: the process has one Megatron).
-_HOLDERS: dict[str, Any] = {}
+# The last walk: its root, sys.modules' names and module objects then, and the holders it found.
+_HOLDERS: list[tuple[str | None, tuple[str, ...], tuple[Any, ...], list[dict[str, Any]]] | None] = [None]
+
+
+def forget_holders() -> None:
+    """Drop the kept walk (and the modules it holds), e.g. after a tree's modules were dropped."""
+    _HOLDERS[0] = None
 
 
 def rebind(old: Callable[..., Any], new: Callable[..., Any], root: str | None) -> int:
