@@ -284,14 +284,10 @@ def _build(tree: str, work: Path) -> list[dict[str, Any]]:
     copy = patched(tree)
     injected = inject_copy(tree, work / "injected" / tree_id(tree))
     return [
-        {"tree": tree, "cases": _kinds(stock_cases(tree, work.parent))},
-        {"tree": str(copy), "cases": _kinds(patched_cases(str(copy), has_fused_field(tree)))},
-        {"tree": str(injected), "cases": _kinds(net_cases(str(injected)))},
+        {"tree": tree, "cases": stock_cases(tree, work.parent)},
+        {"tree": str(copy), "cases": patched_cases(str(copy), has_fused_field(tree))},
+        {"tree": str(injected), "cases": net_cases(str(injected))},
     ]
-
-
-def _kinds(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"kind": case["mode"], **case} for case in cases]
 
 
 SUITE = tree_driver.SESSION.suite("launcher", _build, owners=("test_launcher", "test_patches", "test_safety_net"))
@@ -300,7 +296,7 @@ SUITE = tree_driver.SESSION.suite("launcher", _build, owners=("test_launcher", "
 def run_cases(tree: str, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``cases`` on ``tree``'s worker, which has Megatron imported already: how a test runs many
     dry runs of one tree (e.g. every arm of an ablation) without starting a process for each."""
-    return tree_driver.SESSION.run(tree, _kinds(cases))
+    return tree_driver.SESSION.run(tree, cases)
 
 
 def cli_on_worker(tree: str | os.PathLike[str], argv: list[str], env: dict[str, str] | None = None

@@ -242,7 +242,7 @@ def _surface_cases(tree: str, work: Path) -> list[dict]:
 
     if Path(tree).name not in replay.available():
         return []
-    return [{"tree": tree, "cases": [{"name": "surface", "kind": "cli", "mode": "cli",
+    return [{"tree": tree, "cases": [{"name": "surface", "mode": "cli",
                                       "argv": ["surface", tree, "--out", str(work / "surface.json")]}]}]
 
 

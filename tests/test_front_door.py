@@ -247,11 +247,11 @@ def _build(tree: str, work: Path) -> list[dict]:
     """On each tree's worker (tests/tree_driver.py): the 64-rank plan through the launcher, and
     through a patched checkout (the launcher suite's patched copy), once well and once with a bad value."""
     script = str(runs.patched(tree) / "pretrain_gpt.py")
-    patched = {**SUMMARY, "kind": "script", "mode": "script", "env": {"MEGATRON_PERF_TOGGLES_DRY_RUN": "1",
+    patched = {**SUMMARY, "mode": "script", "env": {"MEGATRON_PERF_TOGGLES_DRY_RUN": "1",
                "MEGATRON_PERF_TOGGLES_PLAN": "64:h100"},
                "argv": [script, "--extra-args-provider", "megatron_perf_toggles", *_layout(8, 4)]}
     return [
-        {"tree": tree, "cases": [{**SUMMARY, "name": "cpu-plan", "kind": "launcher", "mode": "launcher",
+        {"tree": tree, "cases": [{**SUMMARY, "name": "cpu-plan", "mode": "launcher",
                                   "argv": ["--dry-run", "--world-size", "64", "--gpu", "h100",
                                            f"{tree}/pretrain_gpt.py", *_layout(8, 4)]}]},
         {"tree": str(runs.patched(tree)), "cases": [

@@ -254,7 +254,7 @@ def _build(tree: str, work: Path) -> list[dict[str, Any]]:
         argv, _err = example_command(case["id"])
         if argv is None:
             continue
-        cases.append({"name": case["id"], "kind": "launcher", "mode": "launcher", "env": {**case["env"], **PLANNED},
+        cases.append({"name": case["id"], "mode": "launcher", "env": {**case["env"], **PLANNED},
                       "te_version": TE_PLANNED, "device_arch": DEVICE_ARCH_PLANNED, "argv": ["--dry-run", script, *argv]})
     return [{"tree": tree, "cases": cases}]
 

@@ -273,7 +273,7 @@ class Session:
                 by_tree.setdefault(str(Path(phase["tree"]).resolve()), []).extend(
                     {**case, "suite": name} for case in phase["cases"])
         own = by_tree.pop(str(Path(tree).resolve()), [])
-        own.sort(key=lambda case: case.get("kind") in LAST_KINDS)
+        own.sort(key=lambda case: kind_of(case) in LAST_KINDS)
         phases = [{"tree": path, "cases": cases} for path, cases in by_tree.items()]
         phases.append({"tree": str(Path(tree).resolve()), "cases": own})
         for result in worker.request(phases):
@@ -390,13 +390,18 @@ class _Trees:
         cls.current = tree
 
 
+def kind_of(case: dict[str, Any]) -> str:
+    """A case's kind; a launcher-family case may name it as its ``mode`` alone."""
+    return case.get("kind") or case["mode"]
+
+
 def run_one(case: dict[str, Any]) -> dict[str, Any]:
     from megatron_perf_toggles.runtime.patches import PATCHES
 
     cache_parser_help_text()
     started = time.perf_counter()
     try:
-        runner = importlib.import_module(KINDS[case["kind"]]).run_case
+        runner = importlib.import_module(KINDS[kind_of(case)]).run_case
         with PATCHES.scope():
             found = runner(case)
     except BaseException as exc:  # noqa: BLE001 - one broken case must not hide the others
@@ -419,7 +424,7 @@ def serve() -> int:
         for phase in plan["phases"]:
             _Trees.enter(phase["tree"])
             for case in phase["cases"]:
-                print(f"--- case {case.get('suite')}/{case['name']} ({case['kind']}) on {phase['tree']}", flush=True)
+                print(f"--- case {case.get('suite')}/{case['name']} ({kind_of(case)}) on {phase['tree']}", flush=True)
                 found.append(run_one(case))
         Path(results_file).write_text(json.dumps(found, default=repr))
         reply.write("done\n")
