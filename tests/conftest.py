@@ -54,15 +54,36 @@ REAL_MEGATRON = "real_megatron"
 NO_TREES = "MEGATRON_LM_TREES is not set: a real-Megatron test (run with ':'-separated Megatron-LM checkouts)"
 
 
+OWN_PROCESS = "own_process"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{REAL_MEGATRON}: runs against real Megatron-LM trees (MEGATRON_LM_TREES); "
                                        f"-m 'not {REAL_MEGATRON}' runs the fast set")
+    config.addinivalue_line("markers", f"{OWN_PROCESS}: runs a script or entry point as a process of its own "
+                                       "(seconds), not on the tree driver: such tests run first")
+
+
+def _order(item, waiting: set[str]) -> int:
+    """When a test runs, so that the two kinds of long work overlap and nothing long is left for
+    the end: tests that start processes of their own first (beside the trees' workers), then the
+    unit tests, then those that wait for a background job (tests/tree_driver.py), and real-Megatron
+    tests that read the workers' results last, when the workers are done or nearly."""
+    if item.get_closest_marker(OWN_PROCESS) is not None:
+        return 0
+    if item.get_closest_marker(REAL_MEGATRON) is not None:
+        return 3
+    return 2 if item.path.stem in waiting else 1
 
 
 def pytest_collection_modifyitems(config, items):
-    """Real-Megatron tests run last, while the trees' workers have the time the unit tests take to
-    get ahead (tests/tree_driver.py). Without trees each is skipped here, for one reason."""
-    items.sort(key=lambda item: item.get_closest_marker(REAL_MEGATRON) is not None)
+    """The order of _order (a stable sort: each group keeps its files' order). Without trees each
+    real-Megatron test is skipped here, for one reason."""
+    import sys
+
+    driver = sys.modules.get("tree_driver")
+    waiting = set().union(*(owners for _, owners, _ in driver.SESSION.jobs.values())) if driver else set()
+    items.sort(key=lambda item: _order(item, waiting))
     if megatron_trees():
         return
     skip = pytest.mark.skip(reason=NO_TREES)

@@ -223,10 +223,10 @@ class Batch:
     """A suite of one ``corpus`` batch per tree: ``plan(tree, work)`` gives (the batch, what the
     judging needs besides the results); ``get(tree)`` the worker's payload with that added."""
 
-    def __init__(self, name: str, plan: Any, owner: str) -> None:
+    def __init__(self, name: str, plan: Any, owner: str, weight: Any = None) -> None:
         self.plan = plan
         self.extras: dict[str, dict[str, Any]] = {}
-        self.name = tree_driver.SESSION.suite(name, self._build, owners=(owner,))
+        self.name = tree_driver.SESSION.suite(name, self._build, owners=(owner,), weight=weight)
 
     def _build(self, tree: str, work: Path) -> list[dict[str, Any]]:
         batch, self.extras[str(Path(tree).resolve())] = self.plan(tree, work)
@@ -247,7 +247,12 @@ def _corpus_plan(tree: str, work: Path) -> tuple[dict[str, Any], dict[str, Any]]
     return {"cases": cases}, {"found": total, "excluded": dict(excluded), "cases": cases}
 
 
-CORPUS = Batch("corpus", _corpus_plan, "test_megatron_corpus")
+def _corpus_size(tree: str) -> float:
+    """The tree's functional-test configs, found without reading them: the corpus's work there."""
+    return float(sum(1 for _ in (Path(tree) / "tests" / "functional_tests" / "test_cases").glob("*/*/model_config.yaml")))
+
+
+CORPUS = Batch("corpus", _corpus_plan, "test_megatron_corpus", weight=_corpus_size)
 
 
 # --- judging --------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ def _smoke(tmp_path, part: str, repeats: int) -> dict:
 
 
 @pytest.mark.real_megatron
+@pytest.mark.own_process
 def test_smoke_path_runs_the_noop_preset_end_to_end(tmp_path):
     data = _smoke(tmp_path, "noop", 2)
     assert data["blocks_run"] == 2 and [r["arm"] for r in data["rows"]] == ["all-off",
@@ -105,6 +106,7 @@ def test_devices_must_cover_a_multi_gpu_part(tmp_path):
 
 
 @pytest.mark.real_megatron
+@pytest.mark.own_process
 def test_smoke_path_plans_the_two_gpu_tensor_parallel_part_for_its_world(tmp_path):
     """TP=2 validates only in a world of 2: the smoke run's real dry runs plan for it (--world-size),
     and the stand-in runs log that world, which the results take as the runs' own."""
@@ -114,6 +116,7 @@ def test_smoke_path_plans_the_two_gpu_tensor_parallel_part_for_its_world(tmp_pat
 
 
 @pytest.mark.real_megatron
+@pytest.mark.own_process
 def test_smoke_path_sweeps_the_bucket_size_with_the_reduce_overlapped(tmp_path):
     """Megatron ignores the bucket size unless the reduce overlaps the backward pass: every arm of
     the sweep overlaps it, and each candidate changes the bucket size and nothing else."""

@@ -113,6 +113,78 @@ def test_explain_reports_torch_where_it_is_installed_and_where_facts_came_from()
     assert "Transformer Engine: 2.12 (assumed" in out and "APEX fused wgrad: no (planned stack)" in out
 
 
+# Runs the command as ``python -m megatron_perf_toggles`` does, then notes in a file whether Megatron
+# or torch was imported on the way (stdout and stderr stay the command's own).
+IMPORT_PROBE = """import json, os, runpy, sys
+out = sys.argv.pop(1)
+if os.environ.pop("PROBE_AS_IF_GPU_NODES", ""):  # as on a GPU machine: torch is asked about the GPU
+    import megatron_perf_toggles.runtime.probe as probe
+    probe.no_gpu_here = lambda: False
+sys.argv[0] = "megatron-perf-toggles"
+code = 0
+try:
+    runpy.run_module("megatron_perf_toggles", run_name="__main__", alter_sys=True)
+except SystemExit as stop:
+    code = stop.code
+open(out, "w").write(json.dumps({"imported": [m for m in ("megatron", "torch") if m in sys.modules], "exit": code}))
+sys.exit(code)
+"""
+GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd")
+
+
+def run_probed(tmp_path, *argv, env=None, path=()):
+    out = tmp_path / f"probe-{len(list(tmp_path.iterdir()))}.json"
+    base = {k: v for k, v in os.environ.items() if k not in PLUGIN_VARS and k != "PYTHONPATH"}
+    pythonpath = os.pathsep.join([str(REPO), *map(str, path)])
+    proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE, str(out), *argv], capture_output=True, text=True,
+                          env={**base, "PYTHONPATH": pythonpath, **(env or {})}, cwd=REPO, timeout=120)
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("argv", [
+    ["explain", "--megatron", "/nonexistent/megatron"],
+    ["explain", "--megatron", "/nonexistent/megatron", "--world-size", "64"],
+    ["doctor", "--megatron", "/nonexistent/megatron"],
+    ["flags", "--megatron", "/nonexistent/megatron"],
+])
+@pytest.mark.parametrize("gpu_nodes", ["", "1"])
+def test_a_bad_checkout_is_refused_before_torch_is_imported(tmp_path, argv, gpu_nodes):
+    """Every bad input is one line within a second: importing torch alone takes about 2 s, so a
+    path that is no checkout is refused first, on a GPU machine too."""
+    proc, seen = run_probed(tmp_path, *argv, env={"PROBE_AS_IF_GPU_NODES": gpu_nodes})
+    assert "not a Megatron-LM checkout" in _one_line(proc)
+    assert seen == {"imported": [], "exit": 2}
+
+
+def test_planning_where_no_gpu_can_be_visible_reads_torch_without_importing_it(tmp_path):
+    torch_version = pytest.importorskip("torch").__version__
+    if any(os.path.exists(node) for node in GPU_NODES):
+        pytest.skip("a GPU device node is here: torch is asked")
+    for argv in (["explain", "--json"], ["explain", "--json", "--gpu", "h200"]):
+        proc, seen = run_probed(tmp_path, *argv)
+        assert seen == {"imported": [], "exit": 0}, proc.stderr
+        caps = json.loads(proc.stdout)["capabilities"]
+        assert caps["torch_version"] == torch_version  # what an import says
+    assert caps["device"] == "cuda" and caps["gpu_arch"] == "sm_90"  # the planned H200
+    proc, seen = run_probed(tmp_path, "flags")
+    assert seen == {"imported": [], "exit": 0} and proc.stdout.split(), proc.stderr
+
+
+def test_a_plan_on_a_recorded_surface_leaves_the_megatron_on_the_path_alone(tmp_path):
+    """A training container has Megatron on PYTHONPATH; explain on a recorded surface must not
+    import it (seconds, and its warnings on stderr) for facts the surface replaces."""
+    found = tmp_path / "path"
+    (found / "megatron" / "training").mkdir(parents=True)
+    (found / "megatron" / "__init__.py").write_text("import warnings\nwarnings.warn('megatron was imported')\n")
+    (found / "megatron" / "training" / "__init__.py").write_text("")
+    (found / "megatron" / "training" / "arguments.py").write_text("")
+    contradiction = ["explain", "--", "--grad-reduce-in-bf16", "--no-grad-reduce-in-bf16"]
+    for argv in (["explain"], ["flags", "--megatron-version", "core_v0.18.0"], contradiction):
+        proc, seen = run_probed(tmp_path, *argv, path=[found])
+        assert "megatron" not in seen["imported"] and "megatron was imported" not in proc.stderr, proc.stderr
+    assert "are both on the command line" in _one_line(proc)  # the bad input's one line, alone on stderr
+
+
 def test_explain_world_size_needs_a_checkout():
     assert "--megatron" in _one_line(run_cli("explain", "--world-size", "8"))
     assert "did you mean 'h100'" in _one_line(run_cli("explain", "--gpu", "h10"))
@@ -191,6 +263,7 @@ def test_help_explains_commands_and_env_vars():
 
 
 @pytest.mark.real_megatron
+@pytest.mark.own_process
 def test_explain_with_a_real_tree():
     tree = megatron_trees()[-1]
     proc = run_cli("explain", "--megatron", str(tree), "--json", timeout=300)
@@ -218,6 +291,7 @@ print(PATCHES.labels, hasattr(arguments.validate_args, "__wrapped__"), getattr(t
 
 
 @pytest.mark.real_megatron
+@pytest.mark.own_process
 def test_planning_on_a_real_tree_leaves_the_process_as_it_was():
     """explain --megatron hooks Megatron's parse path and installs the safety net as a launch does,
     flags --megatron imports the tree; afterwards nothing of either is left: no recorded change,

@@ -55,6 +55,7 @@ def test_bad_choices_are_one_line_exit_2(env, words):
 
 
 @pytest.mark.real_megatron
+@pytest.mark.own_process
 @pytest.mark.parametrize("env, tag", [({"MODEL_SIZE": "8", "TE_FP8": "1"}, "fp8"), ({"MODEL_SIZE": "70"}, "bf16")])
 def test_dry_run_on_the_newest_tree(env, tag):
     tree = megatron_trees()[-1]
@@ -68,6 +69,7 @@ def test_dry_run_on_the_newest_tree(env, tag):
 
 
 @pytest.mark.real_megatron
+@pytest.mark.own_process
 @pytest.mark.parametrize("env, world, dp", [
     ({"TP": "2"}, 8, 4),  # the README's TP=2 DRY_RUN=1 line, on a machine without GPUs
     ({"MODEL_SIZE": "70", "TP": "8", "PP": "4", "NNODES": "8", "NUM_LAYERS": "8", "GPU": "mi355x"}, 64, 2),

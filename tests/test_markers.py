@@ -46,3 +46,31 @@ def test_the_marker_check_sees_an_unmarked_tree_test():
     assert _unmarked_tree_tests(source) == ["test_a"]
     assert _unmarked_tree_tests("import pytest\npytestmark = pytest.mark.real_megatron\n" + source) == []
     assert Path(__file__).name == "test_markers.py"
+
+
+class _Item:
+    def __init__(self, stem: str, *markers: str) -> None:
+        self.path = Path(f"/repo/tests/{stem}.py")
+        self.markers = set(markers)
+
+    def get_closest_marker(self, name: str):
+        return name if name in self.markers else None
+
+
+def test_processes_first_then_units_then_waiting_then_real_tree_results():
+    from conftest import _order
+
+    items = [_Item("test_a", "real_megatron"), _Item("test_b"), _Item("test_jobs"),
+             _Item("test_c", "real_megatron", "own_process"), _Item("test_d", "own_process")]
+    items.sort(key=lambda item: _order(item, {"test_jobs"}))
+    assert [i.path.stem for i in items] == ["test_c", "test_d", "test_b", "test_jobs", "test_a"]
+
+
+def test_the_heaviest_trees_start_first():
+    import tree_driver
+
+    session = tree_driver.Session()
+    session.suite("light", lambda tree, work: [], owners=["x"])
+    session.suite("sized", lambda tree, work: [], owners=["x"], weight=lambda tree: {"b": 3, "c": 5}.get(tree, 0))
+    session.suite("flat", lambda tree, work: [], owners=["x"], weight=lambda tree: 1)
+    assert session._heaviest_first(["a", "b", "c", "d"]) == ["c", "b", "a", "d"]

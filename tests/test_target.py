@@ -108,3 +108,66 @@ def test_launcher_one_line_when_the_tree_breaks_at_import(tmp_path):
     (tmp_path / "train.py").write_text("print('trained')\n")
     line = _one_line(_launch("--dry-run", "train.py", cwd=tmp_path))
     assert "IndexError" in line and "arguments.py:2" in line
+
+
+@pytest.mark.parametrize(("platform", "nodes", "expected"), [
+    ("linux", [], True),  # a laptop or CI runner: no GPU can be visible
+    ("linux", ["nvidiactl", "nvidia0"], False),  # NVIDIA's driver: ask torch
+    ("linux", ["dxg"], False),  # WSL's GPU bridge
+    ("linux", ["kfd", "dri"], False),  # ROCm
+    ("darwin", [], False),  # another system: torch answers
+])
+def test_no_gpu_here_only_where_no_device_node_can_serve_one(monkeypatch, platform, nodes, expected):
+    from megatron_perf_toggles.runtime import probe
+
+    asked = []
+
+    def exists(path):
+        asked.append(path)
+        return os.path.basename(path) in nodes and os.path.dirname(path) == "/dev"
+
+    monkeypatch.setattr(sys, "platform", platform)
+    monkeypatch.setattr(os.path, "exists", exists)
+    assert probe.no_gpu_here() is expected
+    assert platform == "linux" or not asked
+
+
+def test_no_device_node_means_no_visible_gpu_without_importing_torch(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setattr(target, "no_gpu_here", lambda: True)
+    monkeypatch.setattr(target, "torch_module", lambda import_it=True: pytest.fail("torch was asked"))
+    assert target._visible_gpu() is False
+    assert "no GPU visible" in target.make_target(world_size=8).gpu_source
+    assert "torch" not in sys.modules
+    # a torch this process already has is asked, whatever the device nodes say
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(target, "torch_module", lambda import_it=True: sys.modules["torch"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert target._visible_gpu() is True
+
+
+def test_the_build_file_says_what_an_import_of_torch_says():
+    from megatron_perf_toggles.runtime import probe
+
+    build = probe.torch_build()
+    assert build == {"__version__": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip}
+
+
+def test_a_build_file_that_is_not_plain_assignments_is_no_answer(tmp_path, monkeypatch):
+    from importlib.machinery import ModuleSpec
+
+    from megatron_perf_toggles.runtime import probe
+
+    package = tmp_path / "torch"
+    package.mkdir()
+    spec = ModuleSpec("torch", None, is_package=True)
+    spec.submodule_search_locations = [str(package)]
+    monkeypatch.setattr(probe.importlib.util, "find_spec", lambda name: spec)
+    (package / "version.py").write_text("__version__ = '9.1.0'\ncuda: str = '13.0'\nhip = None\n")
+    assert probe.torch_build() == {"__version__": "9.1.0", "cuda": "13.0", "hip": None}
+    (package / "version.py").write_text("__version__ = compute()\n")
+    assert probe.torch_build() is None
+    (package / "version.py").write_text("cuda = None\n")  # no version: not the file we know
+    assert probe.torch_build() is None
+    (package / "version.py").unlink()
+    assert probe.torch_build() is None

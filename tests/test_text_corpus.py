@@ -36,6 +36,7 @@ def test_stdlib_corpus_is_real_text(tmp_path):
 
 
 @pytest.mark.real_megatron
+@pytest.mark.own_process
 def test_megatron_reads_it(tmp_path):
     text_corpus.write_indexed(tmp_path / "c", DOCS)
     tree = megatron_trees()[-1]

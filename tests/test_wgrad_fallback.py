@@ -129,3 +129,13 @@ def test_policy_no_fallback_possible():
     caps = full_caps(apex_fused_wgrad=False, wgrad_fallback=False, notes={"wgrad_fallback": "no CUDA or ROCm device is visible"})
     d = _plan(caps).decisions["gradient_accumulation_fusion"]
     assert d.value is False and "no CUDA or ROCm device" in d.reason
+
+
+def test_usable_without_a_device_node_is_no_without_importing_torch(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setattr(wgrad_fallback, "no_gpu_here", lambda: True)
+    monkeypatch.setattr(wgrad_fallback, "torch_module", lambda import_it=True: pytest.fail("torch was asked"))
+    assert wgrad_fallback.usable() == (False, "no CUDA or ROCm device is visible")
+    monkeypatch.setattr(wgrad_fallback, "installed", lambda name: False)
+    assert wgrad_fallback.usable() == (False, "torch is not installed")
+    assert "torch" not in sys.modules

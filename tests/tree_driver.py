@@ -144,8 +144,8 @@ class Worker:
                                      f"names the case it was on):\n{tail}")
             return json.loads(results_file.read_text())
 
-    def close(self) -> None:
-        """Let an idle worker end; stop a busy one (an interrupted session)."""
+    def stop(self) -> None:
+        """Ask an idle worker to end; stop a busy one (an interrupted session)."""
         if self.lock.acquire(blocking=False):
             with contextlib.suppress(BrokenPipeError, OSError, ValueError):
                 self.requests.write("quit\n")
@@ -155,6 +155,9 @@ class Worker:
             self.proc.kill()
             with contextlib.suppress(OSError, ValueError):
                 self.requests.close()
+
+    def close(self) -> None:
+        """Wait for the worker to end (after ``stop``)."""
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -167,6 +170,7 @@ class Worker:
 class _Suite:
     build: Callable[[str, Path], list[dict[str, Any]]]
     owners: frozenset[str]
+    weight: Callable[[str], float] | None = None
 
 
 class Session:
@@ -192,11 +196,19 @@ class Session:
         return frozenset(owners) if owners is not None else frozenset({Path(sys._getframe(2).f_globals["__file__"]).stem})
 
     def suite(self, name: str, build: Callable[[str, Path], list[dict[str, Any]]],
-              owners: Iterable[str] | None = None) -> str:
+              owners: Iterable[str] | None = None, weight: Callable[[str], float] | None = None) -> str:
         """Register a suite: ``build(tree, work)`` gives its phases for one tree. It runs when a
-        selected real-Megatron test is in one of ``owners`` (test modules; default: the caller)."""
-        self.suites[name] = _Suite(build, self._owners(owners))
+        selected real-Megatron test is in one of ``owners`` (test modules; default: the caller).
+        ``weight(tree)``, where a suite's work differs from tree to tree, is a cheap estimate of
+        it: the heaviest trees start first, so no big one is left running alone at the end."""
+        self.suites[name] = _Suite(build, self._owners(owners), weight)
         return name
+
+    def _heaviest_first(self, names: list[str]) -> list[str]:
+        def weight(tree: str) -> float:
+            return sum(s.weight(tree) for s in self.suites.values() if s.weight is not None)
+
+        return sorted(names, key=weight, reverse=True)  # stable: equal weights keep their order
 
     def background(self, name: str, job: Callable[[], Any], real: bool = True, owners: Iterable[str] | None = None
                    ) -> str:
@@ -227,7 +239,7 @@ class Session:
                 return
             self.base = Path(tempfile.mkdtemp(prefix="ptt-trees-"))
             self.pool = ThreadPoolExecutor(max_workers=workers(len(names)), thread_name_prefix="tree")
-            for i, tree in enumerate(names):
+            for i, tree in enumerate(self._heaviest_first(names)):
                 self.workers[_key(tree)] = Worker(tree, self.base / f"{i}-{tree_id(tree)}")
                 self.bulk[_key(tree)] = self.pool.submit(self._run_suites, tree)
 
@@ -297,6 +309,8 @@ class Session:
         return {r["name"]: r for r in found}
 
     def close(self) -> None:
+        for worker in self.workers.values():  # every worker is told first: they end side by side
+            worker.stop()
         for worker in self.workers.values():
             worker.close()
         for pool in (self.side, self.pool):
@@ -435,4 +449,9 @@ def serve() -> int:
 if __name__ == "__main__":
     import tree_driver  # the case modules import it by that name: one module, one tree on the path
 
-    raise SystemExit(tree_driver.serve())
+    code = tree_driver.serve()
+    # Everything is written (results files, the flushed log). Tearing down an interpreter that has
+    # imported torch and several Megatron trees takes a second or more and leaves nothing behind.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

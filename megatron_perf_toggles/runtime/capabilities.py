@@ -28,7 +28,7 @@ from ..core.facts import (
 )
 from .assume import assumed, assumed_device  # noqa: F401 - asked of this module by its callers
 from .probe import installed as _installed
-from .probe import torch_module
+from .probe import no_gpu_here, torch_build, torch_module
 
 if TYPE_CHECKING:  # types only
     from .target import Target
@@ -146,9 +146,14 @@ def _detect(root: str | None) -> tuple[str, ...] | None:
 
 
 def _detect_torch(deep: bool, planned: Target | None = None) -> dict[str, Any]:
-    torch = torch_module(import_it=deep)
+    build = torch_build() if deep and "torch" not in sys.modules and no_gpu_here() else None
+    # where no GPU can be visible, the installed build says all an import would (no 2 s import)
+    torch = None if build is not None else torch_module(import_it=deep)
     out: dict[str, Any]
-    if torch is None:
+    if build is not None:
+        out = {"torch_version": build["__version__"],
+               "device": "rocm" if build.get("hip") else ("cuda" if build.get("cuda") else "cpu")}
+    elif torch is None:
         out = {"torch_version": _dist_version("torch") if deep else None}
     else:
         version = getattr(torch, "version", None)
@@ -198,9 +203,11 @@ def gpu_name_here() -> str | None:
         return None
 
 
-def detect(deep: bool = False, target: Target | None = None) -> Capabilities:
-    """Probe this machine. ``deep`` also imports torch/TE kernels when they are installed. A
-    ``target`` with a GPU (a plan for another machine) answers the GPU's facts from its table."""
+def detect(deep: bool = False, target: Target | None = None, megatron: MegatronFacts | None = None) -> Capabilities:
+    """Probe this machine. ``deep`` also imports torch/TE kernels when they are installed (torch
+    only where a GPU can be visible: elsewhere its build file gives its version and kind). A
+    ``target`` with a GPU (a plan for another machine) answers the GPU's facts from its table;
+    ``megatron`` given answers Megatron's (none is imported)."""
     notes: dict[str, str] = {}
     te_imported = "transformer_engine" in sys.modules
     te_version = _te_version() if te_imported or _installed("transformer_engine") else None
@@ -236,7 +243,7 @@ def detect(deep: bool = False, target: Target | None = None) -> Capabilities:
         if aiter_version is None and _dist_version("aiter") is not None:
             notes["aiter"] = "the installed 'aiter' is the PyPI async library, not AMD's amd-aiter"
     return Capabilities(
-        megatron=megatron_facts(),
+        megatron=megatron_facts() if megatron is None else megatron,
         te_version=te_version,
         te_fused_qkv_rope=te_rope,
         te_cross_entropy=te_ce,
@@ -264,13 +271,16 @@ def effective_assume(spec: str | None, target: Target | None = None) -> str | No
     return planned_stack(target.gpu.vendor, spec)
 
 
-def for_plan(spec: str | None, deep: bool = False, target: Target | None = None) -> Capabilities:
+def for_plan(spec: str | None, deep: bool = False, target: Target | None = None,
+             megatron: MegatronFacts | None = None) -> Capabilities:
     """The capabilities a plan rests on, one rule for ``explain`` and the dry run: detected here for
     a plan for this machine; for another machine (a named GPU or world, or no GPU here), the planned
     stack of its GPU family, named in ``Capabilities.stack``, with ``MEGATRON_PERF_TOGGLES_ASSUME``
-    on top. Facts of this machine's packages never describe another machine."""
+    on top. Facts of this machine's packages never describe another machine. ``megatron``: the
+    Megatron the plan is for where it is known already (a recorded surface), so that a Megatron on
+    this machine's path is not imported (seconds) for facts that would be replaced."""
     effective = effective_assume(spec, target)
-    caps = with_assumptions(detect(deep=deep, target=target), effective)
+    caps = with_assumptions(detect(deep=deep, target=target, megatron=megatron), effective)
     if effective == spec:
         return caps
     caps = dataclasses.replace(caps, stack=describe_stack(caps))

@@ -7,9 +7,12 @@ all ask the same questions.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -31,3 +34,50 @@ def torch_module(import_it: bool = True) -> Any | None:
         return importlib.import_module("torch")
     except Exception:  # noqa: BLE001 - a torch that does not import is as good as none here
         return None
+
+
+# Device nodes a GPU build of torch needs on Linux: NVIDIA's driver (/dev/nvidia0, /dev/nvidiactl),
+# WSL's GPU bridge (/dev/dxg) and ROCm's kernel driver (/dev/kfd).
+GPU_NODES = ("nvidiactl", "nvidia0", "dxg", "kfd")
+
+
+def no_gpu_here() -> bool:
+    """True where no GPU can be visible to torch whatever it is: a Linux machine with none of the
+    device nodes CUDA or ROCm need (a laptop, a CI runner). Importing torch costs about 2 s, which
+    a plan on such a machine need not pay to learn that ``torch.cuda.is_available()`` is False.
+    False (ask torch) where a node exists or on another system."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return not any(os.path.exists(os.path.join("/dev", node)) for node in GPU_NODES)
+
+
+def torch_build() -> dict[str, str | None] | None:
+    """The installed torch's ``__version__``, ``cuda`` and ``hip`` (``torch/version.py``, which its
+    build writes as plain assignments), read without importing torch; None where torch is not
+    installed or the file cannot be read that way."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        return None
+    try:
+        tree = ast.parse(Path(locations[0], "version.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    found: dict[str, str | None] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, assigned = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, assigned = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id in ("__version__", "cuda", "hip"):
+            try:
+                value = ast.literal_eval(assigned)
+            except ValueError:
+                return None
+            found[target.id] = value if value is None else str(value)
+    return found if "__version__" in found else None

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import PerfTogglesError, did_you_mean
 from .patches import ProcessPatches
-from .probe import torch_module
+from .probe import no_gpu_here, torch_module
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +105,8 @@ def _positive(flag: str, value: int | None) -> int | None:
 
 
 def _visible_gpu() -> bool:
+    if "torch" not in sys.modules and no_gpu_here():  # no device node: no GPU, without importing torch
+        return False
     torch = torch_module()
     if torch is None:  # no torch: no GPU either
         return False
@@ -283,15 +285,18 @@ def _te_version(stand: ProcessPatches, te_version: str | None) -> None:
 
 
 @contextmanager
-def stand_ins(target: Target | None, te_version: str | None = None) -> Iterator[Target | None]:
+def stand_ins(target: Target | None, te_version: str | None = None, megatron: bool = True
+              ) -> Iterator[Target | None]:
     """Within this block Megatron sees ``target``'s world and GPU; afterwards, this machine again.
     The plugin's own code is never told through here: the target is passed to it (the run context's
-    ``target``, capabilities.for_plan, profile_file.observed)."""
+    ``target``, capabilities.for_plan, profile_file.observed). ``megatron=False``: no Megatron code
+    runs in the block (a plan on a recorded surface), so torch, which only Megatron would ask about
+    the GPU, is not imported (about 2 s) to be told."""
     stand = ProcessPatches()  # scoped: undone when the block ends, however it ends
     try:
         if target is not None:
             _world(stand, target)
-            if target.gpu is not None:
+            if target.gpu is not None and (megatron or "torch" in sys.modules):
                 _device(stand, target.gpu, target.per_node or min(target.world_size or 1, 8))
         _te_version(stand, te_version)
         yield target

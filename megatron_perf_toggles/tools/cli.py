@@ -26,7 +26,7 @@ from ..runtime import profile_file, provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import detect, megatron_facts, resolve
 from .llama3_8b import LLAMA3_8B_BF16, llama3_8b_args
-from .planning import DEFAULT_SURFACE, plan_command_line
+from .planning import DEFAULT_SURFACE, checkout_script, plan_command_line
 from .surfaces import replay
 
 WGRAD_WORDS = {
@@ -86,6 +86,10 @@ def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
 
 
 def target_from(ns: argparse.Namespace) -> planned.Target:
+    """What to plan for; a ``--megatron`` that is no checkout is one line first (the target may
+    ask torch about this machine's GPU, which takes seconds)."""
+    if getattr(ns, "megatron", None):
+        checkout_script(ns.megatron)
     return planned.from_options(ns)
 
 
@@ -245,8 +249,8 @@ def _doctor_megatron(tree: str | None) -> tuple[MegatronFacts | None, str | None
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
+    facts, why_not = _doctor_megatron(ns.megatron)  # a bad --megatron fails before torch is imported
     caps = detect(deep=True)
-    facts, why_not = _doctor_megatron(ns.megatron)
     if facts is not None:
         caps = replace(caps, megatron=facts)
     env = read_env(os.environ)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from ..core.decide import Plan
@@ -22,6 +22,17 @@ from .surfaces import replay
 DEFAULT_SURFACE = "main"
 
 
+def checkout_script(tree: str) -> Path:
+    """The checkout's pretrain_gpt.py; a path that is no checkout is one error line (checked before
+    anything costly, such as asking torch about the GPU)."""
+    root = Path(tree)
+    script = root / "pretrain_gpt.py"
+    if not (root / "megatron" / "training" / "arguments.py").is_file() or not script.is_file():
+        raise PerfTogglesError(f"{tree} is not a Megatron-LM checkout (no pretrain_gpt.py and "
+                               "megatron/training/arguments.py there)", "pass --megatron /path/to/Megatron-LM")
+    return script
+
+
 def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None,
                   ) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
     """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (launcher/megatron_hooks.py): the same
@@ -29,18 +40,13 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     import contextlib
     import io
     import runpy
-    from pathlib import Path
 
     from ..launcher import megatron_hooks as hooks
     from ..launcher.import_shims import megatron_importable
     from ..runtime.context import RunContext
     from ..runtime.provider import extra_args_provider
 
-    root = Path(tree)
-    script = root / "pretrain_gpt.py"
-    if not (root / "megatron" / "training" / "arguments.py").is_file() or not script.is_file():
-        raise PerfTogglesError(f"{tree} is not a Megatron-LM checkout (no pretrain_gpt.py and "
-                               "megatron/training/arguments.py there)", "pass --megatron /path/to/Megatron-LM")
+    script = checkout_script(tree)
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     chatter = io.StringIO()  # Megatron's own printing and warnings; the explanation is ours
     # This entry point's run context: a dry run that hands its record back. Leaving the block undoes
@@ -75,7 +81,8 @@ def plan_command_line(
     """Decide the toggles for ``megatron_args`` without announcing or writing anything.
 
     With ``tree``: the launcher's dry run of its pretrain_gpt.py. Without: the recorded surface,
-    with the same capability detection as that dry run (torch and TE imported where installed)."""
+    with the same capability detection as that dry run (torch and TE imported where installed; on a
+    machine where no GPU can be visible, torch's build file answers instead of a 2 s import)."""
     from ..runtime.controller import Controller
     from ..runtime.provider import attach
 
@@ -92,9 +99,9 @@ def plan_command_line(
     label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
     # the planned world and GPU hold for the whole plan, as in a dry run: the capabilities follow
     # the one rule the dry run follows (capabilities.for_plan), the memory guard sees the world
-    with planned.stand_ins(target):
-        caps = replace(for_plan(controller.env.assume, deep=True, target=target),
-                       megatron=megatron_facts_from_surface(recorded))
+    with planned.stand_ins(target, megatron=False):
+        caps = for_plan(controller.env.assume, deep=True, target=target,
+                        megatron=megatron_facts_from_surface(recorded))
         controller.capabilities = caps
         attach(parser, controller=controller)
         ns = parser.parse_args(list(megatron_args))
