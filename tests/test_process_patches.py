@@ -223,6 +223,30 @@ def test_stand_in_imports_last_only_as_long_as_their_block(monkeypatch: pytest.M
         assert builtins.__import__ is real
 
 
+def test_planning_leaves_megatrons_compile_decorators_uncompiled_and_a_run_compiles() -> None:
+    """A plan runs nothing compiled; the first torch.compile would import TorchDynamo (seconds in
+    every planning process). The stand-ins last as long as the block; a real run is untouched."""
+    torch = pytest.importorskip("torch")
+    from megatron_perf_toggles.launcher import import_shims
+
+    real_compile, real_disable = torch.compile, torch.compiler.disable
+
+    def fn(x):
+        return x
+
+    with pytest.raises(SystemExit), megatron_importable(None):
+        assert torch.compile(fn) is fn and torch.compile(mode="max-autotune")(fn) is fn
+        assert torch.compiler.disable(fn) is fn and torch.compiler.disable(recursive=False)(fn) is fn
+        raise SystemExit(0)
+    assert (torch.compile, torch.compiler.disable) == (real_compile, real_disable)
+    with megatron_importable(None, stand_ins=False):  # the launcher's real run
+        assert (torch.compile, torch.compiler.disable) == (real_compile, real_disable)
+    with PATCHES.scope():  # a patched checkout's dry run: for the rest of the process
+        import_shims.install_stand_ins()
+        assert torch.compile(fn) is fn
+    assert torch.compile is real_compile
+
+
 @pytest.fixture
 def fresh_holders():
     from megatron_perf_toggles.runtime import rebinding

@@ -50,11 +50,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, environ, direct, queue):
+def _worker(rank, world, port, environ, direct, queue, release):
+    try:
+        _rank(rank, world, port, environ, direct, queue)
+    finally:
+        # Rank 0 serves the rendezvous store: no rank leaves before every rank has reported, or a
+        # rank still inside init_process_group loses the store ("Connection reset by peer").
+        release.wait(timeout=JOIN_TIMEOUT_S)
+
+
+def _rank(rank, world, port, environ, direct, queue):
     import datetime
 
     os.environ.update(environ)
     os.environ["RANK"] = str(rank)
+    start = time.monotonic()
     try:
         import torch.distributed as dist
 
@@ -78,9 +88,10 @@ def _worker(rank, world, port, environ, direct, queue):
 
 def _run(world, env_for_rank, direct=False):
     ctx = mp.get_context("fork")  # the parent already imported torch; forking skips re-importing it
-    queue = ctx.Queue()
+    queue, release = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, env_for_rank(r), direct, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, env_for_rank(r), direct, queue, release))
+             for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -91,6 +102,7 @@ def _run(world, env_for_rank, direct=False):
             results[rank] = (kind, msg, secs)
         except Exception:  # noqa: BLE001 - queue.Empty: the deadline below reports it
             break
+    release.set()
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():

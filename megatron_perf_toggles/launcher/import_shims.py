@@ -4,6 +4,9 @@ Megatron 0.16+ imports ``triton`` at module level in places that argument parsin
 0.18.2+ uses ``typing.override`` (Python 3.12+). Neither matters for parsing, so on machines that
 lack them Megatron's own modules get a stand-in. The stand-in never enters ``sys.modules``:
 torch's optional-triton probes must keep seeing "not installed".
+
+Planning also leaves Megatron's ``torch.compile`` decorators uncompiled: nothing compiled is run in
+a plan, and the first decorator would import TorchDynamo (about 2.5 s in every planning process).
 """
 
 from __future__ import annotations
@@ -95,12 +98,34 @@ def _stand_in_import(real_import: Callable[..., types.ModuleType]) -> Callable[.
     return importer
 
 
+def _as_is(fn: Any = None, *args: Any, **options: Any) -> Any:
+    """``torch.compile`` and ``torch.compiler.disable`` while planning: the function as it is,
+    used bare (``@torch.compile``) or with options (``@torch.compile(mode=...)``)."""
+    return fn if fn is not None else (lambda wrapped: wrapped)
+
+
+def _no_compiling(patches: ProcessPatches) -> None:
+    """Megatron's modules, imported for planning, keep their functions as written (see above).
+    torch is imported here, where it is installed: Megatron imports it first thing anyway."""
+    if "torch" not in sys.modules and not installed("torch"):
+        return
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - Megatron's own import will report a torch that does not import
+        return
+    patches.set_attr(torch, "compile", _as_is, "torch.compile -> the function as is (planning)")
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "disable"):
+        patches.set_attr(compiler, "disable", _as_is, "torch.compiler.disable -> the function as is (planning)")
+
+
 @contextmanager
 def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: bool = True) -> Iterator[None]:
     """Within this block, ``import megatron.training.arguments`` works from ``tree`` on a CPU box.
 
     ``stand_ins=False`` keeps only the harmless ``typing.override`` shim: a real training run must
-    see a missing triton as missing, not get a stand-in whose kernels would fail later.
+    see a missing triton as missing, not get a stand-in whose kernels would fail later, and must
+    compile what Megatron compiles.
     """
     if tree is not None:
         entry = str(Path(tree).resolve())
@@ -111,6 +136,8 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
     scoped = ProcessPatches()  # the stand-ins last only as long as the block, however it ends
     if stand_ins and any(not installed(name) for name in STAND_IN_PACKAGES):
         scoped.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
+    if stand_ins:
+        _no_compiling(scoped)
     try:
         yield
     finally:
@@ -124,6 +151,7 @@ def install_stand_ins() -> None:
         PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
     if any(not installed(name) for name in STAND_IN_PACKAGES):
         PATCHES.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
+    _no_compiling(PATCHES)
 
 
 def _gpu_build_without_gpu() -> bool:
