@@ -10,9 +10,11 @@ Trees come from MEGATRON_LM_TREES only.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import io
 import json
+import operator
 import os
 import runpy
 import shutil
@@ -175,6 +177,7 @@ INJECTED_LINE = (f"    print({INJECTED_CHATTER!r}, flush=True)\n"
 NET_SCRIPT = '''\
 """The plain provider path (no launcher): parse, validate and build the TransformerConfig."""
 import json
+import operator
 import sys
 
 import megatron_perf_toggles
@@ -227,6 +230,7 @@ def net_cases(copy: str) -> list[dict[str, Any]]:
 # launcher's hooks in place and no dry run, then the decisions the run would train with, as JSON.
 REAL_LAUNCH_SOURCE = '''\
 import json
+import operator
 
 from megatron.training import arguments
 
@@ -377,6 +381,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     device_queries = {name: getattr(torch.cuda, name) for name in (
         "is_available", "device_count", "get_device_capability", "get_device_properties")}
     versions = (torch.version.cuda, torch.version.hip)
+    # the dry run's import stand-ins and uncompiled torch.compile (launcher/import_shims.py)
+    shims = (builtins.__import__, torch.compile, torch.compiler.disable)
 
     out, err = io.StringIO(), io.StringIO()
     saved = (sys.stdout, sys.stderr, list(sys.argv), list(sys.path), dict(os.environ))
@@ -436,6 +442,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         _plan_device_arch(None)
     undone = (all(getattr(torch.cuda, name) is fn for name, fn in device_queries.items())
               and (torch.version.cuda, torch.version.hip) == versions
+              and all(map(operator.is_, (builtins.__import__, torch.compile, torch.compiler.disable), shims))
               and world_after == world_before)
     return {"name": case["name"], "argv": case["argv"], "code": code, "stand_ins_undone": undone,
             "stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -122,22 +123,25 @@ def _one_process_for_all_arms(tree, arms):
     return resolver
 
 
-def _own_process_dry_runs():
-    """ablate's own ``resolve_arm`` (a dry-run process per arm) on the oldest and newest tree: an
-    arm with a difference no toggle makes, and, where the tree has no field for it, the fused
-    QKV RoPE arm. Processes of their own, so a background job beside the workers."""
-    found = {}
-    for tree in PICKED:
-        script, env = str(tree / "pretrain_gpt.py"), _environ(tree)
-        arms = _one_at_a_time(tree)[1]
-        found[tree] = {"injected": ablate.resolve_arm(script, [*ARGS, "--adam-eps", "1e-5"], arms[1], env)}
-        if not _has_fused_single_qkv_rope(tree):
-            arm = next(a for a in expand("one-at-a-time", DEFAULT_TOGGLES, []) if a.name == "only:fused_single_qkv_rope")
-            found[tree]["fused"] = (arm, ablate.resolve_arm(script, ARGS, arm, env))
+FUSED_ARM = "only:fused_single_qkv_rope"
+
+
+def _own_process_dry_runs(tree):
+    """ablate's own ``resolve_arm`` (a dry-run process per arm) on ``tree``: an arm with a
+    difference no toggle makes, and the fused QKV RoPE arm (forced on a tree whose TransformerConfig
+    has no field for it). Processes of their own, so a background job beside the workers."""
+    script, env = str(tree / "pretrain_gpt.py"), _environ(tree)
+    arms = _one_at_a_time(tree)[1]
+    found = {"injected": ablate.resolve_arm(script, [*ARGS, "--adam-eps", "1e-5"], arms[1], env)}
+    if not _has_fused_single_qkv_rope(tree):
+        arm = next(a for a in expand("one-at-a-time", DEFAULT_TOGGLES, []) if a.name == FUSED_ARM)
+        found["fused"] = (arm, ablate.resolve_arm(script, ARGS, arm, env))
     return found
 
 
-PROCESSES = tree_driver.SESSION.background("ablate-processes", _own_process_dry_runs)
+# One job per picked tree: a failure on one fails that tree's test alone.
+PROCESSES = {tree: tree_driver.SESSION.background(f"ablate-processes-{tree.name}",
+                                                  functools.partial(_own_process_dry_runs, tree)) for tree in PICKED}
 
 
 @pytest.mark.parametrize("tree", TREES, ids=lambda p: p.name)
@@ -153,14 +157,13 @@ def test_each_toggle_can_be_varied_alone(tree):
     assert "accumulate_allreduce_grads_in_fp32" in derived["grad_reduce_in_bf16"]
     assert set(derived) == set(toggles)
     if tree in PICKED:
-        own = tree_driver.SESSION.outcome(PROCESSES)[tree]
+        own = tree_driver.SESSION.outcome(PROCESSES[tree])
         # The same check refuses a difference that no toggle makes.
         with pytest.raises(ablate.ConfoundError) as info:
             ablate.check_confounds(arms, [records[0], own["injected"], *records[2:]], derived)
         text = str(info.value)
         assert "adam_eps: all-off=1e-08" in text and "1e-05" in text and "nothing was run" in text
-        assert ("fused" in own) == (not _has_fused_single_qkv_rope(tree))
-        if "fused" in own:
+        if "fused" in own:  # forced on a tree without the field, the guard keeps it off
             arm, rec = own["fused"]
             with pytest.raises(ablate.ConfoundError) as info:
                 ablate.check_confounds([arms[0], arm], [records[0], rec], derived)

@@ -129,7 +129,8 @@ except SystemExit as stop:
 open(out, "w").write(json.dumps({"imported": [m for m in ("megatron", "torch") if m in sys.modules], "exit": code}))
 sys.exit(code)
 """
-GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd")
+GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/sys/module/nvidia", "/sys/module/nvgpu",
+             "/dev/dxg", "/dev/kfd", "/sys/class/kfd", "/sys/module/amdgpu")
 
 
 def run_probed(tmp_path, *argv, env=None, path=()):
@@ -141,25 +142,27 @@ def run_probed(tmp_path, *argv, env=None, path=()):
     return proc, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("argv", [
-    ["explain", "--megatron", "/nonexistent/megatron"],
-    ["explain", "--megatron", "/nonexistent/megatron", "--world-size", "64"],
-    ["doctor", "--megatron", "/nonexistent/megatron"],
-    ["flags", "--megatron", "/nonexistent/megatron"],
+@pytest.mark.parametrize(("argv", "words"), [
+    (["explain", "--megatron", "/nonexistent/megatron"], "not a Megatron-LM checkout"),
+    (["explain", "--megatron", "/nonexistent/megatron", "--world-size", "64"], "not a Megatron-LM checkout"),
+    (["doctor", "--megatron", "/nonexistent/megatron"], "not a Megatron-LM checkout"),
+    (["flags", "--megatron", "/nonexistent/megatron"], "not a Megatron-LM checkout"),
+    (["explain", "--", "--grad-reduce-in-bf16", "--no-grad-reduce-in-bf16"], "are both on the command line"),
+    (["flags", "--", "--no-cross-entropy-loss-fusion", "--cross-entropy-loss-fusion"], "are both on the command line"),
 ])
 @pytest.mark.parametrize("gpu_nodes", ["", "1"])
-def test_a_bad_checkout_is_refused_before_torch_is_imported(tmp_path, argv, gpu_nodes):
+def test_bad_input_is_refused_before_torch_is_imported(tmp_path, argv, words, gpu_nodes):
     """Every bad input is one line within a second: importing torch alone takes about 2 s, so a
-    path that is no checkout is refused first, on a GPU machine too."""
+    path that is no checkout or a contradicting command line is refused first, on a GPU machine too."""
     proc, seen = run_probed(tmp_path, *argv, env={"PROBE_AS_IF_GPU_NODES": gpu_nodes})
-    assert "not a Megatron-LM checkout" in _one_line(proc)
+    assert words in _one_line(proc)
     assert seen == {"imported": [], "exit": 2}
 
 
 def test_planning_where_no_gpu_can_be_visible_reads_torch_without_importing_it(tmp_path):
     torch_version = pytest.importorskip("torch").__version__
     if any(os.path.exists(node) for node in GPU_NODES):
-        pytest.skip("a GPU device node is here: torch is asked")
+        pytest.skip("a GPU driver is here: torch is asked")
     for argv in (["explain", "--json"], ["explain", "--json", "--gpu", "h200"]):
         proc, seen = run_probed(tmp_path, *argv)
         assert seen == {"imported": [], "exit": 0}, proc.stderr
@@ -168,6 +171,22 @@ def test_planning_where_no_gpu_can_be_visible_reads_torch_without_importing_it(t
     assert caps["device"] == "cuda" and caps["gpu_arch"] == "sm_90"  # the planned H200
     proc, seen = run_probed(tmp_path, "flags")
     assert seen == {"imported": [], "exit": 0} and proc.stdout.split(), proc.stderr
+
+
+def test_doctor_imports_torch_and_says_when_it_does_not_import(tmp_path):
+    """doctor diagnoses this machine: it imports torch as a run would, where a plan may read its
+    build file instead, and a torch that is installed but breaks at import is named."""
+    pytest.importorskip("torch")
+    proc, seen = run_probed(tmp_path, "doctor")
+    assert seen["exit"] == 0 and "torch" in seen["imported"], proc.stderr
+    assert "does not import" not in proc.stdout
+    broken = tmp_path / "path" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('libtorch_cpu.so: cannot open shared object file')\n")
+    (broken / "version.py").write_text("__version__ = '2.9.0+cpu'\ncuda = None\nhip = None\n")
+    proc, seen = run_probed(tmp_path, "doctor", path=[broken.parent])
+    assert seen["exit"] == 0, proc.stderr
+    assert "torch is installed but does not import" in proc.stdout
 
 
 def test_a_plan_on_a_recorded_surface_leaves_the_megatron_on_the_path_alone(tmp_path):

@@ -223,9 +223,10 @@ def test_stand_in_imports_last_only_as_long_as_their_block(monkeypatch: pytest.M
         assert builtins.__import__ is real
 
 
-def test_planning_leaves_megatrons_compile_decorators_uncompiled_and_a_run_compiles() -> None:
-    """A plan runs nothing compiled; the first torch.compile would import TorchDynamo (seconds in
-    every planning process). The stand-ins last as long as the block; a real run is untouched."""
+def test_a_plan_that_ends_the_process_leaves_compile_decorators_uncompiled() -> None:
+    """A dry run runs nothing compiled; the first torch.compile would import TorchDynamo (seconds).
+    Only a block that ends the process asks for it (``uncompiled``): a plan in a process that may
+    train afterwards, and a real run, keep torch.compile. It lasts as long as the block."""
     torch = pytest.importorskip("torch")
     from megatron_perf_toggles.launcher import import_shims
 
@@ -234,17 +235,41 @@ def test_planning_leaves_megatrons_compile_decorators_uncompiled_and_a_run_compi
     def fn(x):
         return x
 
-    with pytest.raises(SystemExit), megatron_importable(None):
+    with pytest.raises(SystemExit), megatron_importable(None, uncompiled=True):
         assert torch.compile(fn) is fn and torch.compile(mode="max-autotune")(fn) is fn
         assert torch.compiler.disable(fn) is fn and torch.compiler.disable(recursive=False)(fn) is fn
         raise SystemExit(0)
     assert (torch.compile, torch.compiler.disable) == (real_compile, real_disable)
-    with megatron_importable(None, stand_ins=False):  # the launcher's real run
-        assert (torch.compile, torch.compiler.disable) == (real_compile, real_disable)
+    for kwargs in ({}, {"stand_ins": False}):  # a plan in a longer process; the launcher's real run
+        with megatron_importable(None, **kwargs):
+            assert (torch.compile, torch.compiler.disable) == (real_compile, real_disable)
     with PATCHES.scope():  # a patched checkout's dry run: for the rest of the process
         import_shims.install_stand_ins()
         assert torch.compile(fn) is fn
     assert torch.compile is real_compile
+
+
+def test_nested_stand_ins_are_undone_by_whoever_put_them_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A patched checkout's dry run inside the launcher's block (as the tests' workers run one) puts
+    nothing in place twice, so neither undo log restores the other's stand-in."""
+    import builtins
+
+    torch = pytest.importorskip("torch")
+    from megatron_perf_toggles.launcher import import_shims
+
+    monkeypatch.setattr(import_shims, "installed", lambda name: name == "torch")  # no triton here
+    real_import, real_compile = builtins.__import__, torch.compile
+    with PATCHES.scope():
+        with megatron_importable(None, uncompiled=True):
+            import_shims.install_stand_ins()
+            assert builtins.__import__ is not real_import and torch.compile is not real_compile
+    assert builtins.__import__ is real_import and torch.compile is real_compile
+    with PATCHES.scope():  # the other order
+        import_shims.install_stand_ins()
+        with megatron_importable(None, uncompiled=True):
+            assert builtins.__import__ is not real_import
+        assert torch.compile is not real_compile
+    assert builtins.__import__ is real_import and torch.compile is real_compile
 
 
 @pytest.fixture

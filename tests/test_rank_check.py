@@ -96,17 +96,19 @@ def _run(world, env_for_rank, direct=False):
         p.start()
     results = {}
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, kind, msg, secs = queue.get(timeout=max(deadline - time.monotonic(), 0.1))
-            results[rank] = (kind, msg, secs)
-        except Exception:  # noqa: BLE001 - queue.Empty: the deadline below reports it
-            break
-    release.set()
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, kind, msg, secs = queue.get(timeout=max(deadline - time.monotonic(), 0.1))
+                results[rank] = (kind, msg, secs)
+            except Exception:  # noqa: BLE001 - queue.Empty: the deadline below reports it
+                break
+    finally:  # however the wait ends (an interrupted session too), the ranks may go
+        release.set()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
     assert len(results) == world, f"ranks did not all report within {JOIN_TIMEOUT_S}s: {results}"
     return results
 

@@ -112,19 +112,23 @@ def test_launcher_one_line_when_the_tree_breaks_at_import(tmp_path):
 
 @pytest.mark.parametrize(("platform", "nodes", "expected"), [
     ("linux", [], True),  # a laptop or CI runner: no GPU can be visible
-    ("linux", ["nvidiactl", "nvidia0"], False),  # NVIDIA's driver: ask torch
-    ("linux", ["dxg"], False),  # WSL's GPU bridge
-    ("linux", ["kfd", "dri"], False),  # ROCm
+    ("linux", ["/dev/dri", "/dev/null"], True),  # a display's GPU is not one torch can use
+    ("linux", ["/dev/nvidiactl", "/dev/nvidia0"], False),  # NVIDIA's driver: ask torch
+    ("linux", ["/proc/driver/nvidia"], False),  # its driver loaded, the nodes not made yet
+    ("linux", ["/sys/module/nvgpu"], False),  # a Jetson's integrated GPU
+    ("linux", ["/dev/dxg"], False),  # WSL's GPU bridge
+    ("linux", ["/dev/kfd", "/dev/dri"], False),  # ROCm
+    ("linux", ["/sys/module/amdgpu"], False),
     ("darwin", [], False),  # another system: torch answers
 ])
-def test_no_gpu_here_only_where_no_device_node_can_serve_one(monkeypatch, platform, nodes, expected):
+def test_no_gpu_here_only_where_no_sign_of_a_gpu_driver_is(monkeypatch, platform, nodes, expected):
     from megatron_perf_toggles.runtime import probe
 
     asked = []
 
     def exists(path):
         asked.append(path)
-        return os.path.basename(path) in nodes and os.path.dirname(path) == "/dev"
+        return path in nodes
 
     monkeypatch.setattr(sys, "platform", platform)
     monkeypatch.setattr(os.path, "exists", exists)
@@ -132,14 +136,14 @@ def test_no_gpu_here_only_where_no_device_node_can_serve_one(monkeypatch, platfo
     assert platform == "linux" or not asked
 
 
-def test_no_device_node_means_no_visible_gpu_without_importing_torch(monkeypatch):
+def test_no_gpu_driver_means_no_visible_gpu_without_importing_torch(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")
     monkeypatch.setattr(target, "no_gpu_here", lambda: True)
     monkeypatch.setattr(target, "torch_module", lambda import_it=True: pytest.fail("torch was asked"))
     assert target._visible_gpu() is False
     assert "no GPU visible" in target.make_target(world_size=8).gpu_source
     assert "torch" not in sys.modules
-    # a torch this process already has is asked, whatever the device nodes say
+    # a torch this process already has is asked, whatever the drivers say
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setattr(target, "torch_module", lambda import_it=True: sys.modules["torch"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

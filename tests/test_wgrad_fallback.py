@@ -131,7 +131,7 @@ def test_policy_no_fallback_possible():
     assert d.value is False and "no CUDA or ROCm device" in d.reason
 
 
-def test_usable_without_a_device_node_is_no_without_importing_torch(monkeypatch):
+def test_usable_without_a_gpu_driver_is_no_without_importing_torch(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")
     monkeypatch.setattr(wgrad_fallback, "no_gpu_here", lambda: True)
     monkeypatch.setattr(wgrad_fallback, "torch_module", lambda import_it=True: pytest.fail("torch was asked"))

@@ -5,8 +5,13 @@ Megatron 0.16+ imports ``triton`` at module level in places that argument parsin
 lack them Megatron's own modules get a stand-in. The stand-in never enters ``sys.modules``:
 torch's optional-triton probes must keep seeing "not installed".
 
-Planning also leaves Megatron's ``torch.compile`` decorators uncompiled: nothing compiled is run in
-a plan, and the first decorator would import TorchDynamo (about 2.5 s in every planning process).
+A process that ends in its plan (the launcher's dry run, a patched checkout's) also leaves
+Megatron's ``torch.compile`` decorators uncompiled: nothing compiled runs in a plan, and the first
+decorator would import TorchDynamo (about 2.5 s). Modules imported that way keep their functions
+uncompiled, so a process that may train afterwards (``explain`` as a library call) never gets it.
+
+Each stand-in is put in place by whichever caller comes first and undone by that caller alone: a
+nested caller (a patched checkout's dry run inside the launcher's block) finds it there and leaves it.
 """
 
 from __future__ import annotations
@@ -83,6 +88,12 @@ def _is_megatron_module(name: str) -> bool:
     return name == "megatron" or name.startswith("megatron.")
 
 
+def _stand_in_imports(patches: ProcessPatches) -> None:
+    if any(not installed(name) for name in STAND_IN_PACKAGES) and not getattr(
+            builtins.__import__, "_perf_toggles_stand_in", False):
+        patches.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
+
+
 def _stand_in_import(real_import: Callable[..., types.ModuleType]) -> Callable[..., types.ModuleType]:
     def importer(name: str, globals: Mapping[str, Any] | None = None, locals: Mapping[str, Any] | None = None,
                  fromlist: Sequence[str] = (), level: int = 0) -> types.ModuleType:
@@ -95,6 +106,7 @@ def _stand_in_import(real_import: Callable[..., types.ModuleType]) -> Callable[.
             return _StandInModule(name if fromlist else name.partition(".")[0])
         return real_import(name, globals, locals, fromlist, level)
 
+    importer._perf_toggles_stand_in = True  # type: ignore[attr-defined]
     return importer
 
 
@@ -105,27 +117,31 @@ def _as_is(fn: Any = None, *args: Any, **options: Any) -> Any:
 
 
 def _no_compiling(patches: ProcessPatches) -> None:
-    """Megatron's modules, imported for planning, keep their functions as written (see above).
-    torch is imported here, where it is installed: Megatron imports it first thing anyway."""
+    """Megatron's modules, imported for a plan that ends the process, keep their functions as
+    written (see above). torch is imported here, where it is installed: Megatron imports it first
+    thing anyway."""
     if "torch" not in sys.modules and not installed("torch"):
         return
     try:
         import torch
     except Exception:  # noqa: BLE001 - Megatron's own import will report a torch that does not import
         return
-    patches.set_attr(torch, "compile", _as_is, "torch.compile -> the function as is (planning)")
+    if getattr(torch, "compile", _as_is) is not _as_is:  # a torch before 2.0 has none
+        patches.set_attr(torch, "compile", _as_is, "torch.compile -> the function as is (planning)")
     compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "disable"):
+    if compiler is not None and getattr(compiler, "disable", _as_is) is not _as_is:
         patches.set_attr(compiler, "disable", _as_is, "torch.compiler.disable -> the function as is (planning)")
 
 
 @contextmanager
-def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: bool = True) -> Iterator[None]:
+def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: bool = True,
+                        uncompiled: bool = False) -> Iterator[None]:
     """Within this block, ``import megatron.training.arguments`` works from ``tree`` on a CPU box.
 
     ``stand_ins=False`` keeps only the harmless ``typing.override`` shim: a real training run must
-    see a missing triton as missing, not get a stand-in whose kernels would fail later, and must
-    compile what Megatron compiles.
+    see a missing triton as missing, not get a stand-in whose kernels would fail later.
+    ``uncompiled=True``, for a process that ends in this plan only: Megatron's ``torch.compile``
+    decorators leave their functions as they are (see the module's docstring).
     """
     if tree is not None:
         entry = str(Path(tree).resolve())
@@ -134,9 +150,9 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
     if not hasattr(typing, "override"):
         PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
     scoped = ProcessPatches()  # the stand-ins last only as long as the block, however it ends
-    if stand_ins and any(not installed(name) for name in STAND_IN_PACKAGES):
-        scoped.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
     if stand_ins:
+        _stand_in_imports(scoped)
+    if uncompiled:
         _no_compiling(scoped)
     try:
         yield
@@ -149,8 +165,7 @@ def install_stand_ins() -> None:
     for the rest of the process (which ends in the dry run), undone by ``PATCHES.uninstall()``."""
     if not hasattr(typing, "override"):
         PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
-    if any(not installed(name) for name in STAND_IN_PACKAGES):
-        PATCHES.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
+    _stand_in_imports(PATCHES)
     _no_compiling(PATCHES)
 
 

@@ -152,9 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         chatter = io.StringIO() if quiet else None
         stdout, stderr = sys.stdout, sys.stderr
         # Stand-ins for GPU-only imports (triton) only for a dry run, which stops before any kernel.
-        with megatron_importable(stand_ins=dry_run), \
-                contextlib.redirect_stdout(chatter or sys.stderr) if dry_run else contextlib.nullcontext(), \
-                contextlib.redirect_stderr(chatter) if chatter is not None else contextlib.nullcontext():
+        # The dry run ends the process: Megatron's compile decorators stay uncompiled (import_shims).
+        with contextlib.redirect_stdout(chatter or sys.stderr) if dry_run else contextlib.nullcontext(), \
+                contextlib.redirect_stderr(chatter) if chatter is not None else contextlib.nullcontext(), \
+                megatron_importable(stand_ins=dry_run, uncompiled=dry_run):
             providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
             # The launcher's entry point: one run context for the process, which the script runs in.
             ctx = RunContext.create("launcher", mode="dry-run" if dry_run else "run", target=target).install()

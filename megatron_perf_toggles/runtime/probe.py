@@ -36,19 +36,22 @@ def torch_module(import_it: bool = True) -> Any | None:
         return None
 
 
-# Device nodes a GPU build of torch needs on Linux: NVIDIA's driver (/dev/nvidia0, /dev/nvidiactl),
-# WSL's GPU bridge (/dev/dxg) and ROCm's kernel driver (/dev/kfd).
-GPU_NODES = ("nvidiactl", "nvidia0", "dxg", "kfd")
+# Where Linux shows a GPU that torch could use: NVIDIA's device nodes (/dev/nvidiactl, /dev/nvidia0)
+# and its loaded driver (/proc/driver/nvidia, /sys/module/nvidia: the nodes of a server that has not
+# used CUDA since boot appear only on first use), Jetson's integrated GPU (/sys/module/nvgpu), WSL's
+# GPU bridge (/dev/dxg), and ROCm's kernel driver (/dev/kfd, /sys/class/kfd, /sys/module/amdgpu).
+GPU_SIGNS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/sys/module/nvidia", "/sys/module/nvgpu",
+             "/dev/dxg", "/dev/kfd", "/sys/class/kfd", "/sys/module/amdgpu")
 
 
 def no_gpu_here() -> bool:
-    """True where no GPU can be visible to torch whatever it is: a Linux machine with none of the
-    device nodes CUDA or ROCm need (a laptop, a CI runner). Importing torch costs about 2 s, which
-    a plan on such a machine need not pay to learn that ``torch.cuda.is_available()`` is False.
-    False (ask torch) where a node exists or on another system."""
+    """True where no GPU can be visible to torch whatever it is: a Linux machine with no sign of a
+    CUDA or ROCm driver (a laptop, a CI runner). Importing torch costs about 2 s, which a plan on
+    such a machine need not pay to learn that ``torch.cuda.is_available()`` is False. False (ask
+    torch) where any sign is there, or on another system."""
     if not sys.platform.startswith("linux"):
         return False
-    return not any(os.path.exists(os.path.join("/dev", node)) for node in GPU_NODES)
+    return not any(os.path.exists(sign) for sign in GPU_SIGNS)
 
 
 def torch_build() -> dict[str, str | None] | None:

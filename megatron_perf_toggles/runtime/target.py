@@ -105,7 +105,7 @@ def _positive(flag: str, value: int | None) -> int | None:
 
 
 def _visible_gpu() -> bool:
-    if "torch" not in sys.modules and no_gpu_here():  # no device node: no GPU, without importing torch
+    if "torch" not in sys.modules and no_gpu_here():  # no sign of a GPU driver: none, without importing torch
         return False
     torch = torch_module()
     if torch is None:  # no torch: no GPU either

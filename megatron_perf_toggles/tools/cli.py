@@ -25,6 +25,7 @@ from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..runtime import profile_file, provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import detect, megatron_facts, resolve
+from ..runtime.probe import installed, torch_module
 from .llama3_8b import LLAMA3_8B_BF16, llama3_8b_args
 from .planning import DEFAULT_SURFACE, checkout_script, plan_command_line
 from .surfaces import replay
@@ -85,6 +86,16 @@ def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
     return out
 
 
+def _megatron_args(ns: argparse.Namespace) -> list[str]:
+    """The Megatron command line to plan (the reference model's without one). A toggle's flag
+    and its --no- form together is one line here, before the target may ask torch about the GPU."""
+    from ..runtime.provider import refuse_contradictions
+
+    megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
+    refuse_contradictions(megatron_args)
+    return megatron_args
+
+
 def target_from(ns: argparse.Namespace) -> planned.Target:
     """What to plan for; a ``--megatron`` that is no checkout is one line first (the target may
     ask torch about this machine's GPU, which takes seconds)."""
@@ -110,7 +121,7 @@ def _profile_summary(profile: Profile) -> str:
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:
-    megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
+    megatron_args = _megatron_args(ns)
     profile = profile_named()
     target = target_from(ns)
     if not ns.megatron and target.world_size is not None:
@@ -189,7 +200,7 @@ def cmd_flags(ns: argparse.Namespace) -> int:
     launch never turns a guarded default into a refused explicit request."""
     env = read_env(os.environ)
     profile = profile_named(env)
-    megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
+    megatron_args = _megatron_args(ns)
     plan, _caps, _label, _args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
                                                   target=target_from(ns))
     stock, defaults = _stock_flags(ns.megatron, ns.megatron_version)
@@ -248,9 +259,20 @@ def _doctor_megatron(tree: str | None) -> tuple[MegatronFacts | None, str | None
     return megatron_facts(), None
 
 
+def _machine_diagnosed() -> Capabilities:
+    """This machine's capabilities for ``doctor``: torch imported, as a run imports it (a plan may
+    read its build file instead), and a torch that is installed but does not import named."""
+    broken = installed("torch") and torch_module() is None
+    caps = detect(deep=True)
+    if broken:
+        caps = replace(caps, notes={**caps.notes, "torch": "torch is installed but does not import "
+                                                            "(python -c 'import torch' shows why)"})
+    return caps
+
+
 def cmd_doctor(ns: argparse.Namespace) -> int:
     facts, why_not = _doctor_megatron(ns.megatron)  # a bad --megatron fails before torch is imported
-    caps = detect(deep=True)
+    caps = _machine_diagnosed()
     if facts is not None:
         caps = replace(caps, megatron=facts)
     env = read_env(os.environ)
