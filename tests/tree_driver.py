@@ -427,18 +427,8 @@ def run_one(case: dict[str, Any]) -> dict[str, Any]:
 
 def serve() -> int:
     """Read ``PLAN<TAB>RESULTS`` lines from the request pipe until ``quit``; answer ``done``."""
-    from megatron_perf_toggles.launcher.import_shims import megatron_importable
-
     request_fd, reply_fd = (int(fd) for fd in os.environ.pop(FDS_ENV).split(","))
     reply = os.fdopen(reply_fd, "w")
-    # A worker only plans and parses, as a dry run does: Megatron's torch.compile decorators stay
-    # uncompiled for its whole life (import_shims), so no tree's import pays for TorchDynamo's.
-    with megatron_importable(None, stand_ins=False, uncompiled=True):
-        _serve(request_fd, reply)
-    return 0
-
-
-def _serve(request_fd: int, reply: Any) -> None:
     for line in os.fdopen(request_fd):
         if line.strip() == "quit" or not line.strip():
             break
@@ -453,6 +443,7 @@ def _serve(request_fd: int, reply: Any) -> None:
         Path(results_file).write_text(json.dumps(found, default=repr))
         reply.write("done\n")
         reply.flush()
+    return 0
 
 
 if __name__ == "__main__":
