@@ -177,7 +177,6 @@ INJECTED_LINE = (f"    print({INJECTED_CHATTER!r}, flush=True)\n"
 NET_SCRIPT = '''\
 """The plain provider path (no launcher): parse, validate and build the TransformerConfig."""
 import json
-import operator
 import sys
 
 import megatron_perf_toggles
@@ -230,7 +229,6 @@ def net_cases(copy: str) -> list[dict[str, Any]]:
 # launcher's hooks in place and no dry run, then the decisions the run would train with, as JSON.
 REAL_LAUNCH_SOURCE = '''\
 import json
-import operator
 
 from megatron.training import arguments
 

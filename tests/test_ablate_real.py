@@ -140,8 +140,9 @@ def _own_process_dry_runs(tree):
 
 
 # One job per picked tree: a failure on one fails that tree's test alone.
-PROCESSES = {tree: tree_driver.SESSION.background(f"ablate-processes-{tree.name}",
-                                                  functools.partial(_own_process_dry_runs, tree)) for tree in PICKED}
+PROCESSES = {tree: tree_driver.SESSION.background(f"ablate-processes-{i}-{tree.name}",
+                                                  functools.partial(_own_process_dry_runs, tree))
+             for i, tree in enumerate(PICKED)}
 
 
 @pytest.mark.parametrize("tree", TREES, ids=lambda p: p.name)

@@ -129,8 +129,6 @@ except SystemExit as stop:
 open(out, "w").write(json.dumps({"imported": [m for m in ("megatron", "torch") if m in sys.modules], "exit": code}))
 sys.exit(code)
 """
-GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/sys/module/nvidia", "/sys/module/nvgpu",
-             "/dev/dxg", "/dev/kfd", "/sys/class/kfd", "/sys/module/amdgpu")
 
 
 def run_probed(tmp_path, *argv, env=None, path=()):
@@ -161,7 +159,9 @@ def test_bad_input_is_refused_before_torch_is_imported(tmp_path, argv, words, gp
 
 def test_planning_where_no_gpu_can_be_visible_reads_torch_without_importing_it(tmp_path):
     torch_version = pytest.importorskip("torch").__version__
-    if any(os.path.exists(node) for node in GPU_NODES):
+    from megatron_perf_toggles.runtime.probe import GPU_SIGNS
+
+    if any(os.path.exists(sign) for sign in GPU_SIGNS):
         pytest.skip("a GPU driver is here: torch is asked")
     for argv in (["explain", "--json"], ["explain", "--json", "--gpu", "h200"]):
         proc, seen = run_probed(tmp_path, *argv)

@@ -557,3 +557,26 @@ def test_explain_and_the_dry_run_decide_alike_as_processes_of_their_own(tree: st
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert explain.returncode == 0, explain.stderr[-3000:]
     assert _decided(json.loads(explain.stdout)) == _decided(json.loads(dry.stdout))
+
+
+COMPILE_PROBE = """import torch
+
+from megatron_perf_toggles.launcher import import_shims
+
+print("COMPILE", "as-is" if torch.compile is import_shims._as_is else "real", flush=True)
+"""
+
+
+def test_only_a_dry_run_leaves_compile_decorators_uncompiled_and_it_must_reach_a_plan(tmp_path: Path) -> None:
+    """A real launch compiles what Megatron compiles. A dry run leaves torch.compile as is (it
+    ends in its report, before anything compiled runs); a script that never reaches Megatron's
+    parse would run on without a plan, so that is one error line, exit 2."""
+    pytest.importorskip("torch")
+    tree = write_fake(tmp_path / "new", "new")  # a Megatron to import; the probe never parses
+    (tree / "probe.py").write_text(COMPILE_PROBE)
+    real = launch("probe.py", cwd=tree, pythonpath=[tree])
+    assert real.returncode == 0 and "COMPILE real" in real.stdout, real.stderr
+    dry = launch("--dry-run", "--json", "probe.py", cwd=tree, pythonpath=[tree])
+    assert "COMPILE as-is" in dry.stderr and dry.stdout == ""
+    line = [line for line in dry.stderr.splitlines() if line.startswith("[perf-toggles]")]
+    assert dry.returncode == 2 and len(line) == 1 and "ended before Megatron parsed its arguments" in line[0]

@@ -7,6 +7,7 @@ the plugin changes around them, not what they do.
 from __future__ import annotations
 
 import argparse
+import operator
 import os
 import sys
 import types
@@ -258,18 +259,22 @@ def test_nested_stand_ins_are_undone_by_whoever_put_them_in_place(monkeypatch: p
     from megatron_perf_toggles.launcher import import_shims
 
     monkeypatch.setattr(import_shims, "installed", lambda name: name == "torch")  # no triton here
-    real_import, real_compile = builtins.__import__, torch.compile
+    real = (builtins.__import__, torch.compile, torch.compiler.disable)
+
+    def now():
+        return builtins.__import__, torch.compile, torch.compiler.disable
+
     with PATCHES.scope():
         with megatron_importable(None, uncompiled=True):
             import_shims.install_stand_ins()
-            assert builtins.__import__ is not real_import and torch.compile is not real_compile
-    assert builtins.__import__ is real_import and torch.compile is real_compile
+            assert not any(map(operator.is_, now(), real))
+    assert all(map(operator.is_, now(), real))
     with PATCHES.scope():  # the other order
         import_shims.install_stand_ins()
         with megatron_importable(None, uncompiled=True):
-            assert builtins.__import__ is not real_import
-        assert torch.compile is not real_compile
-    assert builtins.__import__ is real_import and torch.compile is real_compile
+            assert not any(map(operator.is_, now(), real))
+        assert not any(map(operator.is_, now(), real))
+    assert all(map(operator.is_, now(), real))
 
 
 @pytest.fixture

@@ -116,6 +116,7 @@ def test_launcher_one_line_when_the_tree_breaks_at_import(tmp_path):
     ("linux", ["/dev/nvidiactl", "/dev/nvidia0"], False),  # NVIDIA's driver: ask torch
     ("linux", ["/proc/driver/nvidia"], False),  # its driver loaded, the nodes not made yet
     ("linux", ["/sys/module/nvgpu"], False),  # a Jetson's integrated GPU
+    ("linux", ["/usr/bin/nvidia-modprobe"], False),  # a server whose driver loads when CUDA first asks
     ("linux", ["/dev/dxg"], False),  # WSL's GPU bridge
     ("linux", ["/dev/kfd", "/dev/dri"], False),  # ROCm
     ("linux", ["/sys/module/amdgpu"], False),

@@ -162,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             hooks.hook_parse_path([*providers, extra_args_provider], dry_run=dry_run, target=target, output=output,
                                   out=stdout, err=stderr, chatter=chatter, context=ctx)
             runpy.run_path(str(script), run_name="__main__")
+        if dry_run:  # a dry run ends in its report; a script that never parsed ran without a plan
+            raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments: nothing was planned",
+                                   "a dry run plans a script that calls Megatron's initialize_megatron or "
+                                   "parse_and_validate_args, as pretrain_gpt.py does")
         return 0
     except SystemExit as done:
         from .dry_run import ReportedExit

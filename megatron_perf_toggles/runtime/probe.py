@@ -36,12 +36,14 @@ def torch_module(import_it: bool = True) -> Any | None:
         return None
 
 
-# Where Linux shows a GPU that torch could use: NVIDIA's device nodes (/dev/nvidiactl, /dev/nvidia0)
-# and its loaded driver (/proc/driver/nvidia, /sys/module/nvidia: the nodes of a server that has not
-# used CUDA since boot appear only on first use), Jetson's integrated GPU (/sys/module/nvgpu), WSL's
-# GPU bridge (/dev/dxg), and ROCm's kernel driver (/dev/kfd, /sys/class/kfd, /sys/module/amdgpu).
-GPU_SIGNS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/sys/module/nvidia", "/sys/module/nvgpu",
-             "/dev/dxg", "/dev/kfd", "/sys/class/kfd", "/sys/module/amdgpu")
+# Where Linux shows a GPU that torch could use, or a driver that would load for one: NVIDIA's device
+# nodes (/dev/nvidiactl, /dev/nvidia0), its loaded driver (/proc/driver/nvidia, /sys/module/nvidia)
+# and its loader (nvidia-modprobe: a server's nodes and module may appear only when CUDA first asks),
+# Jetson's integrated GPU (/sys/module/nvgpu, /dev/nvhost-ctrl-gpu, /dev/nvmap), WSL's GPU bridge
+# (/dev/dxg), and AMD's driver (/dev/kfd, /sys/class/kfd, /sys/module/amdgpu). Any sign: torch is asked.
+GPU_SIGNS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/sys/module/nvidia", "/usr/bin/nvidia-modprobe",
+             "/sys/module/nvgpu", "/dev/nvhost-ctrl-gpu", "/dev/nvmap", "/dev/dxg", "/dev/kfd", "/sys/class/kfd",
+             "/sys/module/amdgpu")
 
 
 def no_gpu_here() -> bool:
