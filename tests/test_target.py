@@ -139,7 +139,9 @@ def test_no_gpu_here_only_where_no_sign_of_a_gpu_driver_is(monkeypatch, platform
 
 def test_no_gpu_driver_means_no_visible_gpu_without_importing_torch(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")
-    monkeypatch.setattr(target, "no_gpu_here", lambda: True)
+    from megatron_perf_toggles.runtime import probe
+
+    monkeypatch.setattr(probe, "no_gpu_here", lambda: True)
     monkeypatch.setattr(target, "torch_module", lambda import_it=True: pytest.fail("torch was asked"))
     assert target._visible_gpu() is False
     assert "no GPU visible" in target.make_target(world_size=8).gpu_source

@@ -133,7 +133,9 @@ def test_policy_no_fallback_possible():
 
 def test_usable_without_a_gpu_driver_is_no_without_importing_torch(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")
-    monkeypatch.setattr(wgrad_fallback, "no_gpu_here", lambda: True)
+    from megatron_perf_toggles.runtime import probe
+
+    monkeypatch.setattr(probe, "no_gpu_here", lambda: True)
     monkeypatch.setattr(wgrad_fallback, "torch_module", lambda import_it=True: pytest.fail("torch was asked"))
     assert wgrad_fallback.usable() == (False, "no CUDA or ROCm device is visible")
     monkeypatch.setattr(wgrad_fallback, "installed", lambda name: False)

@@ -27,8 +27,8 @@ from ..core.facts import (
     with_assumptions,
 )
 from .assume import assumed, assumed_device  # noqa: F401 - asked of this module by its callers
+from .probe import gpu_question_without_torch, torch_build, torch_module
 from .probe import installed as _installed
-from .probe import no_gpu_here, torch_build, torch_module
 
 if TYPE_CHECKING:  # types only
     from .target import Target
@@ -145,20 +145,24 @@ def _detect(root: str | None) -> tuple[str, ...] | None:
     return tuple(found)
 
 
+def _build_kind(hip: str | None, cuda: str | None) -> str:
+    """What a torch build targets, from its ``version.hip`` and ``version.cuda``."""
+    return "rocm" if hip else ("cuda" if cuda else "cpu")
+
+
 def _detect_torch(deep: bool, planned: Target | None = None) -> dict[str, Any]:
-    build = torch_build() if deep and "torch" not in sys.modules and no_gpu_here() else None
+    build = torch_build() if deep and gpu_question_without_torch() else None
     # where no GPU can be visible, the installed build says all an import would (no 2 s import)
     torch = None if build is not None else torch_module(import_it=deep)
     out: dict[str, Any]
     if build is not None:
-        out = {"torch_version": build["__version__"],
-               "device": "rocm" if build.get("hip") else ("cuda" if build.get("cuda") else "cpu")}
+        out = {"torch_version": build["__version__"], "device": _build_kind(build.get("hip"), build.get("cuda"))}
     elif torch is None:
         out = {"torch_version": _dist_version("torch") if deep else None}
     else:
         version = getattr(torch, "version", None)
-        device = "rocm" if getattr(version, "hip", None) else ("cuda" if getattr(version, "cuda", None) else "cpu")
-        out = {"torch_version": getattr(torch, "__version__", None), "device": device}
+        out = {"torch_version": getattr(torch, "__version__", None),
+               "device": _build_kind(getattr(version, "hip", None), getattr(version, "cuda", None))}
     if planned is not None and planned.gpu is not None:  # the planned GPU's facts come from the table
         out.update(device=planned.gpu.vendor, gpu_arch=planned.gpu.arch, gpu_name=planned.gpu.product,
                    gpu_source=planned.gpu_source, gpu_memory_mb=float(planned.gpu.memory_gib * 1024))

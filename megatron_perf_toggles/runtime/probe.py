@@ -56,6 +56,12 @@ def no_gpu_here() -> bool:
     return not any(os.path.exists(sign) for sign in GPU_SIGNS)
 
 
+def gpu_question_without_torch() -> bool:
+    """Whether a question about this machine's GPU is answered "none" without torch: torch is not
+    imported yet (an imported one is asked, it knows) and no GPU can be visible (``no_gpu_here``)."""
+    return "torch" not in sys.modules and no_gpu_here()
+
+
 def torch_build() -> dict[str, str | None] | None:
     """The installed torch's ``__version__``, ``cuda`` and ``hip`` (``torch/version.py``, which its
     build writes as plain assignments), read without importing torch; None where torch is not

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import PerfTogglesError, did_you_mean
 from .patches import ProcessPatches
-from .probe import no_gpu_here, torch_module
+from .probe import gpu_question_without_torch, torch_module
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +105,7 @@ def _positive(flag: str, value: int | None) -> int | None:
 
 
 def _visible_gpu() -> bool:
-    if "torch" not in sys.modules and no_gpu_here():  # no sign of a GPU driver: none, without importing torch
+    if gpu_question_without_torch():  # no sign of a GPU driver: none, without importing torch
         return False
     torch = torch_module()
     if torch is None:  # no torch: no GPU either

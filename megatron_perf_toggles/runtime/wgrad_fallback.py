@@ -15,7 +15,7 @@ import types
 from typing import Any
 
 from .patches import PATCHES
-from .probe import installed, no_gpu_here, torch_module
+from .probe import gpu_question_without_torch, installed, torch_module
 
 MODULE_NAME = "fused_weight_gradient_mlp_cuda"
 # Where Megatron looks: module attribute + availability flag, and lazy importers (core.utils).
@@ -78,7 +78,7 @@ def wgrad_gemm_accum_fp16(input: Any, grad_output: Any, main_grad: Any) -> None:
 
 def usable() -> tuple[bool, str]:
     """Whether the fast path exists here, judged without touching a GPU (no context created)."""
-    if "torch" not in sys.modules and no_gpu_here():  # nothing to judge: no GPU can be visible
+    if gpu_question_without_torch():  # nothing to judge: no GPU can be visible
         return False, "no CUDA or ROCm device is visible" if installed("torch") else "torch is not installed"
     torch = torch_module()
     if torch is None:
