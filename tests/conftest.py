@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,7 +59,22 @@ NO_TREES = "MEGATRON_LM_TREES is not set: a real-Megatron test (run with ':'-sep
 OWN_PROCESS = "own_process"
 
 
+def _share_bytecode(config) -> None:
+    """The processes the tests start (the trees' workers, dry runs, the command line) compile each
+    module once per session into one directory of their own, and read it from there: Megatron's
+    files are never written to (a tree may be read-only, or shared) and are not compiled again by
+    every process that imports them. The directory goes when the session ends."""
+    made = tempfile.mkdtemp(prefix="ptt-bytecode-")
+    config.stash[_BYTECODE] = made
+    os.environ["PYTHONPYCACHEPREFIX"] = made
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+_BYTECODE = pytest.StashKey[str]()
+
+
 def pytest_configure(config):
+    _share_bytecode(config)
     config.addinivalue_line("markers", f"{REAL_MEGATRON}: runs against real Megatron-LM trees (MEGATRON_LM_TREES); "
                                        f"-m 'not {REAL_MEGATRON}' runs the fast set")
     config.addinivalue_line("markers", f"{OWN_PROCESS}: runs a script or entry point as a process of its own "
@@ -110,6 +127,9 @@ def pytest_unconfigure(config):
     driver = sys.modules.get("tree_driver")
     if driver is not None:
         driver.SESSION.close()
+    made = config.stash.get(_BYTECODE, None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -64,6 +64,10 @@ def _run(cases: dict, tree: Path | None) -> dict:
         pytest.skip(f"Megatron-Bridge suite: {ENABLE}")
     env = {k: v for k, v in environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "FP4_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree) if tree else "", str(REPO)) if p)
+    # Its environment comes with its own bytecode: the session's bytecode directory (conftest) would
+    # have Python 3.12 compile all of it again. Nothing is written into the tree either way.
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     proc = subprocess.run([python, str(REPO / "tests" / "bridge_driver.py")], input=json.dumps(list(cases.values())),
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0 or not proc.stdout.strip():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import REPO
+import pytest
+from conftest import REPO, megatron_trees
 
 # What a test reaches real trees through: the trees themselves, or parameters made from them.
 TREE_NAMES = {"TREES", "TREE_PARAMS", "EXPLAIN_MATRIX", "PICKED", "megatron_trees", "_tree_params", "SESSION"}
@@ -74,3 +75,31 @@ def test_the_heaviest_trees_start_first():
     session.suite("sized", lambda tree, work: [], owners=["x"], weight=lambda tree: {"b": 3, "c": 5}.get(tree, 0))
     session.suite("flat", lambda tree, work: [], owners=["x"], weight=lambda tree: 1)
     assert session._heaviest_first(["a", "b", "c", "d"]) == ["c", "b", "a", "d"]
+
+
+def test_started_processes_share_the_sessions_bytecode_directory():
+    """Processes the tests start compile a module once per session, into the session's directory."""
+    import os
+
+    import tree_driver
+
+    made = os.environ.get("PYTHONPYCACHEPREFIX")
+    assert made and Path(made).is_dir() and "PYTHONDONTWRITEBYTECODE" not in os.environ
+    env = tree_driver.driver_env()
+    assert env["PYTHONPYCACHEPREFIX"] == made and "PYTHONDONTWRITEBYTECODE" not in env
+
+
+@pytest.mark.real_megatron
+@pytest.mark.parametrize("tree", megatron_trees(), ids=lambda t: t.name)
+def test_no_bytecode_is_written_into_a_tree(tree):
+    """A tree's worker compiled the tree (into the session's directory), and wrote nothing into it."""
+    import os
+    import sys
+
+    import tree_driver
+
+    found = tree_driver.SESSION.run(tree, [{"name": "bytecode", "kind": "wgrad_sites"}])  # imports Megatron
+    assert "driver_error" not in found["bytecode"], found["bytecode"]["driver_error"]
+    mirror = Path(os.environ["PYTHONPYCACHEPREFIX"]) / tree.resolve().relative_to(tree.resolve().anchor) / "megatron"
+    assert list(mirror.rglob(f"*.{sys.implementation.cache_tag}.pyc"))
+    assert not [d for d, _, _ in os.walk(tree) if d.endswith("__pycache__")]

@@ -77,14 +77,15 @@ def tree_id(tree: str | os.PathLike[str] | None) -> str:
 def driver_env(work: Path | None = None, path: Iterable[str | os.PathLike[str]] = ()) -> dict[str, str]:
     """A worker's (or a test's own process's) environment: the session's as it started, without the
     plugin's and the tests' variables or a toggle's, with the repository, the tests and ``path``
-    importable and no bytecode written into the trees."""
+    importable and no bytecode written into the trees (it goes to the session's directory)."""
     from megatron_perf_toggles.core.registry import TOGGLES
 
     toggles = {t.env for t in TOGGLES}
     env = {k: v for k, v in SESSION.environ.items() if not k.startswith(DROP) and k not in toggles}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), *map(str, path), env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if not env.get("PYTHONPYCACHEPREFIX"):  # the session's own bytecode directory (conftest), else none
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     if work is not None:
         env["TMPDIR"] = str(work)
     return env
