@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -60,14 +61,16 @@ OWN_PROCESS = "own_process"
 
 
 def _share_bytecode(config) -> None:
-    """The processes the tests start (the trees' workers, dry runs, the command line) compile each
-    module once per session into one directory of their own, and read it from there: Megatron's
-    files are never written to (a tree may be read-only, or shared) and are not compiled again by
-    every process that imports them. The directory goes when the session ends."""
+    """This process and those the tests start (the trees' workers, dry runs, the command line)
+    compile each module once per session, into one directory of the session's, and read it from
+    there: Megatron's files are never written to (a tree may be read-only, or shared) and are not
+    compiled again by every process that imports them. The directory goes when the session ends."""
     made = tempfile.mkdtemp(prefix="ptt-bytecode-")
     config.stash[_BYTECODE] = made
     os.environ["PYTHONPYCACHEPREFIX"] = made
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    # This process too, for what it imports from now on (torch, for one, shared with the others).
+    sys.pycache_prefix, sys.dont_write_bytecode = made, False
 
 
 _BYTECODE = pytest.StashKey[str]()
@@ -96,8 +99,6 @@ def _order(item, waiting: set[str]) -> int:
 def pytest_collection_modifyitems(config, items):
     """The order of _order (a stable sort: each group keeps its files' order). Without trees each
     real-Megatron test is skipped here, for one reason."""
-    import sys
-
     driver = sys.modules.get("tree_driver")
     waiting = set().union(*(owners for _, owners, _ in driver.SESSION.jobs.values())) if driver else set()
     items.sort(key=lambda item: _order(item, waiting))
@@ -111,8 +112,6 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Start the trees' workers now (tests/tree_driver.py), so they work while the unit tests run."""
-    import sys
-
     driver = sys.modules.get("tree_driver")  # imported by the suites that use it
     if driver is None or session.config.option.collectonly:
         return
@@ -122,13 +121,12 @@ def pytest_collection_finish(session):
 
 
 def pytest_unconfigure(config):
-    import sys
-
     driver = sys.modules.get("tree_driver")
     if driver is not None:
         driver.SESSION.close()
     made = config.stash.get(_BYTECODE, None)
     if made is not None:
+        sys.pycache_prefix, sys.dont_write_bytecode = None, True  # nothing more written for good
         shutil.rmtree(made, ignore_errors=True)
 
 

@@ -80,11 +80,13 @@ def test_the_heaviest_trees_start_first():
 def test_started_processes_share_the_sessions_bytecode_directory():
     """Processes the tests start compile a module once per session, into the session's directory."""
     import os
+    import sys
 
     import tree_driver
 
     made = os.environ.get("PYTHONPYCACHEPREFIX")
     assert made and Path(made).is_dir() and "PYTHONDONTWRITEBYTECODE" not in os.environ
+    assert sys.pycache_prefix == made and not sys.dont_write_bytecode
     env = tree_driver.driver_env()
     assert env["PYTHONPYCACHEPREFIX"] == made and "PYTHONDONTWRITEBYTECODE" not in env
 
