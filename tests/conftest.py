@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -61,19 +62,44 @@ OWN_PROCESS = "own_process"
 
 
 def _share_bytecode(config) -> None:
-    """This process and those the tests start (the trees' workers, dry runs, the command line)
-    compile each module once per session, into one directory of the session's, and read it from
-    there: Megatron's files are never written to (a tree may be read-only, or shared) and are not
-    compiled again by every process that imports them. The directory goes when the session ends."""
-    made = tempfile.mkdtemp(prefix="ptt-bytecode-")
-    config.stash[_BYTECODE] = made
+    """This process and those the tests start with the session's environment (the trees' workers,
+    dry runs, the command line) compile each module once per session, into one directory, and read
+    it from there: Megatron's files are never written to (a tree may be read-only, or shared) and
+    are not compiled again by every process that imports them. A directory the user names with
+    PYTHONPYCACHEPREFIX is used and kept; otherwise the session makes one and removes it at the end.
+    Everything changed here is put back as it was (``_unshare_bytecode``)."""
+    config.stash[_BYTECODE_BEFORE] = ({k: os.environ.get(k) for k in _BYTECODE_VARS},
+                                      (sys.pycache_prefix, sys.dont_write_bytecode))
+    named = os.environ.get("PYTHONPYCACHEPREFIX")
+    made = named or tempfile.mkdtemp(prefix="ptt-bytecode-")
+    if not named:
+        config.stash[_BYTECODE] = made
     os.environ["PYTHONPYCACHEPREFIX"] = made
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     # This process too, for what it imports from now on (torch, for one, shared with the others).
     sys.pycache_prefix, sys.dont_write_bytecode = made, False
 
 
-_BYTECODE = pytest.StashKey[str]()
+def _unshare_bytecode(config) -> None:
+    environ, flags = config.stash.get(_BYTECODE_BEFORE, (None, None))
+    if environ is None:
+        return
+    for key, value in environ.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    sys.pycache_prefix, sys.dont_write_bytecode = flags
+    made = config.stash.get(_BYTECODE, None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+_BYTECODE_VARS = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")
+_BYTECODE = pytest.StashKey[str]()  # the directory the session made (removed at the end)
+_BYTECODE_BEFORE = pytest.StashKey[tuple]()
+# When this session started: bytecode in a tree older than this was not written by it.
+SESSION_STARTED = time.time()
 
 
 def pytest_configure(config):
@@ -124,10 +150,7 @@ def pytest_unconfigure(config):
     driver = sys.modules.get("tree_driver")
     if driver is not None:
         driver.SESSION.close()
-    made = config.stash.get(_BYTECODE, None)
-    if made is not None:
-        sys.pycache_prefix, sys.dont_write_bytecode = None, True  # nothing more written for good
-        shutil.rmtree(made, ignore_errors=True)
+    _unshare_bytecode(config)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from conftest import REPO, megatron_trees
+from conftest import REPO, SESSION_STARTED, megatron_trees
 
 # What a test reaches real trees through: the trees themselves, or parameters made from them.
 TREE_NAMES = {"TREES", "TREE_PARAMS", "EXPLAIN_MATRIX", "PICKED", "megatron_trees", "_tree_params", "SESSION"}
@@ -77,9 +77,14 @@ def test_the_heaviest_trees_start_first():
     assert session._heaviest_first(["a", "b", "c", "d"]) == ["c", "b", "a", "d"]
 
 
+_ASKED = "import sys; print(sys.pycache_prefix, sys.dont_write_bytecode)"
+
+
 def test_started_processes_share_the_sessions_bytecode_directory():
-    """Processes the tests start compile a module once per session, into the session's directory."""
+    """Processes the tests start compile a module once per session, into the session's directory:
+    both ways a test starts one (the session's environment, or the tree driver's)."""
     import os
+    import subprocess
     import sys
 
     import tree_driver
@@ -87,14 +92,16 @@ def test_started_processes_share_the_sessions_bytecode_directory():
     made = os.environ.get("PYTHONPYCACHEPREFIX")
     assert made and Path(made).is_dir() and "PYTHONDONTWRITEBYTECODE" not in os.environ
     assert sys.pycache_prefix == made and not sys.dont_write_bytecode
-    env = tree_driver.driver_env()
-    assert env["PYTHONPYCACHEPREFIX"] == made and "PYTHONDONTWRITEBYTECODE" not in env
+    for env in (None, tree_driver.driver_env()):
+        seen = subprocess.run([sys.executable, "-c", _ASKED], env=env, capture_output=True, text=True, timeout=60)
+        assert seen.stdout.split() == [made, "False"], seen.stdout + seen.stderr
 
 
 @pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", megatron_trees(), ids=lambda t: t.name)
 def test_no_bytecode_is_written_into_a_tree(tree):
-    """A tree's worker compiled the tree (into the session's directory), and wrote nothing into it."""
+    """A tree's worker compiled the tree (into the session's directory), and this session wrote no
+    bytecode into it (older files, from a run outside the tests, are not this session's)."""
     import os
     import sys
 
@@ -104,4 +111,9 @@ def test_no_bytecode_is_written_into_a_tree(tree):
     assert "driver_error" not in found["bytecode"], found["bytecode"]["driver_error"]
     mirror = Path(os.environ["PYTHONPYCACHEPREFIX"]) / tree.resolve().relative_to(tree.resolve().anchor) / "megatron"
     assert list(mirror.rglob(f"*.{sys.implementation.cache_tag}.pyc"))
-    assert not [d for d, _, _ in os.walk(tree) if d.endswith("__pycache__")]
+    written = []
+    for where, dirs, files in os.walk(tree):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        if os.path.basename(where) == "__pycache__":
+            written += [f for f in files if os.path.getmtime(os.path.join(where, f)) >= SESSION_STARTED - 1]
+    assert not written, f"this session wrote bytecode into {tree}: {written[:5]}"
