@@ -26,6 +26,11 @@ BAD = {
     "unknown GPU": {"MEGATRON_PERF_TOGGLES_PLAN": "64:h10"},
     "bad world size": {"MEGATRON_PERF_TOGGLES_PLAN": "0:h100"},
 }
+# Bad --extra-args-provider specs on the launcher path (a misspelt module, a malformed spec).
+BAD_PROVIDERS = {
+    "provider: no module": "no_such_provider_module:add",
+    "provider: malformed": "not a spec",
+}
 # Bad command lines to the command-line tool (argv after ``python -m megatron_perf_toggles``).
 BAD_COMMANDS = {
     "explain: no checkout": ["explain", "--megatron", "/no/such/Megatron-LM"],
@@ -35,11 +40,12 @@ BAD_COMMANDS = {
 }
 
 
-def sample(tree: str, env: dict[str, str], command: list[str] | None = None) -> tuple[float, int, str]:
+def sample(tree: str, env: dict[str, str], command: list[str] | None = None, extra: tuple[str, ...] = ()
+           ) -> tuple[float, int, str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
     full.update(env, PYTHONPATH=os.pathsep.join([str(REPO), tree]))
     argv = ["-m", "megatron_perf_toggles", *command] if command else [
-        "-m", "megatron_perf_toggles.run", "--dry-run", f"{tree}/pretrain_gpt.py", "--num-layers", "2"]
+        "-m", "megatron_perf_toggles.run", "--dry-run", *extra, f"{tree}/pretrain_gpt.py", "--num-layers", "2"]
     start = time.perf_counter()
     done = subprocess.run([sys.executable, *argv], env=full, capture_output=True, text=True, check=False)
     return time.perf_counter() - start, done.returncode, done.stderr.strip()
@@ -51,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ns = ap.parse_args(argv)
     worst = 0.0
-    cases = [(name, env, None) for name, env in BAD.items()] + [(name, {}, argv) for name, argv in BAD_COMMANDS.items()]
-    for name, env, command in cases:
-        runs = [sample(ns.megatron, env, command) for _ in range(ns.repeats)]
+    cases = [(name, env, None, ()) for name, env in BAD.items()]
+    cases += [(name, {}, None, ("--extra-args-provider", spec)) for name, spec in BAD_PROVIDERS.items()]
+    cases += [(name, {}, argv, ()) for name, argv in BAD_COMMANDS.items()]
+    for name, env, command, extra in cases:
+        runs = [sample(ns.megatron, env, command, extra) for _ in range(ns.repeats)]
         seconds = [s for s, _, _ in runs]
         codes = {c for _, c, _ in runs}
         worst = max(worst, max(seconds))

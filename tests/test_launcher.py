@@ -88,6 +88,52 @@ def test_resolve_provider_errors_name_the_culprit(spec: str, needle: str) -> Non
     assert caught.value.spec == spec
 
 
+def test_a_provider_spec_is_checked_without_importing_anything() -> None:
+    """A malformed spec, or a module whose package is nowhere on the path, is refused before any
+    import (the launcher does this before torch); a findable one is left to the import."""
+    before = set(sys.modules)
+    for spec, needle in (("no_such_module_ptt.sub:f", "no module named 'no_such_module_ptt'"),
+                         ("bad spec", "expected MODULE:FUNCTION")):
+        with pytest.raises(hooks.ProviderSpecError, match="extra-args-provider") as caught:
+            hooks.check_provider_spec(spec)
+        assert needle in str(caught.value)
+    assert hooks.check_provider_spec("xmlrpc.server") == ("xmlrpc.server", "extra_args_provider")
+    assert set(sys.modules) - before == set()
+
+
+# Runs an entry point as users run it, then notes which of torch and Megatron were imported.
+IMPORT_PROBE = """import json, runpy, sys
+out, how = sys.argv.pop(1), sys.argv.pop(1)
+code = 0
+try:
+    if how == "launcher":
+        sys.argv[0] = "megatron_perf_toggles.run"
+        runpy.run_module("megatron_perf_toggles.run", run_name="__main__", alter_sys=True)
+    else:  # the top of a patched script
+        from megatron_perf_toggles.launcher.megatron_hooks import prepare_from_argv
+        prepare_from_argv(sys.argv[1:])
+except SystemExit as stop:
+    code = stop.code
+open(out, "w").write(json.dumps({"imported": [m for m in ("megatron", "torch") if m in sys.modules], "exit": code}))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("spec", ["no_such_module_ptt:f", "no_such_module_ptt.sub:add", "bad spec"])
+@pytest.mark.parametrize("how", ["launcher", "patched"])
+def test_a_misspelt_provider_is_refused_before_torch(script_dir: Path, spec: str, how: str) -> None:
+    """One line within a second: importing torch alone takes seconds."""
+    out = script_dir / "probe.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(script_dir)]),
+           "MEGATRON_PERF_TOGGLES_DRY_RUN": "1"}
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE, str(out), how, "--dry-run", "train.py",
+                           "--extra-args-provider", spec], cwd=script_dir, capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert json.loads(out.read_text()) == {"imported": [], "exit": 2}, done.stderr
+    assert_one_line_error(done, "--extra-args-provider", spec)
+    assert not (script_dir / "ran").exists()
+
+
 def test_flatten_skips_none_expands_chains_and_dedupes() -> None:
     def own(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return parser

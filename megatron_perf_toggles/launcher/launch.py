@@ -138,13 +138,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ScriptNotFoundError(f"script not found: {ns.script}",
                                       "give the path of the training script, e.g. /path/to/Megatron-LM/pretrain_gpt.py")
         check_python_script(script)
-        # Every variable, the profile and the planned job are checked before Megatron is imported.
-        settings = hooks.preflight(os.environ)
-        target = plan_target(ns, dry_run)
-        output = ns.output or settings.dry_run_output or "summary"
         # As under `python SCRIPT`: the script's directory comes first. The directory `python -m`
         # put there stays importable after it, for provider modules.
         sys.path.insert(0, str(script.resolve().parent))
+        # Every provider spec, variable, the profile and the planned job are checked before torch
+        # and Megatron are imported.
+        for spec in [*ns.providers, *more]:
+            hooks.check_provider_spec(spec)
+        settings = hooks.preflight(os.environ)
+        target = plan_target(ns, dry_run)
+        output = ns.output or settings.dry_run_output or "summary"
         sys.argv = [str(script), *script_args]
         # A summary keeps the script's and Megatron's own output for its log file (quiet); in a
         # dry run stdout carries the report alone, so the script's own output goes to stderr.

@@ -42,7 +42,7 @@ from ..runtime.provider import flatten
 from ..runtime.rebinding import ORIGINAL_ATTR, megatron_root, rebind
 from .import_shims import import_failure
 from .provider_specs import DEFAULT_PROVIDER_ATTR as DEFAULT_PROVIDER_ATTR  # the launcher's help names it
-from .provider_specs import PROVIDER_FLAG, provider_name, pull_provider_specs, resolve_provider
+from .provider_specs import PROVIDER_FLAG, check_provider_spec, provider_name, pull_provider_specs, resolve_provider
 from .provider_specs import ProviderSpecError as ProviderSpecError  # what resolve_provider raises
 
 Provider = plugin.Provider
@@ -325,6 +325,8 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
             return list(argv)
         # Everything the user set is checked before Megatron is imported, as the launcher does.
         settings = preflight(environ)
+        for spec in specs:
+            check_provider_spec(spec)
         target = planned.from_environment(environ) if dry else None
         if dry:
             from .import_shims import install_stand_ins
@@ -352,6 +354,8 @@ def prepare_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
         return
     try:
         preflight(environ)
+        for spec in pull_provider_specs(argv)[0]:
+            check_provider_spec(spec)
         if dry_run_requested(environ):
             planned.from_environment(environ)
             from .import_shims import install_stand_ins

@@ -7,6 +7,8 @@ arguments and imports what it names, with one clear line for each way that can f
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,20 +34,35 @@ def provider_name(p: Callable[..., Any]) -> str:
     return f"{module}:{name}"
 
 
-def resolve_provider(spec: str) -> Provider:
-    """``MOD:FUNC`` (``MOD`` alone means ``MOD:extra_args_provider``) -> the callable, or a
-    ProviderSpecError naming what could not be found."""
+def check_provider_spec(spec: str) -> tuple[str, str]:
+    """``MOD:FUNC`` -> (module, function), or a ProviderSpecError, without importing anything: a
+    malformed spec, or a module whose top-level package is nowhere on ``sys.path``, is refused
+    before torch and Megatron are (seconds). Whether the function is there needs the import."""
     module_name, _, attr = spec.strip().partition(":")
     attr = attr.strip() or DEFAULT_PROVIDER_ATTR
     if not module_name or any(not part.isidentifier() for part in module_name.split(".")):
         raise ProviderSpecError(spec, "expected MODULE:FUNCTION", "e.g. megatron_perf_toggles:extra_args_provider")
+    top = module_name.split(".")[0]
+    if top not in sys.modules and importlib.util.find_spec(top) is None:
+        raise ProviderSpecError(spec, f"cannot import module {module_name!r} (no module named {top!r})",
+                                NOT_FOUND_HINT)
+    return module_name, attr
+
+
+NOT_FOUND_HINT = "is it installed, or on PYTHONPATH?"
+
+
+def resolve_provider(spec: str) -> Provider:
+    """``MOD:FUNC`` (``MOD`` alone means ``MOD:extra_args_provider``) -> the callable, or a
+    ProviderSpecError naming what could not be found."""
+    module_name, attr = check_provider_spec(spec)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         missing = error.name or module_name
         if module_name == missing or module_name.startswith(missing + "."):
             raise ProviderSpecError(spec, f"cannot import module {module_name!r} (no module named {missing!r})",
-                                    "is it installed, or on PYTHONPATH?") from None
+                                    NOT_FOUND_HINT) from None
         raise ProviderSpecError(spec, f"importing module {module_name!r} failed: {error}") from None
     except Exception as error:  # noqa: BLE001 - any failure of a user module is one clear line
         raise ProviderSpecError(spec, f"importing module {module_name!r} failed: "
