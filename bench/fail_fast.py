@@ -1,5 +1,5 @@
-"""How long a bad input takes to be reported: a bad setting on the launcher path, and a bad
-command line to ``megatron-perf-toggles``.
+"""How long a bad input takes to be reported: a bad setting or ``--extra-args-provider`` on the
+launcher path, and a bad command line to ``megatron-perf-toggles``.
 
 Each sample starts a fresh process (as a user's launch would) with one bad value and times it to
 its one-line error and exit status 2. The checks run before Megatron or torch is imported, so the

@@ -101,6 +101,16 @@ def test_a_provider_spec_is_checked_without_importing_anything() -> None:
     assert set(sys.modules) - before == set()
 
 
+def test_a_finder_that_fails_leaves_the_provider_to_its_import(monkeypatch) -> None:
+    import importlib.util
+
+    def broken(name, package=None):
+        raise RuntimeError("a broken finder")
+
+    monkeypatch.setattr(importlib.util, "find_spec", broken)
+    assert hooks.check_provider_spec("no_such_module_ptt:f") == ("no_such_module_ptt", "f")
+
+
 # Runs an entry point as users run it, then notes which of torch and Megatron were imported.
 IMPORT_PROBE = """import json, runpy, sys
 out, how = sys.argv.pop(1), sys.argv.pop(1)
@@ -122,13 +132,14 @@ sys.exit(code)
 @pytest.mark.parametrize("spec", ["no_such_module_ptt:f", "no_such_module_ptt.sub:add", "bad spec"])
 @pytest.mark.parametrize("how", ["launcher", "patched"])
 def test_a_misspelt_provider_is_refused_before_torch(script_dir: Path, spec: str, how: str) -> None:
-    """One line within a second: importing torch alone takes seconds."""
+    """One line within a second: importing torch alone takes seconds (where torch is not
+    installed, the launcher route cannot show the order, only the one line)."""
     out = script_dir / "probe.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(script_dir)]),
-           "MEGATRON_PERF_TOGGLES_DRY_RUN": "1"}
+    env = {**tree_driver.driver_env(path=[script_dir]), "MEGATRON_PERF_TOGGLES_DRY_RUN": "1"}
     done = subprocess.run([sys.executable, "-c", IMPORT_PROBE, str(out), how, "--dry-run", "train.py",
                            "--extra-args-provider", spec], cwd=script_dir, capture_output=True, text=True,
                           env=env, timeout=120, check=False)
+    assert out.exists(), done.stderr
     assert json.loads(out.read_text()) == {"imported": [], "exit": 2}, done.stderr
     assert_one_line_error(done, "--extra-args-provider", spec)
     assert not (script_dir / "ran").exists()

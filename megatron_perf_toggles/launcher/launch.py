@@ -141,11 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # As under `python SCRIPT`: the script's directory comes first. The directory `python -m`
         # put there stays importable after it, for provider modules.
         sys.path.insert(0, str(script.resolve().parent))
-        # Every provider spec, variable, the profile and the planned job are checked before torch
-        # and Megatron are imported.
+        # Every variable, the profile, each provider spec and the planned job are checked before
+        # torch and Megatron are imported (in a patched script's order too).
+        settings = hooks.preflight(os.environ)
         for spec in [*ns.providers, *more]:
             hooks.check_provider_spec(spec)
-        settings = hooks.preflight(os.environ)
         target = plan_target(ns, dry_run)
         output = ns.output or settings.dry_run_output or "summary"
         sys.argv = [str(script), *script_args]

@@ -346,9 +346,9 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
 
 def prepare_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
     """For the top of a patched script, above its imports: with ``--extra-args-provider`` in
-    ``argv``, check every variable, the profile and the planned job (one line and exit status 2
-    on a bad one, in well under a second), and for a dry run put the import stand-ins (triton) in
-    place, so a CPU machine plans as the launcher does. Changes nothing else."""
+    ``argv``, check every variable, the profile, each provider spec and the planned job (one line
+    and exit status 2 on a bad one, in well under a second), and for a dry run put the import
+    stand-ins (triton) in place, so a CPU machine plans as the launcher does. Changes nothing else."""
     environ = os.environ if environ is None else environ
     if not any(str(arg).split("=", 1)[0] == PROVIDER_FLAG for arg in argv):
         return

@@ -43,7 +43,11 @@ def check_provider_spec(spec: str) -> tuple[str, str]:
     if not module_name or any(not part.isidentifier() for part in module_name.split(".")):
         raise ProviderSpecError(spec, "expected MODULE:FUNCTION", "e.g. megatron_perf_toggles:extra_args_provider")
     top = module_name.split(".")[0]
-    if top not in sys.modules and importlib.util.find_spec(top) is None:
+    try:
+        missing = top not in sys.modules and importlib.util.find_spec(top) is None
+    except Exception:  # noqa: BLE001 - a finder that fails: the import says what is wrong
+        missing = False
+    if missing:
         raise ProviderSpecError(spec, f"cannot import module {module_name!r} (no module named {top!r})",
                                 NOT_FOUND_HINT)
     return module_name, attr
