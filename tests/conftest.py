@@ -104,6 +104,7 @@ SESSION_STARTED = time.time()
 
 def pytest_configure(config):
     _share_bytecode(config)
+    os.environ.pop("COLUMNS", None)  # the command line fits its text to COLUMNS: tests read whole lines
     config.addinivalue_line("markers", f"{REAL_MEGATRON}: runs against real Megatron-LM trees (MEGATRON_LM_TREES); "
                                        f"-m 'not {REAL_MEGATRON}' runs the fast set")
     config.addinivalue_line("markers", f"{OWN_PROCESS}: runs a script or entry point as a process of its own "

@@ -20,9 +20,37 @@ PLUGIN_VARS = {t.env for t in TOGGLES} | {"MEGATRON_PERF_TOGGLES", "MEGATRON_PER
 
 
 def run_cli(*argv, env=None, timeout=120):
-    base = {k: v for k, v in os.environ.items() if k not in PLUGIN_VARS and k != "PYTHONPATH"}
+    base = {k: v for k, v in os.environ.items() if k not in PLUGIN_VARS and k not in ("PYTHONPATH", "COLUMNS")}
     return subprocess.run([sys.executable, "-m", "megatron_perf_toggles", *argv], capture_output=True, text=True,
                           env={**base, "PYTHONPATH": str(REPO), **(env or {})}, cwd=REPO, timeout=timeout)
+
+
+@pytest.mark.parametrize("columns", [80, 100, 132])
+def test_explain_fits_the_terminal_and_a_pipe_gets_whole_lines(columns):
+    """Every line fits COLUMNS (a terminal's width); each reason is all there, word for word. Piped
+    (no COLUMNS, not a terminal), each toggle's reason stays on its row's one line."""
+    wrapped = run_cli("explain", env={"COLUMNS": str(columns)}).stdout
+    whole = run_cli("explain").stdout
+    assert max(map(len, wrapped.splitlines())) <= columns
+    def words(text):  # the table's rule lines are as wide as their column
+        return [w for w in text.split() if w.strip("-")]
+
+    assert words(wrapped) == words(whole)
+    rows = {line.split()[0]: line for line in whole.splitlines() if line.split() and line.split()[0] in
+            {t.dest for t in TOGGLES}}
+    assert rows and all(line.rstrip().endswith(("off", "stands in", "validate_args)")) for line in rows.values())
+
+
+def test_tables_wrap_their_last_column_beside_or_under_the_others():
+    rows = [["a_toggle", "on", "word " * 40], ["b", "off", "short"]]
+    for width in (40, 70, 200):
+        text = cli._table(rows, ["toggle", "value", "reason"], width)
+        assert max(map(len, text.splitlines())) <= width
+        assert text.split().count("word") == 40 and "short" in text.split()
+    assert len(cli._table(rows, ["toggle", "value", "reason"]).splitlines()) == 4  # no width: one line a row
+    beside, under = (cli._table(rows, ["toggle", "value", "reason"], w).splitlines() for w in (80, 40))
+    assert beside[2].startswith("a_toggle") and beside[2].split()[2] == "word"
+    assert under[3] == "a_toggle  on" and under[4].startswith(cli.UNDER_INDENT + "word")
 
 
 def test_explain_with_no_arguments_works_without_megatron():

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
@@ -42,12 +44,52 @@ WGRAD_WORDS = {
 # --- explain ----------------------------------------------------------------------------------
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
+# The narrowest the last column of a table may be beside the others; narrower, it goes under them.
+MIN_LAST_COLUMN = 50
+UNDER_INDENT = "    "
+
+
+def _width() -> int | None:
+    """The columns to fit the text to: ``COLUMNS`` where set, else the terminal's. None when the
+    output goes to a pipe or a file: tools and grep get each line whole."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, max(width, 1), break_long_words=False, break_on_hyphens=False) or [""]
+
+
+def _table(rows: list[list[str]], header: list[str], width: int | None = None) -> str:
+    """Columns padded to their widest cell. With ``width``, the last column (the reason, the
+    longest) is wrapped to fit beside the others, or, where that would leave it narrower than
+    MIN_LAST_COLUMN, wrapped on lines of its own under each row."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    if width is not None and width - indent < min(widths[-1], MIN_LAST_COLUMN):
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1])
+        lines = [fmt.format(*header[:-1]), UNDER_INDENT + header[-1], fmt.format(*("-" * w for w in widths[:-1]))]
+        for row in rows:
+            lines.append(fmt.format(*row[:-1]))
+            lines += [UNDER_INDENT + part for part in _wrap(str(row[-1]), width - len(UNDER_INDENT))]
+        return "\n".join(line.rstrip() for line in lines)
+    if width is not None:
+        widths[-1] = min(widths[-1], width - indent)
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*r) for r in rows]
+    for row in rows:
+        last = _wrap(str(row[-1]), widths[-1])
+        lines.append(fmt.format(*row[:-1], last[0]))
+        lines += [" " * indent + more for more in last[1:]]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _say(text: str, width: int | None) -> None:
+    """A line of prose, wrapped to ``width`` (continuation lines indented) where there is one."""
+    print(textwrap.fill(text, width, subsequent_indent=UNDER_INDENT, break_long_words=False, break_on_hyphens=False)
+          if width else text)
 
 
 def _caps_summary(caps: Capabilities) -> str:
@@ -142,25 +184,27 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         payload["launch_environment"] = [v.to_record() for v in launch]
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
-    print(f"Megatron: {label}")
-    print(f"{'Planned:' if caps.stack else 'Machine:'}  {_caps_summary(caps)}")
-    print(f"Plan for: {planned.describe(target)}")
+    width = _width()
+    _say(f"Megatron: {label}", width)
+    _say(f"{'Planned:' if caps.stack else 'Machine:'}  {_caps_summary(caps)}", width)
+    _say(f"Plan for: {planned.describe(target)}", width)
     if caps.stack:
-        print(f"Stack:    {caps.stack}")
+        _say(f"Stack:    {caps.stack}", width)
     if profile is not None:
-        print(f"Profile:  {_profile_summary(profile)}")
+        _say(f"Profile:  {_profile_summary(profile)}", width)
     for line in fact_sources(caps, megatron_source):
-        print(f"  {line}")
+        _say(f"  {line}", width)
     if not ns.megatron_args:
-        print("Command:  built-in Llama-3-8B bf16 command line (pass your own after --)")
+        _say("Command:  built-in Llama-3-8B bf16 command line (pass your own after --)", width)
     print()
-    rows = [[dest, format_value(d.value), d.source, d.reason, provenance.memory_words(plan, dest)]
+    rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest), d.reason]
             for dest, d in plan.decisions.items()]
-    print(_table(rows, ["toggle", "value", "source", "reason", "peak memory"]))
+    print(_table(rows, ["toggle", "value", "source", "peak memory", "reason"], width))
     if plan.memory is not None:
         from ..core.memory_guard import summary
 
-        print(f"\n{summary(plan.memory)}")
+        print()
+        _say(summary(plan.memory), width)
     print()
     print(f"precision tag: {plan.precision}")
     print(f"fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}")
@@ -170,9 +214,9 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     if not plan.log_dirs and any(args.get(d) for d in LOG_DIR_DESTS):
         print("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)")
     for var in launch:
-        print(f"launch environment: export {var.name}={var.value}  # {var.why}")
+        _say(f"launch environment: export {var.name}={var.value}  # {var.why}", width)
     for m in plan.messages:
-        print(f"{m.level}: {m.text}")
+        _say(f"{m.level}: {m.text}", width)
     return 0
 
 
@@ -326,7 +370,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     label = "Toggles on this machine" + (" (planned via MEGATRON_PERF_TOGGLES_ASSUME)" if env.assume else "")
     print(f"{label}, for a Llama-style bf16 run:")
     rows = [[dest, format_value(d.value), d.reason] for dest, d in plan.decisions.items()]
-    print(_table(rows, ["toggle", "value", "why"]))
+    print(_table(rows, ["toggle", "value", "why"], _width()))
     return 0
 
 
