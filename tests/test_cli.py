@@ -25,13 +25,15 @@ def run_cli(*argv, env=None, timeout=120):
                           env={**base, "PYTHONPATH": str(REPO), **(env or {})}, cwd=REPO, timeout=timeout)
 
 
-@pytest.mark.parametrize("columns", [80, 100, 132])
+@pytest.mark.parametrize("columns", [60, 80, 100, 132])
 def test_explain_fits_the_terminal_and_a_pipe_gets_whole_lines(columns):
-    """Every line fits COLUMNS (a terminal's width); each reason is all there, word for word. Piped
-    (no COLUMNS, not a terminal), each toggle's reason stays on its row's one line."""
+    """Every line fits COLUMNS (a terminal's width), doctor's too; each reason is all there, word
+    for word. Piped (no COLUMNS, not a terminal), each toggle's reason stays on its row's line."""
     wrapped = run_cli("explain", env={"COLUMNS": str(columns)}).stdout
     whole = run_cli("explain").stdout
     assert max(map(len, wrapped.splitlines())) <= columns
+    doctor = run_cli("doctor", env={"COLUMNS": str(columns)}).stdout
+    assert "Toggles on this machine" in doctor and max(map(len, doctor.splitlines())) <= columns
     def words(text):  # the table's rule lines are as wide as their column
         return [w for w in text.split() if w.strip("-")]
 
@@ -41,11 +43,20 @@ def test_explain_fits_the_terminal_and_a_pipe_gets_whole_lines(columns):
     assert rows and all(line.rstrip().endswith(("off", "stands in", "validate_args)")) for line in rows.values())
 
 
+def test_a_wrapped_launch_environment_line_pastes_into_a_shell():
+    out = run_cli("explain", "--", "--num-layers", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                  env={"COLUMNS": "60"}).stdout.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("launch environment: export"))
+    assert out[at].endswith("=1") and out[at + 1].startswith("    # ") and len(out[at]) <= 60
+    tail = [line for line in out[at + 1:] if not line.startswith("launch environment")]
+    assert all(line.lstrip().startswith("#") for line in tail[:2])
+
+
 def test_tables_wrap_their_last_column_beside_or_under_the_others():
     rows = [["a_toggle", "on", "word " * 40], ["b", "off", "short"]]
-    for width in (40, 70, 200):
+    for width in (12, 40, 70, 200):
         text = cli._table(rows, ["toggle", "value", "reason"], width)
-        assert max(map(len, text.splitlines())) <= width
+        assert max(map(len, text.splitlines())) <= max(width, len("a_toggle"))  # a word is not broken
         assert text.split().count("word") == 40 and "short" in text.split()
     assert len(cli._table(rows, ["toggle", "value", "reason"]).splitlines()) == 4  # no width: one line a row
     beside, under = (cli._table(rows, ["toggle", "value", "reason"], w).splitlines() for w in (80, 40))

@@ -50,11 +50,14 @@ UNDER_INDENT = "    "
 
 
 def _width() -> int | None:
-    """The columns to fit the text to: ``COLUMNS`` where set, else the terminal's. None when the
-    output goes to a pipe or a file: tools and grep get each line whole."""
-    columns = os.environ.get("COLUMNS", "")
-    if columns.isdigit() and int(columns) > 0:
-        return int(columns)
+    """The columns to fit the text to: ``COLUMNS`` where set (a pipe too), else the terminal's.
+    None when the output goes to a pipe or a file: tools and grep get each line whole."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns > 0:
+        return columns
     return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
@@ -70,9 +73,14 @@ def _table(rows: list[list[str]], header: list[str], width: int | None = None) -
     indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
     if width is not None and width - indent < min(widths[-1], MIN_LAST_COLUMN):
         fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1])
-        lines = [fmt.format(*header[:-1]), UNDER_INDENT + header[-1], fmt.format(*("-" * w for w in widths[:-1]))]
+
+        def head(cells: list[str]) -> list[str]:  # the other columns, on one line where it fits
+            line = fmt.format(*cells).rstrip()
+            return [line] if len(line) <= width else _wrap("  ".join(cells), width)
+
+        lines = [*head(header[:-1]), UNDER_INDENT + header[-1], "-" * min(indent, width)]
         for row in rows:
-            lines.append(fmt.format(*row[:-1]))
+            lines += head([str(cell) for cell in row[:-1]])
             lines += [UNDER_INDENT + part for part in _wrap(str(row[-1]), width - len(UNDER_INDENT))]
         return "\n".join(line.rstrip() for line in lines)
     if width is not None:
@@ -86,9 +94,10 @@ def _table(rows: list[list[str]], header: list[str], width: int | None = None) -
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _say(text: str, width: int | None) -> None:
-    """A line of prose, wrapped to ``width`` (continuation lines indented) where there is one."""
-    print(textwrap.fill(text, width, subsequent_indent=UNDER_INDENT, break_long_words=False, break_on_hyphens=False)
+def _say(text: str, width: int | None, more: str = UNDER_INDENT) -> None:
+    """A line of prose, wrapped to ``width`` where there is one, its continuation lines starting
+    with ``more``. Long words (paths) are not broken: they stay whole, to copy."""
+    print(textwrap.fill(text, width, subsequent_indent=more, break_long_words=False, break_on_hyphens=False)
           if width else text)
 
 
@@ -197,7 +206,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     if not ns.megatron_args:
         _say("Command:  built-in Llama-3-8B bf16 command line (pass your own after --)", width)
     print()
-    rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest), d.reason]
+    rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", d.reason]
             for dest, d in plan.decisions.items()]
     print(_table(rows, ["toggle", "value", "source", "peak memory", "reason"], width))
     if plan.memory is not None:
@@ -206,15 +215,20 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         print()
         _say(summary(plan.memory), width)
     print()
-    print(f"precision tag: {plan.precision}")
-    print(f"fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}")
+    _say(f"precision tag: {plan.precision}", width)
+    _say(f"fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}", width)
     for dest in LOG_DIR_DESTS:
         if args.get(dest):
-            print(f"{dest}: {args[dest]}")
+            _say(f"{dest}: {args[dest]}", width)
     if not plan.log_dirs and any(args.get(d) for d in LOG_DIR_DESTS):
-        print("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)")
-    for var in launch:
-        _say(f"launch environment: export {var.name}={var.value}  # {var.why}", width)
+        _say("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)", width)
+    for var in launch:  # pasted into a shell: a wrapped why stays a comment, on lines of its own
+        export = f"launch environment: export {var.name}={var.value}"
+        if width is None or len(export) + len(var.why) + 4 <= width:
+            print(f"{export}  # {var.why}")
+        else:
+            print(export)
+            _say(f"{UNDER_INDENT}# {var.why}", width, more=UNDER_INDENT + "# ")
     for m in plan.messages:
         _say(f"{m.level}: {m.text}", width)
     return 0
@@ -343,34 +357,35 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1, sort_keys=True, default=str))
         return 0
     yes = {True: "yes", False: "no", None: "unknown"}
-    print(f"megatron-perf-toggles {__version__}, Python {sys.version.split()[0]}")
+    width = _width()
+    _say(f"megatron-perf-toggles {__version__}, Python {sys.version.split()[0]}", width)
     if facts is not None:
-        print(f"Megatron-LM:        {facts.version} at {facts.path}")
-        print(f"  fused_single_qkv_rope field: {yes[facts.fused_single_qkv_rope_field]}; "
-              f"asserts te cross entropy: {yes[facts.asserts_te_cross_entropy]}")
+        _say(f"Megatron-LM:        {facts.version} at {facts.path}", width)
+        _say(f"  fused_single_qkv_rope field: {yes[facts.fused_single_qkv_rope_field]}; "
+             f"asserts te cross entropy: {yes[facts.asserts_te_cross_entropy]}", width)
     else:
-        print(f"Megatron-LM:        {why_not}")
+        _say(f"Megatron-LM:        {why_not}", width)
     backend = {"rocm": "ROCm/HIP", "cuda": "CUDA", "cpu": "CPU only"}.get(caps.device or "", "")
-    print(f"torch:              {caps.torch_version or 'not installed'} {backend}".rstrip())
-    print(f"GPU architecture:   {caps.gpu_arch or 'none visible'}")
-    print(f"Transformer Engine: {caps.te_version or 'not installed'}"
-          + (f" (fused QKV RoPE kernel: {yes[caps.te_fused_qkv_rope]}, "
-             f"cross-entropy kernel: {yes[caps.te_cross_entropy]})" if caps.te_version else ""))
-    print(f"APEX fused wgrad:   {yes[caps.apex_fused_wgrad]}")
-    print(f"aiter (AMD):        {caps.aiter_version or 'not installed'}")
-    print(f"fused wgrad path:   {WGRAD_WORDS[plan.wgrad_path]}")
+    _say(f"torch:              {caps.torch_version or 'not installed'} {backend}".rstrip(), width)
+    _say(f"GPU architecture:   {caps.gpu_arch or 'none visible'}", width)
+    _say(f"Transformer Engine: {caps.te_version or 'not installed'}"
+         + (f" (fused QKV RoPE kernel: {yes[caps.te_fused_qkv_rope]}, "
+            f"cross-entropy kernel: {yes[caps.te_cross_entropy]})" if caps.te_version else ""), width)
+    _say(f"APEX fused wgrad:   {yes[caps.apex_fused_wgrad]}", width)
+    _say(f"aiter (AMD):        {caps.aiter_version or 'not installed'}", width)
+    _say(f"fused wgrad path:   {WGRAD_WORDS[plan.wgrad_path]}", width)
     for note in caps.notes.values():
-        print(f"  note: {note}")
+        _say(f"  note: {note}", width)
     if profile is not None:
-        print(f"profile:            {_profile_summary(profile)}")
+        _say(f"profile:            {_profile_summary(profile)}", width)
         for message in plan.messages:
             if message.level == "profile":
-                print(f"  {message.text}")
+                _say(f"  {message.text}", width)
     print()
     label = "Toggles on this machine" + (" (planned via MEGATRON_PERF_TOGGLES_ASSUME)" if env.assume else "")
-    print(f"{label}, for a Llama-style bf16 run:")
+    _say(f"{label}, for a Llama-style bf16 run:", width)
     rows = [[dest, format_value(d.value), d.reason] for dest, d in plan.decisions.items()]
-    print(_table(rows, ["toggle", "value", "why"], _width()))
+    print(_table(rows, ["toggle", "value", "why"], width))
     return 0
 
 
