@@ -101,6 +101,17 @@ def _say(text: str, width: int | None, more: str = UNDER_INDENT) -> None:
           if width else text)
 
 
+def _say_export(name: str, value: str, why: str, width: int | None) -> None:
+    """``export NAME=VALUE  # why``; where that does not fit, the why wraps on comment lines of
+    its own, so that the lines still paste into a shell."""
+    export = f"launch environment: export {name}={value}"
+    if width is None or len(export) + len(why) + 4 <= width:
+        print(f"{export}  # {why}")
+    else:
+        print(export)
+        _say(f"{UNDER_INDENT}# {why}", width, more=UNDER_INDENT + "# ")
+
+
 def _caps_summary(caps: Capabilities) -> str:
     bits = [
         f"TE {caps.te_version}" if caps.te_version else "no TE",
@@ -222,13 +233,8 @@ def cmd_explain(ns: argparse.Namespace) -> int:
             _say(f"{dest}: {args[dest]}", width)
     if not plan.log_dirs and any(args.get(d) for d in LOG_DIR_DESTS):
         _say("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)", width)
-    for var in launch:  # pasted into a shell: a wrapped why stays a comment, on lines of its own
-        export = f"launch environment: export {var.name}={var.value}"
-        if width is None or len(export) + len(var.why) + 4 <= width:
-            print(f"{export}  # {var.why}")
-        else:
-            print(export)
-            _say(f"{UNDER_INDENT}# {var.why}", width, more=UNDER_INDENT + "# ")
+    for var in launch:
+        _say_export(var.name, var.value, var.why, width)
     for m in plan.messages:
         _say(f"{m.level}: {m.text}", width)
     return 0
