@@ -67,8 +67,8 @@ def _share_bytecode(config) -> None:
     it from there: Megatron's files are never written to (a tree may be read-only, or shared) and
     are not compiled again by every process that imports them. A directory the user names with
     PYTHONPYCACHEPREFIX is used and kept; otherwise the session makes one and removes it at the end.
-    Everything changed here is put back as it was (``_unshare_bytecode``)."""
-    config.stash[_BYTECODE_BEFORE] = ({k: os.environ.get(k) for k in _BYTECODE_VARS},
+    Everything changed here is put back as it was (``_unshare_bytecode``), COLUMNS too."""
+    config.stash[_BYTECODE_BEFORE] = ({k: os.environ.get(k) for k in _SESSION_VARS},
                                       (sys.pycache_prefix, sys.dont_write_bytecode))
     named = os.environ.get("PYTHONPYCACHEPREFIX")
     made = named or tempfile.mkdtemp(prefix="ptt-bytecode-")
@@ -95,7 +95,8 @@ def _unshare_bytecode(config) -> None:
         shutil.rmtree(made, ignore_errors=True)
 
 
-_BYTECODE_VARS = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")
+# The variables the session sets or removes for its processes, put back when it ends.
+_SESSION_VARS = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE", "COLUMNS")
 _BYTECODE = pytest.StashKey[str]()  # the directory the session made (removed at the end)
 _BYTECODE_BEFORE = pytest.StashKey[tuple]()
 # When this session started: bytecode in a tree older than this was not written by it.
