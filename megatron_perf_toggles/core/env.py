@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import EnvValueError, RegistryError
+from .allocator import expandable_segments
 from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTING_BY_ENV, SETTINGS, TOGGLES, Setting, Toggle
 
 
@@ -105,6 +106,9 @@ class EnvSettings:
     patches_dir: str | None = None
     profile_path: str | None = None  # the file is read by the runtime, parsed by core.profile
     memory_headroom: str | None = None  # parsed by core.memory_guard (a percentage or GB)
+    # PyTorch's own allocator setting, read (never set) for the memory plan: not one of ours, so no
+    # registry entry; core.allocator says where torch reads it.
+    expandable_segments: bool = False
 
     def raw_for_record(self, environ: Mapping[str, str]) -> dict[str, str]:
         """The plugin's variables as they were set, for the provenance record."""
@@ -157,4 +161,5 @@ def read_env(environ: Mapping[str, str]) -> EnvSettings:
         settings["dry_run_output"] = output.strip().lower()
     # The fields are named by the registry, so a checker cannot match values to them: check_settings
     # has matched each setting's kind to its field's type at import.
-    return EnvSettings(toggles=toggles, rank=rank_of(environ), **settings)  # type: ignore[arg-type]
+    return EnvSettings(toggles=toggles, rank=rank_of(environ), expandable_segments=expandable_segments(environ),
+                       **settings)  # type: ignore[arg-type]

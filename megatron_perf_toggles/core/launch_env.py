@@ -63,6 +63,12 @@ def needed(args: Mapping[str, Any], arch_major: int | None, te_version: str | No
     return out
 
 
+def from_memory(memory: Mapping[str, Any] | None) -> list[LaunchVar]:
+    """What the memory plan asks of the launch (``Plan.memory``'s ``launch_environment``): the
+    allocator setting where only expandable segments make the job fit (core.memory_guard)."""
+    return [LaunchVar(v["name"], v["value"], v["why"]) for v in (memory or {}).get("launch_environment") or ()]
+
+
 def missing(launch: list[LaunchVar], environ: Mapping[str, str]) -> list[LaunchVar]:
     """What a plan sets for its own validation: the needed variables that are unset (or, for
     NCCL_ALGO, set to a value Megatron refuses). A value the user set is kept: it is theirs."""

@@ -16,11 +16,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EnvValueError
+from .allocator import (
+    EXPANDABLE,
+    LAUNCH_VAR,
+    VERDICT_WORDS,
+    Largest,
+    Verdict,
+    expandable_segments_refused,
+    largest_allocation,
+    need_mb,
+    te_cuda_graphs,
+    verdict,
+    worse,
+)
 from .env import EnvSettings
 from .facts import Capabilities
 from .memory import Estimate, Unknown, layout_from_args, stock_peak, toggle_delta_mb
 from .plan import Decision, Message
-from .registry import BY_DEST, TOGGLES, format_value
+from .registry import TOGGLES, format_value
 
 HEADROOM_VAR = "MEGATRON_PERF_TOGGLES_MEMORY_HEADROOM"
 DEFAULT_HEADROOM = "10%"
@@ -57,7 +70,8 @@ def delta_words(mb: float | None) -> str:
 
 
 def summary(memory: Mapping[str, Any]) -> str:
-    """One line for the tables: stock's estimated peak, the plan's change, the limit, or why not."""
+    """One line for the tables: stock's estimated peak, the plan's change, its largest allocation,
+    the limit and the verdicts, or why there is no estimate."""
     stock, total = memory.get("stock_peak_mb"), memory.get("total_peak_memory_delta_mb")
     if stock is None:
         return f"memory: {memory.get('note') or 'no estimate'}"
@@ -70,8 +84,14 @@ def summary(memory: Mapping[str, Any]) -> str:
         planned = memory.get("planned_peak_mb")
         if planned is not None:  # per pipeline stage: not always stock's peak plus the last stage's change
             line += f", planned peak {size_words(planned)}"
+    if memory.get("largest_allocation_mb") is not None:
+        line += f"; largest allocation {size_words(memory['largest_allocation_mb'])}"
     limit = memory.get("limit_mb")
     line += f"; limit {size_words(limit)}" if limit else ""
+    verdicts = memory.get("verdict") or {}
+    if verdicts:
+        said = ", ".join(f"{who} {VERDICT_WORDS[v]}" for who, v in verdicts.items())
+        line += f": {said}" + (" (expandable segments set)" if memory.get("expandable_segments_set") else "")
     note = memory.get("note")
     return line + (f"; {note}" if note else "")
 
@@ -94,6 +114,12 @@ class MemoryPlan:
     limit_mb: float | None = None
     note: str = ""
     planned_mb: float | None = None  # the busier pipeline stage's, with the decisions (planned_peak)
+    largest: Largest | None = None  # the plan's largest allocation per step (core.allocator)
+    stock_largest: Largest | None = None
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # "stock" and "plan"
+    expandable_set: bool = False  # PYTORCH_CUDA_ALLOC_CONF already turns expandable segments on
+    expandable_refused: str | None = None  # Megatron refuses them for this layout (why)
+    launch: list[dict[str, str]] = field(default_factory=list)  # variables the launch should export
 
     @property
     def total_mb(self) -> float | None:
@@ -109,6 +135,12 @@ class MemoryPlan:
             "stock_estimate_source": None if stock is None else stock.source,
             "stock_parts_mb": None if stock is None else stock.parts,
             "planned_peak_mb": None if self.planned_mb is None else round(self.planned_mb, 1),
+            "largest_allocation_mb": None if self.largest is None else self.largest.mb,
+            "largest_allocation": None if self.largest is None else self.largest.what,
+            "stock_largest_allocation_mb": None if self.stock_largest is None else self.stock_largest.mb,
+            "verdict": dict(self.verdicts) or None,
+            "expandable_segments_set": self.expandable_set, "expandable_segments_refused": self.expandable_refused,
+            "launch_environment": self.launch,
             "gpu_memory_mb": self.gpu_memory_mb, "limit_mb": self.limit_mb, "note": self.note or None,
         }
 
@@ -133,12 +165,36 @@ def planned_peak(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[s
     return max(out)
 
 
+@dataclass(slots=True)
+class _Fit:
+    """The verdict of one set of toggle values on one layout and limit (core.allocator)."""
+
+    layout: Any
+    estimate: Estimate
+    base: Mapping[str, Any]
+    te: bool
+    limit: float
+    expandable_set: bool
+    refused: str | None
+
+    def peak(self, values: Mapping[str, Any]) -> float:
+        return planned_peak(self.estimate, values, self.base, self.layout, self.te)
+
+    def verdict(self, values: Mapping[str, Any]) -> Verdict:
+        return verdict(self.peak(values), largest_allocation(self.layout, values), self.limit, self.expandable_set,
+                       expandable_allowed=self.refused is None)
+
+    def need(self, values: Mapping[str, Any]) -> float:
+        return need_mb(self.peak(values), largest_allocation(self.layout, values), self.expandable_set)
+
+
 def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: Capabilities, env: EnvSettings,
                  stock: Mapping[str, Any]) -> tuple[MemoryPlan, list[Message]]:
-    """Price the decisions, and back off the defaults that would tip a job stock fits out of memory
+    """Price the decisions, and back off the defaults that would leave the job worse off than
+    stock: out of memory where stock fits, or needing expandable segments where stock does not
     (``decisions`` is changed in place). Returns the memory record and the messages for the table."""
     headroom_mb(env, 1.0)  # a bad setting is reported on every plan, not only where the guard gets to use it
-    memory = MemoryPlan(gpu_memory_mb=caps.gpu_memory_mb)
+    memory = MemoryPlan(gpu_memory_mb=caps.gpu_memory_mb, expandable_set=env.expandable_segments)
     base = stock_values(stock, caps)
     te = caps.te_version is not None
     try:
@@ -151,45 +207,105 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     values = {dest: d.value for dest, d in decisions.items()}
     memory.deltas = _deltas(values, base, layout, te)
     memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te)
-    memory.planned_mb = planned = planned_peak(estimate, values, base, layout, te)
+    memory.planned_mb = planned_peak(estimate, values, base, layout, te)
+    memory.largest, memory.stock_largest = largest_allocation(layout, values), largest_allocation(layout, base)
     if caps.gpu_memory_mb is None:
         memory.note = "the GPU's memory is not known here: no memory guard"
         return memory, []
-    kept_free = headroom_mb(env, caps.gpu_memory_mb)
-    limit = caps.gpu_memory_mb - kept_free
+    limit = caps.gpu_memory_mb - headroom_mb(env, caps.gpu_memory_mb)
     memory.limit_mb = round(limit, 1)
+    memory.expandable_refused = None if env.expandable_segments else expandable_segments_refused(args, caps)
+    fit = _Fit(layout, estimate, base, te, limit, env.expandable_segments, memory.expandable_refused)
+    memory.verdicts = {"stock": fit.verdict(base), "plan": fit.verdict(values)}
+    messages = _back_off(fit, memory, decisions, values, args, env, _where(caps, env, limit))
+    memory.verdicts["plan"] = fit.verdict(values)
+    memory.launch = _launch(memory, fit, values, args, caps)
+    return memory, messages + _verdict_messages(memory, fit, values, decisions)
+
+
+def _where(caps: Capabilities, env: EnvSettings, limit: float) -> str:
+    """``NVIDIA H100: 80.0 GB less 10% (8.0 GB) headroom = 72.0 GB``: the limit, as reasons say it."""
+    capacity = caps.gpu_memory_mb or 0.0
+    kept_free = capacity - limit
     setting = (env.memory_headroom or DEFAULT_HEADROOM).strip()
-    where = (f"{caps.gpu_name or 'the GPU'}: {size_words(caps.gpu_memory_mb)} less "
-             f"{setting + ' (' + size_words(kept_free) + ')' if setting.endswith('%') else size_words(kept_free)} "
-             f"headroom = {size_words(limit)}")
-    messages: list[Message] = []
-    if planned <= limit:
-        return memory, messages
-    if estimate.peak_mb > limit:
-        memory.note = (f"stock's own estimated peak {size_words(estimate.peak_mb)} is above the limit ({where}); "
-                       "the guard only keeps the defaults from tipping a job that fits")
-        return memory, [Message("warning", f"memory: {memory.note}")]
-    for dest in sorted((d for d, mb in memory.deltas.items() if mb and mb > 0), key=lambda d: -(memory.deltas[d] or 0)):
-        if planned <= limit:
-            break
-        decision, cost = decisions[dest], memory.deltas[dest] or 0.0
-        if decision.source != "default" or not env.plugin_enabled or _needed(dest, args):
-            continue
-        if planned_peak(estimate, {**values, dest: base[dest]}, base, layout, te) >= planned:
-            continue  # it does not add to the stage that peaks (the logits' terms where the first stage peaks)
-        reason = (f"memory: stock's estimated peak {size_words(estimate.peak_mb)} fits the limit ({where}), but with "
-                  f"the defaults the peak would be {size_words(planned)}; this default adds {delta_words(cost)}, "
-                  f"so it is backed off to stock's {format_value(base[dest])} ({HEADROOM_VAR} sets the headroom)")
-        decisions[dest] = Decision(base[dest], "guard", reason)
-        values[dest] = base[dest]
-        memory.deltas = _deltas(values, base, layout, te)
-        memory.planned_mb = planned = planned_peak(estimate, values, base, layout, te)
-    if planned > limit:
+    kept = f"{setting} ({size_words(kept_free)})" if setting.endswith("%") else size_words(kept_free)
+    return f"{caps.gpu_name or 'the GPU'}: {size_words(capacity)} less {kept} headroom = {size_words(limit)}"
+
+
+def _eligible(memory: MemoryPlan, decisions: Mapping[str, Decision], args: Mapping[str, Any],
+              env: EnvSettings) -> list[str]:
+    """The defaults the guard may back off, costliest first: memory-increasing, nobody asked for them."""
+    costly = sorted((d for d, mb in memory.deltas.items() if mb and mb > 0), key=lambda d: -(memory.deltas[d] or 0))
+    return [d for d in costly if decisions[d].source == "default" and env.plugin_enabled and not _needed(d, args)]
+
+
+def _back_off(fit: _Fit, memory: MemoryPlan, decisions: dict[str, Decision], values: dict[str, Any],
+              args: Mapping[str, Any], env: EnvSettings, where: str) -> list[Message]:
+    """Back off defaults, costliest first, only where that changes the outcome: until the plan is
+    no worse than stock, or as good as backing off every eligible default makes it."""
+    stock_v, plan_v = memory.verdicts["stock"], memory.verdicts["plan"]
+    if stock_v == "does_not_fit" or not worse(plan_v, stock_v):
+        return []
+    eligible = _eligible(memory, decisions, args, env)
+    best = fit.verdict({**values, **{d: fit.base[d] for d in eligible}})
+    if not worse(plan_v, best):  # nothing the guard may change improves the outcome
         asked = [d for d, mb in memory.deltas.items() if mb and mb > 0 and decisions[d].source != "default"]
-        words = ", ".join(f"{BY_DEST[d].dest} ({decisions[d].source}, {delta_words(memory.deltas[d])})" for d in asked)
-        messages.append(Message("warning", f"memory: expected peak {size_words(planned)} per GPU is above the limit "
-                                           f"({where}); kept as asked: {words or 'nothing the guard may change'}"))
-    return memory, messages
+        words = ", ".join(f"{d} ({decisions[d].source}, {delta_words(memory.deltas[d])})" for d in asked)
+        return [Message("warning", f"memory: the choices made explicitly ({words or 'none'}) take the job past what "
+                                   f"stock needs ({where}); backing off a default would not change that, so the "
+                                   "defaults are kept")]
+    for dest in eligible:
+        now = fit.verdict(values)
+        if not worse(now, stock_v) or now == best:
+            break
+        trial = {**values, dest: fit.base[dest]}
+        if fit.need(trial) >= fit.need(values) and fit.peak(trial) >= fit.peak(values):
+            continue  # it does not add to what is short (the logits' terms where the first stage peaks)
+        goal = "fit" if stock_v == "fits" and best == "fits" else (
+            "fit without expandable segments" if best == "fits" else "fit with expandable segments")
+        reason = (f"memory: stock {VERDICT_WORDS[stock_v]} ({where}), but with the defaults the job "
+                  f"{VERDICT_WORDS[now]} (planned peak {size_words(fit.peak(values))}); this default adds "
+                  f"{delta_words(memory.deltas[dest])}, so it is backed off to stock's "
+                  f"{format_value(fit.base[dest])} to {goal} ({HEADROOM_VAR} sets the headroom)")
+        decisions[dest] = Decision(fit.base[dest], "guard", reason)
+        values[dest] = fit.base[dest]
+        memory.deltas = _deltas(values, fit.base, fit.layout, fit.te)
+        memory.planned_mb = fit.peak(values)
+        memory.largest = largest_allocation(fit.layout, values)
+    return []
+
+
+def _verdict_messages(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any],
+                      decisions: Mapping[str, Decision]) -> list[Message]:
+    """A warning where the job, as planned, will not run as launched; none where it fits."""
+    plan_v, stock = memory.verdicts["plan"], memory.stock
+    if plan_v == "fits" or stock is None:
+        return []
+    if plan_v == "fits_with_expandable_segments":
+        return [Message("warning", f"memory: this job {VERDICT_WORDS[plan_v]}: export "
+                                   f"{LAUNCH_VAR}={EXPANDABLE} (the launch environment says why)")]
+    why = (f"; {memory.expandable_refused}, which expandable segments would need"
+           if memory.expandable_refused and fit.peak(values) <= fit.limit else "")
+    return [Message("warning", f"memory: this job does not fit: planned peak {size_words(fit.peak(values))}, "
+                               f"allocator's need {size_words(fit.need(values))}, limit {size_words(fit.limit)}"
+                               f" (stock: {VERDICT_WORDS[memory.verdicts['stock']]}){why}")]
+
+
+def _launch(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any], args: Mapping[str, Any],
+            caps: Capabilities) -> list[dict[str, str]]:
+    """What the launch must export for the plan to fit: expandable segments where only they make it
+    fit (and NCCL_GRAPH_REGISTER=0 beside them with Transformer Engine's CUDA graphs)."""
+    if memory.verdicts.get("plan") != "fits_with_expandable_segments" or memory.largest is None:
+        return []
+    without = fit.peak(values) + memory.largest.mb
+    out = [{"name": LAUNCH_VAR, "value": EXPANDABLE,
+            "why": (f"fits only with expandable segments: peak {size_words(fit.peak(values))} plus the largest "
+                    f"allocation {size_words(memory.largest.mb)} ({memory.largest.what}) needs "
+                    f"{size_words(without)} of fixed segments; limit {size_words(fit.limit)}")}]
+    if te_cuda_graphs(args, caps):
+        out.append({"name": "NCCL_GRAPH_REGISTER", "value": "0",
+                    "why": "Transformer Engine's CUDA graphs with expandable segments: Megatron asserts it"})
+    return out
 
 
 def _needed(dest: str, args: Mapping[str, Any]) -> bool:

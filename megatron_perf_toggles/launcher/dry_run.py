@@ -189,9 +189,10 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     payload = dry_run_record(hooks, args, args_defaults, via, notes)
     payload["target"] = {**(hooks.target or planned.Target()).to_record(),
                          "summary": planned.describe(hooks.target)}
-    payload["launch_environment"] = [v.to_record() for v in launch]
     outcome = hooks.outcome()
     plan = outcome.plan if outcome is not None else None
+    launch += launch_env.from_memory(plan.memory if plan is not None else None)
+    payload["launch_environment"] = [v.to_record() for v in launch]
     if hooks.capture:
         hooks.context.stop(payload, plan)  # the planning entry point that made the context takes it
     if rank_of(os.environ) == 0:  # one report per job, from rank 0

@@ -8,6 +8,7 @@ argument dump, the JSON record) is a file or ``--verbose`` / ``--json``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..core.decide import Plan
@@ -64,9 +65,11 @@ def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None,
             out.append(f"  {dest}: {path}")
     out.append("")
     if launch:
-        out.append("launch environment (Megatron checks these for this layout; export them in the launch):")
+        out.append("launch environment (Megatron checks these for this layout, or the memory plan needs them; "
+                   "export them in the launch):")
         for var in launch:
-            note = "set for this plan" if var in set_here else "already set here"
+            note = "set for this plan" if var in set_here else (
+                "already set here" if os.environ.get(var.name) is not None else "not set here")
             out.append(f"  export {var.name}={var.value}    # {var.why} ({note})")
     else:
         out.append("launch environment: nothing this layout needs")

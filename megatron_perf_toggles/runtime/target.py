@@ -38,14 +38,14 @@ class Gpu:
     arch: str  # sm_90 | gfx942: what torch reports (gcnArchName on ROCm)
     capability: tuple[int, int]  # torch.cuda.get_device_capability(): (9, 0) on Hopper, (9, 4) on gfx942
     product: str  # torch.cuda.get_device_name()
-    memory_gib: int
+    memory_gib: float  # what torch reports as the device's total memory, where measured; else the product's size
     multiprocessors: int
 
 
 # Public specifications of each product (compute capability, memory, SMs / CUs).
 GPUS: dict[str, Gpu] = {g.name: g for g in (
     Gpu("h100", "cuda", "sm_90", (9, 0), "NVIDIA H100 80GB HBM3", 80, 132),
-    Gpu("h200", "cuda", "sm_90", (9, 0), "NVIDIA H200", 141, 132),
+    Gpu("h200", "cuda", "sm_90", (9, 0), "NVIDIA H200", 139.8, 132),  # torch: 143,156 MB (sold as 141 GB)
     Gpu("b200", "cuda", "sm_100", (10, 0), "NVIDIA B200", 180, 148),
     Gpu("mi300x", "rocm", "gfx942", (9, 4), "AMD Instinct MI300X", 192, 304),
     Gpu("mi355x", "rocm", "gfx950", (9, 5), "AMD Instinct MI355X", 288, 256),
@@ -229,7 +229,7 @@ class _Properties:
     def __init__(self, gpu: Gpu) -> None:
         self.name = gpu.product
         self.major, self.minor = gpu.capability
-        self.total_memory = gpu.memory_gib * 2**30
+        self.total_memory = int(gpu.memory_gib * 2**30)
         self.multi_processor_count = gpu.multiprocessors
         self.gcnArchName = gpu.arch if gpu.vendor == "rocm" else ""
         self.is_integrated = False

@@ -195,6 +195,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
     # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts.
     launch = launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version)
+    launch += launch_env.from_memory(plan.memory)
     if ns.json:
         payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
         payload["megatron"] = label

@@ -1,0 +1,131 @@
+"""What PyTorch's caching allocator needs beyond peak allocated memory, and the plan's verdict.
+
+A job does not die when its allocated bytes reach the card's size; it dies when the caching
+allocator cannot find a block for the next request. Without expandable segments every segment is
+one ``cudaMalloc`` of a fixed size. A request larger than 1 MB is carved from the best-fitting free
+block of a cached segment, and a request of 10 MB or more that finds none gets a segment of its
+own, rounded up to 2 MB. Memory freed back to the cache stays in its segment, and a segment can be
+returned to the driver only when nothing in it is in use. So when a step's largest allocation
+(the fp32 copy of the logits, tens of GB on a large vocabulary) is freed, later and smaller
+allocations (the optimizer's state made at the first step, the next micro-batch's activations)
+are carved from its segment; when the next step asks for the large block again, that segment is
+in pieces and a fresh one is needed. The bound the plan uses: without expandable segments, the
+allocator needs the peak allocated memory plus the largest allocation that recurs every step.
+
+With ``expandable_segments:True`` a segment is a range of virtual addresses whose 2 MB pages are
+mapped and unmapped on demand; free pages are given back under pressure, so a large request needs
+only as many free bytes as it asks for. There the need is the peak allocated memory itself.
+
+Both bounds leave out what lives outside the allocator (the CUDA context, cuBLAS and NCCL
+workspaces, about 1 to 3 GB): the memory guard's headroom is for that. docs/memory.md has the
+derivation and the H200 runs that check it. Pure arithmetic and data: nothing here reads the
+process environment or imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .facts import Capabilities, version_tuple
+from .memory import BF16, FP32, MB, Layout
+
+Verdict = Literal["fits", "fits_with_expandable_segments", "does_not_fit"]
+VERDICTS: tuple[Verdict, ...] = ("fits", "fits_with_expandable_segments", "does_not_fit")
+VERDICT_WORDS = {"fits": "fits", "fits_with_expandable_segments": "fits only with expandable segments",
+                 "does_not_fit": "does not fit"}
+
+# Where PyTorch reads its allocator settings (the first that is set wins, as in torch >= 2.9; the
+# older CUDA and HIP names are still read there).
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+EXPANDABLE = "expandable_segments:True"
+# What a launch exports to get it: the variable Megatron's own checks read.
+LAUNCH_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def expandable_segments(environ: Mapping[str, str]) -> bool:
+    """Whether the allocator settings in ``environ`` turn expandable segments on."""
+    for name in ALLOC_CONF_VARS:
+        raw = environ.get(name)
+        if raw is not None and raw.strip():
+            options = dict(part.partition(":")[::2] for part in raw.replace(" ", "").split(",") if part)
+            return options.get("expandable_segments", "").lower() == "true"
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Largest:
+    """The largest allocation that recurs every step on a rank: its size and what it is."""
+
+    mb: float
+    what: str
+
+
+def largest_allocation(layout: Layout, values: Mapping[str, Any]) -> Largest:
+    """The step's largest single transient allocation under these toggle values.
+
+    Candidates, each a tensor made and freed once per micro-batch: the logits' fp32 copy (stock's
+    cross entropy and the native fusion upcast the bf16 logits), or with Transformer Engine's cross
+    entropy only the bf16 logits and their gradient; the first MLP projection's output; and with
+    attention outside a fused kernel (``--transformer-impl local``) the attention scores."""
+    tokens_vocab = layout.tokens * layout.vocab_per_rank
+    te_ce = bool(values.get("cross_entropy_loss_fusion")) and values.get("cross_entropy_fusion_impl") == "te"
+    logits = (BF16 * tokens_vocab / MB, "the bf16 logits (Transformer Engine's cross entropy)") if te_ce \
+        else (FP32 * tokens_vocab / MB, "the fp32 copy of the logits in the cross entropy")
+    fc1 = layout.ffn * (2 if layout.swiglu else 1) // layout.tp
+    candidates = [logits, (BF16 * layout.tokens * fc1 / MB, "the first MLP projection's output")]
+    if layout.unfused_attention:
+        seq = layout.seq // layout.cp
+        scores = BF16 * layout.micro_batch * (layout.heads // layout.tp) * seq * seq / MB
+        candidates.append((scores, "the attention scores (attention outside a fused kernel)"))
+    mb, what = max(candidates)
+    return Largest(round(mb, 1), what)
+
+
+def need_mb(peak_mb: float, largest: Largest, expandable: bool) -> float:
+    """What the allocator needs for a job that peaks at ``peak_mb`` allocated (see the module)."""
+    return peak_mb if expandable else peak_mb + largest.mb
+
+
+def verdict(peak_mb: float, largest: Largest, limit_mb: float, expandable_set: bool,
+            expandable_allowed: bool = True) -> Verdict:
+    """fits (as launched), fits only with expandable segments, or does not fit."""
+    if need_mb(peak_mb, largest, expandable_set) <= limit_mb:
+        return "fits"
+    if not expandable_set and expandable_allowed and peak_mb <= limit_mb:
+        return "fits_with_expandable_segments"
+    return "does_not_fit"
+
+
+def worse(a: Verdict, b: Verdict) -> bool:
+    """Whether ``a`` is a worse outcome than ``b``."""
+    return VERDICTS.index(a) > VERDICTS.index(b)
+
+
+# --- Megatron's own rules about the allocator setting -------------------------------------------
+
+
+def expandable_segments_refused(args: Mapping[str, Any], caps: Capabilities) -> str | None:
+    """Why Megatron refuses expandable segments for this layout, or None where it accepts them.
+
+    Megatron's DDP config rejects them with NCCL user buffers (``--use-nccl-ub``; from core 0.18 only
+    before torch 2.11, an unknown torch counted as older), and core 0.14 and 0.15 reject them with CUDA
+    graphs (0.14: the external CUDA graphs only). The rules are detected in the checkout
+    (megatron_rules: ``nccl_ub_expandable_segments``, ``cuda_graphs_expandable_segments``)."""
+    megatron = caps.megatron
+    if args.get("nccl_ub") and megatron.has_rule("nccl_ub_expandable_segments"):
+        old_torch = caps.torch_version is None or version_tuple(caps.torch_version) < (2, 11)
+        if old_torch or not megatron.has_rule("nccl_ub_expandable_segments_torch"):
+            return "Megatron refuses expandable segments with --use-nccl-ub (before torch 2.11)"
+    graphs = args.get("external_cuda_graph") or args.get("cuda_graph_impl") not in (None, "none")
+    if graphs and megatron.has_rule("cuda_graphs_expandable_segments"):
+        return "this Megatron refuses expandable segments with CUDA graphs"
+    return None
+
+
+def te_cuda_graphs(args: Mapping[str, Any], caps: Capabilities) -> bool:
+    """Transformer Engine's CUDA graphs are on, where Megatron then asks for NCCL_GRAPH_REGISTER=0
+    beside expandable segments (core 0.16 on: ``te_cuda_graphs_nccl_graph_register``)."""
+    return args.get("cuda_graph_impl") == "transformer_engine" and caps.megatron.has_rule(
+        "te_cuda_graphs_nccl_graph_register")
