@@ -34,8 +34,8 @@ def test_explain_fits_the_terminal_and_a_pipe_gets_whole_lines(columns):
     assert max(map(len, wrapped.splitlines())) <= columns
     doctor = run_cli("doctor", env={"COLUMNS": str(columns)}).stdout
     assert "Toggles on this machine" in doctor and max(map(len, doctor.splitlines())) <= columns
-    def words(text):  # the table's rule lines are as wide as their column
-        return [w for w in text.split() if w.strip("-")]
+    def words(text):  # the table's rule lines are as wide as their column; a wrapped comment repeats its '#'
+        return [w for w in text.split() if w.strip("-") and w != "#"]
 
     assert words(wrapped) == words(whole)
     rows = {line.split()[0]: line for line in whole.splitlines() if line.split() and line.split()[0] in
@@ -148,8 +148,9 @@ def test_explain_reports_torch_where_it_is_installed_and_where_facts_came_from()
     sources = "\n".join(data["sources"])
     assert "recorded surface 'main'" in sources and "planned: --gpu h200" in sources
     # No GPU here: the plan is for an H100 and its planned stack, the variable on top of it.
-    out = run_cli("explain", env={"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.12"}).stdout
+    out = run_cli("explain", "--verbose", env={"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.12"}).stdout
     assert "Transformer Engine: 2.12 (assumed" in out and "APEX fused wgrad: no (planned stack)" in out
+    assert "Transformer Engine: 2.12" not in run_cli("explain", env={"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.12"}).stdout
 
 
 # Runs the command as ``python -m megatron_perf_toggles`` does, then notes in a file whether Megatron
@@ -243,9 +244,20 @@ def test_a_plan_on_a_recorded_surface_leaves_the_megatron_on_the_path_alone(tmp_
     assert "are both on the command line" in _one_line(proc)  # the bad input's one line, alone on stderr
 
 
-def test_explain_world_size_needs_a_checkout():
-    assert "--megatron" in _one_line(run_cli("explain", "--world-size", "8"))
+def test_explain_plans_a_world_on_a_recorded_surface_too():
+    """No checkout is needed to plan a world: the memory model shards the optimizer over its DP."""
+    def weights(world: str) -> float:
+        proc = run_cli("explain", "--json", "--world-size", world, "--", *SURFACE_MODEL)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["memory"]["stock_parts_mb"]["weights_and_optimizer"]
+
+    assert weights("64") / weights("8") == pytest.approx((6 + 12 / 64) / (6 + 12 / 8), rel=1e-6)
     assert "did you mean 'h100'" in _one_line(run_cli("explain", "--gpu", "h10"))
+
+
+SURFACE_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+                 "--max-position-embeddings", "1024", "--micro-batch-size", "1", "--vocab-size", "32000", "--bf16",
+                 "--use-distributed-optimizer"]
 
 
 # Routing of the originating ROCm train_llama3.sh: GPT_ARGS got gradient accumulation fusion,

@@ -77,7 +77,10 @@ def test_explain_runs_where_torch_cannot_be_imported() -> None:
     assert "Traceback" not in done.stderr
     rope = next(line for line in done.stdout.splitlines() if line.startswith("fused_single_qkv_rope"))
     assert " on " in rope  # planned stack: TE with the kernel, not "Transformer Engine is not installed"
-    assert "Stack:" in done.stdout and "MEGATRON_PERF_TOGGLES_ASSUME" in done.stdout
+    # One header line names the planned stack; nothing of this machine's software (torch or not).
+    stack = [line for line in done.stdout.splitlines() if line.startswith("Stack:")]
+    assert len(stack) == 1 and "Transformer Engine" in stack[0]
+    assert "torch" not in done.stdout.split("\n\n")[0].replace("torch wgrad fallback", "")
 
 
 # --- the launch environment -------------------------------------------------------------------------
@@ -361,3 +364,18 @@ def test_a_rejection_for_a_world_of_one_says_how_to_name_the_job() -> None:
     assert "Megatron's output: /tmp/x/megatron.log" in text and "--world-size N or MEGATRON_PERF_TOGGLES_PLAN" in text
     planned_job = planned.make_target(world_size=64, gpu="h100")
     assert "--world-size N" not in str(_rejection(AssertionError("world size (64) is not divisible"), planned_job, None))
+
+
+def test_the_first_screen_fits_and_warns_of_nothing() -> None:
+    """A newcomer's first command, with no torch to import: the built-in example fits the GPU it plans
+    for, so no warning; at most 30 lines of at most 100 columns."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from megatron_perf_toggles.tools.cli import main\n"
+            "sys.exit(main(['explain']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**_env(), "COLUMNS": "100"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) <= 30 and max(map(len, lines)) <= 100, done.stdout
+    assert "warning" not in done.stdout.lower() and not done.stderr.strip(), done.stdout + done.stderr
+    assert "stock fits, plan fits" in done.stdout

@@ -25,7 +25,8 @@ def test_rule_ids_are_unique_and_name_known_toggles():
     for r in megatron_rules.RULES:
         assert set(r.toggles) <= PLUGIN_DESTS, r.id
         assert r.versions and set(r.versions) <= set(megatron_rules.SUPPORTED), r.id
-        assert r.handling.split(":")[0] in ("guard", "dependency", "none needed"), r.id
+        assert r.handling.split(":")[0] in ("guard", "dependency", "none needed", "plan"), r.id
+        assert r.toggles or r.handling.startswith("plan:"), r.id  # a rule about no toggle is the plan's
 
 
 def test_every_rule_has_its_declared_answer():

@@ -171,14 +171,14 @@ def planned_stack(vendor: str | None, spec: str | None) -> str:
     return f"{base},{spec}" if spec else base
 
 
-def describe_stack(caps: Capabilities) -> str:
-    """The software a plan rests on, in words, with the variable that changes it."""
+def describe_stack(caps: Capabilities, hint: bool = True) -> str:
+    """The software a plan rests on, in words, with the variable that changes it (``hint``)."""
     te = f"Transformer Engine {caps.te_version}" if caps.te_version else "no Transformer Engine"
     wgrad = ("APEX fused wgrad" if caps.apex_fused_wgrad else
              "no APEX (torch wgrad fallback)" if caps.wgrad_fallback else "no APEX, no wgrad fallback")
     aiter = "aiter" if caps.aiter_version else "no aiter"
     family = {"cuda": "NVIDIA", "rocm": "AMD"}.get(caps.device or "", caps.device or "?")
-    return f"{family}: {te}, {wgrad}, {aiter} (change with {STACK_VAR}, e.g. apex,te=2.10)"
+    return f"{family}: {te}, {wgrad}, {aiter}" + (f" (change with {STACK_VAR}, e.g. apex,te=2.10)" if hint else "")
 
 
 def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:

@@ -261,9 +261,10 @@ def _back_off(fit: _Fit, memory: MemoryPlan, decisions: dict[str, Decision], val
         trial = {**values, dest: fit.base[dest]}
         if fit.need(trial) >= fit.need(values) and fit.peak(trial) >= fit.peak(values):
             continue  # it does not add to what is short (the logits' terms where the first stage peaks)
-        goal = "fit" if stock_v == "fits" and best == "fits" else (
-            "fit without expandable segments" if best == "fits" else "fit with expandable segments")
-        reason = (f"memory: stock {VERDICT_WORDS[stock_v]} ({where}), but with the defaults the job "
+        goal = ("fit without expandable segments" if now == "fits_with_expandable_segments"
+                else "fit" if best == "fits" else "fit with expandable segments")
+        reason = (f"memory: stock (estimated peak {size_words(fit.estimate.peak_mb)}) {VERDICT_WORDS[stock_v]} "
+                  f"({where}), but with the defaults the job "
                   f"{VERDICT_WORDS[now]} (planned peak {size_words(fit.peak(values))}); this default adds "
                   f"{delta_words(memory.deltas[dest])}, so it is backed off to stock's "
                   f"{format_value(fit.base[dest])} to {goal} ({HEADROOM_VAR} sets the headroom)")
@@ -285,7 +286,7 @@ def _verdict_messages(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any],
         return [Message("warning", f"memory: this job {VERDICT_WORDS[plan_v]}: export "
                                    f"{LAUNCH_VAR}={EXPANDABLE} (the launch environment says why)")]
     why = (f"; {memory.expandable_refused}, which expandable segments would need"
-           if memory.expandable_refused and fit.peak(values) <= fit.limit else "")
+           if memory.expandable_refused and min(stock.peak_mb, fit.peak(values)) <= fit.limit else "")
     return [Message("warning", f"memory: this job does not fit: planned peak {size_words(fit.peak(values))}, "
                                f"allocator's need {size_words(fit.need(values))}, limit {size_words(fit.limit)}"
                                f" (stock: {VERDICT_WORDS[memory.verdicts['stock']]}){why}")]

@@ -141,7 +141,7 @@ def make_target(world_size: int | None = None, nnodes: int | None = None, nproc_
         chosen, gpu_source = gpu_named(gpu), f"--gpu {gpu}"
     elif not (_visible_gpu() if gpu_visible is None else gpu_visible):
         chosen = GPUS[DEFAULT_GPU.get(assumed_device or "", "h100")]
-        gpu_source = "no GPU visible here; choose another with --gpu"
+        gpu_source = "no GPU visible here; --gpu picks another"
     return Target(world_size=size, per_node=per_node, gpu=chosen, gpu_source=gpu_source, world_source=world_source)
 
 

@@ -19,7 +19,7 @@ from .._version import __version__
 from ..core import launch_env
 from ..core.decide import decide, requested
 from ..core.env import EnvSettings, read_env
-from ..core.facts import Capabilities, MegatronFacts, parse_assume
+from ..core.facts import Capabilities, MegatronFacts, describe_stack, parse_assume
 from ..core.precision import LOG_DIR_DESTS
 from ..core.profile import ENVIRONMENT_WORDS, Profile
 from ..core.registry import SETTINGS, TOGGLES, format_value
@@ -28,7 +28,7 @@ from ..runtime import profile_file, provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import detect, megatron_facts, resolve
 from ..runtime.probe import installed, torch_module
-from .llama3_8b import LLAMA3_8B_BF16, llama3_8b_args
+from .llama3_8b import EXAMPLE_WORLD, LLAMA3_8B_EXAMPLE, llama3_8b_args
 from .planning import DEFAULT_SURFACE, checkout_script, plan_command_line
 from .surfaces import replay
 
@@ -153,7 +153,7 @@ def _megatron_args(ns: argparse.Namespace) -> list[str]:
     and its --no- form together is one line here, before the target may ask torch about the GPU."""
     from ..runtime.provider import refuse_contradictions
 
-    megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_BF16)
+    megatron_args = list(ns.megatron_args) or list(LLAMA3_8B_EXAMPLE)
     refuse_contradictions(megatron_args)
     return megatron_args
 
@@ -182,21 +182,46 @@ def _profile_summary(profile: Profile) -> str:
             + (f" with {facts}" if facts else " (no environment recorded)"))
 
 
+def _explain_target(ns: argparse.Namespace) -> planned.Target:
+    """What to plan for: the options, else for the built-in example its own world of eight GPUs
+    (explain and flags)."""
+    target = target_from(ns)
+    if not ns.megatron_args and target.world_size is None:
+        target = replace(target, world_size=EXAMPLE_WORLD, world_source="the built-in example's")
+    return target
+
+
+def _explain_header(ns: argparse.Namespace, caps: Capabilities, label: str, target: planned.Target,
+                    profile: Profile | None, width: int | None) -> None:
+    """Who plans (Megatron), for what (world, GPU), on which stack (one line), and the command."""
+    _say(f"Megatron: {label}", width)
+    _say(f"Plan for: {planned.describe(target)}", width)
+    # A plan for another machine names its planned stack alone: nothing of this machine's software.
+    _say(f"Stack:    {describe_stack(caps, hint=False)}" if caps.stack else f"Machine:  {_caps_summary(caps)}", width)
+    if profile is not None:
+        _say(f"Profile:  {_profile_summary(profile)}", width)
+    if ns.verbose:
+        for line in fact_sources(caps, f"detected in the checkout {caps.megatron.path}" if ns.megatron
+                                 else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}"):
+            _say(f"  {line}", width)
+    if not ns.megatron_args:
+        _say("Command:  built-in Llama-3-8B bf16, TP 2, sequence parallel, distributed optimizer (yours after --)",
+             width)
+
+
 def cmd_explain(ns: argparse.Namespace) -> int:
     megatron_args = _megatron_args(ns)
     profile = profile_named()
-    target = target_from(ns)
-    if not ns.megatron and target.world_size is not None:
-        raise PerfTogglesError("--world-size / --nnodes plan Megatron's validate_args, which needs a checkout",
-                               "add --megatron /path/to/Megatron-LM")
+    target = _explain_target(ns)
     plan, caps, label, args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
                                                 target=target)
-    megatron_source = (f"detected in the checkout {caps.megatron.path}" if ns.megatron
-                       else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
-    # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts.
+    # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts,
+    # and what the memory plan asks for (the allocator setting where only it makes the job fit).
     launch = launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version)
     launch += launch_env.from_memory(plan.memory)
     if ns.json:
+        megatron_source = (f"detected in the checkout {caps.megatron.path}" if ns.megatron
+                           else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
         payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
         payload["megatron"] = label
         payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
@@ -206,17 +231,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
     width = _width()
-    _say(f"Megatron: {label}", width)
-    _say(f"{'Planned:' if caps.stack else 'Machine:'}  {_caps_summary(caps)}", width)
-    _say(f"Plan for: {planned.describe(target)}", width)
-    if caps.stack:
-        _say(f"Stack:    {caps.stack}", width)
-    if profile is not None:
-        _say(f"Profile:  {_profile_summary(profile)}", width)
-    for line in fact_sources(caps, megatron_source):
-        _say(f"  {line}", width)
-    if not ns.megatron_args:
-        _say("Command:  built-in Llama-3-8B bf16 command line (pass your own after --)", width)
+    _explain_header(ns, caps, label, target, profile, width)
     print()
     rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", d.reason]
             for dest, d in plan.decisions.items()]
@@ -224,11 +239,8 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     if plan.memory is not None:
         from ..core.memory_guard import summary
 
-        print()
         _say(summary(plan.memory), width)
-    print()
-    _say(f"precision tag: {plan.precision}", width)
-    _say(f"fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}", width)
+    _say(f"precision tag: {plan.precision}; fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}", width)
     for dest in LOG_DIR_DESTS:
         if args.get(dest):
             _say(f"{dest}: {args[dest]}", width)
@@ -267,7 +279,7 @@ def cmd_flags(ns: argparse.Namespace) -> int:
     profile = profile_named(env)
     megatron_args = _megatron_args(ns)
     plan, _caps, _label, _args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
-                                                  target=target_from(ns))
+                                                  target=_explain_target(ns))
     stock, defaults = _stock_flags(ns.megatron, ns.megatron_version)
     words: list[str] = []
     why_not: list[str] = []
@@ -443,6 +455,7 @@ def _add_explain(sub: Any) -> None:
                         "values show with source 'profile', and a line says whether it was measured on a "
                         "setup like the one planned for).")
     ex.add_argument("--json", action="store_true", help="print the provenance record as JSON")
+    ex.add_argument("--verbose", action="store_true", help="also say where each fact the plan rests on came from")
     _planning_options(ex, "a Megatron-LM checkout: use its real parser",
                       "plan against a recorded Megatron surface instead (default: main)")
     ex.set_defaults(func=cmd_explain)

@@ -23,6 +23,17 @@ LLAMA3_8B_BF16 = [
 ]
 
 
+# What ``explain`` plans when given no command line: the same model as a realistic job for eight
+# H100s (80 GB), one node: two-way tensor parallelism with sequence parallelism, four-way data
+# parallelism with the distributed optimizer, one sequence of 8192 tokens per micro-batch. It fits
+# an H100 with room to spare, so a newcomer's first plan shows the plugin at work, not a warning.
+EXAMPLE_WORLD = 8
+EXAMPLE_LAYOUT = {"--tensor-model-parallel-size": "2", "--micro-batch-size": "1"}
+LLAMA3_8B_EXAMPLE = [*(w for i, w in enumerate(LLAMA3_8B_BF16)
+                       if w not in EXAMPLE_LAYOUT and (i == 0 or LLAMA3_8B_BF16[i - 1] not in EXAMPLE_LAYOUT)),
+                     *(w for pair in EXAMPLE_LAYOUT.items() for w in pair), "--sequence-parallel"]
+
+
 def _value(word: str) -> int | float | str:
     for kind in (int, float):
         try:

@@ -96,7 +96,7 @@ def plan_command_line(
         raise PerfTogglesError(str(error.args[0])) from None
     parser = replay.parser_from_surface(recorded)
     controller = Controller(environ, mode="plan", target=target)  # validates the environment first, as a run would
-    label = f"recorded Megatron-LM surface {name!r} (no checkout; pass --megatron PATH for the real parser)"
+    label = f"recorded Megatron-LM surface {name!r} (--megatron PATH: a checkout's own parser)"
     # the planned world and GPU hold for the whole plan, as in a dry run: the capabilities follow
     # the one rule the dry run follows (capabilities.for_plan), the memory guard sees the world
     with planned.stand_ins(target, megatron=False):
