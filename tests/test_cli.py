@@ -251,7 +251,7 @@ def test_explain_plans_a_world_on_a_recorded_surface_too():
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)["memory"]["stock_parts_mb"]["weights_and_optimizer"]
 
-    assert weights("64") / weights("8") == pytest.approx((6 + 12 / 64) / (6 + 12 / 8), rel=1e-6)
+    assert weights("64") / weights("8") == pytest.approx((6 + 12 / 64) / (6 + 12 / 8), rel=1e-4)  # parts in 0.1 MB
     assert "did you mean 'h100'" in _one_line(run_cli("explain", "--gpu", "h10"))
 
 

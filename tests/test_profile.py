@@ -390,7 +390,7 @@ def test_explain_shows_profile_values_and_the_check(tmp_path):
     assert f"Profile:  {path}: 2 toggle(s)" in proc.stdout
     profile_line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("profile: "))
     assert "GPU NVIDIA H200 there, NVIDIA H100 80GB HBM3 here" in profile_line  # planned with --gpu: known
-    assert "world size (" in profile_line  # explain plans for no world size: said, not warned
+    assert "world size" not in profile_line  # the built-in example plans its world, 8, as the profile's
     data = json.loads(subprocess.run(
         [sys.executable, "-m", "megatron_perf_toggles", "explain", "--json"], capture_output=True, text=True,
         cwd=REPO, timeout=120, env=_clean_env(MEGATRON_PERF_TOGGLES_PROFILE=path)).stdout)

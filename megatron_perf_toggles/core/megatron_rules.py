@@ -17,35 +17,12 @@ Pure data: no file is read and nothing is imported here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from .megatron_rule import MegatronRule, Stage
+from .megatron_rules_allocator import ALLOCATOR_RULES
 
-Stage = Literal["validate", "config", "runtime"]
+__all__ = ["ALLOCATOR_RULES", "BY_ID", "RULES", "SUPPORTED", "MegatronRule", "Stage", "rules_table"]
 
-
-@dataclass(frozen=True, slots=True)
-class MegatronRule:
-    """One of Megatron's rules about a toggle.
-
-    ``phrase`` is a short piece of Megatron's source that identifies the rule in ``where`` (paths
-    relative to the checkout), empty where no phrase marks it (then it is documented, not detected);
-    ``stage`` says when Megatron enforces it: parse+validate, building the TransformerConfig, or
-    only at run time (model wrapping, first step); ``versions`` are the supported releases that
-    carry it (recorded from real trees; a test re-checks them); ``handling`` is the plugin's
-    answer: the guard that covers it, or why none is needed.
-    """
-
-    id: str
-    toggles: tuple[str, ...]
-    where: tuple[str, ...]
-    phrase: str
-    stage: Stage
-    versions: tuple[str, ...]
-    summary: str
-    handling: str
-
-
-RULES: tuple[MegatronRule, ...] = (
+TOGGLE_RULES: tuple[MegatronRule, ...] = (
     MegatronRule(
         'deterministic_ce_fusion', ('cross_entropy_loss_fusion',),
         ('megatron/training/arguments.py',),
@@ -366,41 +343,11 @@ RULES: tuple[MegatronRule, ...] = (
         'FP8 bounds the bf16 layer counts by the layers of a pipeline stage',
         'none needed: FP8 only; FP4 counts are global layer numbers',
     ),
-    # The allocator setting (core.allocator): not a toggle, but what the memory plan may list at launch.
-    MegatronRule(
-        'nccl_ub_expandable_segments', (),
-        ('megatron/core/distributed/distributed_data_parallel_config.py',),
-        "expandable_segments:True' in os.getenv('PYTORCH_CUDA_ALLOC_CONF'", 'config',
-        ('0.14.0', '0.15.0', '0.16.0', '0.17.0', '0.18.0', '0.18.2', '0.19.0', 'main'),
-        'NCCL user buffers (--use-nccl-ub) refuse PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True',
-        'plan: expandable segments are never listed for such a layout; the memory plan says why',
-    ),
-    MegatronRule(
-        'nccl_ub_expandable_segments_torch', (),
-        ('megatron/core/distributed/distributed_data_parallel_config.py',),
-        'self.nccl_ub and not is_torch_min_version("2.11.0a0")', 'config',
-        ('0.18.0', '0.18.2', '0.19.0', 'main'),
-        'the NCCL user-buffer refusal of expandable segments applies only before torch 2.11',
-        'plan: with torch 2.11 or later (known) expandable segments may be listed',
-    ),
-    MegatronRule(
-        'cuda_graphs_expandable_segments', (),
-        ('megatron/training/arguments.py',),
-        'expandable_segments:True may not be safe when using CUDA Graphs', 'validate',
-        ('0.14.0', '0.15.0'),
-        'CUDA graphs (0.14: external ones) assert expandable segments are off',
-        'plan: expandable segments are never listed with CUDA graphs there; the memory plan says why',
-    ),
-    MegatronRule(
-        'te_cuda_graphs_nccl_graph_register', (),
-        ('megatron/training/arguments.py',),
-        'or os.getenv("NCCL_GRAPH_REGISTER", "") == "0"', 'validate',
-        ('0.16.0', '0.17.0', '0.18.0', '0.18.2', '0.19.0', 'main'),
-        "Transformer Engine's CUDA graphs with expandable segments assert NCCL_GRAPH_REGISTER=0",
-        'plan: NCCL_GRAPH_REGISTER=0 is listed beside expandable segments',
-    ),
+
 )
 
+# With the rules about the allocator setting, which the memory plan may list at launch (no toggle).
+RULES: tuple[MegatronRule, ...] = TOGGLE_RULES + ALLOCATOR_RULES
 BY_ID: dict[str, MegatronRule] = {r.id: r for r in RULES}
 
 
