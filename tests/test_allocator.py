@@ -197,6 +197,12 @@ def test_explain_json_carries_the_verdicts_and_the_launch_variable():
     record = json.loads(proc.stdout)
     assert record["memory"]["verdict"] == {"stock": "fits_with_expandable_segments",
                                            "plan": "fits_with_expandable_segments"}
-    assert record["memory"]["largest_allocation_mb"] == pytest.approx(4 * 57344 * 256000 / 2**20, abs=0.1)
+    memory_record = record["memory"]
+    assert memory_record["largest_allocation_mb"] == pytest.approx(4 * 57344 * 256000 / 2**20, abs=0.1)
+    need = memory_record["allocator_need_mb"]
+    assert need["expandable_segments"] == memory_record["planned_peak_mb"]
+    assert need["fixed_segments"] == pytest.approx(memory_record["planned_peak_mb"] + memory_record["largest_allocation_mb"],
+                                                   abs=0.2)
+    assert need["fixed_segments"] > memory_record["limit_mb"] >= need["expandable_segments"]
     names = [v["name"] for v in record["launch_environment"]]
     assert "PYTORCH_CUDA_ALLOC_CONF" in names

@@ -138,6 +138,11 @@ class MemoryPlan:
             "largest_allocation_mb": None if self.largest is None else self.largest.mb,
             "largest_allocation": None if self.largest is None else self.largest.what,
             "stock_largest_allocation_mb": None if self.stock_largest is None else self.stock_largest.mb,
+            # what the caching allocator needs for this plan: its peak plus its largest allocation with
+            # fixed segments, the peak alone with expandable segments (core.allocator)
+            "allocator_need_mb": None if self.planned_mb is None or self.largest is None else {
+                "fixed_segments": round(need_mb(self.planned_mb, self.largest, False), 1),
+                "expandable_segments": round(need_mb(self.planned_mb, self.largest, True), 1)},
             "verdict": dict(self.verdicts) or None,
             "expandable_segments_set": self.expandable_set, "expandable_segments_refused": self.expandable_refused,
             "launch_environment": self.launch,
