@@ -313,7 +313,7 @@ def cli_on_worker(tree: str | os.PathLike[str], argv: list[str], env: dict[str, 
 def arm_resolver(tree: str | os.PathLike[str]) -> Any:
     """A resolver for ablate (as ``resolve_arm``): each arm's dry run on ``tree``'s worker, as rank
     0, in the arm's environment; a failed dry run raises the ConfoundError ``resolve_arm`` would."""
-    from megatron_perf_toggles.tools.ablate import runner as ablate
+    from megatron_perf_toggles.tools.ablate import confounds as ablate
 
     def resolver(script: str, args: list[str], arm: Any, environ: dict[str, str], world: int | None = None
                  ) -> dict[str, Any]:
@@ -328,7 +328,7 @@ def arm_resolver(tree: str | os.PathLike[str]) -> Any:
 def arm_record(result: dict[str, Any], arm: Any) -> dict[str, Any]:
     """An arm's dry-run record from its case's result; a failed dry run raises the ConfoundError
     ablate's own ``resolve_arm`` would."""
-    from megatron_perf_toggles.tools.ablate import runner as ablate
+    from megatron_perf_toggles.tools.ablate import confounds as ablate
 
     assert not result["error"], f"arm {arm.name}: {result['error']}"
     if result["code"] != 0:

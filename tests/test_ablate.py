@@ -11,8 +11,10 @@ import pytest
 from conftest import REPO
 
 from megatron_perf_toggles.core.registry import BY_DEST
-from megatron_perf_toggles.tools.ablate import report, world
-from megatron_perf_toggles.tools.ablate import runner as ablate
+from megatron_perf_toggles.tools.ablate import argv as ablate_argv
+from megatron_perf_toggles.tools.ablate import command as ablate
+from megatron_perf_toggles.tools.ablate import confounds, report, world
+from megatron_perf_toggles.tools.ablate import runs as ablate_runs
 from megatron_perf_toggles.tools.ablate.design import (
     DEFAULT_TOGGLES,
     Arm,
@@ -22,6 +24,7 @@ from megatron_perf_toggles.tools.ablate.design import (
     parse_toggles,
     parse_vary,
 )
+from megatron_perf_toggles.tools.ablate.spec import ExperimentSpec
 
 
 def test_one_at_a_time():
@@ -170,15 +173,15 @@ def _fake_megatron(derives=None, calls=None):
 
 def test_clean_arms_pass():
     arms = expand("one-at-a-time", DEFAULT_TOGGLES[:2], [])
-    ablate.check_confounds(arms, [_record(a) for a in arms])
+    confounds.check_confounds(arms, [_record(a) for a in arms])
 
 
 def test_extra_difference_is_refused_with_a_diff():
     arms = expand("one-at-a-time", DEFAULT_TOGGLES[:2], [])
     records = [_record(a) for a in arms]
     records[2]["effective_args"]["adam_eps"] = 1e-5
-    with pytest.raises(ablate.ConfoundError) as info:
-        ablate.check_confounds(arms, records)
+    with pytest.raises(confounds.ConfoundError) as info:
+        confounds.check_confounds(arms, records)
     assert "adam_eps: all-off=1e-08" in str(info.value) and "1e-05" in str(info.value)
 
 
@@ -189,36 +192,36 @@ def test_guard_forced_arm_is_refused_with_the_guard_reason():
         rec["decisions"]["gradient_accumulation_fusion"] = {
             "value": False, "source": "guard", "reason": "--use-torch-fsdp2: FSDP does not support it"}
         rec["effective_args"]["gradient_accumulation_fusion"] = False
-    with pytest.raises(ablate.ConfoundError, match="--use-torch-fsdp2"):
-        ablate.check_confounds(arms, records)
+    with pytest.raises(confounds.ConfoundError, match="--use-torch-fsdp2"):
+        confounds.check_confounds(arms, records)
 
 
 def test_a_pinned_toggle_forced_by_a_guard_is_refused():
     arms = expand("one-at-a-time", ("ddp_average_in_collective",), [], others="off")
     records = [_record(a) for a in arms]
     records[1]["decisions"]["grad_reduce_in_bf16"] = {"value": True, "source": "guard", "reason": "mxfp4"}
-    with pytest.raises(ablate.ConfoundError, match="grad_reduce_in_bf16 should be False but is True"):
-        ablate.check_confounds(arms, records)
+    with pytest.raises(confounds.ConfoundError, match="grad_reduce_in_bf16 should be False but is True"):
+        confounds.check_confounds(arms, records)
 
 
 def test_what_a_toggle_derives_is_learnt_from_a_single_change_pair():
     derives = {"grad_reduce_in_bf16": ("megatron_fsdp_grad_comm_dtype", "torch.bfloat16", None)}
     arms = expand("headline", ("grad_reduce_in_bf16", "ddp_average_in_collective"), [])
     calls = []
-    records, derived = ablate.resolve_and_check(_fake_megatron(derives, calls), "s.py", [], arms, {})
+    records, derived = confounds.resolve_and_check(_fake_megatron(derives, calls), "s.py", [], arms, {})
     assert derived == {"grad_reduce_in_bf16": {"megatron_fsdp_grad_comm_dtype"}, "ddp_average_in_collective": set()}
     # headline arms flip two toggles at once: the single-change probes are extra dry runs
     assert sorted(calls) == sorted(["all-off", "all-on", "probe:grad_reduce_in_bf16=True",
                                     "probe:ddp_average_in_collective=True"])
     # without what the pair taught, the same records are a confound
-    with pytest.raises(ablate.ConfoundError, match="megatron_fsdp_grad_comm_dtype"):
-        ablate.check_confounds(arms, records)
+    with pytest.raises(confounds.ConfoundError, match="megatron_fsdp_grad_comm_dtype"):
+        confounds.check_confounds(arms, records)
 
 
 def test_one_at_a_time_probes_are_its_own_arms():
     calls = []
     arms = expand("one-at-a-time", DEFAULT_TOGGLES, [])
-    ablate.resolve_and_check(_fake_megatron(calls=calls), "s.py", [], arms, {})
+    confounds.resolve_and_check(_fake_megatron(calls=calls), "s.py", [], arms, {})
     assert sorted(calls) == sorted(a.name for a in arms)
 
 
@@ -226,11 +229,11 @@ def test_a_difference_no_changed_toggle_makes_alone_is_refused():
     # The difference comes with grad_reduce_in_bf16, but the arm did not change it.
     derives = {"grad_reduce_in_bf16": ("main_grads_dtype", "bf16", "fp32")}
     arms = expand("factorial", ("grad_reduce_in_bf16", "ddp_average_in_collective"), [])
-    records, derived = ablate.resolve_and_check(_fake_megatron(derives), "s.py", [], arms, {})
+    records, derived = confounds.resolve_and_check(_fake_megatron(derives), "s.py", [], arms, {})
     only_ddp = next(i for i, a in enumerate(arms) if a.name == "ddp_average_in_collective")
     records[only_ddp]["effective_args"]["main_grads_dtype"] = "bf16"
-    with pytest.raises(ablate.ConfoundError, match="main_grads_dtype: all-off='fp32'"):
-        ablate.check_confounds(arms, records, derived)
+    with pytest.raises(confounds.ConfoundError, match="main_grads_dtype: all-off='fp32'"):
+        confounds.check_confounds(arms, records, derived)
 
 
 def test_an_interaction_only_difference_is_refused():
@@ -240,8 +243,8 @@ def test_an_interaction_only_difference_is_refused():
         both = arm.toggles["grad_reduce_in_bf16"] and arm.toggles["ddp_average_in_collective"]
         return _record(arm, bucket_size=1 if both else 2)
 
-    with pytest.raises(ablate.ConfoundError, match="bucket_size"):
-        ablate.resolve_and_check(resolver, "s.py", [], arms, {})
+    with pytest.raises(confounds.ConfoundError, match="bucket_size"):
+        confounds.resolve_and_check(resolver, "s.py", [], arms, {})
 
 
 def test_vary_settings_are_checked_and_carried_once():
@@ -252,8 +255,8 @@ def test_vary_settings_are_checked_and_carried_once():
         seen.append(args)
         return _record(arm)
 
-    ablate.resolve_and_check(resolver, "s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms, {})
-    cmd = ablate.dry_run_command("s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms[-1])
+    confounds.resolve_and_check(resolver, "s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms, {})
+    cmd = confounds.dry_run_command("s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms[-1])
     assert cmd.count("--adam-eps") == 1 and cmd[cmd.index("--adam-eps") + 1] == "1e-5"
 
 
@@ -268,9 +271,9 @@ def test_candidates_are_the_command_as_given_against_each_addition():
     pinned = expand("candidates", DEFAULT_TOGGLES, [], others="on", candidates=cands)
     assert all(a.pinned() == dict.fromkeys(DEFAULT_TOGGLES, True) for a in pinned)
     common = ["--lr", "1", "--ddp-bucket-size", "4e7", "--overlap-grad-reduce", "--bf16"]
-    assert ablate.arm_args(common, arms[2]) == ["--lr", "1", "--overlap-grad-reduce", "--bf16",
+    assert ablate_argv.arm_args(common, arms[2]) == ["--lr", "1", "--overlap-grad-reduce", "--bf16",
                                                  "--ddp-bucket-size", "8e7"]
-    assert ablate.arm_args(common, arms[1]) == ["--lr", "1", "--ddp-bucket-size", "4e7", "--bf16",
+    assert ablate_argv.arm_args(common, arms[1]) == ["--lr", "1", "--ddp-bucket-size", "4e7", "--bf16",
                                                  "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
@@ -282,7 +285,7 @@ def test_a_candidate_sets_environment_variables_written_before_its_arguments():
     assert arms["+alloc"].env() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert arms["+alloc"].added_args() == []
     assert arms["+both"].added_env() == {"NCCL_GRAPH_REGISTER": "0", "A_B": "x=y"}
-    assert ablate.arm_args(["--lr", "1"], arms["+both"]) == ["--lr", "1", "--manual-gc", "--manual-gc-interval", "5"]
+    assert ablate_argv.arm_args(["--lr", "1"], arms["+both"]) == ["--lr", "1", "--manual-gc", "--manual-gc-interval", "5"]
     # only leading words are assignments: a flag's value may hold '='
     assert arms["+value"].added_env() == {} and arms["+value"].added_args() == ["--tensorboard-dir", "a=b"]
     pinned = expand("candidates", ("grad_reduce_in_bf16",), [], others="on", candidates=cands)
@@ -293,14 +296,14 @@ def test_a_candidate_sets_environment_variables_written_before_its_arguments():
 
 def test_an_environment_only_candidate_is_not_a_no_op_but_the_same_one_twice_is():
     arms = expand("candidates", DEFAULT_TOGGLES, [], candidates={"alloc": ("PYTORCH_CUDA_ALLOC_CONF=x",)})
-    ablate.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {})  # its arguments equal the baseline's
+    confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {})  # its arguments equal the baseline's
     twins = expand("candidates", DEFAULT_TOGGLES, [], candidates={"a": ("X=1",), "b": ("X=1",)})
-    with pytest.raises(ablate.ConfoundError, match="identical Megatron arguments and environment"):
-        ablate.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], twins, {})
+    with pytest.raises(confounds.ConfoundError, match="identical Megatron arguments and environment"):
+        confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], twins, {})
     # the caller's environment already holds the candidate's value: the arm would change nothing
-    with pytest.raises(ablate.ConfoundError, match="identical Megatron arguments and environment"):
-        ablate.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {"PYTORCH_CUDA_ALLOC_CONF": "x"})
-    ablate.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {"PYTORCH_CUDA_ALLOC_CONF": "y"})
+    with pytest.raises(confounds.ConfoundError, match="identical Megatron arguments and environment"):
+        confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {"PYTORCH_CUDA_ALLOC_CONF": "x"})
+    confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {"PYTORCH_CUDA_ALLOC_CONF": "y"})
 
 
 def test_the_dry_run_gets_the_candidates_environment_as_rank_0(monkeypatch):
@@ -310,10 +313,10 @@ def test_the_dry_run_gets_the_candidates_environment_as_rank_0(monkeypatch):
         seen.update(kwargs["env"])
         return argparse.Namespace(returncode=0, stdout="{}", stderr="")
 
-    monkeypatch.setattr(ablate.subprocess, "run", run)
+    monkeypatch.setattr(confounds.subprocess, "run", run)
     # built by hand: parse_candidates refuses RANK, and the dry run keeps rank 0 even so
     arm = Arm("+a", {}, adds={"a": ("RANK=3", "NCCL_ALGO=Ring", "--manual-gc")})
-    ablate.resolve_arm("s.py", ["--bf16"], arm, {"RANK": "3", "WORLD_SIZE": "8", "NCCL_ALGO": "Tree"})
+    confounds.resolve_arm("s.py", ["--bf16"], arm, {"RANK": "3", "WORLD_SIZE": "8", "NCCL_ALGO": "Tree"})
     assert seen["NCCL_ALGO"] == "Ring" and seen["RANK"] == "0" and "WORLD_SIZE" not in seen
 
 
@@ -348,11 +351,11 @@ def test_a_candidate_is_its_own_probe_and_a_no_op_candidate_is_refused():
         return _record(arm, **({"manual_gc_interval": 0} if "--manual-gc" in arm.added_args() else {}), **noop)
 
     calls = []
-    with pytest.raises(ablate.ConfoundError) as info:
-        ablate.resolve_and_check(lambda *a: calls.append(a[2].name) or resolver(*a), "s.py", ["--bf16"], arms, {})
+    with pytest.raises(confounds.ConfoundError) as info:
+        confounds.resolve_and_check(lambda *a: calls.append(a[2].name) or resolver(*a), "s.py", ["--bf16"], arms, {})
     assert sorted(calls) == ["+gc", "+noop", "baseline"]  # no extra probe runs
     assert "identical Megatron arguments" in str(info.value)
-    _, derived = ablate.resolve_and_check(resolver, "s.py", ["--bf16"], arms[:2], {})
+    _, derived = confounds.resolve_and_check(resolver, "s.py", ["--bf16"], arms[:2], {})
     assert derived == {"+gc": {"manual_gc", "manual_gc_interval"}}
 
 
@@ -368,25 +371,25 @@ def test_candidates_end_to_end_carry_each_argument_once(tmp_path):
 
 def test_set_args_takes_switches_and_lists_whole():
     argv = ["--overlap-grad-reduce", "--lr", "1", "--data-path", "a", "b", "--bf16"]
-    assert ablate.set_args(argv, {"--overlap-grad-reduce": None, "--data-path": "c"}) == [
+    assert ablate_argv.set_args(argv, {"--overlap-grad-reduce": None, "--data-path": "c"}) == [
         "--lr", "1", "--bf16", "--data-path", "c"]
 
 
 def test_set_args_replaces_each_flag_once():
     argv = ["--train-iters", "10", "--tensorboard-dir=/a", "--bf16", "--train_iters", "12", "--lr", "1"]
-    got = ablate.set_args(argv, {"--train-iters": "20", "--tensorboard-dir": "/b", "--save": None})
+    got = ablate_argv.set_args(argv, {"--train-iters": "20", "--tensorboard-dir": "/b", "--save": None})
     assert got == ["--bf16", "--lr", "1", "--train-iters", "20", "--tensorboard-dir", "/b"]
-    assert ablate.repeated_flags(["--lr", "1", "--lr", "2", "--bf16"]) == ["--lr"]
+    assert ablate_argv.repeated_flags(["--lr", "1", "--lr", "2", "--bf16"]) == ["--lr"]
 
 
 # --- block order -----------------------------------------------------------------------------------
 
 
 def test_block_order_is_a_seeded_shuffle_per_block():
-    orders = [ablate.block_order(7, b, 6) for b in range(40)]
+    orders = [ablate_runs.block_order(7, b, 6) for b in range(40)]
     assert all(sorted(o) == list(range(6)) for o in orders)
-    assert orders == [ablate.block_order(7, b, 6) for b in range(40)]  # the same seed: the same blocks
-    assert orders != [ablate.block_order(8, b, 6) for b in range(40)]
+    assert orders == [ablate_runs.block_order(7, b, 6) for b in range(40)]  # the same seed: the same blocks
+    assert orders != [ablate_runs.block_order(8, b, 6) for b in range(40)]
     assert len({tuple(o) for o in orders}) > 20  # blocks are shuffled anew, not one order repeated
     first = [o[0] for o in orders]
     assert all(first.count(i) >= 2 for i in range(6))  # every arm gets to run first now and then
@@ -416,7 +419,7 @@ def test_repeats_blocks_warmup_and_results(tmp_path, capsys):
     data = json.loads((out / "results.json").read_text())
     assert data["seed"] == 5 and data["blocks_run"] == 3 and data["iters"] == 8 and data["warmup"] == 2
     arms = ["all-off", "only:grad_reduce_in_bf16"]
-    assert data["block_order"] == [[arms[i] for i in ablate.block_order(5, b, 2)] for b in range(3)]
+    assert data["block_order"] == [[arms[i] for i in ablate_runs.block_order(5, b, 2)] for b in range(3)]
     runs = data["runs"]
     assert [r["block"] for r in runs] == [-1, 0, 0, 1, 1, 2, 2]  # one warm-up, then 3 blocks of 2
     assert [r["arm"] for r in runs[1:]] == [a for block in data["block_order"] for a in block]
@@ -473,8 +476,8 @@ def test_failed_runs_are_named_with_their_last_lines(tmp_path, monkeypatch, caps
 def test_error_tail_starts_at_the_last_traceback():
     text = "\n".join([*(f"line {i}" for i in range(40)), "Traceback (most recent call last):", "  x",
                       "ValueError: boom"])
-    assert ablate.error_tail(text) == ["Traceback (most recent call last):", "  x", "ValueError: boom"]
-    assert ablate.error_tail("\n".join(f"l{i}" for i in range(30)), lines=3) == ["l27", "l28", "l29"]
+    assert ablate_runs.error_tail(text) == ["Traceback (most recent call last):", "  x", "ValueError: boom"]
+    assert ablate_runs.error_tail("\n".join(f"l{i}" for i in range(30)), lines=3) == ["l27", "l28", "l29"]
 
 
 def test_dry_run_writes_and_creates_nothing(tmp_path, capsys, monkeypatch):
@@ -541,7 +544,7 @@ def test_a_resumed_block_is_priced_by_its_runs_not_done_earlier(tmp_path, capsys
     assert data["blocks_run"] == 2  # both done earlier, then block 3 (2 runs, 200 s) does not fit 60 s
     assert data["stop_reason"] == "--budget 1 min: block 3 (about 3.3 min) would not fit after 0.0 min"
     assert capsys.readouterr().err.count("done earlier, skipped") == 5
-    (tmp_path / "out" / "runs" / "block02" / ablate._slug("all-off") / "status.json").unlink()
+    (tmp_path / "out" / "runs" / "block02" / ablate_runs._slug("all-off") / "status.json").unlink()
     assert _run_main(tmp_path, "--repeats", "2", "--budget", "1", clock=lambda: 0.0) == 0
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["blocks_run"] == 1
@@ -571,7 +574,7 @@ def test_without_a_warm_up_run_a_resumed_first_block_is_priced_by_its_runs_done_
     assert _run_main(tmp_path, "--repeats", "1", "--no-warmup-run") == 0
     for status in (tmp_path / "out" / "runs").glob("*/*/status.json"):  # as if each run took 100 s
         status.write_text(json.dumps({**json.loads(status.read_text()), "seconds": 100.0}))
-    (tmp_path / "out" / "runs" / "block01" / ablate._slug("all-off") / "status.json").unlink()
+    (tmp_path / "out" / "runs" / "block01" / ablate_runs._slug("all-off") / "status.json").unlink()
     assert _run_main(tmp_path, "--repeats", "1", "--no-warmup-run", "--budget", "1", clock=lambda: 0.0) == 0
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["blocks_run"] == 0
@@ -616,7 +619,7 @@ def test_gpu_count_is_the_runs_logged_world_size_else_the_launchers(tmp_path):
 def test_each_run_gets_its_own_logs_and_checkpoints(tmp_path):
     arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
     effective = {"save": "/ck", "load": "/ck", "wandb_save_dir": "/wb"}
-    runs = [ablate.make_run(tmp_path, a, b, None, "s.py", ["--save", "/ck", "--load", "/ck"], effective)
+    runs = [ablate_runs.make_run(tmp_path, a, b, None, "s.py", ["--save", "/ck", "--load", "/ck"], effective)
             for a in arms for b in (-1, 0, 1)]
     dirs = {str(r.directory) for r in runs}
     assert len(dirs) == 6
@@ -626,9 +629,9 @@ def test_each_run_gets_its_own_logs_and_checkpoints(tmp_path):
         assert c.count("--save") == 1 and c.count("--load") == 1 and c.count("--tensorboard-dir") == 1
         assert c[c.index("--save") + 1].startswith(here) and c[c.index("--load") + 1] == c[c.index("--save") + 1]
         assert c[c.index("--tensorboard-dir") + 1].startswith(here) and "--wandb-save-dir" in c
-    shared = ablate.arm_paths({"save": "/ck", "load": "/pretrained"}, tmp_path)
+    shared = ablate_runs.arm_paths({"save": "/ck", "load": "/pretrained"}, tmp_path)
     assert "--load" not in shared  # a pretrained start is only read: shared by every run
-    assert "--save" not in ablate.arm_paths({}, tmp_path)  # no --save given: no checkpoints written
+    assert "--save" not in ablate_runs.arm_paths({}, tmp_path)  # no --save given: no checkpoints written
 
 
 def test_dry_runs_run_as_rank_zero(tmp_path, monkeypatch):
@@ -638,21 +641,21 @@ def test_dry_runs_run_as_rank_zero(tmp_path, monkeypatch):
         seen.update(env)
         return type("P", (), {"returncode": 0, "stdout": "{}", "stderr": ""})()
 
-    monkeypatch.setattr(ablate.subprocess, "run", fake_run)
+    monkeypatch.setattr(confounds.subprocess, "run", fake_run)
     arm = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])[1]
-    ablate.resolve_arm("pretrain_gpt.py", [], arm, {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "PATH": "/bin"})
+    confounds.resolve_arm("pretrain_gpt.py", [], arm, {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "PATH": "/bin"})
     assert seen["RANK"] == "0" and "LOCAL_RANK" not in seen and "WORLD_SIZE" not in seen
     assert seen["GRAD_REDUCE_IN_BF16"] == "1"
 
 
 def test_dry_run_timeout_is_a_clear_error(monkeypatch):
     def slow(*a, **k):
-        raise ablate.subprocess.TimeoutExpired("x", 1)
+        raise confounds.subprocess.TimeoutExpired("x", 1)
 
-    monkeypatch.setattr(ablate.subprocess, "run", slow)
+    monkeypatch.setattr(confounds.subprocess, "run", slow)
     arm = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])[0]
-    with pytest.raises(ablate.ConfoundError, match="took over"):
-        ablate.resolve_arm("pretrain_gpt.py", [], arm, {})
+    with pytest.raises(confounds.ConfoundError, match="took over"):
+        confounds.resolve_arm("pretrain_gpt.py", [], arm, {})
 
 
 def test_missing_launcher_is_refused_before_running(tmp_path, capsys):
@@ -666,37 +669,38 @@ def test_missing_launcher_is_refused_before_running(tmp_path, capsys):
 
 def _run_in_order(runs, environ, progress):
     """Each run in order, as experiment() runs a block (a crash is recorded and the rest go on)."""
-    return [ablate.execute(run, environ, progress, i, len(runs) - i) for i, run in enumerate(runs, start=1)]
+    return [ablate_runs.execute(run, environ, progress, i, len(runs) - i) for i, run in enumerate(runs, start=1)]
 
 
 def test_torn_status_file_reruns_the_run(tmp_path):
     arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
-    runs = [ablate.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
+    runs = [ablate_runs.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
     runs[0].directory.mkdir(parents=True)
     (runs[0].directory / "status.json").write_text('{"status": "do')
-    statuses = _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, io.StringIO()))
+    statuses = _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate_runs.Progress(2, io.StringIO()))
     assert [s["status"] for s in statuses] == ["done", "done"]
 
 
 def test_progress_line(tmp_path):
     arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
-    runs = [ablate.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
+    runs = [ablate_runs.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
     stream = io.StringIO()
-    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream, live=True))
+    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate_runs.Progress(2, stream, live=True))
     text = stream.getvalue()
     assert "[run 2/2]" in text and "(block 1)" in text and "it 6/6" in text and "ETA" in text
     assert text.count("\r") == 12  # redrawn at every iteration
     stream = io.StringIO()  # a log file: one line per run
-    runs = [ablate.make_run(tmp_path / "again", a, 0, FAKE, "s.py", [], {}) for a in arms]
-    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate.Progress(2, stream))
+    runs = [ablate_runs.make_run(tmp_path / "again", a, 0, FAKE, "s.py", [], {}) for a in arms]
+    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate_runs.Progress(2, stream))
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue() and len(lines) == 2 and "it 6/6" in lines[1] and "done in" in lines[1]
 
 
 def test_only_the_separating_double_dash_is_dropped():
-    ns = argparse.Namespace(megatron_args=["--", "--num-layers", "4", "--", "x"])
-    assert ablate.megatron_args_of(ns) == ["--num-layers", "4", "--", "x"]
-    assert ablate.megatron_args_of(argparse.Namespace(megatron_args=["--num-layers", "4"])) == ["--num-layers", "4"]
+    ns = argparse.Namespace(megatron_args=["--", "--num-layers", "4", "--", "x"], script="s.py")
+    assert ExperimentSpec.from_options(ns).megatron_args == ["--num-layers", "4", "--", "x"]
+    ns = argparse.Namespace(megatron_args=["--num-layers", "4"], script="s.py")
+    assert ExperimentSpec.from_options(ns).megatron_args == ["--num-layers", "4"]
 
 
 def test_candidate_flags_are_checked_as_flags_not_dests():
@@ -721,19 +725,19 @@ def test_dry_runs_plan_for_the_world_the_runs_will_have():
         ("srun python", None, None, "say it with --world-size"),
         ("srun python", 16, 16, "a world of 16 (from --world-size)"),
     ]:
-        bound, said = ablate.planned_for(resolver, launch, stated)
+        bound, said = confounds.planned_for(resolver, launch, stated)
         assert bound("s.py", [], arm, {}) == planned and note in said
     # --world-size wins where given: the launcher's number may miss a launcher nested in a script
-    bound, said = ablate.planned_for(resolver, "torchrun --nproc-per-node 8", 16)
+    bound, said = confounds.planned_for(resolver, "torchrun --nproc-per-node 8", 16)
     assert bound("s.py", [], arm, {}) == 16 and said == "a world of 16 (from --world-size; --launch looks like 8)"
-    assert ablate.launch_world_size("srun -n 2 torchrun --nproc-per-node 8") is None  # nodes x 8, not 2
-    assert ablate.launch_world_size("mpirun -np 2 python -m torch.distributed.run --nproc-per-node 4") is None
-    assert ablate.launch_world_size("torchrun --nproc-per-node 0") is None
-    assert ablate.launch_world_size("env NCCL_DEBUG=INFO A=b torchrun --nproc-per-node 8") == 8
-    assert ablate.launch_world_size("env -u A torchrun --nproc-per-node 8") is None  # env's options: not read
-    assert ablate.dry_run_command("s.py", ["--lr", "1"], arm, 8)[3:8] == ["--dry-run", "--json", "--world-size", "8",
+    assert world.launch_world_size("srun -n 2 torchrun --nproc-per-node 8") is None  # nodes x 8, not 2
+    assert world.launch_world_size("mpirun -np 2 python -m torch.distributed.run --nproc-per-node 4") is None
+    assert world.launch_world_size("torchrun --nproc-per-node 0") is None
+    assert world.launch_world_size("env NCCL_DEBUG=INFO A=b torchrun --nproc-per-node 8") == 8
+    assert world.launch_world_size("env -u A torchrun --nproc-per-node 8") is None  # env's options: not read
+    assert confounds.dry_run_command("s.py", ["--lr", "1"], arm, 8)[3:8] == ["--dry-run", "--json", "--world-size", "8",
                                                                           "s.py"]
-    assert "--world-size" not in ablate.dry_run_command("s.py", ["--lr", "1"], arm, 1)
+    assert "--world-size" not in confounds.dry_run_command("s.py", ["--lr", "1"], arm, 1)
 
 
 def test_a_bad_world_size_is_exit_2_before_anything_is_created(tmp_path, capsys):

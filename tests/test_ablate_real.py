@@ -14,7 +14,8 @@ import pytest
 import tree_driver
 from conftest import REPO, megatron_trees
 
-from megatron_perf_toggles.tools.ablate import runner as ablate
+from megatron_perf_toggles.tools.ablate import command as ablate
+from megatron_perf_toggles.tools.ablate import confounds, design
 from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, expand
 
 TREES = megatron_trees()
@@ -53,7 +54,7 @@ def _one_at_a_time(tree):
 
 
 def _candidate_arms(words):
-    return expand("candidates", DEFAULT_TOGGLES, [], candidates=ablate.parse_candidates(words, ablate._known_args()[1]))
+    return expand("candidates", DEFAULT_TOGGLES, [], candidates=design.parse_candidates(words, ablate._known_args()[1]))
 
 
 def _tp_environ(tree):
@@ -75,10 +76,10 @@ def _batches_asked(tree):
 def _dry_runs(tree, args, arms, environ, world):
     """The launcher dry run (``dry_run_command``) of every arm and probe of ``arms``, as rank 0 in
     the arm's environment, as cases for the tree's worker, by arm signature."""
-    wanted = {a.signature(): a for a in [*arms, *(p for ps in ablate.probe_arms(arms).values() for p in ps)]}
+    wanted = {a.signature(): a for a in [*arms, *(p for ps in confounds.probe_arms(arms).values() for p in ps)]}
     plugin_env = {k: v for k, v in environ.items() if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA_DEVICE"))}
     script = str(tree / "pretrain_gpt.py")
-    return {signature: {"mode": "launcher", "argv": ablate.dry_run_command(script, args, arm, world)[3:],
+    return {signature: {"mode": "launcher", "argv": confounds.dry_run_command(script, args, arm, world)[3:],
                         "env": {**plugin_env, **arm.env(), "RANK": "0"}} for signature, arm in wanted.items()}
 
 
@@ -132,10 +133,10 @@ def _own_process_dry_runs(tree):
     has no field for it). Processes of their own, so a background job beside the workers."""
     script, env = str(tree / "pretrain_gpt.py"), _environ(tree)
     arms = _one_at_a_time(tree)[1]
-    found = {"injected": ablate.resolve_arm(script, [*ARGS, "--adam-eps", "1e-5"], arms[1], env)}
+    found = {"injected": confounds.resolve_arm(script, [*ARGS, "--adam-eps", "1e-5"], arms[1], env)}
     if not _has_fused_single_qkv_rope(tree):
         arm = next(a for a in expand("one-at-a-time", DEFAULT_TOGGLES, []) if a.name == FUSED_ARM)
-        found["fused"] = (arm, ablate.resolve_arm(script, ARGS, arm, env))
+        found["fused"] = (arm, confounds.resolve_arm(script, ARGS, arm, env))
     return found
 
 
@@ -153,21 +154,21 @@ def test_each_toggle_can_be_varied_alone(tree):
     toggles, arms = _one_at_a_time(tree)
     env = _environ(tree)
     resolver = _one_process_for_all_arms(tree, arms)
-    records, derived = ablate.resolve_and_check(resolver, script, ARGS, arms, env)
+    records, derived = confounds.resolve_and_check(resolver, script, ARGS, arms, env)
     # Megatron keeps grads in fp32 for the reduction exactly when they are not reduced in bf16.
     assert "accumulate_allreduce_grads_in_fp32" in derived["grad_reduce_in_bf16"]
     assert set(derived) == set(toggles)
     if tree in PICKED:
         own = tree_driver.SESSION.outcome(PROCESSES[tree])
         # The same check refuses a difference that no toggle makes.
-        with pytest.raises(ablate.ConfoundError) as info:
-            ablate.check_confounds(arms, [records[0], own["injected"], *records[2:]], derived)
+        with pytest.raises(confounds.ConfoundError) as info:
+            confounds.check_confounds(arms, [records[0], own["injected"], *records[2:]], derived)
         text = str(info.value)
         assert "adam_eps: all-off=1e-08" in text and "1e-05" in text and "nothing was run" in text
         if "fused" in own:  # forced on a tree without the field, the guard keeps it off
             arm, rec = own["fused"]
-            with pytest.raises(ablate.ConfoundError) as info:
-                ablate.check_confounds([arms[0], arm], [records[0], rec], derived)
+            with pytest.raises(confounds.ConfoundError) as info:
+                confounds.check_confounds([arms[0], arm], [records[0], rec], derived)
             assert "fused_single_qkv_rope should be True but is False (guard;" in str(info.value)
 
 
@@ -176,8 +177,8 @@ def test_guard_forced_factorial_is_refused_with_the_guard_reason(tree):
     script = str(tree / "pretrain_gpt.py")
     arms = expand("factorial", ("gradient_accumulation_fusion",), [])
     resolver = _one_process_for_all_arms(tree, arms)
-    with pytest.raises(ablate.ConfoundError) as info:
-        ablate.resolve_and_check(resolver, script, FSDP_ARGS, arms, _environ(tree))
+    with pytest.raises(confounds.ConfoundError) as info:
+        confounds.resolve_and_check(resolver, script, FSDP_ARGS, arms, _environ(tree))
     assert "gradient_accumulation_fusion should be True but is False" in str(info.value)
     assert "--use-torch-fsdp2" in str(info.value)
 
@@ -189,7 +190,7 @@ def test_candidates_resolve_through_the_real_parser(tree):
     arms = _candidate_arms(CANDIDATES)
     script, env = str(tree / "pretrain_gpt.py"), _environ(tree)
     resolver = _one_process_for_all_arms(tree, arms)
-    records, derived = ablate.resolve_and_check(resolver, script, CANDIDATE_ARGS, arms, env)
+    records, derived = confounds.resolve_and_check(resolver, script, CANDIDATE_ARGS, arms, env)
     effective = [r["effective_args"] for r in records]
     assert [e["overlap_grad_reduce"] for e in effective] == [False, True, False, False, False]
     assert [e["overlap_param_gather"] for e in effective] == [False, True, False, False, False]
@@ -207,10 +208,10 @@ def test_model_parallel_arms_resolve_for_the_launchers_world(tree):
     the world the launcher starts, and --tp-comm-overlap (which needs sequence parallelism) resolves."""
     arms = _candidate_arms(["overlap=--tp-comm-overlap"])
     script, environ = str(tree / "pretrain_gpt.py"), _tp_environ(tree)
-    with pytest.raises(ablate.ConfoundError, match="world size"):  # planned for one process
-        ablate.resolve_and_check(_one_process_for_all_arms(tree, arms), script, TP_ARGS, arms, environ)
-    resolver, note = ablate.planned_for(_one_process_for_all_arms(tree, arms), "torchrun --nproc-per-node 2")
-    records, derived = ablate.resolve_and_check(resolver, script, TP_ARGS, arms, environ)
+    with pytest.raises(confounds.ConfoundError, match="world size"):  # planned for one process
+        confounds.resolve_and_check(_one_process_for_all_arms(tree, arms), script, TP_ARGS, arms, environ)
+    resolver, note = confounds.planned_for(_one_process_for_all_arms(tree, arms), "torchrun --nproc-per-node 2")
+    records, derived = confounds.resolve_and_check(resolver, script, TP_ARGS, arms, environ)
     assert note == "a world of 2 (from --launch)"
     assert [r["effective_args"]["tensor_model_parallel_size"] for r in records] == [2, 2]
     assert [r["effective_args"]["tp_comm_overlap"] for r in records] == [False, True]

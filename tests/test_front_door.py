@@ -186,7 +186,7 @@ def test_guarded_toggles_are_found_before_any_dry_run(tmp_path: Path) -> None:
 
 
 def test_ablate_dry_run_leaves_the_guarded_toggle_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from megatron_perf_toggles.tools.ablate import runner as ablate
+    from megatron_perf_toggles.tools.ablate import command as ablate
 
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("")
@@ -333,7 +333,7 @@ def test_a_patched_checkout_plans_a_64_rank_h100_job(tree: str) -> None:
 def test_ablate_headline_dry_run_on_a_qk_layernorm_model(tree: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """``ablate --design headline --dry-run`` as its ``main``, each arm's dry run on the tree's worker."""
-    from megatron_perf_toggles.tools.ablate import runner as ablate
+    from megatron_perf_toggles.tools.ablate import command as ablate
 
     code = ablate.main(["--design", "headline", "--dry-run", "--out", str(tmp_path / "out"), f"{tree}/pretrain_gpt.py",
                         *_layout(1, 1), "--qk-layernorm"], resolver=runs.arm_resolver(tree))

@@ -14,14 +14,18 @@ import types
 import pytest
 from conftest import REPO, full_caps
 
+from megatron_perf_toggles.core.profile import Choice, Evidence
 from megatron_perf_toggles.core.registry import BY_DEST
 from megatron_perf_toggles.runtime import profile_file, provider
 from megatron_perf_toggles.runtime.controller import Controller
-from megatron_perf_toggles.tools import tune
 from megatron_perf_toggles.tools.ablate import report, stats, world
-from megatron_perf_toggles.tools.ablate import runner as ablate
+from megatron_perf_toggles.tools.ablate import runs as ablate_runs
 from megatron_perf_toggles.tools.ablate.design import Arm
+from megatron_perf_toggles.tools.ablate.spec import ExperimentSpec
 from megatron_perf_toggles.tools.surfaces import replay
+from megatron_perf_toggles.tools.tune import command as tune
+from megatron_perf_toggles.tools.tune import evidence as tune_evidence
+from megatron_perf_toggles.tools.tune import phases, rule
 
 FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
 THREE = "grad_reduce_in_bf16,ddp_average_in_collective,cross_entropy_loss_fusion"
@@ -40,7 +44,7 @@ def row(arm, verdict=None, low=None, baseline=False):
 def test_leave_one_out_keeps_what_removal_slows_and_drops_what_removal_speeds_up():
     rows = [row("all-on", baseline=True), row("without:a", stats.SLOWER), row("without:b", stats.FASTER),
             row("without:c", stats.NO_DIFFERENCE), row("without:d", stats.TOO_FEW)]
-    decided, unresolved = tune.decide_leave_one_out(tune.leave_one_out_verdicts(rows))
+    decided, unresolved = rule.decide_leave_one_out(rule.leave_one_out_verdicts(rows))
     assert {d: x.value for d, x in decided.items()} == {"a": True, "b": False}
     assert unresolved == ["c", "d"]
     assert (decided["a"].chosen, decided["a"].against) == ("all-on", "without:a")
@@ -48,10 +52,10 @@ def test_leave_one_out_keeps_what_removal_slows_and_drops_what_removal_speeds_up
 
 
 def test_the_factorial_varies_the_unresolved_and_pins_the_resolved():
-    decided, unresolved = tune.decide_leave_one_out({"grad_reduce_in_bf16": stats.FASTER,
+    decided, unresolved = rule.decide_leave_one_out({"grad_reduce_in_bf16": stats.FASTER,
                                                      "ddp_average_in_collective": stats.NO_DIFFERENCE,
                                                      "fused_single_qkv_rope": stats.NO_DIFFERENCE})
-    arms = tune.factorial_arms(unresolved, decided)
+    arms = rule.factorial_arms(unresolved, decided)
     assert len(arms) == 2 ** len(unresolved)
     assert {tuple(sorted(a.toggles.items())) for a in arms} == {
         (("ddp_average_in_collective", x), ("fused_single_qkv_rope", y)) for x in (False, True) for y in (False, True)}
@@ -62,24 +66,24 @@ def test_the_factorial_varies_the_unresolved_and_pins_the_resolved():
 
 
 def test_the_factorial_confidence_is_corrected_for_its_comparisons():
-    assert tune.family_confidence(0.95, 8) == pytest.approx(1 - 0.05 / 7)
-    assert tune.family_confidence(0.95, 2) == pytest.approx(0.95)
-    assert stats.t_quantile(1 - (1 - tune.family_confidence(0.95, 8)) / 2, 2) > stats.t_quantile(0.975, 2)
+    assert rule.family_confidence(0.95, 8) == pytest.approx(1 - 0.05 / 7)
+    assert rule.family_confidence(0.95, 2) == pytest.approx(0.95)
+    assert stats.t_quantile(1 - (1 - rule.family_confidence(0.95, 8)) / 2, 2) > stats.t_quantile(0.975, 2)
 
 
 def test_a_combination_wins_only_when_detectably_faster():
-    arms = tune.factorial_arms(["grad_reduce_in_bf16", "ddp_average_in_collective"], {})
+    arms = rule.factorial_arms(["grad_reduce_in_bf16", "ddp_average_in_collective"], {})
     names = [a.name for a in arms]
     rows = [row(n, stats.NO_DIFFERENCE, 1.0, baseline=a.baseline) for n, a in zip(names, arms, strict=True)]
-    assert tune.pick_combination(rows, arms).baseline
+    assert rule.pick_combination(rows, arms).baseline
     off_ddp = next(i for i, a in enumerate(arms) if a.toggles == {"grad_reduce_in_bf16": True,
                                                                    "ddp_average_in_collective": False})
     all_off = next(i for i, a in enumerate(arms) if not any(a.toggles.values()))
     rows[off_ddp] = row(names[off_ddp], stats.FASTER, 1.02)
     rows[all_off] = row(names[all_off], stats.FASTER, 1.01)
-    chosen = tune.pick_combination(rows, arms)
+    chosen = rule.pick_combination(rows, arms)
     assert chosen is arms[off_ddp]  # the higher lower bound
-    decided = tune.decide_factorial(["grad_reduce_in_bf16", "ddp_average_in_collective"], arms, chosen)
+    decided = rule.decide_factorial(["grad_reduce_in_bf16", "ddp_average_in_collective"], arms, chosen)
     assert decided["ddp_average_in_collective"].value is False and decided["grad_reduce_in_bf16"].value is True
     against = next(a for a in arms if a.name == decided["ddp_average_in_collective"].against)
     assert against.toggles == {"grad_reduce_in_bf16": True, "ddp_average_in_collective": True}
@@ -97,23 +101,23 @@ def test_turning_a_toggle_off_in_leave_one_out_is_corrected_for_the_toggles_comp
     first = {"blocks_run": 3, "runs": runs, "confidence": 0.95}
     raw = {"a": stats.FASTER, "b": stats.SLOWER, "c": stats.NO_DIFFERENCE, "d": stats.NO_DIFFERENCE,
            "e": stats.NO_DIFFERENCE}
-    verdicts, confidence = tune.correct_turn_offs(first, "all-on", raw, 0.95)
+    verdicts, confidence = rule.correct_turn_offs(first, "all-on", raw, 0.95)
     assert confidence == pytest.approx(1 - 0.05 / 5)
     assert verdicts["a"] == stats.NO_DIFFERENCE and verdicts["b"] == stats.SLOWER  # "keep on" is not corrected
-    decided, unresolved = tune.decide_leave_one_out(verdicts, confidence)
+    decided, unresolved = rule.decide_leave_one_out(verdicts, confidence)
     assert "a" in unresolved and "a" not in decided
-    only_one, _ = tune.correct_turn_offs(first, "all-on", {"a": stats.FASTER}, 0.95)
+    only_one, _ = rule.correct_turn_offs(first, "all-on", {"a": stats.FASTER}, 0.95)
     assert only_one["a"] == stats.FASTER  # one comparison: nothing to correct for
 
 
 def test_the_confirmation_falls_back_to_the_defaults_unless_the_chosen_set_holds():
-    choices = {"a": tune.Choice(False, tune.Evidence(True, 1.1, 1.05, 1.15, "faster")), "b": tune.Choice(True)}
+    choices = {"a": Choice(False, Evidence(True, 1.1, 1.05, 1.15, "faster")), "b": Choice(True)}
     for verdict in (stats.FASTER, stats.NO_DIFFERENCE):
-        kept, record = tune.settle(choices, {"estimate": 1.0, "low": 0.99, "high": 1.01, "confidence": 0.95,
+        kept, record = rule.settle(choices, {"estimate": 1.0, "low": 0.99, "high": 1.01, "confidence": 0.95,
                                              "verdict": verdict, "blocks": 3})
         assert kept == choices and record.outcome.startswith("kept") and record.low == 0.99
     for verdict in (stats.SLOWER, stats.TOO_FEW):
-        back, record = tune.settle(choices, {"estimate": 0.97, "low": 0.95, "high": 0.99, "confidence": 0.95,
+        back, record = rule.settle(choices, {"estimate": 0.97, "low": 0.95, "high": 0.99, "confidence": 0.95,
                                              "verdict": verdict, "blocks": 3})
         assert {d: c.value for d, c in back.items()} == {"a": True, "b": True}
         assert record.outcome.startswith("fell back to the defaults") and back["a"].evidence.verdict == "not confirmed"
@@ -130,8 +134,8 @@ def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
     chosen_ms, against_ms = [900.0, 950.0, 910.0], [1000.0, 1040.0, 1000.0]
     runs = [_run("without:x", b, ms, 2.0) for b, ms in enumerate(chosen_ms)]
     runs += [_run("all-on", b, ms, 2.0 + 0.01 * b) for b, ms in enumerate(against_ms)]
-    decided = tune.Decided("x", False, "turned off", "leave-one-out", "without:x", "all-on")
-    ev = tune.evidence(decided, _phase(runs, ["all-on", "without:x"], "all-on"))
+    decided = rule.Decided("x", False, "turned off", "leave-one-out", "without:x", "all-on")
+    ev = tune_evidence.evidence(decided, _phase(runs, ["all-on", "without:x"], "all-on"))
     logs = [math.log(a / c) for a, c in zip(against_ms, chosen_ms, strict=True)]
     assert ev.speedup == pytest.approx(math.exp(sum(logs) / 3))
     assert ev.low < ev.speedup < ev.high and ev.verdict == stats.FASTER and ev.against is True
@@ -172,7 +176,7 @@ def test_the_profile_says_what_the_table_says_for_every_pair_with_the_baseline(c
     result = _phase(runs, ["all-on", "without:x"], "all-on")
     table = next(r for r in result["rows"] if r["arm"] == "without:x").get("loss")
     for chosen, against in (("all-on", "without:x"), ("without:x", "all-on")):
-        ev = tune.evidence(tune.Decided("x", chosen == "all-on", "r", "leave-one-out", chosen, against), result)
+        ev = tune_evidence.evidence(rule.Decided("x", chosen == "all-on", "r", "leave-one-out", chosen, against), result)
         if table is None:
             assert ev.loss_ratio is None and ev.loss_within_noise is None
             continue
@@ -192,7 +196,7 @@ def test_the_band_is_the_baseline_s_even_where_the_other_arm_repeats_more_tightl
     runs += [_run("without:x", b, 1005.0, 2.0004) for b in range(3)]
     result = _phase(runs, ["all-on", "without:x"], "all-on")
     assert next(r for r in result["rows"] if r["arm"] == "without:x")["loss"]["outside_noise_band"] is False
-    ev = tune.evidence(tune.Decided("x", True, "kept on", "leave-one-out", "all-on", "without:x"), result)
+    ev = tune_evidence.evidence(rule.Decided("x", True, "kept on", "leave-one-out", "all-on", "without:x"), result)
     assert ev.loss_within_noise is True and ev.loss_ratio == pytest.approx(2.0 / 2.0004)
 
 
@@ -202,7 +206,7 @@ def test_the_chosen_baseline_s_loss_ratio_is_the_median_its_own_way_up():
     runs = [_run("all-on", b, 1000.0, 2.0) for b in range(2)]
     runs += [_run("without:x", b, 1000.0, x) for b, x in enumerate([2.0, 2.04])]
     result = _phase(runs, ["all-on", "without:x"], "all-on", blocks=2)
-    ev = tune.evidence(tune.Decided("x", True, "r", "leave-one-out", "all-on", "without:x"), result)
+    ev = tune_evidence.evidence(rule.Decided("x", True, "r", "leave-one-out", "all-on", "without:x"), result)
     assert ev.loss_ratio == pytest.approx((1.0 + 2.0 / 2.04) / 2, rel=1e-12)
 
 
@@ -218,17 +222,17 @@ def test_a_factorial_pair_without_the_baseline_is_flagged_against_the_baseline_b
     runs = [_run("a+b", blk, 1000.0, x) for blk, x in enumerate([2.0, 2.002, 1.998])]  # baseline: band 0.1 %
     runs += [_run("a", blk, 990.0, 2.0005) for blk in range(3)]  # tight repeats of their own
     runs += [_run("b", blk, 995.0, 2.0) for blk in range(3)]
-    decided = tune.Decided("b", False, "r", "factorial", "a", "b")  # neither arm is the baseline
-    ev = tune.evidence(decided, _phase(runs, ["a+b", "a", "b"], "a+b"))
+    decided = rule.Decided("b", False, "r", "factorial", "a", "b")  # neither arm is the baseline
+    ev = tune_evidence.evidence(decided, _phase(runs, ["a+b", "a", "b"], "a+b"))
     assert ev.loss_ratio == pytest.approx(2.0005 / 2.0) and ev.loss_within_noise is True
-    tight = tune.evidence(decided, _phase(runs, ["b", "a"], "b"))  # b is the baseline: its band is 0
+    tight = tune_evidence.evidence(decided, _phase(runs, ["b", "a"], "b"))  # b is the baseline: its band is 0
     assert tight.loss_ratio == pytest.approx(2.0005 / 2.0) and tight.loss_within_noise is False
     # a baseline run that logged no loss takes nothing from the pair's ratio
     silent = [dict(r, iterations=[]) if r["arm"] == "a+b" and r["block"] == 0 else r for r in runs]
-    ev2 = tune.evidence(decided, _phase(silent, ["a+b", "a", "b"], "a+b"))
+    ev2 = tune_evidence.evidence(decided, _phase(silent, ["a+b", "a", "b"], "a+b"))
     assert ev2.loss_ratio == pytest.approx(2.0005 / 2.0) and ev2.loss_within_noise is True
     # a phase result without rows names no baseline: a ratio, but no band to flag it against
-    bare = tune.evidence(decided, {"blocks_run": 3, "runs": runs, "confidence": 0.95})
+    bare = tune_evidence.evidence(decided, {"blocks_run": 3, "runs": runs, "confidence": 0.95})
     assert bare.loss_ratio == pytest.approx(2.0005 / 2.0) and bare.loss_within_noise is None
 
 
@@ -314,13 +318,13 @@ def test_runs_leave_out_a_profile_in_use_and_pin_the_toggles_not_taking_part(tmp
     monkeypatch.setenv("MEGATRON_PERF_TOGGLES_PROFILE", str(tmp_path / "team.json"))
     monkeypatch.setenv("MEGATRON_PERF_TOGGLES_ASSUME", "cuda")
     environs, executed = [], []
-    original = ablate.execute
+    original = ablate_runs.execute
 
     def spy(run, environ, *args, **kwargs):
         executed.append(dict(environ))
         return original(run, environ, *args, **kwargs)
 
-    monkeypatch.setattr(ablate, "execute", spy)
+    monkeypatch.setattr(ablate_runs, "execute", spy)
     others = {"ddp_average_in_collective": False, "cross_entropy_loss_fusion": True}  # as the baseline decides
     assert tune_main(tmp_path, "--repeats", "2", toggles="grad_reduce_in_bf16",
                      resolver=stand_in_resolver(others=others, environs=environs)) == 0
@@ -348,7 +352,7 @@ def test_a_guarded_toggle_takes_no_part(tmp_path, costs, capsys):
 def test_resume_after_an_interruption_runs_only_what_is_missing(tmp_path, costs, monkeypatch, capsys):
     counter = tmp_path / "counter"
     monkeypatch.setenv("FAKE_COUNTER", str(counter))
-    original, done = ablate.execute, []
+    original, done = ablate_runs.execute, []
 
     def interrupted(*args, **kwargs):
         if len(done) == 5:
@@ -356,11 +360,11 @@ def test_resume_after_an_interruption_runs_only_what_is_missing(tmp_path, costs,
         done.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ablate, "execute", interrupted)
+    monkeypatch.setattr(ablate_runs, "execute", interrupted)
     with pytest.raises(KeyboardInterrupt):
         tune_main(tmp_path)
     assert not (tmp_path / "out" / "profile.json").exists()
-    monkeypatch.setattr(ablate, "execute", original)
+    monkeypatch.setattr(ablate_runs, "execute", original)
     capsys.readouterr()
     assert tune_main(tmp_path) == 0
     assert capsys.readouterr().err.count("done earlier, skipped") == 5
@@ -408,7 +412,7 @@ def test_later_phases_are_priced_by_the_leave_one_out_runs_and_a_cut_short_one_d
         now[0] += 30.0 if reads[0] % 2 == 0 else 0.0
         return now[0]
 
-    monkeypatch.setattr(ablate, "time", types.SimpleNamespace(monotonic=monotonic))
+    monkeypatch.setattr(ablate_runs, "time", types.SimpleNamespace(monotonic=monotonic))
     assert tune_main(tmp_path, "--repeats", "2", "--iters", "9", "--budget", budget, clock=lambda: now[0]) == 0
     assert now[0] <= float(budget) * 60  # nothing ran past the budget
     out = tmp_path / "out"
@@ -427,13 +431,18 @@ def test_later_phases_are_priced_by_the_leave_one_out_runs_and_a_cut_short_one_d
     assert "with no warm-up run." in (out / "confirmation" / "results.md").read_text()
 
 
+def _spec(tmp_path):
+    """tune's spec for ``--budget 10 --out tmp_path s.py``, as the command builds it."""
+    return ExperimentSpec.from_options(tune.build_tune_parser().parse_args(["--budget", "10", "--out", str(tmp_path),
+                                                                           "s.py"]))
+
+
 def test_a_failed_run_prices_nothing(tmp_path, costs):
-    setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "--out", str(tmp_path), "s.py"]),
-                       [], {}, None, lambda: 0.0, 0.0)
+    setup = phases.Setup(_spec(tmp_path), {}, None, lambda: 0.0, 0.0)
     done = [{"block": b, "status": "done", "seconds": 120.0} for b in (0, 1)]
     crashed = [{"block": 0, "status": "failed", "seconds": 1.0}] * 5  # a quick crash: no run time
-    assert tune.timed_runs({"runs": done + crashed}) == [120.0, 120.0]
-    assert "would not fit" in tune.phase_fits(setup, {"runs": done + crashed}, "factorial", _factorial(3))
+    assert phases.timed_runs({"runs": done + crashed}) == [120.0, 120.0]
+    assert "would not fit" in phases.phase_fits(setup, {"runs": done + crashed}, "factorial", _factorial(3))
 
 
 def test_a_budget_that_starts_no_block_says_so_rather_than_blaming_the_runs(tmp_path, costs, capsys):
@@ -510,46 +519,44 @@ def test_the_budget_stops_before_a_block_that_would_not_fit(tmp_path, costs):
 
 def _factorial(n):
     toggles = ("grad_reduce_in_bf16", "ddp_average_in_collective", "cross_entropy_loss_fusion")[:n]
-    return tune.factorial_arms(toggles, {}, {})
+    return rule.factorial_arms(toggles, {}, {})
 
 
 def test_the_factorial_is_skipped_when_one_block_would_not_fit(tmp_path, costs):
-    setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "--out", str(tmp_path), "s.py"]),
-                       [], {}, None, lambda: 0.0, 0.0)
+    setup = phases.Setup(_spec(tmp_path), {}, None, lambda: 0.0, 0.0)
     first = {"runs": [{"block": b, "status": "done", "seconds": 120.0} for b in (-1, 0, 1)]}
     assert len(_factorial(2)) == 4 and len(_factorial(3)) == 8
-    assert tune.phase_fits(setup, first, "factorial", _factorial(2)) is None  # 8 min of 10
-    assert "one block of 8 arms (about 16.0 min) would not fit" in tune.phase_fits(setup, first, "factorial",
+    assert phases.phase_fits(setup, first, "factorial", _factorial(2)) is None  # 8 min of 10
+    assert "one block of 8 arms (about 16.0 min) would not fit" in phases.phase_fits(setup, first, "factorial",
                                                                                    _factorial(3))
 
 
 def test_a_resumed_phase_is_priced_by_the_runs_not_done_earlier(tmp_path, costs):
     """A factorial whose first block mostly ran in an earlier call still fits what is left."""
-    setup = tune.Setup(tune.build_tune_parser().parse_args(["--budget", "10", "--out", str(tmp_path), "s.py"]),
-                       [], {}, None, lambda: 0.0, 0.0)
+    setup = phases.Setup(_spec(tmp_path), {}, None, lambda: 0.0, 0.0)
     first = {"runs": [{"block": b, "status": "done", "seconds": 120.0} for b in (-1, 0, 1)]}
     arms = _factorial(3)
     for arm in arms[:4]:
-        here = ablate.run_dir(tmp_path / "factorial", arm, 0)
+        here = ablate_runs.run_dir(tmp_path / "factorial", arm, 0)
         here.mkdir(parents=True)
         (here / "status.json").write_text(json.dumps({"status": "done", "env": arm.env(), "seconds": 120.0}))
-    assert tune.phase_fits(setup, first, "factorial", arms) is None  # 4 runs to go: 8 min of 10
-    failed = ablate.run_dir(tmp_path / "factorial", arms[0], 0) / "status.json"
+    assert phases.phase_fits(setup, first, "factorial", arms) is None  # 4 runs to go: 8 min of 10
+    failed = ablate_runs.run_dir(tmp_path / "factorial", arms[0], 0) / "status.json"
     failed.write_text(json.dumps({"status": "failed", "env": arms[0].env(), "seconds": 120.0}))
-    other = ablate.run_dir(tmp_path / "factorial", arms[1], 0) / "status.json"
+    other = ablate_runs.run_dir(tmp_path / "factorial", arms[1], 0) / "status.json"
     other.write_text(json.dumps({"status": "done", "env": {**arms[1].env(), "GRAD_REDUCE_IN_BF16": "x"}}))
-    why = tune.phase_fits(setup, first, "factorial", arms)  # a failed run and another pin run again
+    why = phases.phase_fits(setup, first, "factorial", arms)  # a failed run and another pin run again
     assert "the 6 runs of its first block not done earlier (about 12.0 min) would not fit" in why
-    late = tune.Setup(setup.ns, [], {}, None, lambda: 3600.0, 0.0)  # an hour in: 10 min budget long spent
-    pair = [tune.Arm("defaults", {"grad_reduce_in_bf16": True}, baseline=True),
-            tune.Arm("chosen", {"grad_reduce_in_bf16": False})]
-    assert "would not fit" in tune.phase_fits(late, first, "confirmation", pair)
+    late = phases.Setup(setup.spec, {}, None, lambda: 3600.0, 0.0)  # an hour in: 10 min budget long spent
+    pair = [Arm("defaults", {"grad_reduce_in_bf16": True}, baseline=True),
+            Arm("chosen", {"grad_reduce_in_bf16": False})]
+    assert "would not fit" in phases.phase_fits(late, first, "confirmation", pair)
     for arm in pair:  # a confirmation done in an earlier call costs nothing, however late
-        here = ablate.run_dir(tmp_path / "confirmation", arm, 0)
+        here = ablate_runs.run_dir(tmp_path / "confirmation", arm, 0)
         here.mkdir(parents=True)
         (here / "status.json").write_text(json.dumps({"status": "done", "env": arm.env(), "seconds": 120.0}))
-    assert tune.phase_fits(late, first, "confirmation", pair) is None
-    assert "would not fit" in tune.phase_fits(late, first, "factorial", arms)  # its own directory
+    assert phases.phase_fits(late, first, "confirmation", pair) is None
+    assert "would not fit" in phases.phase_fits(late, first, "factorial", arms)  # its own directory
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -485,7 +485,7 @@ def _add_doctor(sub: Any) -> None:
 def _add_tools(sub: Any) -> None:
     """patch, ablate, tune, surface: each tool declares its options once, for its own module's parser too."""
     from . import patching
-    from .ablate import runner as ablate
+    from .ablate import command as ablate
     from .surfaces import record
 
     pa = sub.add_parser("patch", help="apply the matching patch from patches/ to a Megatron-LM checkout",
@@ -496,7 +496,7 @@ def _add_tools(sub: Any) -> None:
                         description=ablate.DESCRIPTION, epilog=ablate.EPILOG)
     ablate.add_arguments(ab)
     ab.set_defaults(func=ablate.run_ablation)
-    from . import tune
+    from .tune import command as tune
 
     tu = sub.add_parser("tune", help="measure the toggles on your command line and write a profile",
                         description=tune.DESCRIPTION, epilog=tune.EPILOG)
