@@ -32,7 +32,9 @@ class MegatronRule:
     ``stage`` says when Megatron enforces it: parse+validate, building the TransformerConfig, or
     only at run time (model wrapping, first step); ``versions`` are the supported releases that
     carry it (recorded from real trees; a test re-checks them); ``handling`` is the plugin's
-    answer: the guard that covers it, or why none is needed.
+    answer: the guard that covers it, or why none is needed. ``fact`` names the ``MegatronFacts``
+    field that states it for a Megatron whose rules were not read (a hand-built or older record);
+    ``if_unknown``: whether a Megatron known neither way is assumed to carry it.
     """
 
     id: str
@@ -43,6 +45,8 @@ class MegatronRule:
     versions: tuple[str, ...]
     summary: str
     handling: str
+    fact: str = ""
+    if_unknown: bool = True
 
 
 RULES: tuple[MegatronRule, ...] = (
@@ -69,6 +73,7 @@ RULES: tuple[MegatronRule, ...] = (
         ('0.18.2', '0.19.0', 'main'),
         'loss fusion with impl te is an assertion (stability)',
         'guard: impl te becomes native; with an explicit te impl the fusion default yields instead',
+        fact='asserts_te_cross_entropy', if_unknown=False,
     ),
     MegatronRule(
         'ce_te_impl_config_warning', ('cross_entropy_loss_fusion', 'cross_entropy_fusion_impl'),
@@ -277,6 +282,7 @@ RULES: tuple[MegatronRule, ...] = (
         ('0.19.0', 'main'),
         'GTP weight shards assert average-in-collective is off',
         'guard: average in collective off with GTP weight shards',
+        fact='asserts_ddp_average_with_gtp',
     ),
     MegatronRule(
         'ddp_average_vs_gtp_ddp', ('ddp_average_in_collective',),

@@ -18,15 +18,14 @@ from typing import Any
 from ..errors import EnvValueError
 from .env import EnvSettings
 from .facts import Capabilities
+from .guards import NEEDS
 from .memory import Estimate, Unknown, layout_from_args, stock_peak, toggle_delta_mb
-from .plan import Decision, Message
+from .plan import Context, Decision, Message
 from .registry import BY_DEST, TOGGLES, format_value
 
 HEADROOM_VAR = "MEGATRON_PERF_TOGGLES_MEMORY_HEADROOM"
 DEFAULT_HEADROOM = "10%"
 HEADROOM_ACCEPTED = "a percentage of the GPU's memory (10%) or an amount in GB (8 or 8GB), 0 or more"
-# Features that need gradient accumulation fusion (decide.NEEDS): the guard leaves fusion on for them.
-NEEDS_WGRAD_FUSION = ("defer_embedding_wgrad_compute", "delay_wgrad_compute")
 
 
 def headroom_mb(env: EnvSettings, capacity_mb: float) -> float:
@@ -173,7 +172,7 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
         if planned <= limit:
             break
         decision, cost = decisions[dest], memory.deltas[dest] or 0.0
-        if decision.source != "default" or not env.plugin_enabled or _needed(dest, args):
+        if decision.source != "default" or not env.plugin_enabled or _needed(dest, Context(args, values, caps, env)):
             continue
         if planned_peak(estimate, {**values, dest: base[dest]}, base, layout, te) >= planned:
             continue  # it does not add to the stage that peaks (the logits' terms where the first stage peaks)
@@ -192,5 +191,6 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     return memory, messages
 
 
-def _needed(dest: str, args: Mapping[str, Any]) -> bool:
-    return dest == "gradient_accumulation_fusion" and any(args.get(d) for d in NEEDS_WGRAD_FUSION)
+def _needed(dest: str, ctx: Context) -> bool:
+    """A feature asked for needs the toggle (``guards.NEEDS``, where each need is declared once): it stays."""
+    return any(need.dest == dest and need.feature(ctx) for need in NEEDS)
