@@ -71,7 +71,7 @@ class _H100Properties:
 
 def answer_like_a_gpu_machine(te_version: str, patches: Any) -> None:
     """Make Megatron's device and Transformer Engine probes see an H100 with ``te_version``
-    installed, through ``patches`` (a ProcessPatches: undone when the batch ends).
+    installed, through ``patches`` (a ProcessChanges: undone when the batch ends).
 
     Only the probes validate_args and TransformerConfig use are answered; torch.cuda.is_available
     stays as it is, so nothing tries to create a CUDA context.
@@ -191,7 +191,7 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
     import torch
 
     from megatron_perf_toggles import extra_args_provider
-    from megatron_perf_toggles.runtime.patches import PATCHES
+    from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 
     _clean_environ(base_env, {**env, **api["mode_env"][mode]})
     _fresh_dirs(dirs)
@@ -206,7 +206,7 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
     init_pg = getattr(dist, "init_process_group", None)
     api["te_reset"]()
     undo = contextlib.ExitStack()
-    undo.enter_context(PATCHES.scope())  # the plugin's wrappers, if it installs any, are undone after
+    undo.enter_context(PROCESS_CHANGES.scope())  # the plugin's wrappers, if it installs any, are undone after
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -371,7 +371,7 @@ def run_case(batch: dict[str, Any]) -> dict[str, Any]:
     """One batch in the worker: ``batch["cases"]`` (functional-test configs) or ``batch["fuzz"]``
     (seed, count, workdir: the samples are generated here, from this tree's flags)."""
     from megatron_perf_toggles.launcher.import_shims import megatron_importable
-    from megatron_perf_toggles.runtime.patches import ProcessPatches
+    from megatron_perf_toggles.runtime.process_changes import ProcessChanges
 
     saved_argv, base_env = list(sys.argv), dict(os.environ)
     started = time.perf_counter()
@@ -381,7 +381,7 @@ def run_case(batch: dict[str, Any]) -> dict[str, Any]:
     import_seconds = time.perf_counter() - started
     tree_driver.assert_megatron_unwrapped(arguments)
     te_version = batch.get("te_version") or TE_VERSION
-    patches = ProcessPatches()
+    patches = ProcessChanges()
     answer_like_a_gpu_machine(te_version, patches)
     cache_megatron_facts(patches)
 

@@ -374,7 +374,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     from megatron_perf_toggles.launcher import launch as run
     from megatron_perf_toggles.launcher.import_shims import megatron_importable
     from megatron_perf_toggles.runtime import safety_net
-    from megatron_perf_toggles.runtime.patches import PATCHES
+    from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 
     device_queries = {name: getattr(torch.cuda, name) for name in (
         "is_available", "device_count", "get_device_capability", "get_device_properties")}
@@ -400,7 +400,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     sys.stdout, sys.stderr = out, err
     undo = contextlib.ExitStack()
-    undo.enter_context(PATCHES.scope())  # what the run changes through PATCHES (hooks, net) is undone
+    undo.enter_context(PROCESS_CHANGES.scope())  # what the run changes through PROCESS_CHANGES (hooks, net) is undone
     try:
         tree_driver.plan_te_version(case.get("te_version"))
         _plan_device_arch(case.get("device_arch"))

@@ -23,6 +23,23 @@ def test_the_modules_it_names_exist():
     named = set(re.findall(r"`((?:core|runtime|launcher|tools)/[a-z_]+\.py)`", text))
     named |= {f"core/{m}" for m in re.findall(r"^\| `([a-z_]+\.py)`(?:, `[a-z_]+\.py`)? \|", text, re.M)}
     named |= {f"core/{m}" for m in re.findall(r"^\| `[a-z_]+\.py`, `([a-z_]+\.py)` \|", text, re.M)}
-    assert {"core/plan.py", "core/guards_model.py", "runtime/patches.py"} <= named, named
+    assert {"core/plan.py", "core/guards_model.py", "runtime/process_changes.py"} <= named, named
     missing = sorted(n for n in named if not (REPO / "megatron_perf_toggles" / n).is_file())
     assert not missing
+
+
+GLOSSARY = ("front end", "entry point", "hook", "patch", "plan", "record")
+
+
+def test_the_glossary_defines_each_word_once():
+    rows = re.findall(r"^\| \*\*([a-z ]+)\*\* \|", PAGE.read_text(), re.M)
+    assert all(rows.count(word) == 1 for word in GLOSSARY), rows
+
+
+def test_a_word_of_the_glossary_names_one_kind_of_module():
+    """"patch" is a patch set for a checkout and "hook" a wrapper in the parse path: no other
+    module takes either word for something else (the front ends' names are theirs to settle)."""
+    package = REPO / "megatron_perf_toggles"
+    names = sorted(str(p.relative_to(package)) for p in package.rglob("*.py"))
+    assert [n for n in names if "patch" in n] == ["tools/patching.py"], names
+    assert [n for n in names if "hook" in n and n != "primus_hook.py"] == ["hooks.py", "launcher/parse_hooks.py"]

@@ -335,7 +335,7 @@ SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--vocab-size", "128", "--mock-data", "--bf16"]
 PLAN_IN_PROCESS = """
 import sys, typing
-from megatron_perf_toggles.runtime.patches import PATCHES
+from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 from megatron_perf_toggles.tools import cli
 override, path = getattr(typing, "override", None), list(sys.path)
 cli.plan_command_line(sys.argv[2:], tree=sys.argv[1])
@@ -343,7 +343,7 @@ import contextlib, io
 with contextlib.redirect_stdout(io.StringIO()):
     assert cli.main(["flags", "--megatron", sys.argv[1]]) == 0
 import megatron.training.arguments as arguments
-print(PATCHES.labels, hasattr(arguments.validate_args, "__wrapped__"), getattr(typing, "override", None) is override,
+print(PROCESS_CHANGES.labels, hasattr(arguments.validate_args, "__wrapped__"), getattr(typing, "override", None) is override,
       sys.path == path)
 """
 

@@ -1,6 +1,6 @@
 """The run context: one per entry point, the one process slot, and a dry run that is a mode of it.
 
-Megatron here is the small fake of ``test_process_patches`` (put into ``sys.modules``): the point
+Megatron here is the small fake of ``test_process_changes`` (put into ``sys.modules``): the point
 is where the plugin keeps its state, not what Megatron does.
 """
 
@@ -13,16 +13,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_process_patches import _fake_megatron
+from test_process_changes import _fake_megatron
 
 import megatron_perf_toggles
 from megatron_perf_toggles.errors import PerfTogglesError
-from megatron_perf_toggles.launcher import dry_run, launch, megatron_hooks
+from megatron_perf_toggles.launcher import dry_run, launch, parse_hooks
 from megatron_perf_toggles.runtime import context as run_context
 from megatron_perf_toggles.runtime import rank_check, wgrad_fallback
 from megatron_perf_toggles.runtime.context import RunContext
 from megatron_perf_toggles.runtime.controller import process_controller
-from megatron_perf_toggles.runtime.patches import PATCHES, ProcessPatches
+from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES, ProcessChanges
 from megatron_perf_toggles.runtime.provider import extra_args_provider
 
 
@@ -33,38 +33,38 @@ def _fake(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True)
 def _clean_process():
-    PATCHES.uninstall()  # start from a process that carries nothing of an earlier test
+    PROCESS_CHANGES.uninstall()  # start from a process that carries nothing of an earlier test
     yield
-    PATCHES.uninstall()
+    PROCESS_CHANGES.uninstall()
 
 
 def test_install_and_uninstall_restore_the_process() -> None:
     assert run_context.current() is None
     with RunContext.create("planning", mode="plan") as outer:
-        assert run_context.current() is outer and PATCHES.labels == ["run context (plan)"]
+        assert run_context.current() is outer and PROCESS_CHANGES.labels == ["run context (plan)"]
         inner = RunContext.create("launcher").install()
         assert run_context.current() is inner
         inner.rank_fingerprint = {"toggles": {"a": 1}}
         inner.uninstall()
-        assert run_context.current() is outer and PATCHES.labels == ["run context (plan)"]
-    assert run_context.current() is None and PATCHES.labels == []
+        assert run_context.current() is outer and PROCESS_CHANGES.labels == ["run context (plan)"]
+    assert run_context.current() is None and PROCESS_CHANGES.labels == []
 
 
 def test_uninstall_undoes_what_was_recorded_after_install_and_nothing_older() -> None:
     owner = argparse.Namespace(value=1)
-    PATCHES.set_attr(owner, "value", 2, "older")
+    PROCESS_CHANGES.set_attr(owner, "value", 2, "older")
     ctx = RunContext.create("launcher").install()
-    PATCHES.set_attr(owner, "value", 3, "newer")
+    PROCESS_CHANGES.set_attr(owner, "value", 3, "newer")
     ctx.uninstall()
-    assert owner.value == 2 and PATCHES.labels == ["older"] and run_context.current() is None
+    assert owner.value == 2 and PROCESS_CHANGES.labels == ["older"] and run_context.current() is None
 
 
 def test_the_patch_log_is_an_undo_log_only() -> None:
-    public = {name for name, _ in inspect.getmembers(ProcessPatches) if not name.startswith("_")}
+    public = {name for name, _ in inspect.getmembers(ProcessChanges) if not name.startswith("_")}
     assert not {"hold", "held", "drop"} & public
     assert public == {"install", "set_attr", "set_item", "on_uninstall", "uninstall", "scope", "mark", "undo_to",
                       "labels"}
-    assert not [name for name in vars(PATCHES) if name != "_changes"]  # nothing kept beside the log
+    assert not [name for name in vars(PROCESS_CHANGES) if name != "_changes"]  # nothing kept beside the log
 
 
 def test_the_bare_provider_is_an_entry_point_with_its_own_context() -> None:
@@ -76,7 +76,7 @@ def test_the_bare_provider_is_an_entry_point_with_its_own_context() -> None:
     extra_args_provider(argparse.ArgumentParser())  # a fresh parser of its own: a fresh context, as before
     second = run_context.current()
     assert second is not first and second is not None and second.controller is not first.controller
-    PATCHES.uninstall()
+    PROCESS_CHANGES.uninstall()
     assert run_context.current() is None
 
 
@@ -90,14 +90,14 @@ def test_the_rank_check_fingerprint_lives_on_the_context() -> None:
 
 def test_the_patched_script_hook_makes_and_installs_a_script_context(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake(monkeypatch)
-    rest = megatron_hooks.install_from_argv(["--extra-args-provider", "megatron_perf_toggles", "--bf16"], environ={})
+    rest = parse_hooks.install_from_argv(["--extra-args-provider", "megatron_perf_toggles", "--bf16"], environ={})
     ctx = run_context.current()
     assert rest == ["--bf16"] and ctx is not None and ctx.entry == "script" and ctx.mode == "run"
-    assert megatron_hooks.active() is ctx.hooks and ctx.hooks.context is ctx
+    assert parse_hooks.active() is ctx.hooks and ctx.hooks.context is ctx
     args = sys.modules["megatron.training.arguments"].parse_args()  # type: ignore[attr-defined]
     assert ctx.controller is not None and process_controller() is ctx.controller and "perf_toggles" in vars(args)
-    PATCHES.uninstall()
-    assert run_context.current() is None and megatron_hooks.active() is None
+    PROCESS_CHANGES.uninstall()
+    assert run_context.current() is None and parse_hooks.active() is None
 
 
 def test_the_launcher_runs_the_script_inside_a_launcher_context(monkeypatch: pytest.MonkeyPatch,
@@ -156,7 +156,7 @@ def test_the_dry_run_leaves_no_exception_type_for_callers() -> None:
     public_errors = [name for name, value in vars(run_context).items()
                      if isinstance(value, type) and issubclass(value, BaseException) and not name.startswith("_")]
     assert public_errors == []
-    for module in (dry_run, megatron_hooks):
+    for module in (dry_run, parse_hooks):
         done = [name for name, value in vars(module).items()
                 if isinstance(value, type) and issubclass(value, BaseException) and "Done" in name]
         assert done == [], module.__name__

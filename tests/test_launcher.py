@@ -23,8 +23,8 @@ from example_layouts import all_layouts
 from megatron_perf_toggles import chain_providers, extra_args_provider
 from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.errors import PerfTogglesError
-from megatron_perf_toggles.launcher import megatron_hooks as hooks
-from megatron_perf_toggles.runtime.patches import PATCHES
+from megatron_perf_toggles.launcher import parse_hooks as hooks
+from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 from megatron_perf_toggles.tools.patching import inspect_tree
 
 REPO = runs.REPO
@@ -120,7 +120,7 @@ try:
         sys.argv[0] = "megatron_perf_toggles.run"
         runpy.run_module("megatron_perf_toggles.run", run_name="__main__", alter_sys=True)
     else:  # the top of a patched script
-        from megatron_perf_toggles.launcher.megatron_hooks import prepare_from_argv
+        from megatron_perf_toggles.launcher.parse_hooks import prepare_from_argv
         prepare_from_argv(sys.argv[1:])
 except SystemExit as stop:
     code = stop.code
@@ -415,7 +415,7 @@ def test_install_rebinds_stale_references_and_uninstall_restores(tmp_path: Path,
     for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
         monkeypatch.delitem(sys.modules, name)
     try:
-        with PATCHES.scope():  # the hooks' changes are undone at its end, newest first
+        with PROCESS_CHANGES.scope():  # the hooks' changes are undone at its end, newest first
             installed = hooks.hook_parse_path([extra_args_provider])
             from megatron.training import arguments, initialize, training
 

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_perf_toggles.tools import patching
 
-PATCHES = runs.REPO / "patches"
+PROCESS_CHANGES = runs.REPO / "patches"
 SET_NAMES = [name for _, name in patching.PATCH_SETS]
 NO_FIELD = {"core_v0.13.0", "core_v0.14.0"}
 TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
@@ -86,15 +86,15 @@ def _changed(patch: Path) -> tuple[list[str], list[str]]:
 
 @pytest.mark.parametrize("name", SET_NAMES)
 def test_patch_set_is_small_and_ours(name: str) -> None:
-    files = {p.name for p in (PATCHES / name).glob("*.patch")}
+    files = {p.name for p in (PROCESS_CHANGES / name).glob("*.patch")}
     assert files == ({"pretrain_gpt.patch"} if name in NO_FIELD else {"pretrain_gpt.patch", "arguments.patch"})
-    added, removed = _changed(PATCHES / name / "pretrain_gpt.patch")
+    added, removed = _changed(PROCESS_CHANGES / name / "pretrain_gpt.patch")
     assert not removed and len(added) <= 16  # above the imports: checks and stand-ins; in __main__: the hooks
     assert any("megatron_perf_toggles.hooks import install_from_argv" in x for x in added)
     assert any("megatron_perf_toggles.hooks import prepare_from_argv" in x for x in added)
     if name in NO_FIELD:
         return
-    added, removed = _changed(PATCHES / name / "arguments.patch")
+    added, removed = _changed(PROCESS_CHANGES / name / "arguments.patch")
     if name == "core_v0.15.0":
         assert not removed and "'--fused-single-qkv-rope', action='store_true'" in added[0]
     else:

@@ -22,7 +22,7 @@ A case is a dict with a ``name`` and a ``kind``, which picks the code that runs 
 - ``parse`` / ``wgrad_sites``: parse + validate + TransformerConfig, the wgrad fallback's sites (parse_cases.py);
 - ``corpus``: a batch of functional-test configs or fuzz samples, stock against the plugin (corpus_cases.py).
 
-Every case runs inside ``PATCHES.scope()``: what the plugin patches during one case is undone
+Every case runs inside ``PROCESS_CHANGES.scope()``: what the plugin patches during one case is undone
 before the next. A worker that dies fails only its own tree's tests, with the end of its log.
 """
 
@@ -304,7 +304,7 @@ class Session:
 
     def run(self, tree: str | os.PathLike[str], cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """``cases`` on the tree's worker, by name (the worker runs one request at a time: before or
-        after the registered suites' cases, each in its own ``PATCHES.scope()``)."""
+        after the registered suites' cases, each in its own ``PROCESS_CHANGES.scope()``)."""
         worker = self.worker(tree)
         found = worker.request([{"tree": str(Path(tree).resolve()), "cases": cases}])
         return {r["name"]: r for r in found}
@@ -411,13 +411,13 @@ def kind_of(case: dict[str, Any]) -> str:
 
 
 def run_one(case: dict[str, Any]) -> dict[str, Any]:
-    from megatron_perf_toggles.runtime.patches import PATCHES
+    from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 
     cache_parser_help_text()
     started = time.perf_counter()
     try:
         runner = importlib.import_module(KINDS[kind_of(case)]).run_case
-        with PATCHES.scope():
+        with PROCESS_CHANGES.scope():
             found = runner(case)
     except BaseException as exc:  # noqa: BLE001 - one broken case must not hide the others
         text = "".join(traceback.format_exception(exc))[-3000:]

@@ -99,6 +99,15 @@ def flag_of(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def flag_words(dest: str, value: object) -> str:
+    """The command-line words that ask for ``value`` of ``dest``: a toggle's own flag (``--no-x`` for
+    off), else Megatron's spelling of the dest's flag."""
+    toggle = BY_DEST.get(dest)
+    if toggle is not None:
+        return " ".join(toggle.flag_for(value))  # type: ignore[arg-type]
+    return flag_of(dest)
+
+
 @dataclass(frozen=True, slots=True)
 class Toggle:
     """One Megatron setting the plugin turns on by default. ``flag`` and ``off_flag`` follow from

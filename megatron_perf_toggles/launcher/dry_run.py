@@ -1,6 +1,6 @@
 """The dry run's report: parse and validate exactly as Megatron would, then print what was decided.
 
-The hooks (``megatron_hooks``) call :func:`dry_run` in place of Megatron's ``initialize_megatron`` /
+The hooks (``parse_hooks``) call :func:`dry_run` in place of Megatron's ``initialize_megatron`` /
 ``parse_and_validate_args`` when a dry run is asked for. Nothing after validation runs: no global
 state, no distributed init, no CUDA. Parse and validate see the planned world and GPU
 (``runtime.target``), and every stand-in is undone before the record is printed.
@@ -26,12 +26,12 @@ from ..errors import PerfTogglesError, report
 from ..runtime import provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import effective_assume, gpu_name_here
-from ..runtime.patches import ProcessPatches
+from ..runtime.process_changes import ProcessChanges
 from ..runtime.provenance import jsonable
 from . import summary
 
 if TYPE_CHECKING:  # types only: the hooks call the dry run, so it never imports them when it runs
-    from .megatron_hooks import Hooks, Provider
+    from .parse_hooks import Hooks, Provider
 
 
 def assumed_spec() -> str | None:
@@ -145,7 +145,7 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     arguments = sys.modules["megatron.training.arguments"]
     quiet = hooks.output == "summary" and not hooks.capture
     chatter = hooks.chatter or io.StringIO()  # the launcher's, holding the script's own output so far
-    env_patches = ProcessPatches()  # the launch environment, for this parse and validation only
+    env_changes = ProcessChanges()  # the launch environment, for this parse and validation only
     te_version = parse_assume(effective_assume(assumed_spec(), hooks.target) or "").get("te_version")
     set_here: list[launch_env.LaunchVar] = []
     try:
@@ -166,7 +166,7 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
             launch = _launch_vars(args, hooks)
             set_here = launch_env.missing(launch, os.environ)
             for var in set_here:
-                env_patches.set_item(os.environ, var.name, var.value, f"launch environment {var.name}")
+                env_changes.set_item(os.environ, var.name, var.value, f"launch environment {var.name}")
             try:
                 if getattr(args, "yaml_cfg", None) is not None:
                     from megatron.training.yaml_arguments import validate_yaml
@@ -185,7 +185,7 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
                 with contextlib.redirect_stderr(hooks.err or sys.__stderr__):
                     raise ReportedExit(report(rejected)) from None
     finally:
-        env_patches.uninstall()
+        env_changes.uninstall()
     payload = dry_run_record(hooks, args, args_defaults, via, notes)
     payload["target"] = {**(hooks.target or planned.Target()).to_record(),
                          "summary": planned.describe(hooks.target)}

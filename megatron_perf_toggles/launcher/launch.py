@@ -1,7 +1,7 @@
 """``python -m megatron_perf_toggles.run [OPTIONS] SCRIPT [MEGATRON ARGS]``: the plugin without editing Megatron.
 
 Installs the plugin (and any ``--extra-args-provider MOD:FUNC``) into Megatron's own parse path for
-the version at hand (see ``megatron_hooks``), then runs SCRIPT as ``__main__`` exactly as ``python SCRIPT``
+the version at hand (see ``parse_hooks``), then runs SCRIPT as ``__main__`` exactly as ``python SCRIPT``
 would. Works under ``torchrun -m megatron_perf_toggles.run pretrain_gpt.py ...`` too.
 """
 
@@ -21,7 +21,7 @@ from ..errors import OneLineArgumentParser, PerfTogglesError, report
 from ..runtime import target as planned
 from ..runtime.context import RunContext
 from ..runtime.provider import extra_args_provider
-from . import megatron_hooks as hooks
+from . import parse_hooks as hooks
 from .import_shims import megatron_importable
 
 PROG = "python -m megatron_perf_toggles.run"

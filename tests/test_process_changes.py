@@ -1,4 +1,4 @@
-"""Every process-wide change has one owner, and after ``PATCHES.uninstall()`` the process is as it was.
+"""Every process-wide change has one owner, and after ``PROCESS_CHANGES.uninstall()`` the process is as it was.
 
 The Megatron and torch modules here are small fakes put into ``sys.modules``: the point is what
 the plugin changes around them, not what they do.
@@ -15,18 +15,18 @@ import typing
 
 import pytest
 
-from megatron_perf_toggles.launcher import megatron_hooks
+from megatron_perf_toggles.launcher import parse_hooks
 from megatron_perf_toggles.launcher.import_shims import megatron_importable
 from megatron_perf_toggles.runtime import context as run_context
 from megatron_perf_toggles.runtime import rank_check, safety_net, wgrad_fallback
 from megatron_perf_toggles.runtime.controller import Controller
-from megatron_perf_toggles.runtime.patches import PATCHES, ProcessPatches
+from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES, ProcessChanges
 
 
 def test_set_attr_and_set_item_are_undone_newest_first() -> None:
     owner = types.SimpleNamespace(kept=1)
     table: dict[str, int] = {"a": 1}
-    patches = ProcessPatches()
+    patches = ProcessChanges()
     patches.set_attr(owner, "kept", 2)
     patches.set_attr(owner, "kept", 3)
     patches.set_attr(owner, "added", 4)
@@ -43,7 +43,7 @@ def test_set_attr_and_set_item_are_undone_newest_first() -> None:
 
 def test_a_scope_undoes_only_what_was_changed_inside_it() -> None:
     owner = types.SimpleNamespace(before=1)
-    patches = ProcessPatches()
+    patches = ProcessChanges()
     patches.set_attr(owner, "before", 2, "older")
     with pytest.raises(RuntimeError), patches.scope():
         patches.set_attr(owner, "inside", 3, "inner")
@@ -57,7 +57,7 @@ def test_a_scope_undoes_only_what_was_changed_inside_it() -> None:
 def test_a_scope_undoes_a_callback_change_and_keeps_older_ones() -> None:
     """A change made by a callback (install) has the log as its owner: a scope's end undoes what
     was recorded inside it, uninstall the rest."""
-    patches = ProcessPatches()
+    patches = ProcessChanges()
     log: list[str] = []
     patches.install("older", lambda: log.append("older"), lambda: log.append("older undone"))
     with patches.scope():
@@ -115,7 +115,7 @@ def _snapshot(modules: dict[str, types.ModuleType]) -> dict[str, object]:
 
 
 def test_after_uninstall_the_process_is_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
-    PATCHES.uninstall()  # start from a process that carries nothing of an earlier test
+    PROCESS_CHANGES.uninstall()  # start from a process that carries nothing of an earlier test
     modules = _fake_megatron(monkeypatch)
     monkeypatch.delattr(typing, "override", raising=False)  # as on Python < 3.12
     arguments, initialize = modules["megatron.training.arguments"], modules["megatron.training.initialize"]
@@ -124,8 +124,8 @@ def test_after_uninstall_the_process_is_as_it_was(monkeypatch: pytest.MonkeyPatc
 
     with megatron_importable(os.getcwd()):  # typing.override, and the tree on sys.path
         pass
-    megatron_hooks.hook_parse_path([], dry_run=False)  # parse_args rebound everywhere
-    megatron_hooks.install_from_argv([], environ={"MEGATRON_PERF_TOGGLES_DRY_RUN": "1"})  # stdout -> stderr
+    parse_hooks.hook_parse_path([], dry_run=False)  # parse_args rebound everywhere
+    parse_hooks.install_from_argv([], environ={"MEGATRON_PERF_TOGGLES_DRY_RUN": "1"})  # stdout -> stderr
     safety_net.NET.install(arguments)  # validate_args wrapped
     wgrad_fallback.activate()  # sys.modules entry and the layers' attributes
     rank_check.arm({"toggles": {}})  # torch.distributed.init_process_group wrapped
@@ -134,20 +134,20 @@ def test_after_uninstall_the_process_is_as_it_was(monkeypatch: pytest.MonkeyPatc
     assert arguments.validate_args is not before["validate_args"]
     assert dist.init_process_group is not before["init_process_group"]
     assert wgrad_fallback.MODULE_NAME in sys.modules and layers._grad_accum_fusion_available is True
-    assert len(PATCHES.labels) >= 7, PATCHES.labels
+    assert len(PROCESS_CHANGES.labels) >= 7, PROCESS_CHANGES.labels
 
-    PATCHES.uninstall()
+    PROCESS_CHANGES.uninstall()
 
     after = _snapshot(modules)
     assert after == before
-    assert megatron_hooks.active() is None and not safety_net.NET.installed and run_context.current() is None
+    assert parse_hooks.active() is None and not safety_net.NET.installed and run_context.current() is None
 
 
 def test_a_dry_run_controller_plans_without_touching_the_process() -> None:
     """plan() writes the decisions onto the namespace and nothing else; a dry run applies nothing."""
     from megatron_perf_toggles.runtime import provenance, provider
 
-    PATCHES.uninstall()
+    PROCESS_CHANGES.uninstall()
     controller = Controller({"MEGATRON_PERF_TOGGLES_ASSUME": "cuda,te=2.8"}, mode="dry-run")
     parser = provider.attach(argparse.ArgumentParser(), controller=controller)
     args = parser.parse_args([])
@@ -155,7 +155,7 @@ def test_a_dry_run_controller_plans_without_touching_the_process() -> None:
     assert args.perf_toggles == provenance.decision_records(controller.last.plan)
     assert {dest: {k: v for k, v in r.items() if k != "peak_memory_delta_mb"} for dest, r in args.perf_toggles.items()} \
         == {dest: d.to_record() for dest, d in controller.last.plan.decisions.items()}
-    assert PATCHES.labels == [] and run_context.current() is None and wgrad_fallback.MODULE_NAME not in sys.modules
+    assert PROCESS_CHANGES.labels == [] and run_context.current() is None and wgrad_fallback.MODULE_NAME not in sys.modules
 
 
 def test_a_plan_inside_a_scope_hands_a_launch_its_hooks_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,7 +164,7 @@ def test_a_plan_inside_a_scope_hands_a_launch_its_hooks_back(monkeypatch: pytest
     from megatron_perf_toggles.runtime.controller import process_controller
     from megatron_perf_toggles.runtime.provider import extra_args_provider
 
-    PATCHES.uninstall()
+    PROCESS_CHANGES.uninstall()
     modules = _fake_megatron(monkeypatch)
     arguments = modules["megatron.training.arguments"]
     own_parse_args = arguments.parse_args
@@ -172,38 +172,38 @@ def test_a_plan_inside_a_scope_hands_a_launch_its_hooks_back(monkeypatch: pytest
     def mine(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return parser
 
-    hooks = megatron_hooks.hook_parse_path([mine, extra_args_provider], dry_run=False)
+    hooks = parse_hooks.hook_parse_path([mine, extra_args_provider], dry_run=False)
     run_controller = hooks.controller_for_parse()
 
     def state() -> tuple[object, ...]:
         return (list(hooks.providers), hooks.dry_run, hooks.capture, hooks.out, hooks.controller, process_controller(),
-                dict(hooks.wrappers), arguments.parse_args, megatron_hooks.active())
+                dict(hooks.wrappers), arguments.parse_args, parse_hooks.active())
 
     before = state()
-    with PATCHES.scope():
-        megatron_hooks.hook_parse_path([extra_args_provider], dry_run=True, capture=True)
-        planning = megatron_hooks.active().controller_for_parse()
+    with PROCESS_CHANGES.scope():
+        parse_hooks.hook_parse_path([extra_args_provider], dry_run=True, capture=True)
+        planning = parse_hooks.active().controller_for_parse()
         assert planning is not run_controller and process_controller() is planning and hooks.dry_run
     assert state() == before and hooks.controller is run_controller
-    PATCHES.uninstall()
-    assert megatron_hooks.active() is None and arguments.parse_args is own_parse_args and process_controller() is None
+    PROCESS_CHANGES.uninstall()
+    assert parse_hooks.active() is None and arguments.parse_args is own_parse_args and process_controller() is None
 
 
 def test_the_safety_net_moved_to_another_megatron_moves_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    PATCHES.uninstall()
+    PROCESS_CHANGES.uninstall()
     first = _fake_megatron(monkeypatch)["megatron.training.arguments"]
     second = types.ModuleType("megatron.second_checkout.arguments")  # another tree's, as far as rebinding goes
     second.validate_args = lambda args, defaults=None: args  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, second.__name__, second)
     own_first, own_second = first.validate_args, second.validate_args
     safety_net.NET.install(first)
-    with PATCHES.scope():
+    with PROCESS_CHANGES.scope():
         safety_net.NET.install(second)
         assert safety_net.NET.module is second and first.validate_args is own_first
         assert second.validate_args is not own_second
     assert safety_net.NET.module is first and first.validate_args is not own_first
     assert second.validate_args is own_second
-    PATCHES.uninstall()
+    PROCESS_CHANGES.uninstall()
     assert not safety_net.NET.installed and first.validate_args is own_first
 
 
@@ -244,7 +244,7 @@ def test_a_plan_that_ends_the_process_leaves_compile_decorators_uncompiled() -> 
     for kwargs in ({}, {"stand_ins": False}):  # a plan in a longer process; the launcher's real run
         with megatron_importable(None, **kwargs):
             assert (torch.compile, torch.compiler.disable) == (real_compile, real_disable)
-    with PATCHES.scope():  # a patched checkout's dry run: for the rest of the process
+    with PROCESS_CHANGES.scope():  # a patched checkout's dry run: for the rest of the process
         import_shims.install_stand_ins()
         assert torch.compile(fn) is fn
     assert torch.compile is real_compile
@@ -264,12 +264,12 @@ def test_nested_stand_ins_are_undone_by_whoever_put_them_in_place(monkeypatch: p
     def now():
         return builtins.__import__, torch.compile, torch.compiler.disable
 
-    with PATCHES.scope():
+    with PROCESS_CHANGES.scope():
         with megatron_importable(None, uncompiled=True):
             import_shims.install_stand_ins()
             assert not any(map(operator.is_, now(), real))
     assert all(map(operator.is_, now(), real))
-    with PATCHES.scope():  # the other order
+    with PROCESS_CHANGES.scope():  # the other order
         import_shims.install_stand_ins()
         with megatron_importable(None, uncompiled=True):
             assert not any(map(operator.is_, now(), real))

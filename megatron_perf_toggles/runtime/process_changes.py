@@ -4,12 +4,12 @@ Not editing Megatron means changing the process around it: a module in ``sys.mod
 attributes of Megatron's layers (the wgrad fallback), Megatron functions rebound across every
 module that imported them (the parse hooks, the safety net), ``torch.distributed``'s
 ``init_process_group`` (the rank check), ``sys.stdout`` in a dry run, ``typing.override`` on
-Pythons before 3.12. Each of those goes through :data:`PATCHES`, which records what was there
-before; ``PATCHES.uninstall()`` puts every change back, newest first, so that a test, ``explain``
+Pythons before 3.12. Each of those goes through :data:`PROCESS_CHANGES`, which records what was there
+before; ``PROCESS_CHANGES.uninstall()`` puts every change back, newest first, so that a test, ``explain``
 or an application embedding Megatron can return the process to where it was.
 
-A :class:`ProcessPatches` of one's own is a scoped owner: the dry run's stand-ins for the planned
-world and GPU use one for the length of Megatron's parse and validate. :meth:`ProcessPatches.scope`
+A :class:`ProcessChanges` of one's own is a scoped owner: the dry run's stand-ins for the planned
+world and GPU use one for the length of Megatron's parse and validate. :meth:`ProcessChanges.scope`
 does the same for the shared owner: planning in-process (``explain --megatron``) hooks Megatron's
 parse path and installs the safety net like a launch does, and leaves none of it behind.
 
@@ -44,7 +44,7 @@ def _current(owner: Any, name: str) -> Any:
         return getattr(owner, name, _MISSING)
 
 
-class ProcessPatches:
+class ProcessChanges:
     """Records changes as they are made; :meth:`uninstall` undoes them in reverse order."""
 
     def __init__(self) -> None:
@@ -116,4 +116,4 @@ class ProcessPatches:
         return [c.label for c in self._changes]
 
 
-PATCHES = ProcessPatches()
+PROCESS_CHANGES = ProcessChanges()
