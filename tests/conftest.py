@@ -17,6 +17,11 @@ from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 from megatron_perf_toggles.tools.llama3_8b import llama3_8b_args
 
 REPO = Path(__file__).resolve().parents[1]
+# The three layers: unit/ (pure, fast), real/ (Megatron trees, front ends) and support/ (drivers,
+# cases, helpers), which the tests and the trees' workers import by name.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 
 def megatron_trees() -> list[Path]:

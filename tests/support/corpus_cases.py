@@ -48,7 +48,6 @@ def mode_env(te_version: str) -> dict[str, dict[str, str]]:
         "C1": {"MEGATRON_PERF_TOGGLES_ASSUME": gpu_box},
         "C2": {"MEGATRON_PERF_TOGGLES_ASSUME": "none"},
     }
-PLUGIN_VAR_PREFIXES = ("MEGATRON_PERF_TOGGLES", "FP4_SELECTIVE_BF16", "FP4_BF16_")
 NET_WORDS = "found at run time"
 # The plugin's error lines (megatron_perf_toggles.errors.PREFIX).
 PLUGIN_PREFIX = "[perf-toggles]"
@@ -138,12 +137,9 @@ def _global_restore(snapshot: dict[str, dict[str, Any]]) -> None:
 
 
 def _clean_environ(base: dict[str, str], extra: dict[str, str]) -> None:
-    from megatron_perf_toggles.core.registry import TOGGLES
+    from sandbox import sandbox_os_environ
 
-    toggle_vars = {t.env for t in TOGGLES}
-    os.environ.clear()
-    os.environ.update({k: v for k, v in base.items() if not k.startswith(PLUGIN_VAR_PREFIXES) and k not in toggle_vars})
-    os.environ.update(extra)
+    sandbox_os_environ(base, extra)
 
 
 def _fresh_dirs(dirs: list[str]) -> None:

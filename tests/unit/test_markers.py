@@ -35,7 +35,7 @@ def _unmarked_tree_tests(source: str) -> list[str]:
 
 
 def test_every_real_tree_test_is_marked():
-    unmarked = {path.name: names for path in sorted((REPO / "tests").glob("test_*.py"))
+    unmarked = {path.name: names for path in sorted((REPO / "tests").rglob("test_*.py"))
                 if (names := _unmarked_tree_tests(path.read_text()))}
     assert not unmarked, f"tests that reach real trees without @pytest.mark.real_megatron: {unmarked}"
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 from conftest import LLAMA_ARGS, REPO, full_caps
+from sandbox import clean_environ
 
 from megatron_perf_toggles.core.decide import decide
 from megatron_perf_toggles.core.env import read_env
@@ -356,7 +356,7 @@ PLUGIN_SNIPPET = (
 
 
 def _clean_env(**extra):
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES") and k != "PYTHONPATH"}
+    base = clean_environ(drop=("PYTHONPATH",))
     return {**base, "PYTHONPATH": str(REPO), **extra}
 
 

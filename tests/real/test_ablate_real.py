@@ -13,6 +13,7 @@ import launcher_cases as runs
 import pytest
 import tree_driver
 from conftest import REPO, megatron_trees
+from sandbox import clean_environ, plugin_part
 
 from megatron_perf_toggles.tools.ablate import command as ablate
 from megatron_perf_toggles.tools.ablate import confounds, design
@@ -29,7 +30,7 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def _environ(tree):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    env = clean_environ()
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(REPO)])
     env["MEGATRON_PERF_TOGGLES_ASSUME"] = "apex,te=2.20.2,cuda"
     return env
@@ -77,7 +78,7 @@ def _dry_runs(tree, args, arms, environ, world):
     """The launcher dry run (``dry_run_command``) of every arm and probe of ``arms``, as rank 0 in
     the arm's environment, as cases for the tree's worker, by arm signature."""
     wanted = {a.signature(): a for a in [*arms, *(p for ps in confounds.probe_arms(arms).values() for p in ps)]}
-    plugin_env = {k: v for k, v in environ.items() if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA_DEVICE"))}
+    plugin_env = plugin_part(environ, "CUDA_DEVICE")
     script = str(tree / "pretrain_gpt.py")
     return {signature: {"mode": "launcher", "argv": confounds.dry_run_command(script, args, arm, world)[3:],
                         "env": {**plugin_env, **arm.env(), "RANK": "0"}} for signature, arm in wanted.items()}

@@ -10,6 +10,7 @@ from dataclasses import replace
 import launcher_cases as runs
 import pytest
 from conftest import REPO, full_caps, megatron_trees
+from sandbox import clean_environ
 
 from megatron_perf_toggles.core import memory
 from megatron_perf_toggles.core.decide import decide
@@ -164,9 +165,8 @@ def test_no_estimate_or_no_gpu_memory_says_so():
 
 
 def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
 
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_PERF", "CROSS_ENTROPY", "GRAD"))}
+    base = clean_environ()
     return subprocess.run([sys.executable, "-m", "megatron_perf_toggles", *argv], capture_output=True, text=True,
                           env={**base, "PYTHONPATH": str(REPO), **(env or {})}, cwd=REPO, timeout=600)
 

@@ -397,7 +397,7 @@ def test_block_order_is_a_seeded_shuffle_per_block():
 
 # --- the command end to end, with a stand-in Megatron -------------------------------------------------
 
-FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
+FAKE = f"{sys.executable} {REPO / 'tests' / 'support' / 'fake_megatron_run.py'}"
 
 
 def _run_main(tmp_path, *extra, env=None, monkeypatch=None, clock=None, design=("--design", "one-at-a-time",

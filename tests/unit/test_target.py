@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from conftest import REPO
+from sandbox import clean_environ
 
 from megatron_perf_toggles.errors import PerfTogglesError
 from megatron_perf_toggles.runtime import target
@@ -73,7 +74,7 @@ def test_stand_ins_answer_device_queries_and_are_undone(monkeypatch):
 
 
 def _launch(*argv, cwd):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    env = clean_environ()
     env["PYTHONPATH"] = str(REPO)
     return subprocess.run([sys.executable, "-m", "megatron_perf_toggles.run", *argv], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=120)

@@ -84,7 +84,7 @@ def test_bad_value_through_the_provider_exits_2_with_one_line_and_no_traceback(t
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"GRAD_REDUCE_IN_BF16": "maybe", "PATH": "/usr/bin:/bin",
-                               "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1])})
+                               "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2])})
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

@@ -14,6 +14,7 @@ import launcher_cases as runs
 import pytest
 import tree_driver
 from conftest import REPO, megatron_trees
+from sandbox import clean_environ
 
 from megatron_perf_toggles.core import launch_env
 from megatron_perf_toggles.core.facts import PLANNED_STACKS, parse_assume
@@ -27,7 +28,7 @@ TREES_SKIP = "MEGATRON_LM_TREES is not set: set it to Megatron-LM checkouts (':'
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    env = clean_environ()
     env["PYTHONPATH"] = str(REPO)
     env.update(extra)
     return env

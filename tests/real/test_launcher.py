@@ -19,6 +19,7 @@ import launcher_cases as runs
 import pytest
 import tree_driver
 from example_layouts import all_layouts
+from sandbox import clean_environ
 
 from megatron_perf_toggles import chain_providers, extra_args_provider
 from megatron_perf_toggles.core.registry import TOGGLES
@@ -36,7 +37,7 @@ TREE_PARAMS = [pytest.param(t, id=runs.tree_id(t)) for t in runs.trees()] or [
 
 def launch(*argv: str, cwd: Path, pythonpath: list[Path] | None = None, env: dict[str, str] | None = None,
            ) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    full = clean_environ()
     full["PYTHONPATH"] = os.pathsep.join(str(p) for p in [REPO, *(pythonpath or [])])
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "megatron_perf_toggles.run", *argv], cwd=cwd, env=full,
@@ -547,7 +548,7 @@ def test_real_example_layout_dry_run_with_world_size(tree: str, name: str) -> No
 
 
 def _subprocess(argv: list[str], tmp: Path, timeout: int = 600, **extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in tree_driver.SESSION.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    env = clean_environ(tree_driver.SESSION.environ)
     env.update(PYTHONPATH=str(REPO), CUDA_DEVICE_MAX_CONNECTIONS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
     env.update(extra)
     return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp, env=env,

@@ -28,7 +28,7 @@ from typing import Any
 
 import tree_driver
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TREES_ENV = tree_driver.TREES_ENV
 SKIP_REASON = (f"{TREES_ENV} is unset: real-Megatron tests SKIPPED (set it to ':'-separated Megatron-LM "
                "checkouts, one per version; each needs Megatron-LM's Python requirements, see the README's "
@@ -317,7 +317,9 @@ def arm_resolver(tree: str | os.PathLike[str]) -> Any:
 
     def resolver(script: str, args: list[str], arm: Any, environ: dict[str, str], world: int | None = None
                  ) -> dict[str, Any]:
-        plugin_env = {k: v for k, v in environ.items() if k.startswith(("MEGATRON_PERF_TOGGLES", "CUDA_DEVICE"))}
+        from sandbox import plugin_part
+
+        plugin_env = plugin_part(environ, "CUDA_DEVICE")
         case = {"name": "arm", "mode": "launcher", "argv": ablate.dry_run_command(script, args, arm, world)[3:],
                 "env": {**plugin_env, **arm.env(), "RANK": "0"}}
         return arm_record(run_cases(str(tree), [case])["arm"], arm)

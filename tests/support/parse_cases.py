@@ -21,16 +21,12 @@ COMMON = [
     "--mock-data", "--position-embedding-type", "rope", "--no-rope-fusion", "--eval-interval", "1",
     "--eval-iters", "0",
 ]
-PLUGIN_VARS_PREFIXES = ("MEGATRON_PERF_TOGGLES", "FP4_")
 
 
 def _clean_environ(extra: dict[str, str]) -> None:
-    from megatron_perf_toggles.core.registry import TOGGLES
+    from sandbox import sandbox_os_environ
 
-    for name in list(os.environ):
-        if name.startswith(PLUGIN_VARS_PREFIXES) or name in {t.env for t in TOGGLES} or name == "WORLD_SIZE":
-            del os.environ[name]
-    os.environ.update(extra)
+    sandbox_os_environ(extra=extra, drop=("WORLD_SIZE",))
     os.environ.setdefault("MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT", "json")  # the record on stdout, for the checks
 
 

@@ -45,8 +45,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+TESTS = Path(__file__).resolve().parent  # tests/support: the cases the workers import
+REPO = TESTS.parents[1]
 TREES_ENV = "MEGATRON_LM_TREES"
 FDS_ENV = "PTT_DRIVER_FDS"  # the worker's request and reply pipes
 # What a worker's environment leaves out besides the toggles' own variables.

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO, megatron_trees
+from sandbox import clean_environ
 
 SCRIPT = REPO / "examples" / "llama" / "train_llama3.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not available")
 
 
 def run(env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    base = clean_environ()
     return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=timeout,
                           env={**base, "PYTHON": sys.executable, "MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT": "json", **env})
 

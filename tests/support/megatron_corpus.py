@@ -34,7 +34,7 @@ import tree_driver
 import yaml
 
 TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+REPO = TESTS.parents[1]
 TREES_ENV = "MEGATRON_LM_TREES"
 
 # Model families pretrain_gpt.py trains (GPT, MoE, Mixtral/DeepSeek proxies). Other families run

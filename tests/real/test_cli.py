@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 import tree_driver
 from conftest import REPO, megatron_trees
+from sandbox import clean_environ
 
 from megatron_perf_toggles.core.facts import Capabilities
 from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.tools import cli
 
-PLUGIN_VARS = {t.env for t in TOGGLES} | {"MEGATRON_PERF_TOGGLES", "MEGATRON_PERF_TOGGLES_ASSUME"}
-
 
 def run_cli(*argv, env=None, timeout=120):
-    base = {k: v for k, v in os.environ.items() if k not in PLUGIN_VARS and k not in ("PYTHONPATH", "COLUMNS")}
+    base = clean_environ(drop=("PYTHONPATH", "COLUMNS"))
     return subprocess.run([sys.executable, "-m", "megatron_perf_toggles", *argv], capture_output=True, text=True,
                           env={**base, "PYTHONPATH": str(REPO), **(env or {})}, cwd=REPO, timeout=timeout)
 
@@ -172,7 +171,7 @@ sys.exit(code)
 
 def run_probed(tmp_path, *argv, env=None, path=()):
     out = tmp_path / f"probe-{len(list(tmp_path.iterdir()))}.json"
-    base = {k: v for k, v in os.environ.items() if k not in PLUGIN_VARS and k != "PYTHONPATH"}
+    base = clean_environ(drop=("PYTHONPATH",))
     pythonpath = os.pathsep.join([str(REPO), *map(str, path)])
     proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE, str(out), *argv], capture_output=True, text=True,
                           env={**base, "PYTHONPATH": pythonpath, **(env or {})}, cwd=REPO, timeout=120)
@@ -337,6 +336,7 @@ PLAN_IN_PROCESS = """
 import sys, typing
 from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 from megatron_perf_toggles.tools import cli
+from sandbox import clean_environ
 override, path = getattr(typing, "override", None), list(sys.path)
 cli.plan_command_line(sys.argv[2:], tree=sys.argv[1])
 import contextlib, io

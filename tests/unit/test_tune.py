@@ -27,7 +27,7 @@ from megatron_perf_toggles.tools.tune import command as tune
 from megatron_perf_toggles.tools.tune import evidence as tune_evidence
 from megatron_perf_toggles.tools.tune import phases, rule
 
-FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
+FAKE = f"{sys.executable} {REPO / 'tests' / 'support' / 'fake_megatron_run.py'}"
 THREE = "grad_reduce_in_bf16,ddp_average_in_collective,cross_entropy_loss_fusion"
 
 
