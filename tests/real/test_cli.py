@@ -336,7 +336,6 @@ PLAN_IN_PROCESS = """
 import sys, typing
 from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 from megatron_perf_toggles.tools import cli
-from sandbox import clean_environ
 override, path = getattr(typing, "override", None), list(sys.path)
 cli.plan_command_line(sys.argv[2:], tree=sys.argv[1])
 import contextlib, io
