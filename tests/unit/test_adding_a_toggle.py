@@ -1,8 +1,11 @@
-"""Adding a toggle is one registry entry, its guard rule(s), and their tests. This test is the walk-through.
+"""Adding a toggle with a capability the package does not know yet: the recipe in
+docs/contributing.md, and this test is its walk-through.
 
-It declares a toggle the package does not have, with the capability it needs, and one guard that
-consults that need; everything else (the flags, the environment variable, ``--help``, the
-decision and its provenance, the README table) must follow with no other code.
+It declares what the recipe's files hold and nothing more: in ``core/registry.py`` a new
+``Capability`` record and a ``Toggle`` that needs it, in a guard module one guard that consults that
+need, and these tests. Everything else (the flags, the environment variable, ``--help``, the
+capability's detection and its value on a planned machine, the decision and its provenance, the
+generated tables) must follow with no other code.
 """
 
 from __future__ import annotations
@@ -12,16 +15,21 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from conftest import full_caps
+from conftest import REPO, full_caps
 
 from megatron_perf_toggles.core import decide, guards, registry
 from megatron_perf_toggles.core.env import read_env
+from megatron_perf_toggles.core.facts import Capabilities, with_assumptions
 from megatron_perf_toggles.errors import CannotHonourError, EnvValueError, RegistryError
-from megatron_perf_toggles.runtime import provider
+from megatron_perf_toggles.runtime import capabilities, provider
 from megatron_perf_toggles.runtime.controller import Controller
 from megatron_perf_toggles.tools import readme_tables
 
-# 1. The registry entry. Flags follow from dest: --fused-example-kernel / --no-fused-example-kernel.
+# 1. The registry: the capability, declared once (how this machine detects it, how a planned stack
+# assumes it, why it is missing), and the toggle. Flags follow from dest: --fused-example-kernel /
+# --no-fused-example-kernel.
+KERNEL = registry.Capability("te_example_kernel", "import:transformer_engine.pytorch.example:example_kernel",
+                             "te>=2.9", "TE {te_version} has no example kernel")
 EXAMPLE = registry.Toggle(
     dest="fused_example_kernel",
     env="FUSED_EXAMPLE_KERNEL",
@@ -29,7 +37,7 @@ EXAMPLE = registry.Toggle(
     kind="bool",
     default=True,
     group="transformer",
-    needs=("te_fused_qkv_rope",),
+    needs=(KERNEL.name,),
     help="An example of a fused kernel from Transformer Engine.",
 )
 
@@ -46,7 +54,9 @@ def example_kernel_missing(ctx: decide.Context) -> Iterator[decide.Change]:
 
 @pytest.fixture
 def with_example(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The entry appended to TOGGLES (and to every module's view of it), the guard to GUARDS."""
+    """The entries appended to the registry (and to every module's view of it), the guard to GUARDS
+    (as its module's declaration would put it there)."""
+    monkeypatch.setitem(registry.BY_CAPABILITY, KERNEL.name, KERNEL)
     replaced = [(registry.TOGGLES, (*registry.TOGGLES, EXAMPLE)),
                 (registry.BY_DEST, {**registry.BY_DEST, EXAMPLE.dest: EXAMPLE})]
     for name, module in list(sys.modules.items()):
@@ -61,7 +71,7 @@ def with_example(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _parse(argv: list[str], environ: dict[str, str], **caps: object) -> tuple[argparse.Namespace, Controller]:
-    controller = Controller(environ, mode="plan", capabilities=full_caps(**caps))
+    controller = Controller(environ, mode="plan", capabilities=full_caps(**{KERNEL.name: True, **caps}))
     parser = provider.attach(argparse.ArgumentParser(prog="pretrain_gpt.py"), controller=controller)
     return parser.parse_args(argv), controller
 
@@ -88,12 +98,23 @@ def test_the_decision_comes_from_command_line_environment_or_default(with_exampl
 
 
 def test_the_guard_consults_what_the_registry_says_the_toggle_needs(with_example: None) -> None:
-    args, controller = _parse([], {}, te_fused_qkv_rope=False)
+    args, controller = _parse([], {}, te_example_kernel=False)
     record = args.perf_toggles["fused_example_kernel"]
-    assert (record["value"], record["source"]) == (False, "guard") and "te_fused_qkv_rope" in record["reason"]
+    assert (record["value"], record["source"]) == (False, "guard") and "te_example_kernel" in record["reason"]
     assert controller.last is not None and controller.last.plan.decisions["fused_example_kernel"].value is False
     with pytest.raises(CannotHonourError, match="--fused-example-kernel was requested"):
-        decide.decide({}, {"fused_example_kernel": True}, read_env({}), full_caps(te_fused_qkv_rope=False))
+        decide.decide({}, {"fused_example_kernel": True}, read_env({}), full_caps(te_example_kernel=False))
+    args, _ = _parse([], {}, te_example_kernel=True)
+    assert args.perf_toggles["fused_example_kernel"]["value"] is True
+
+
+def test_the_new_capability_is_detected_and_assumed_from_its_record(with_example: None) -> None:
+    here = capabilities.detect()  # this machine: no Transformer Engine, so the kernel is missing
+    assert here.te_example_kernel is False and "te_example_kernel" in here.to_record()
+    assert with_assumptions(Capabilities(), "none,cuda,te=2.20").te_example_kernel is True  # a planned stack
+    assert with_assumptions(Capabilities(), "te=2.8").te_example_kernel is False
+    plan = decide.decide({}, {}, read_env({}), with_assumptions(full_caps(), "te=2.8"))
+    assert plan.decisions["fused_example_kernel"].value is False
 
 
 def test_a_guard_cannot_rest_on_an_undeclared_capability() -> None:
@@ -108,3 +129,19 @@ def test_the_readme_table_lists_it(with_example: None) -> None:
 def test_the_guard_table_lists_its_guard(with_example: None) -> None:
     row = next(line for line in guards.guards_table(decide.GUARDS).splitlines() if "example_kernel_missing" in line)
     assert "`fused_example_kernel`" in row and "none" in row
+
+
+def test_the_recipe_touches_at_most_four_hand_written_files() -> None:
+    """docs/contributing.md's recipe names the hand-written files a toggle with a new capability
+    touches, one numbered step each: at most four, each of them there; this test declares what
+    the first two hold (and is the third)."""
+    text = (REPO / "docs" / "contributing.md").read_text()
+    recipe = text.split("<!-- recipe: adding a toggle -->", 2)[1]
+    steps = [line for line in recipe.splitlines() if line[:2] in {f"{n}." for n in range(1, 10)}]
+    files = [line.split("`")[1] for line in steps]
+    assert 2 <= len(files) <= 4, files
+    for path in files:
+        assert "<" in path or (REPO / path).is_file(), path
+    assert files[0] == "megatron_perf_toggles/core/registry.py"  # KERNEL and EXAMPLE above
+    assert files[1].startswith("megatron_perf_toggles/core/guards_")  # example_kernel_missing above
+    assert any(f.startswith("tests/unit/test_") for f in files)  # this file
