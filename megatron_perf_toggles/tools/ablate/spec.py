@@ -99,16 +99,6 @@ class ExperimentSpec:
                 parser.add_argument(flag, dest=name, default=default, **meta)
 
     @classmethod
-    def option_names(cls) -> tuple[str, ...]:
-        """Every field that is an option, in declaration order (the positionals last)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.metadata]
-        return (*[n for n in names if cls.flag_of(n)], *[n for n in names if not cls.flag_of(n)])
-
-    @classmethod
-    def flag_of(cls, name: str) -> str | None:
-        return next(f.metadata.get("flag") for f in dataclasses.fields(cls) if f.name == name)
-
-    @classmethod
     def from_options(cls, ns: argparse.Namespace, **fixed: Any) -> ExperimentSpec:
         """The spec the parsed options say (fields a command has no option for keep their default)."""
         given = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
