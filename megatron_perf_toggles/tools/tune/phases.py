@@ -95,7 +95,7 @@ def runs_environ(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k not in removed}
 
 
-def guarded_off(setup: Setup, toggles: Sequence[str]) -> tuple[dict[str, str], dict[str, bool]]:
+def defaults_dry_run(setup: Setup, toggles: Sequence[str]) -> tuple[dict[str, str], dict[str, bool]]:
     """Toggles a guard keeps off with every default on (dest -> the guard's reason): they cannot
     take part, since an arm that asks for them on would not get it (ablate refuses such arms); and
     every on/off toggle not taking part with the value this dry run decided, pinned in every run so
@@ -211,7 +211,7 @@ def taking_part(setup: Setup) -> tuple[tuple[str, ...], dict[str, str], dict[str
     """The toggles that take part, those a guard keeps off here (with why), and the pins."""
     toggles = parse_toggles(setup.spec.toggles)
     say(f"dry runs plan for {setup.planned}")
-    excluded, pins = guarded_off(setup, toggles)
+    excluded, pins = defaults_dry_run(setup, toggles)
     for dest, why in excluded.items():
         say(f"{dest} takes no part: a guard keeps it off here ({why})")
     part = tuple(t for t in toggles if t not in excluded)
