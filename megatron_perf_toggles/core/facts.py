@@ -24,13 +24,20 @@ class MegatronFacts:
 
     version: str | None = None
     path: str | None = None
-    fused_single_qkv_rope_field: bool | None = None
     # A rule's fact (``MegatronRule.fact``): whether this Megatron carries that rule, as its rules say
-    # where they were read, else as stated (a record made by hand); None: not known.
+    # where they were read (``__post_init__``), else as stated (a record made by hand); None: not known.
+    fused_single_qkv_rope_field: bool | None = None
     asserts_te_cross_entropy: bool | None = None
     asserts_ddp_average_with_gtp: bool | None = None
     has_parse_and_validate_args: bool | None = None
     rules: tuple[str, ...] | None = None  # ids from megatron_rules.RULES present in this Megatron
+
+    def __post_init__(self) -> None:
+        """Where the rules were read, each rule's fact is what they say (one truth, not two)."""
+        if self.rules is not None:
+            for rule in BY_ID.values():
+                if rule.fact:
+                    object.__setattr__(self, rule.fact, rule.id in self.rules)
 
     def has_rule(self, rule_id: str) -> bool:
         """Whether this Megatron enforces ``rule_id``: as its rules say where they were read, else

@@ -299,6 +299,7 @@ RULES: tuple[MegatronRule, ...] = (
         ('0.15.0', '0.16.0', '0.17.0', '0.18.0', '0.18.2', '0.19.0', 'main'),
         'the TransformerConfig field fused_single_qkv_rope exists from core 0.15',
         'guard: fused single-QKV RoPE off where TransformerConfig lacks the field',
+        fact='fused_single_qkv_rope_field',
     ),
     MegatronRule(
         'fqr_gated_attention', ('fused_single_qkv_rope',),

@@ -79,20 +79,7 @@ def megatron_facts() -> MegatronFacts:
         "path": str(getattr(arguments, "__file__", "") or "").rsplit("/megatron/training/", 1)[0] or None,
         "has_parse_and_validate_args": hasattr(arguments, "parse_and_validate_args"),
     }
-    try:
-        import dataclasses
-
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        names = {f.name for f in dataclasses.fields(TransformerConfig)}
-        facts["fused_single_qkv_rope_field"] = "fused_single_qkv_rope" in names
-    except Exception:  # noqa: BLE001
-        pass
-    facts["rules"] = rules = detect_rules(facts["path"])
-    from ..core.megatron_rules import RULES
-
-    # a rule's fact says what its phrase found: one way of detecting a rule, the phrase
-    facts.update({r.fact: None if rules is None else r.id in rules for r in RULES if r.fact})
+    facts["rules"] = detect_rules(facts["path"])  # each rule by its phrase; the rules' facts follow
     return MegatronFacts(**facts)
 
 

@@ -99,10 +99,21 @@ def test_the_memory_guard_reads_the_needs_it_has_no_list_of_its_own() -> None:
 # --- Megatron's rules -----------------------------------------------------------------------------------
 
 
-def test_every_stated_rule_fact_is_a_rules_own() -> None:
-    """A MegatronFacts boolean that states a rule is declared by that rule (``MegatronRule.fact``)."""
-    stated = {f.name for f in dataclasses.fields(MegatronFacts) if f.name.startswith("asserts_")}
+# What MegatronFacts holds besides its rules' facts: which release, where, and which parse entry it has.
+NOT_RULES = {"version", "path", "rules", "has_parse_and_validate_args"}
+
+
+def test_every_megatron_fact_is_a_rules_own() -> None:
+    """Each of MegatronFacts' other fields states a rule, and is declared by that rule
+    (``MegatronRule.fact``): found by the rule's phrase, never by a check of its own."""
+    stated = {f.name for f in dataclasses.fields(MegatronFacts)} - NOT_RULES
     assert stated == {r.fact for r in RULES if r.fact}
+
+
+def test_read_rules_decide_their_facts() -> None:
+    facts = MegatronFacts(rules=("fqr_field",), asserts_te_cross_entropy=True)
+    assert facts.fused_single_qkv_rope_field is True and facts.asserts_te_cross_entropy is False
+    assert facts.asserts_ddp_average_with_gtp is False
 
 
 def test_no_guard_reads_a_rule_other_than_through_its_declaration() -> None:

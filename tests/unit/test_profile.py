@@ -183,7 +183,7 @@ def test_precedence_cli_over_env_over_profile_over_default(t):
     other = (not t.default) if t.kind == "bool" else next(c for c in t.choices if c != t.default)
     env_word = str(t.default).lower() if t.kind == "choice" else str(int(t.default))
     profile = replace(sample(**{t.dest: other}), source="p.json")
-    caps = full_caps(megatron=replace(full_caps().megatron, rules=()))  # no Megatron rule in the way
+    caps = full_caps(megatron=replace(full_caps().megatron, rules=("fqr_field",)))  # the field; no rule in the way
 
     def got(**kw):
         d = plan_with(profile, caps=caps, **kw).decisions[t.dest]
