@@ -114,9 +114,10 @@ class ExperimentSpec:
     # --- checks ------------------------------------------------------------------------------
 
     def check(self) -> None:
-        """Every check of the options before the first dry run: one line per bad value."""
-        for problem in self._problems():
-            raise DesignError(problem)
+        """Every check of the options before the first dry run; the first bad value is one line."""
+        problems = self._problems()
+        if problems:
+            raise DesignError(problems[0])
         if not Path(self.script).is_file():
             raise DesignError(f"script not found: {self.script}")
 
