@@ -47,7 +47,7 @@ alone. Arms are only ever compared inside one part, so a neighbour on another GP
 arm. Running the same command again with the same --out resumes: finished runs are skipped.
 
 It prints the expected run time first. --smoke runs the same parts on CPU: the arms' dry runs go
-through the given Megatron tree's real parser, the runs themselves through tests/fake_megatron_run.py.
+through the given Megatron tree's real parser, the runs themselves through tests/support/fake_megatron_run.py.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ sys.path.insert(0, str(REPO))
 
 from megatron_perf_toggles.core.registry import SETTINGS, TOGGLES  # noqa: E402
 from megatron_perf_toggles.errors import PerfTogglesError  # noqa: E402
+from megatron_perf_toggles.tools.ablate.argv import set_args  # noqa: E402
 from megatron_perf_toggles.tools.ablate.design import parse_toggles  # noqa: E402
-from megatron_perf_toggles.tools.ablate.runner import set_args  # noqa: E402
 from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_BF16  # noqa: E402
 
 # The reference model: the package's one Llama-3-8B definition, cut to 4 layers and a 16-sequence
@@ -202,7 +202,7 @@ def ablate_command(part: str, ns: argparse.Namespace, out: Path, budget_min: flo
     if ns.smoke:
         # one python process standing in for the part's world, which it logs as Megatron would;
         # --world-size (below) plans the dry runs for that world, as torchrun's would on the GPUs
-        launch = f"env FAKE_WORLD_SIZE={gpus} {sys.executable} {REPO / 'tests' / 'fake_megatron_run.py'}"
+        launch = f"env FAKE_WORLD_SIZE={gpus} {sys.executable} {REPO / 'tests' / 'support' / 'fake_megatron_run.py'}"
     elif gpus > 1:
         launch = f"{sys.executable} -m torch.distributed.run --nproc-per-node {gpus} --master-port {port}"
     else:
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=29511, help="first port; each part uses its own (default 29511)")
     ap.add_argument("--devices", metavar="LIST",
                     help="comma list of GPU indices: one-GPU parts run side by side, one per GPU")
-    ap.add_argument("--smoke", action="store_true", help="CPU: stand-in runs (tests/fake_megatron_run.py)")
+    ap.add_argument("--smoke", action="store_true", help="CPU: stand-in runs (tests/support/fake_megatron_run.py)")
     ap.add_argument("--print-only", action="store_true", help="print the plan and the commands, run nothing")
     ns = ap.parse_args(argv)
     parts = [p.strip() for p in ns.parts.split(",") if p.strip()]

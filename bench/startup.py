@@ -49,7 +49,7 @@ PARSE_VALIDATE_PROBE = """
 import contextlib, io, json, sys, time
 from megatron_perf_toggles.launcher.import_shims import megatron_importable
 from megatron_perf_toggles.runtime import provider
-from megatron_perf_toggles.runtime.patches import PATCHES
+from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 tree, repeats, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 with megatron_importable(tree):
     t = time.perf_counter()
@@ -59,7 +59,7 @@ with megatron_importable(tree):
         return provider.attach(parser, environ={"RANK": "1"})
     def once(extra):
         sys.argv = ["pretrain_gpt.py", *argv]
-        with PATCHES.scope(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with PROCESS_CHANGES.scope(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             t = time.perf_counter()
             args = arguments.parse_args(extra_args_provider=extra)
             arguments.validate_args(args, {})

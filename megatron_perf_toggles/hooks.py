@@ -4,11 +4,11 @@
 for a dry run, puts the import stand-ins in place, before anything of Megatron's is imported.
 
 The patches in ``patches/`` (and every checkout they were already applied to) import this name;
-the hooks themselves live in ``launcher.megatron_hooks``.
+the hooks themselves live in ``launcher.parse_hooks``.
 """
 
 from __future__ import annotations
 
-from .launcher.megatron_hooks import install_from_argv, prepare_from_argv
+from .launcher.parse_hooks import install_from_argv, prepare_from_argv
 
 __all__ = ["install_from_argv", "prepare_from_argv"]

@@ -13,10 +13,15 @@ import pytest
 
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import Capabilities, MegatronFacts
-from megatron_perf_toggles.runtime.patches import PATCHES
+from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 from megatron_perf_toggles.tools.llama3_8b import llama3_8b_args
 
 REPO = Path(__file__).resolve().parents[1]
+# The three layers: unit/ (pure, fast), real/ (Megatron trees, front ends) and support/ (drivers,
+# cases, helpers), which the tests and the trees' workers import by name.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 
 def megatron_trees() -> list[Path]:
@@ -43,9 +48,9 @@ LLAMA_ARGS = llama3_8b_args("bf16", "position_embedding_type", "num_layers", "pi
 
 @pytest.fixture(autouse=True)
 def _process_left_as_found():
-    """Whatever a test changes through PATCHES (hooks, the safety net, the rank check's wrapper)
+    """Whatever a test changes through PROCESS_CHANGES (hooks, the safety net, the rank check's wrapper)
     is undone when it ends, so no test sees another's patches."""
-    with PATCHES.scope():
+    with PROCESS_CHANGES.scope():
         yield
 
 

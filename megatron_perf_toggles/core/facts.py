@@ -7,15 +7,13 @@ helpers and the ``MEGATRON_PERF_TOGGLES_ASSUME`` overrides, so the pure policy (
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import AssumeError
-
-# Earliest Transformer Engine releases with the kernels the toggles use. Only consulted when a
-# run is planned with MEGATRON_PERF_TOGGLES_ASSUME=te=VERSION; real runs import the kernels.
-TE_MIN_FUSED_QKV_ROPE = (2, 8)
-TE_MIN_CROSS_ENTROPY = (2, 0)
+from .megatron_rules import BY_ID
+from .registry import BY_CAPABILITY, Capability
 
 ASSUME_NAMES = ("apex", "aiter", "rocm", "cuda", "te=VERSION", "none")
 
@@ -26,27 +24,42 @@ class MegatronFacts:
 
     version: str | None = None
     path: str | None = None
+    # A rule's fact (``MegatronRule.fact``): whether this Megatron carries that rule, as its rules say
+    # where they were read (``__post_init__``), else as stated (a record made by hand); None: not known.
     fused_single_qkv_rope_field: bool | None = None
     asserts_te_cross_entropy: bool | None = None
     asserts_ddp_average_with_gtp: bool | None = None
     has_parse_and_validate_args: bool | None = None
     rules: tuple[str, ...] | None = None  # ids from megatron_rules.RULES present in this Megatron
 
+    def __post_init__(self) -> None:
+        """Where the rules were read, each rule's fact is what they say (one truth, not two)."""
+        if self.rules is not None:
+            for rule in BY_ID.values():
+                if rule.fact:
+                    object.__setattr__(self, rule.fact, rule.id in self.rules)
+
     def has_rule(self, rule_id: str) -> bool:
-        """Whether this Megatron enforces ``rule_id``; an unknown Megatron is assumed to."""
-        return self.rules is None or rule_id in self.rules
+        """Whether this Megatron enforces ``rule_id``: as its rules say where they were read, else
+        as its ``fact`` states, else as the rule's ``if_unknown`` assumes (mostly: it does)."""
+        if self.rules is not None:
+            return rule_id in self.rules
+        rule = BY_ID[rule_id]
+        stated = getattr(self, rule.fact) if rule.fact else None
+        return rule.if_unknown if stated is None else bool(stated)
 
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What this machine (or the planned one) offers the toggles: Megatron, TE, APEX, aiter, device."""
+    """What this machine (or the planned one) offers the toggles: Megatron, TE, APEX, aiter, device.
+
+    The capabilities themselves are the registry's (``registry.CAPABILITY_RECORDS``): each is read
+    as an attribute (``caps.te_cross_entropy``) or by :meth:`value_of`, and given as a keyword
+    (``Capabilities(te_cross_entropy=True)``); a machine's own are kept in ``have`` (missing
+    where not given), a Megatron fact's come from ``megatron``."""
 
     megatron: MegatronFacts = field(default_factory=MegatronFacts)
     te_version: str | None = None
-    te_fused_qkv_rope: bool = False
-    te_cross_entropy: bool = False
-    apex_fused_wgrad: bool = False
-    wgrad_fallback: bool = False  # our torch stand-in for APEX's fused wgrad can run here
     aiter_version: str | None = None
     torch_version: str | None = None
     device: str | None = None  # "cuda", "rocm" or "cpu"; None when torch is absent
@@ -57,18 +70,42 @@ class Capabilities:
     assumed: tuple[str, ...] = ()  # capability names that came from MEGATRON_PERF_TOGGLES_ASSUME
     stack: str = ""  # the planned software stack a plan for another machine rests on ("" for this machine)
     notes: dict[str, str] = field(default_factory=dict)  # capability -> why it is missing
+    have: Mapping[str, bool] = field(default_factory=dict)  # the registry's stored capabilities present
 
-    @property
-    def megatron_fused_single_qkv_rope_field(self) -> bool | None:
-        return self.megatron.fused_single_qkv_rope_field
+    def value_of(self, name: str) -> bool | None:
+        """The capability ``name`` (a registry name): False missing, None unknown."""
+        cap = BY_CAPABILITY[name]
+        if not cap.stored:
+            return getattr(self.megatron, cap.detected.removeprefix("megatron:"))
+        return bool(self.have.get(name, False))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in BY_CAPABILITY:
+            return self.value_of(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def is_assumed(self, name: str) -> bool:
         return name in self.assumed
 
     def to_record(self) -> dict[str, Any]:
         out = asdict(self)
+        out.pop("have")
+        out.update({c.name: self.value_of(c.name) for c in _stored()})
         out["assumed"] = list(self.assumed)
         return out
+
+
+_dataclass_init = Capabilities.__init__
+
+
+def _init(self: Capabilities, have: Mapping[str, bool] | None = None, **given: Any) -> None:
+    """The dataclass's own ``__init__``, with each stored capability given by its name (as
+    ``dataclasses.replace`` passes them too) folded into ``have``."""
+    named = {n: bool(given.pop(n)) for n in list(given) if n in BY_CAPABILITY and BY_CAPABILITY[n].stored}
+    _dataclass_init(self, have={**(have or {}), **named}, **given)
+
+
+Capabilities.__init__ = _init  # type: ignore[method-assign,assignment]
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -91,26 +128,38 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 
 
-# What ``none`` plans for: none of the packages the guards ask about.
-ASSUME_NONE: dict[str, Any] = {
-    "apex_fused_wgrad": False,
-    "wgrad_fallback": False,
-    "te_version": None,
-    "te_fused_qkv_rope": False,
-    "te_cross_entropy": False,
-    "aiter_version": None,
-}
-# The notes (reasons a capability is missing) that an assumed value makes stale.
-_NOTES_OF = {
-    "apex_fused_wgrad": ("apex_fused_wgrad",), "wgrad_fallback": ("wgrad_fallback",),
-    "te_version": ("te", "te_fused_qkv_rope", "te_cross_entropy"), "te_fused_qkv_rope": ("te_fused_qkv_rope",),
-    "te_cross_entropy": ("te_cross_entropy",), "aiter_version": ("aiter",),
-}
+def _stored(assumed: str | None = None) -> list[Capability]:
+    """The registry's capabilities of the machine's own (``assumed``: set by that entry)."""
+    return [c for c in BY_CAPABILITY.values() if c.stored and assumed in (None, c.assumed)]
+
+
+def _te_caps() -> list[Capability]:
+    return [c for c in _stored() if c.te_minimum is not None]
+
+
+def assume_none() -> dict[str, Any]:
+    """What ``none`` plans for: none of the packages the guards ask about."""
+    return {**{c.name: False for c in _stored()}, "te_version": None, "aiter_version": None}
+
+
+def _notes_of(name: str) -> tuple[str, ...]:
+    """The notes (reasons a capability is missing) that an assumed value of ``name`` makes stale."""
+    if name == "te_version":
+        return ("te", *(c.name for c in _te_caps()))
+    return ("aiter",) if name == "aiter_version" else (name,)
+
+
+def _assumed_te(item: str, value: str) -> dict[str, Any]:
+    vt = version_tuple(value.strip())
+    if not vt:
+        raise AssumeError(f"MEGATRON_PERF_TOGGLES_ASSUME: {item!r} needs a Transformer Engine version, e.g. te=2.8")
+    return {"te_version": value.strip(), **{c.name: vt >= (c.te_minimum or ()) for c in _te_caps()}}
 
 
 def parse_assume(spec: str) -> dict[str, Any]:
     """``apex,te=2.8,rocm`` -> the capabilities it names, and only those (``none``: no packages).
-    Unknown names are an AssumeError."""
+    Which capability each entry sets is the registry's ``Capability.assumed``. Unknown names are
+    an AssumeError."""
     out: dict[str, Any] = {}
     for raw in spec.split(","):
         item = raw.strip()
@@ -119,23 +168,16 @@ def parse_assume(spec: str) -> dict[str, Any]:
         name, _, value = item.partition("=")
         name = name.strip().lower()
         if name == "apex" and not value:
-            out["apex_fused_wgrad"] = True
+            out.update({c.name: True for c in _stored("apex")})
         elif name == "aiter" and not value:
             out["aiter_version"] = "assumed"
         elif name in ("rocm", "cuda") and not value:
             out["device"] = name
-            out["wgrad_fallback"] = True  # a GPU with a current torch: the stand-in can run
+            out.update({c.name: True for c in _stored("gpu")})  # a GPU with a current torch
         elif name == "none" and not value:
-            out.update(ASSUME_NONE)
+            out.update(assume_none())
         elif name == "te":
-            vt = version_tuple(value.strip())
-            if not vt:
-                raise AssumeError(
-                    f"MEGATRON_PERF_TOGGLES_ASSUME: {item!r} needs a Transformer Engine version, e.g. te=2.8"
-                )
-            out["te_version"] = value.strip()
-            out["te_fused_qkv_rope"] = vt >= TE_MIN_FUSED_QKV_ROPE
-            out["te_cross_entropy"] = vt >= TE_MIN_CROSS_ENTROPY
+            out.update(_assumed_te(item, value))
         else:
             raise AssumeError(
                 f"MEGATRON_PERF_TOGGLES_ASSUME: unknown entry {item!r}; accepted: {', '.join(ASSUME_NAMES)}"
@@ -148,7 +190,7 @@ def with_assumptions(caps: Capabilities, spec: str | None) -> Capabilities:
     if not spec:
         return caps
     overrides = parse_assume(spec)
-    stale = {note for name in overrides for note in _NOTES_OF.get(name, ())}
+    stale = {note for name in overrides for note in _notes_of(name)}
     notes = {k: v for k, v in caps.notes.items() if k not in stale}
     return replace(caps, **overrides, assumed=tuple(sorted({*caps.assumed, *overrides})), notes=notes)
 
@@ -182,9 +224,12 @@ def describe_stack(caps: Capabilities, hint: bool = True) -> str:
 
 
 def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:
-    """Megatron facts from a recorded surface (planning without a checkout)."""
+    """Megatron facts from a recorded surface (planning without a checkout). A rule's fact that the
+    record states (a fork's delta states what differs from its base) decides that rule."""
     known = {f.name for f in fields(MegatronFacts)}
     facts = {k: v for k, v in surface.get("facts", {}).items() if k in known}
-    if isinstance(facts.get("rules"), list):
-        facts["rules"] = tuple(facts["rules"])
+    if isinstance(facts.get("rules"), list | tuple):
+        rules = [r for r in facts["rules"] if r not in BY_ID or facts.get(BY_ID[r].fact) is not False]
+        rules += [r.id for r in BY_ID.values() if r.fact and facts.get(r.fact) is True and r.id not in rules]
+        facts["rules"] = tuple(rules)
     return MegatronFacts(**facts)

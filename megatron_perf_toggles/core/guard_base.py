@@ -45,6 +45,12 @@ class Guard:
         return self.check(ctx)
 
 
+def declared_in(namespace: Mapping[str, Any]) -> tuple[Guard, ...]:
+    """The guards a module declares, in the order it declares them (a module's namespace keeps
+    definition order): each guard module's ``GUARDS``, so that no guard is listed by hand."""
+    return tuple(value for value in namespace.values() if isinstance(value, Guard))
+
+
 def guard(*, moves: tuple[str, ...], answers: tuple[MegatronRule, ...] = ()) -> Callable[[Check], Guard]:
     """Declare the function below as a guard (see ``Guard``)."""
     return lambda check: Guard(check, moves, answers)
@@ -93,4 +99,4 @@ def te_at_least(caps: Capabilities, minimum: tuple[int, ...]) -> bool:
 def lacking(ctx: Context, dest: str) -> str | None:
     """The first capability that the toggle's fast value needs (``Toggle.needs`` in the registry)
     and that this machine lacks: ``False``, not merely unknown (``None``)."""
-    return next((need for need in BY_DEST[dest].needs if getattr(ctx.caps, need) is False), None)
+    return next((need for need in BY_DEST[dest].needs if ctx.caps.value_of(need) is False), None)

@@ -1,53 +1,23 @@
 """The guards in the order they run, and the table of them the docs show.
 
 Every guard is declared once, next to its check (``guards_grads``, ``guards_model``), with the
-toggles it may move and the Megatron rules it answers; this module only orders them. The
+toggles it may move and the Megatron rules it answers; each module lists its own in the order
+it declares them (``guard_base.declared_in``), and this module only puts the modules in order. The
 generated table (``guards_table``), the test that every rule marked ``guard`` or ``dependency``
 in ``megatron_rules`` has its answer, and the rule-detection tests all read these declarations.
 """
 
 from __future__ import annotations
 
+from . import guards_grads, guards_model
 from .guard_base import Guard, Need
-from .guards_grads import (
-    NEEDS,
-    grad_reduce_checkpoint_layout,
-    grad_reduce_yields_to_fp32_accumulation,
-    grad_reduce_yields_to_fsdp_comm_dtype,
-    gradient_accumulation_fusion_apex,
-    gradient_accumulation_fusion_fsdp,
-    mxfp4_bf16_wgrad,
-)
-from .guards_model import (
-    cross_entropy_fusion_deterministic,
-    cross_entropy_impl_unused,
-    cross_entropy_te_asserted,
-    cross_entropy_te_distillation,
-    cross_entropy_te_full_iteration_graph,
-    cross_entropy_te_missing,
-    ddp_average_unsupported,
-    fused_qkv_rope_unsupported,
-)
+from .guards_grads import NEEDS
 
 __all__ = ["GUARDS", "NEEDS", "Guard", "Need", "guards_table"]
 
-# Applied in this order: a later guard sees (and may take back) what an earlier one changed.
-GUARDS: tuple[Guard, ...] = (
-    grad_reduce_yields_to_fp32_accumulation,
-    grad_reduce_yields_to_fsdp_comm_dtype,
-    mxfp4_bf16_wgrad,
-    grad_reduce_checkpoint_layout,
-    cross_entropy_fusion_deterministic,
-    cross_entropy_te_asserted,
-    cross_entropy_te_distillation,
-    cross_entropy_te_full_iteration_graph,
-    cross_entropy_te_missing,
-    cross_entropy_impl_unused,
-    gradient_accumulation_fusion_fsdp,
-    gradient_accumulation_fusion_apex,
-    fused_qkv_rope_unsupported,
-    ddp_average_unsupported,
-)
+# Applied in this order: a later guard sees (and may take back) what an earlier one changed. Each
+# module's guards run in the order it declares them; the gradient guards come first.
+GUARDS: tuple[Guard, ...] = (*guards_grads.GUARDS, *guards_model.GUARDS)
 
 
 def guards_table(guards: tuple[Guard, ...] = GUARDS, needs: tuple[Need, ...] = NEEDS) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
-from .guard_base import Need, carries, graph_modules, guard, is_on, lacking, rule, te_at_least
+from .guard_base import Need, carries, declared_in, graph_modules, guard, is_on, lacking, rule, te_at_least
 from .plan import Change, Context
 
 WGRAD_FALLBACK_WORDS = "torch.addmm with fp32 accumulation"
@@ -56,6 +56,19 @@ def _mxfp4_fusion_stays_on(ctx: Context) -> bool:
     )
 
 
+@guard(moves=("grad_reduce_in_bf16",), answers=(rule("grad_reduce_bf16_drops_fp32_accumulation"),))
+def grad_reduce_yields_to_fp32_accumulation(ctx: Context) -> Iterator[Change]:
+    """An explicit `--accumulate-allreduce-grads-in-fp32` turns the bf16 gradient-reduction default off:
+    Megatron's validate_args would silently drop the fp32 request under it."""
+    if ctx.args.get("accumulate_allreduce_grads_in_fp32") and is_on(ctx.values, "grad_reduce_in_bf16"):
+        yield Change(
+            "grad_reduce_in_bf16", False,
+            "--accumulate-allreduce-grads-in-fp32 asks for fp32 gradient accumulation and reduction, which "
+            "Megatron's validate_args would silently drop under grad_reduce_in_bf16",
+            yields_to_cli=True, requested_by="--accumulate-allreduce-grads-in-fp32",
+        )
+
+
 @guard(moves=("grad_reduce_in_bf16",), answers=(MFSDP_GRAD_COMM_DTYPE,))
 def grad_reduce_yields_to_fsdp_comm_dtype(ctx: Context) -> Iterator[Change]:
     """An explicit `--megatron-fsdp-grad-comm-dtype` other than bf16 turns the bf16 gradient-reduction
@@ -68,19 +81,6 @@ def grad_reduce_yields_to_fsdp_comm_dtype(ctx: Context) -> Iterator[Change]:
                      f"--megatron-fsdp-grad-comm-dtype {dtype} was asked for, and this Megatron overrides it with bf16 "
                      "under grad_reduce_in_bf16", yields_to_cli=True,
                      requested_by=f"--megatron-fsdp-grad-comm-dtype {dtype}")
-
-
-@guard(moves=("grad_reduce_in_bf16",), answers=(rule("grad_reduce_bf16_drops_fp32_accumulation"),))
-def grad_reduce_yields_to_fp32_accumulation(ctx: Context) -> Iterator[Change]:
-    """An explicit `--accumulate-allreduce-grads-in-fp32` turns the bf16 gradient-reduction default off:
-    Megatron's validate_args would silently drop the fp32 request under it."""
-    if ctx.args.get("accumulate_allreduce_grads_in_fp32") and is_on(ctx.values, "grad_reduce_in_bf16"):
-        yield Change(
-            "grad_reduce_in_bf16", False,
-            "--accumulate-allreduce-grads-in-fp32 asks for fp32 gradient accumulation and reduction, which "
-            "Megatron's validate_args would silently drop under grad_reduce_in_bf16",
-            yields_to_cli=True, requested_by="--accumulate-allreduce-grads-in-fp32",
-        )
 
 
 @guard(moves=("grad_reduce_in_bf16",))  # aiter's a4w4 kernel, not a Megatron rule
@@ -212,3 +212,5 @@ NEEDS: tuple[Need, ...] = (
     Need("gradient_accumulation_fusion", True, rule("delay_wgrad_fusion_off_te"), _needs_delay_wgrad_old_te),
     Need("grad_reduce_in_bf16", True, rule("ddp_fp32_local_accum_patterns_need_bf16_grads"), _needs_fp32_local_accumulation),
 )
+
+GUARDS = declared_in(globals())  # in the order they are declared above

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .guard_base import carries, graph_modules, guard, is_on, lacking, rule, te_at_least
+from .guard_base import carries, declared_in, graph_modules, guard, is_on, lacking, rule, te_at_least
 from .plan import Change, Context
 from .registry import flag_of
 
@@ -20,6 +20,8 @@ DETERMINISTIC_CE = rule("deterministic_ce_fusion")
 DETERMINISTIC_CE_019 = rule("deterministic_ce_fusion_019")
 CE_TE_DISTILLATION = rule("ce_te_impl_distillation")
 CE_TE_FULL_GRAPH = rule("ce_te_full_iteration_graph_old_te")
+CE_TE_STABILITY = rule("ce_te_impl_stability")
+DDP_AVERAGE_VS_GTP = rule("ddp_average_vs_gtp")
 CE = ("cross_entropy_loss_fusion", "cross_entropy_fusion_impl")
 
 
@@ -51,11 +53,11 @@ def _te_impl_cannot_stay(ctx: Context, reason: str, hint: str, capability: str =
     return Change("cross_entropy_fusion_impl", "native", reason, hint=hint, capability=capability)
 
 
-@guard(moves=CE, answers=(rule("ce_te_impl_stability"),))  # read as MegatronFacts.asserts_te_cross_entropy
+@guard(moves=CE, answers=(CE_TE_STABILITY,))
 def cross_entropy_te_asserted(ctx: Context) -> Iterator[Change]:
     """The cross-entropy impl `te` becomes `native` where Megatron asserts against it with loss fusion
     (0.18.2 and later); if `te` was asked for by name, the fusion default yields instead."""
-    if _te_fused_cross_entropy_on(ctx) and ctx.caps.megatron.asserts_te_cross_entropy:
+    if _te_fused_cross_entropy_on(ctx) and carries(ctx, CE_TE_STABILITY):
         reason = (f"Megatron {ctx.caps.megatron.version or ''} rejects the te impl with "
                   "--cross-entropy-loss-fusion (stability assertion in validate_args)").replace("  ", " ")
         yield _te_impl_cannot_stay(ctx, reason, hint="use --cross-entropy-fusion-impl native")
@@ -165,7 +167,7 @@ def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
 
 
 @guard(moves=("ddp_average_in_collective",), answers=(
-    rule("ddp_average_vs_per_token_loss"), rule("ddp_average_vs_gtp"), rule("ddp_average_vs_gtp_ddp")))
+    rule("ddp_average_vs_per_token_loss"), DDP_AVERAGE_VS_GTP, rule("ddp_average_vs_gtp_ddp")))
 def ddp_average_unsupported(ctx: Context) -> Iterator[Change]:
     """Averaging inside the data-parallel collective goes off with `--calculate-per-token-loss` or GTP
     weight shards."""
@@ -181,7 +183,7 @@ def ddp_average_unsupported(ctx: Context) -> Iterator[Change]:
         )
         return
     shards = [d for d in GTP_DESTS if (ctx.args.get(d) or 1) > 1]
-    if shards and ctx.caps.megatron.asserts_ddp_average_with_gtp is not False:
+    if shards and carries(ctx, DDP_AVERAGE_VS_GTP):
         yield Change(
             "ddp_average_in_collective",
             False,
@@ -189,3 +191,4 @@ def ddp_average_unsupported(ctx: Context) -> Iterator[Change]:
             hint="pass --no-ddp-average-in-collective",
         )
 
+GUARDS = declared_in(globals())  # in the order they are declared above

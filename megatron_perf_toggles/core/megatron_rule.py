@@ -18,7 +18,9 @@ class MegatronRule:
     ``stage`` says when Megatron enforces it: parse+validate, building the TransformerConfig, or
     only at run time (model wrapping, first step); ``versions`` are the supported releases that
     carry it (recorded from real trees; a test re-checks them); ``handling`` is the plugin's
-    answer: the guard that covers it, or why none is needed.
+    answer: the guard that covers it, or why none is needed. ``fact`` names the ``MegatronFacts``
+    field that states it for a Megatron whose rules were not read (a hand-built or older record);
+    ``if_unknown``: whether a Megatron known neither way is assumed to carry it.
     """
 
     id: str
@@ -29,3 +31,5 @@ class MegatronRule:
     versions: tuple[str, ...]
     summary: str
     handling: str
+    fact: str = ""
+    if_unknown: bool = True

@@ -46,6 +46,7 @@ TOGGLE_RULES: tuple[MegatronRule, ...] = (
         ('0.18.2', '0.19.0', 'main'),
         'loss fusion with impl te is an assertion (stability)',
         'guard: impl te becomes native; with an explicit te impl the fusion default yields instead',
+        fact='asserts_te_cross_entropy', if_unknown=False,
     ),
     MegatronRule(
         'ce_te_impl_config_warning', ('cross_entropy_loss_fusion', 'cross_entropy_fusion_impl'),
@@ -254,6 +255,7 @@ TOGGLE_RULES: tuple[MegatronRule, ...] = (
         ('0.19.0', 'main'),
         'GTP weight shards assert average-in-collective is off',
         'guard: average in collective off with GTP weight shards',
+        fact='asserts_ddp_average_with_gtp',
     ),
     MegatronRule(
         'ddp_average_vs_gtp_ddp', ('ddp_average_in_collective',),
@@ -270,6 +272,7 @@ TOGGLE_RULES: tuple[MegatronRule, ...] = (
         ('0.15.0', '0.16.0', '0.17.0', '0.18.0', '0.18.2', '0.19.0', 'main'),
         'the TransformerConfig field fused_single_qkv_rope exists from core 0.15',
         'guard: fused single-QKV RoPE off where TransformerConfig lacks the field',
+        fact='fused_single_qkv_rope_field',
     ),
     MegatronRule(
         'fqr_gated_attention', ('fused_single_qkv_rope',),

@@ -31,15 +31,14 @@ from .allocator import (
 )
 from .env import EnvSettings
 from .facts import Capabilities
+from .guards import NEEDS
 from .memory import Estimate, Unknown, layout_from_args, stock_peak, toggle_delta_mb
-from .plan import Decision, Message
+from .plan import Context, Decision, Message
 from .registry import TOGGLES, format_value
 
 HEADROOM_VAR = "MEGATRON_PERF_TOGGLES_MEMORY_HEADROOM"
 DEFAULT_HEADROOM = "10%"
 HEADROOM_ACCEPTED = "a percentage of the GPU's memory (10%) or an amount in GB (8 or 8GB), 0 or more"
-# Features that need gradient accumulation fusion (decide.NEEDS): the guard leaves fusion on for them.
-NEEDS_WGRAD_FUSION = ("defer_embedding_wgrad_compute", "delay_wgrad_compute")
 
 
 def headroom_mb(env: EnvSettings, capacity_mb: float) -> float:
@@ -222,7 +221,7 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     memory.expandable_refused = None if env.expandable_segments else expandable_segments_refused(args, caps)
     fit = _Fit(layout, estimate, base, te, limit, env.expandable_segments, memory.expandable_refused)
     memory.verdicts = {"stock": fit.verdict(base), "plan": fit.verdict(values)}
-    messages = _back_off(fit, memory, decisions, values, args, env, _where(caps, env, limit))
+    messages = _back_off(fit, memory, decisions, values, Context(args, values, caps, env), _where(caps, env, limit))
     memory.verdicts["plan"] = fit.verdict(values)
     memory.launch = _launch(memory, fit, values, args, caps)
     return memory, messages + _verdict_messages(memory, fit, values, decisions)
@@ -237,21 +236,20 @@ def _where(caps: Capabilities, env: EnvSettings, limit: float) -> str:
     return f"{caps.gpu_name or 'the GPU'}: {size_words(capacity)} less {kept} headroom = {size_words(limit)}"
 
 
-def _eligible(memory: MemoryPlan, decisions: Mapping[str, Decision], args: Mapping[str, Any],
-              env: EnvSettings) -> list[str]:
+def _eligible(memory: MemoryPlan, decisions: Mapping[str, Decision], ctx: Context) -> list[str]:
     """The defaults the guard may back off, costliest first: memory-increasing, nobody asked for them."""
     costly = sorted((d for d, mb in memory.deltas.items() if mb and mb > 0), key=lambda d: -(memory.deltas[d] or 0))
-    return [d for d in costly if decisions[d].source == "default" and env.plugin_enabled and not _needed(d, args)]
+    return [d for d in costly if decisions[d].source == "default" and ctx.env.plugin_enabled and not _needed(d, ctx)]
 
 
 def _back_off(fit: _Fit, memory: MemoryPlan, decisions: dict[str, Decision], values: dict[str, Any],
-              args: Mapping[str, Any], env: EnvSettings, where: str) -> list[Message]:
+              ctx: Context, where: str) -> list[Message]:
     """Back off defaults, costliest first, only where that changes the outcome: until the plan is
     no worse than stock, or as good as backing off every eligible default makes it."""
     stock_v, plan_v = memory.verdicts["stock"], memory.verdicts["plan"]
     if stock_v == "does_not_fit" or not worse(plan_v, stock_v):
         return []
-    eligible = _eligible(memory, decisions, args, env)
+    eligible = _eligible(memory, decisions, ctx)
     best = fit.verdict({**values, **{d: fit.base[d] for d in eligible}})
     if not worse(plan_v, best):  # nothing the guard may change improves the outcome
         asked = [d for d, mb in memory.deltas.items() if mb and mb > 0 and decisions[d].source != "default"]
@@ -314,5 +312,6 @@ def _launch(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any], args: Mapp
     return out
 
 
-def _needed(dest: str, args: Mapping[str, Any]) -> bool:
-    return dest == "gradient_accumulation_fusion" and any(args.get(d) for d in NEEDS_WGRAD_FUSION)
+def _needed(dest: str, ctx: Context) -> bool:
+    """A feature asked for needs the toggle (``guards.NEEDS``, where each need is declared once): it stays."""
+    return any(need.dest == dest and need.feature(ctx) for need in NEEDS)

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import RegistryError
 from .env import EnvSettings
 from .facts import Capabilities
-from .registry import CAPABILITIES
+from .registry import BY_CAPABILITY
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ class Change:
     value: Any
     reason: str
     hint: str = ""
-    capability: str = ""  # the capability the change rests on, if any (one of registry.CAPABILITIES)
+    capability: str = ""  # the capability the change rests on, if any (a name in registry.BY_CAPABILITY)
     over_cli: bool = False  # applies even over an explicit command-line value (with a warning)
     # Only moves a value nobody asked for: an explicit command-line value is kept as it is
     # (the guard resolves a conflict between two requests in favour of the one on the command line).
@@ -71,9 +71,9 @@ class Change:
     requested_by: str = ""
 
     def __post_init__(self) -> None:
-        if self.capability and self.capability not in CAPABILITIES:
+        if self.capability and self.capability not in BY_CAPABILITY:
             raise RegistryError(f"a guard of {self.dest!r} rests on {self.capability!r}, "
-                                "which is not in registry.CAPABILITIES")
+                                "which the registry does not declare (registry.CAPABILITY_RECORDS)")
 
 
 @dataclass(slots=True)

@@ -34,15 +34,57 @@ GROUPS: dict[str, Group] = {
     )
 }
 
-# Capabilities a toggle can need (``Toggle.needs``) or a guard can rest on (``decide.Change``);
-# ``core.facts.Capabilities`` answers each by name: False is missing, None unknown.
-CAPABILITIES = (
-    "apex_fused_wgrad",
-    "wgrad_fallback",  # the torch stand-in for apex_fused_wgrad (runtime/wgrad_fallback.py)
-    "te_fused_qkv_rope",
-    "te_cross_entropy",
-    "megatron_fused_single_qkv_rope_field",
+@dataclass(frozen=True, slots=True)
+class Capability:
+    """Something a toggle can need (``Toggle.needs``) or a guard can rest on (``plan.Change``),
+    declared once: ``core.facts.Capabilities`` answers it by name (False: missing, None: unknown),
+    ``runtime.capabilities`` detects it, and a plan for another machine assumes it, all from here.
+
+    ``detected``, how this machine answers it:
+      ``import:MODULE:ATTR``  the attribute is there once its package imports (where the package is
+                              installed but not imported yet, Transformer Engine's version answers,
+                              by ``assumed``'s bound, rather than pay for the import);
+      ``installed:MODULE``    the module can be found (no import);
+      ``probe:NAME``          a probe of its own in ``runtime.capabilities.PROBES``;
+      ``megatron:FIELD``      the ``MegatronFacts`` field of the Megatron at hand (not stored).
+    ``assumed``, how ``MEGATRON_PERF_TOGGLES_ASSUME`` (and so a planned stack) sets it:
+      ``apex`` (the ``apex`` entry), ``gpu`` (a ``cuda`` or ``rocm`` entry), ``te>=X.Y`` (a
+      ``te=VERSION`` entry at least that recent), ``megatron`` (the Megatron planned for answers it).
+    ``note``: why it is missing, as ``explain`` and a guard's reason say it (``{te_version}`` filled in).
+    """
+
+    name: str
+    detected: str
+    assumed: str
+    note: str
+
+    @property
+    def stored(self) -> bool:
+        """A value of the machine's own (the Megatron's facts answer the others)."""
+        return not self.detected.startswith("megatron:")
+
+    @property
+    def te_minimum(self) -> tuple[int, ...] | None:
+        """The earliest Transformer Engine that has it, where ``assumed`` is ``te>=X.Y``."""
+        if not self.assumed.startswith("te>="):
+            return None
+        return tuple(int(p) for p in self.assumed.removeprefix("te>=").split("."))
+
+
+CAPABILITY_RECORDS: tuple[Capability, ...] = (
+    Capability("apex_fused_wgrad", "installed:fused_weight_gradient_mlp_cuda", "apex",
+               "APEX's fused_weight_gradient_mlp_cuda is not importable"),
+    # the torch stand-in for apex_fused_wgrad (runtime/wgrad_fallback.py): a GPU with a current torch
+    Capability("wgrad_fallback", "probe:wgrad_fallback", "gpu", "the torch fallback cannot run here"),
+    Capability("te_fused_qkv_rope", "import:transformer_engine.pytorch.attention.rope:apply_fused_qkv_rotary_pos_emb",
+               "te>=2.8", "TE {te_version} has no fused QKV RoPE kernel"),
+    Capability("te_cross_entropy", "import:transformer_engine.pytorch.cross_entropy:parallel_cross_entropy",
+               "te>=2.0", "TE {te_version} has no parallel cross-entropy kernel"),
+    Capability("megatron_fused_single_qkv_rope_field", "megatron:fused_single_qkv_rope_field", "megatron",
+               "this Megatron's TransformerConfig has no fused_single_qkv_rope field"),
 )
+BY_CAPABILITY: dict[str, Capability] = {c.name: c for c in CAPABILITY_RECORDS}
+CAPABILITIES = tuple(BY_CAPABILITY)  # the names, in declaration order
 
 
 def format_value(value: object) -> str:
@@ -55,6 +97,15 @@ def format_value(value: object) -> str:
 def flag_of(dest: str) -> str:
     """Megatron's spelling of the flag for an argparse dest: ``grad_reduce_in_bf16`` -> ``--grad-reduce-in-bf16``."""
     return "--" + dest.replace("_", "-")
+
+
+def flag_words(dest: str, value: object) -> str:
+    """The command-line words that ask for ``value`` of ``dest``: a toggle's own flag (``--no-x`` for
+    off), else Megatron's spelling of the dest's flag."""
+    toggle = BY_DEST.get(dest)
+    if toggle is not None:
+        return " ".join(toggle.flag_for(value))  # type: ignore[arg-type]
+    return flag_of(dest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +311,7 @@ def _validate() -> None:
         if t.group not in GROUPS:
             raise RegistryError(f"{where}: unknown group {t.group!r}")
         for need in t.needs:
-            if need not in CAPABILITIES:
+            if need not in BY_CAPABILITY:
                 raise RegistryError(f"{where}: unknown capability {need!r}")
         if t.kind == "bool":
             if not (isinstance(t.default, bool) and isinstance(t.stock_default, bool)):
@@ -276,12 +327,33 @@ def _validate() -> None:
             seen_flags.add(f)
         if not t.help or "\n" in t.help:
             raise RegistryError(f"{where}: help must be one line")
+    _validate_capabilities()
     fields: set[str] = set()
     for s in SETTINGS:
         if s.env in seen_env or s.field in fields:
             raise RegistryError(f"setting {s.env!r}: env var or field declared twice")
         seen_env.add(s.env)
         fields.add(s.field)
+
+
+_DETECTED = ("import:", "installed:", "probe:", "megatron:")
+_ASSUMED = ("apex", "gpu", "megatron")
+
+
+def _validate_capabilities() -> None:
+    names = [c.name for c in CAPABILITY_RECORDS]
+    if len(set(names)) != len(names):
+        raise RegistryError("a capability is declared twice")
+    for c in CAPABILITY_RECORDS:
+        where = f"capability {c.name!r}"
+        if not c.detected.startswith(_DETECTED) or (c.detected.startswith("import:") and c.detected.count(":") != 2):
+            raise RegistryError(f"{where}: detected must be one of {', '.join(d + '...' for d in _DETECTED)}")
+        if c.assumed not in _ASSUMED and not (c.assumed.startswith("te>=") and c.assumed[4:].replace(".", "").isdigit()):
+            raise RegistryError(f"{where}: assumed must be apex, gpu, megatron or te>=X.Y")
+        if (c.assumed == "megatron") != (not c.stored):
+            raise RegistryError(f"{where}: a Megatron fact is detected and assumed as one (megatron:FIELD, megatron)")
+        if not c.note or "\n" in c.note:
+            raise RegistryError(f"{where}: the note must be one line")
 
 
 _validate()

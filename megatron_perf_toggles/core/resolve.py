@@ -16,7 +16,7 @@ from .env import EnvSettings
 from .facts import Capabilities
 from .guards import NEEDS
 from .plan import Change, Context, Decision, Message
-from .registry import BY_DEST, flag_of
+from .registry import BY_DEST, flag_words
 
 if TYPE_CHECKING:  # the profile module loads only when a profile is set (import time)
     from .profile import Profile
@@ -35,13 +35,6 @@ def _check_needs(ctx: Context, dest: str, base: Decision, change: Change) -> Non
 
 
 
-def _flag_words(dest: str, value: Any) -> str:
-    toggle = BY_DEST.get(dest)
-    if toggle is not None:
-        return " ".join(toggle.flag_for(value))
-    return flag_of(dest)
-
-
 def base_decision(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any],
           profile: Profile | None = None, preset: Mapping[str, Decision] | None = None) -> Decision:
     """cli > env > config > profile > default. A profile applies with MEGATRON_PERF_TOGGLES=0 too, as set
@@ -49,7 +42,7 @@ def base_decision(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stoc
     toggle = BY_DEST[dest]
     if dest in explicit:
         value = explicit[dest]
-        return Decision(value, "cli", f"set on the command line ({_flag_words(dest, value)})")
+        return Decision(value, "cli", f"set on the command line ({flag_words(dest, value)})")
     if dest in env.toggles:
         value = env.toggles[dest]
         raw = value if toggle.kind == "choice" else int(bool(value))
@@ -99,7 +92,7 @@ class Resolution:
         if current.source == "cli" and change.yields_to_cli:
             return
         if current.source == "cli" and not change.over_cli:
-            raise CannotHonourError(change.dest, _flag_words(change.dest, current.value), change.reason, change.hint)
+            raise CannotHonourError(change.dest, flag_words(change.dest, current.value), change.reason, change.hint)
         if current.source == "default" and not self.env.plugin_enabled:
             # MEGATRON_PERF_TOGGLES=0 means stock Megatron: its own defaults stand, guards only
             # act on what the environment asked for.

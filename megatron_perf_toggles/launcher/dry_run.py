@@ -1,6 +1,6 @@
 """The dry run's report: parse and validate exactly as Megatron would, then print what was decided.
 
-The hooks (``megatron_hooks``) call :func:`dry_run` in place of Megatron's ``initialize_megatron`` /
+The hooks (``parse_hooks``) call :func:`dry_run` in place of Megatron's ``initialize_megatron`` /
 ``parse_and_validate_args`` when a dry run is asked for. Nothing after validation runs: no global
 state, no distributed init, no CUDA. Parse and validate see the planned world and GPU
 (``runtime.target``), and every stand-in is undone before the record is printed.
@@ -26,12 +26,12 @@ from ..errors import PerfTogglesError, report
 from ..runtime import provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import effective_assume, gpu_name_here
-from ..runtime.patches import ProcessPatches
+from ..runtime.process_changes import ProcessChanges
 from ..runtime.provenance import jsonable
 from . import summary
 
 if TYPE_CHECKING:  # types only: the hooks call the dry run, so it never imports them when it runs
-    from .megatron_hooks import Hooks, Provider
+    from .parse_hooks import Hooks, Provider
 
 
 def assumed_spec() -> str | None:
@@ -136,56 +136,28 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     validate see the planned world and GPU (``hooks.target``) and the launch environment the
     layout needs; every stand-in is undone before the plan is printed. By default the report is
     a summary on one screen, and Megatron's own output and the full record go to files whose paths
-    it prints (``hooks.output``: ``summary``, ``json`` or ``verbose``).
+    it prints (``hooks.output``: ``summary``, ``json`` or ``verbose``). The order is the contract:
+    stand-ins in, parse, validate, stand-ins out, then the report.
     """
-    # Longer than 60 lines on purpose: one sequence whose order is the contract (stand-ins in,
-    # parse, validate, stand-ins out, then the report), with every exit of Megatron's mapped on the way.
-    out = hooks.out or sys.stdout
     notes: list[str] = []
-    arguments = sys.modules["megatron.training.arguments"]
     quiet = hooks.output == "summary" and not hooks.capture
     chatter = hooks.chatter or io.StringIO()  # the launcher's, holding the script's own output so far
-    env_patches = ProcessPatches()  # the launch environment, for this parse and validation only
+    env_changes = ProcessChanges()  # the launch environment, for this parse and validation only
     te_version = parse_assume(effective_assume(assumed_spec(), hooks.target) or "").get("te_version")
-    set_here: list[launch_env.LaunchVar] = []
     try:
         with contextlib.redirect_stdout(chatter if quiet else sys.stderr), \
                 contextlib.redirect_stderr(chatter) if quiet else contextlib.nullcontext(), \
                 planned.stand_ins(hooks.target, te_version):
-            if parsed_args is None:
-                # Chain explicitly: a provider-less parse that ignores unknown arguments looks like one
-                # of Megatron's peeks to the parse_args wrapper, which would leave our providers out.
-                chain = hooks.chain(caller)
-                hooks.last_chain = chain
-                args = hooks.originals["parse_args"](chain, ignore_unknown_args)
-            else:
-                args = parsed_args
-                notes.append(f"{via} was given parsed_args: they were validated, not parsed again")
+            args = _parsed(hooks, caller, ignore_unknown_args, parsed_args, via, notes)
             if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args"):
                 notes.append("--use-checkpoint-args: a dry run does not load arguments from the checkpoint")
             launch = _launch_vars(args, hooks)
             set_here = launch_env.missing(launch, os.environ)
             for var in set_here:
-                env_patches.set_item(os.environ, var.name, var.value, f"launch environment {var.name}")
-            try:
-                if getattr(args, "yaml_cfg", None) is not None:
-                    from megatron.training.yaml_arguments import validate_yaml
-
-                    args = validate_yaml(args, args_defaults)
-                else:
-                    arguments.validate_args(args, args_defaults)
-            except (AssertionError, ValueError, RuntimeError, TypeError, KeyError) as error:
-                # Megatron refusing the command line is the answer a dry run exists to give: one line.
-                log = _write_files(None, chatter.getvalue())[1] if quiet else None
-                rejected = _rejection(error, hooks.target, log)
-                if hooks.capture:
-                    raise rejected from None
-                # One line and exit status 2 on every path, a patched script's too (nobody above
-                # Megatron's entry point would catch the error there), on the real stderr.
-                with contextlib.redirect_stderr(hooks.err or sys.__stderr__):
-                    raise ReportedExit(report(rejected)) from None
+                env_changes.set_item(os.environ, var.name, var.value, f"launch environment {var.name}")
+            args = _validated(hooks, args, args_defaults, chatter if quiet else None)
     finally:
-        env_patches.uninstall()
+        env_changes.uninstall()
     payload = dry_run_record(hooks, args, args_defaults, via, notes)
     payload["target"] = {**(hooks.target or planned.Target()).to_record(),
                          "summary": planned.describe(hooks.target)}
@@ -194,20 +166,65 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     launch += launch_env.from_memory(plan.memory if plan is not None else None)
     payload["launch_environment"] = [v.to_record() for v in launch]
     if hooks.capture:
-        hooks.context.stop(payload, plan)  # the planning entry point that made the context takes it
+        hooks.context.stop(payload, plan)  # the planning entry point takes it
     if rank_of(os.environ) == 0:  # one report per job, from rank 0
-        if hooks.output == "json":
-            for line in provenance.lines(plan) if plan is not None else []:
-                print(line, file=sys.stderr, flush=True)  # the table for people; the JSON for tools
-            print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)
-        else:
-            record, log = _write_files(payload, chatter.getvalue() if quiet else None)
-            caps = outcome.capabilities if outcome is not None else None
-            for line in summary.lines(payload, plan, caps, launch, set_here, record, log, hooks.output):
-                print(line, file=out, flush=True)
-            if hooks.output == "verbose":
-                print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)
+        _report(hooks, payload, chatter.getvalue() if quiet else None, launch, set_here)
     raise SystemExit(0)
+
+
+def _parsed(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool,
+            parsed_args: argparse.Namespace | None, via: str, notes: list[str]) -> argparse.Namespace:
+    """The arguments as Megatron's own parse gives them, our providers chained after the caller's."""
+    if parsed_args is not None:
+        notes.append(f"{via} was given parsed_args: they were validated, not parsed again")
+        return parsed_args
+    # Chain explicitly: a provider-less parse that ignores unknown arguments looks like one of
+    # Megatron's peeks to the parse_args wrapper, which would leave our providers out.
+    chain = hooks.chain(caller)
+    hooks.last_chain = chain
+    return hooks.originals["parse_args"](chain, ignore_unknown_args)
+
+
+def _validated(hooks: Hooks, args: argparse.Namespace, args_defaults: dict[str, Any], chatter: io.StringIO | None
+               ) -> argparse.Namespace:
+    """Megatron's own validation of ``args``; where it refuses the command line, that is the answer
+    a dry run exists to give: one line (``chatter``: Megatron's output so far, kept in a file)."""
+    try:
+        if getattr(args, "yaml_cfg", None) is not None:
+            from megatron.training.yaml_arguments import validate_yaml
+
+            return validate_yaml(args, args_defaults)
+        sys.modules["megatron.training.arguments"].validate_args(args, args_defaults)
+        return args
+    except (AssertionError, ValueError, RuntimeError, TypeError, KeyError) as error:
+        log = _write_files(None, chatter.getvalue())[1] if chatter is not None else None
+        rejected = _rejection(error, hooks.target, log)
+        if hooks.capture:
+            raise rejected from None
+        # One line and exit status 2 on every path, a patched script's too (nobody above
+        # Megatron's entry point would catch the error there), on the real stderr.
+        with contextlib.redirect_stderr(hooks.err or sys.__stderr__):
+            raise ReportedExit(report(rejected)) from None
+
+
+def _report(hooks: Hooks, payload: dict[str, Any], chatter: str | None, launch: list[launch_env.LaunchVar],
+            set_here: list[launch_env.LaunchVar]) -> None:
+    """Rank 0's report: the JSON record (the table on stderr), or the one-screen summary with the
+    record and Megatron's output in files, or both (verbose)."""
+    out = hooks.out or sys.stdout
+    outcome = hooks.outcome()
+    plan = outcome.plan if outcome is not None else None
+    if hooks.output == "json":
+        for line in provenance.lines(plan) if plan is not None else []:
+            print(line, file=sys.stderr, flush=True)  # the table for people; the JSON for tools
+        print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)
+        return
+    record, log = _write_files(payload, chatter)
+    caps = outcome.capabilities if outcome is not None else None
+    for line in summary.lines(payload, plan, caps, launch, set_here, record, log, hooks.output):
+        print(line, file=out, flush=True)
+    if hooks.output == "verbose":
+        print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)
 
 
 def _write_files(payload: dict[str, Any] | None, chatter: str | None) -> tuple[str | None, str | None]:

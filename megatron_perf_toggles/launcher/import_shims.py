@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..runtime.patches import PATCHES, ProcessPatches
 from ..runtime.probe import installed
+from ..runtime.process_changes import PROCESS_CHANGES, ProcessChanges
 
 STAND_IN_PACKAGES = ("triton",)
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
@@ -88,10 +88,10 @@ def _is_megatron_module(name: str) -> bool:
     return name == "megatron" or name.startswith("megatron.")
 
 
-def _stand_in_imports(patches: ProcessPatches) -> None:
+def _stand_in_imports(changes: ProcessChanges) -> None:
     if any(not installed(name) for name in STAND_IN_PACKAGES) and not getattr(
             builtins.__import__, "_perf_toggles_stand_in", False):
-        patches.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
+        changes.set_attr(builtins, "__import__", _stand_in_import(builtins.__import__), "stand-in imports")
 
 
 def _stand_in_import(real_import: Callable[..., types.ModuleType]) -> Callable[..., types.ModuleType]:
@@ -116,7 +116,7 @@ def _as_is(fn: Any = None, *args: Any, **options: Any) -> Any:
     return fn if fn is not None else (lambda wrapped: wrapped)
 
 
-def _no_compiling(patches: ProcessPatches) -> None:
+def _no_compiling(changes: ProcessChanges) -> None:
     """Megatron's modules, imported for a plan that ends the process, keep their functions as
     written (see above). torch is imported here, where it is installed: Megatron imports it first
     thing anyway."""
@@ -127,10 +127,10 @@ def _no_compiling(patches: ProcessPatches) -> None:
     except Exception:  # noqa: BLE001 - Megatron's own import will report a torch that does not import
         return
     if getattr(torch, "compile", _as_is) is not _as_is:  # a torch before 2.0 has none
-        patches.set_attr(torch, "compile", _as_is, "torch.compile -> the function as is (planning)")
+        changes.set_attr(torch, "compile", _as_is, "torch.compile -> the function as is (planning)")
     compiler = getattr(torch, "compiler", None)
     if compiler is not None and getattr(compiler, "disable", _as_is) is not _as_is:
-        patches.set_attr(compiler, "disable", _as_is, "torch.compiler.disable -> the function as is (planning)")
+        changes.set_attr(compiler, "disable", _as_is, "torch.compiler.disable -> the function as is (planning)")
 
 
 @contextmanager
@@ -146,10 +146,10 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
     if tree is not None:
         entry = str(Path(tree).resolve())
         sys.path.insert(0, entry)
-        PATCHES.on_uninstall(f"sys.path entry {entry}", functools.partial(_remove_path, entry))
+        PROCESS_CHANGES.on_uninstall(f"sys.path entry {entry}", functools.partial(_remove_path, entry))
     if not hasattr(typing, "override"):
-        PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
-    scoped = ProcessPatches()  # the stand-ins last only as long as the block, however it ends
+        PROCESS_CHANGES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
+    scoped = ProcessChanges()  # the stand-ins last only as long as the block, however it ends
     if stand_ins:
         _stand_in_imports(scoped)
     if uncompiled:
@@ -162,11 +162,11 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
 
 def install_stand_ins() -> None:
     """For a patched checkout's dry run: the stand-ins ``megatron_importable`` gives the launcher,
-    for the rest of the process (which ends in the dry run), undone by ``PATCHES.uninstall()``."""
+    for the rest of the process (which ends in the dry run), undone by ``PROCESS_CHANGES.uninstall()``."""
     if not hasattr(typing, "override"):
-        PATCHES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
-    _stand_in_imports(PATCHES)
-    _no_compiling(PATCHES)
+        PROCESS_CHANGES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
+    _stand_in_imports(PROCESS_CHANGES)
+    _no_compiling(PROCESS_CHANGES)
 
 
 def _gpu_build_without_gpu() -> bool:

@@ -1,7 +1,7 @@
 """``python -m megatron_perf_toggles.run [OPTIONS] SCRIPT [MEGATRON ARGS]``: the plugin without editing Megatron.
 
 Installs the plugin (and any ``--extra-args-provider MOD:FUNC``) into Megatron's own parse path for
-the version at hand (see ``megatron_hooks``), then runs SCRIPT as ``__main__`` exactly as ``python SCRIPT``
+the version at hand (see ``parse_hooks``), then runs SCRIPT as ``__main__`` exactly as ``python SCRIPT``
 would. Works under ``torchrun -m megatron_perf_toggles.run pretrain_gpt.py ...`` too.
 """
 
@@ -14,6 +14,7 @@ import os
 import runpy
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.registry import flag_of
@@ -21,7 +22,7 @@ from ..errors import OneLineArgumentParser, PerfTogglesError, report
 from ..runtime import target as planned
 from ..runtime.context import RunContext
 from ..runtime.provider import extra_args_provider
-from . import megatron_hooks as hooks
+from . import parse_hooks as hooks
 from .import_shims import megatron_importable
 
 PROG = "python -m megatron_perf_toggles.run"
@@ -117,10 +118,19 @@ def plan_target(ns: argparse.Namespace, dry_run: bool) -> planned.Target | None:
     return planned.from_options(ns)
 
 
+@dataclass(slots=True)
+class _Launch:
+    """What a launch learns on its way, which the ways it can end read: whether it is a dry run,
+    and the script's and Megatron's own output where a summary keeps it (quiet)."""
+
+    dry_run: bool = False
+    chatter: io.StringIO | None = None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse our options, install the hooks, run SCRIPT as ``__main__``; 2 on a usage error."""
-    # Longer than 60 lines on purpose: the launch in the order it happens, with each way it can end
-    # (usage error, fail-fast check, the script's own exit, a dry run's report) beside its step.
+    """Parse our options, install the hooks, run SCRIPT as ``__main__``; 2 on a usage error. Each
+    way it can end (usage error, fail-fast check, the script's own exit, a dry run's report) is
+    mapped here; the launch itself is :func:`_launch`."""
     try:
         ns = build_launcher_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as done:  # --help
@@ -128,60 +138,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PerfTogglesError as error:
         return report(error)
     saved_argv, saved_path = list(sys.argv), list(sys.path)
-    chatter: io.StringIO | None = None
-    dry_run = False
+    state = _Launch()
     try:
-        dry_run = ns.dry_run or hooks.dry_run_requested()
-        more, script_args = hooks.pull_provider_specs(ns.script_args)
-        script = Path(ns.script)
-        if not script.is_file():
-            raise ScriptNotFoundError(f"script not found: {ns.script}",
-                                      "give the path of the training script, e.g. /path/to/Megatron-LM/pretrain_gpt.py")
-        check_python_script(script)
-        # As under `python SCRIPT`: the script's directory comes first. The directory `python -m`
-        # put there stays importable after it, for provider modules.
-        sys.path.insert(0, str(script.resolve().parent))
-        # Every variable, the profile, each provider spec and the planned job are checked before
-        # torch and Megatron are imported (in a patched script's order too).
-        settings = hooks.preflight(os.environ)
-        for spec in [*ns.providers, *more]:
-            hooks.check_provider_spec(spec)
-        target = plan_target(ns, dry_run)
-        output = ns.output or settings.dry_run_output or "summary"
-        sys.argv = [str(script), *script_args]
-        # A summary keeps the script's and Megatron's own output for its log file (quiet); in a
-        # dry run stdout carries the report alone, so the script's own output goes to stderr.
-        quiet = dry_run and output == "summary"
-        chatter = io.StringIO() if quiet else None
-        stdout, stderr = sys.stdout, sys.stderr
-        # Stand-ins for GPU-only imports (triton) only for a dry run, which stops before any kernel.
-        # The dry run ends the process: Megatron's compile decorators stay uncompiled (import_shims).
-        with contextlib.redirect_stdout(chatter or sys.stderr) if dry_run else contextlib.nullcontext(), \
-                contextlib.redirect_stderr(chatter) if chatter is not None else contextlib.nullcontext(), \
-                megatron_importable(stand_ins=dry_run, uncompiled=dry_run):
-            providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
-            # The launcher's entry point: one run context for the process, which the script runs in.
-            ctx = RunContext.create("launcher", mode="dry-run" if dry_run else "run", target=target).install()
-            hooks.hook_parse_path([*providers, extra_args_provider], dry_run=dry_run, target=target, output=output,
-                                  out=stdout, err=stderr, chatter=chatter, context=ctx)
-            runpy.run_path(str(script), run_name="__main__")
-        if dry_run:  # a dry run ends in its report; a script that never parsed ran without a plan
-            raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments: nothing was planned",
-                                   "a dry run plans a script that calls Megatron's initialize_megatron or "
-                                   "parse_and_validate_args, as pretrain_gpt.py does")
-        return 0
+        return _launch(ns, state)
     except SystemExit as done:
         from .dry_run import ReportedExit
 
-        if chatter is not None and done.code not in (0, None) and not isinstance(done, ReportedExit):
+        if state.chatter is not None and done.code not in (0, None) and not isinstance(done, ReportedExit):
             # Megatron's parser said why (its last line): show it
-            said = [line for line in chatter.getvalue().splitlines() if line.strip()]
+            said = [line for line in state.chatter.getvalue().splitlines() if line.strip()]
             print(said[-1] if said else "", file=sys.stderr, flush=True)
         raise
     except PerfTogglesError as error:
         return report(error)
     except Exception as error:
-        if not dry_run:
+        if not state.dry_run:
             raise  # a real run's failure keeps its traceback
         from .import_shims import import_failure
 
@@ -190,6 +161,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
+
+
+def _launch(ns: argparse.Namespace, state: _Launch) -> int:
+    """The launch in the order it happens: every check before torch and Megatron are imported,
+    then the script run as ``__main__`` with the hooks in its parse path."""
+    state.dry_run = dry_run = ns.dry_run or hooks.dry_run_requested()
+    more, script_args = hooks.pull_provider_specs(ns.script_args)
+    script = Path(ns.script)
+    if not script.is_file():
+        raise ScriptNotFoundError(f"script not found: {ns.script}",
+                                  "give the path of the training script, e.g. /path/to/Megatron-LM/pretrain_gpt.py")
+    check_python_script(script)
+    # As under `python SCRIPT`: the script's directory comes first. The directory `python -m`
+    # put there stays importable after it, for provider modules.
+    sys.path.insert(0, str(script.resolve().parent))
+    # Every variable, the profile, each provider spec and the planned job are checked before
+    # torch and Megatron are imported (in a patched script's order too).
+    settings = hooks.preflight(os.environ)
+    for spec in [*ns.providers, *more]:
+        hooks.check_provider_spec(spec)
+    target = plan_target(ns, dry_run)
+    output = ns.output or settings.dry_run_output or "summary"
+    sys.argv = [str(script), *script_args]
+    # A summary keeps the script's and Megatron's own output for its log file (quiet); in a
+    # dry run stdout carries the report alone, so the script's own output goes to stderr.
+    state.chatter = chatter = io.StringIO() if dry_run and output == "summary" else None
+    stdout, stderr = sys.stdout, sys.stderr
+    # Stand-ins for GPU-only imports (triton) only for a dry run, which stops before any kernel.
+    # The dry run ends the process: Megatron's compile decorators stay uncompiled (import_shims).
+    with contextlib.redirect_stdout(chatter or sys.stderr) if dry_run else contextlib.nullcontext(), \
+            contextlib.redirect_stderr(chatter) if chatter is not None else contextlib.nullcontext(), \
+            megatron_importable(stand_ins=dry_run, uncompiled=dry_run):
+        providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
+        # The launcher's entry point: one run context for the process, which the script runs in.
+        ctx = RunContext.create("launcher", mode="dry-run" if dry_run else "run", target=target).install()
+        hooks.hook_parse_path([*providers, extra_args_provider], dry_run=dry_run, target=target, output=output,
+                              out=stdout, err=stderr, chatter=chatter, context=ctx)
+        runpy.run_path(str(script), run_name="__main__")
+    if dry_run:  # a dry run ends in its report; a script that never parsed ran without a plan
+        raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments: nothing was planned",
+                               "a dry run plans a script that calls Megatron's initialize_megatron or "
+                               "parse_and_validate_args, as pretrain_gpt.py does")
+    return 0
 
 
 if __name__ == "__main__":

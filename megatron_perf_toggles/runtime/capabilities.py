@@ -17,8 +17,6 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ..core.facts import (
-    TE_MIN_CROSS_ENTROPY,
-    TE_MIN_FUSED_QKV_ROPE,
     Capabilities,
     MegatronFacts,
     describe_stack,
@@ -26,6 +24,7 @@ from ..core.facts import (
     version_tuple,
     with_assumptions,
 )
+from ..core.registry import BY_CAPABILITY, Capability
 from .assume import assumed, assumed_device  # noqa: F401 - asked of this module by its callers
 from .probe import gpu_question_without_torch, torch_build, torch_module
 from .probe import installed as _installed
@@ -52,10 +51,11 @@ def _te_version() -> str | None:
         "unknown" if module is not None else None)
 
 
-def _fallback_installed() -> bool:
-    from .wgrad_fallback import MODULE_NAME, is_fallback
+def _stand_in(module: str) -> bool:
+    """Whether ``module`` is this package's torch stand-in, installed under APEX's name."""
+    from .wgrad_fallback import is_fallback
 
-    return is_fallback(sys.modules.get(MODULE_NAME))
+    return is_fallback(sys.modules.get(module))
 
 
 def _try_import(path: str, attr: str) -> bool:
@@ -63,21 +63,6 @@ def _try_import(path: str, attr: str) -> bool:
         return hasattr(importlib.import_module(path), attr)
     except Exception:  # noqa: BLE001 - a broken optional package counts as absent
         return False
-
-
-def _function_source(fn: Any) -> str:
-    """The lines of ``fn``'s definition, from its code object's line numbers: what
-    ``inspect.getsource`` gives for the checks here, without tokenizing Megatron's 3,000-line
-    arguments.py at every start (about 20 ms)."""
-    import inspect
-    import linecache
-
-    code = inspect.unwrap(fn).__code__  # the safety net and the parse hooks wrap validate_args
-    last = max((line for _, _, line in code.co_lines() if line), default=code.co_firstlineno)
-    lines = linecache.getlines(code.co_filename)
-    if not lines:
-        raise OSError(f"no source for {code.co_filename}")
-    return "".join(lines[code.co_firstlineno - 1:last])
 
 
 def megatron_facts() -> MegatronFacts:
@@ -94,24 +79,7 @@ def megatron_facts() -> MegatronFacts:
         "path": str(getattr(arguments, "__file__", "") or "").rsplit("/megatron/training/", 1)[0] or None,
         "has_parse_and_validate_args": hasattr(arguments, "parse_and_validate_args"),
     }
-    try:
-        source = _function_source(arguments.validate_args)
-        facts["asserts_te_cross_entropy"] = "cross_entropy_fusion_impl == 'te'" in source
-        facts["asserts_ddp_average_with_gtp"] = (
-            "ddp_average_in_collective" in source and "gtp" in source.lower()
-        )
-    except (OSError, TypeError):
-        pass
-    try:
-        import dataclasses
-
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        names = {f.name for f in dataclasses.fields(TransformerConfig)}
-        facts["fused_single_qkv_rope_field"] = "fused_single_qkv_rope" in names
-    except Exception:  # noqa: BLE001
-        pass
-    facts["rules"] = detect_rules(facts["path"])
+    facts["rules"] = detect_rules(facts["path"])  # each rule by its phrase; the rules' facts follow
     return MegatronFacts(**facts)
 
 
@@ -212,35 +180,14 @@ def detect(deep: bool = False, target: Target | None = None, megatron: MegatronF
     only where a GPU can be visible: elsewhere its build file gives its version and kind). A
     ``target`` with a GPU (a plan for another machine) answers the GPU's facts from its table;
     ``megatron`` given answers Megatron's (none is imported)."""
-    notes: dict[str, str] = {}
-    te_imported = "transformer_engine" in sys.modules
-    te_version = _te_version() if te_imported or _installed("transformer_engine") else None
-    te_rope = te_ce = False
-    if te_version is None:
-        notes["te"] = "Transformer Engine is not installed"
-    elif deep or te_imported:
-        te_rope = _try_import("transformer_engine.pytorch.attention.rope", "apply_fused_qkv_rotary_pos_emb")
-        te_ce = _try_import("transformer_engine.pytorch.cross_entropy", "parallel_cross_entropy")
-    else:
-        # Installed but not imported yet: judge by version rather than pay for the import here.
-        vt = version_tuple(te_version or "0")
-        te_rope, te_ce = vt >= TE_MIN_FUSED_QKV_ROPE, vt >= TE_MIN_CROSS_ENTROPY
-    if te_version is not None and not te_rope:
-        notes["te_fused_qkv_rope"] = f"TE {te_version} has no fused QKV RoPE kernel"
-    if te_version is not None and not te_ce:
-        notes["te_cross_entropy"] = f"TE {te_version} has no parallel cross-entropy kernel"
-    apex = _installed("fused_weight_gradient_mlp_cuda") and not _fallback_installed()
-    fallback = False
-    if not apex:
-        notes["apex_fused_wgrad"] = "APEX's fused_weight_gradient_mlp_cuda is not importable"
-        if deep or "torch" in sys.modules:
-            from .wgrad_fallback import usable
-
-            fallback, why = usable()
-        else:
-            why = "torch is not imported"
-        if not fallback:
-            notes["wgrad_fallback"] = why
+    te_version = _te_version() if "transformer_engine" in sys.modules or _installed("transformer_engine") else None
+    notes: dict[str, str] = {} if te_version is not None else {"te": "Transformer Engine is not installed"}
+    have: dict[str, bool] = {}
+    for cap in list(BY_CAPABILITY.values()):
+        if cap.stored:
+            have[cap.name], why = _detect_one(cap, deep, te_version)
+            if not have[cap.name] and why:
+                notes[cap.name] = why
     aiter_version = None
     if _installed("aiter"):  # AMD's amd-aiter and PyPI's unrelated async 'aiter' share the module name
         aiter_version = _dist_version("amd-aiter", "amd_aiter")
@@ -249,14 +196,44 @@ def detect(deep: bool = False, target: Target | None = None, megatron: MegatronF
     return Capabilities(
         megatron=megatron_facts() if megatron is None else megatron,
         te_version=te_version,
-        te_fused_qkv_rope=te_rope,
-        te_cross_entropy=te_ce,
-        apex_fused_wgrad=apex,
-        wgrad_fallback=fallback,
+        have=have,
         aiter_version=aiter_version,
         notes=notes,
         **_detect_torch(deep, target),
     )
+
+
+def _wgrad_fallback(deep: bool) -> tuple[bool, str]:
+    """The torch stand-in for APEX's fused wgrad, where APEX is missing and torch can run it."""
+    if _detect_one(BY_CAPABILITY["apex_fused_wgrad"], deep, None)[0]:
+        return False, ""  # APEX itself: no stand-in wanted, and nothing missing to explain
+    if not (deep or "torch" in sys.modules):
+        return False, "torch is not imported"
+    from .wgrad_fallback import usable
+
+    return usable()
+
+
+# Capabilities detected by a probe of their own (registry ``detected="probe:NAME"``).
+PROBES = {"wgrad_fallback": _wgrad_fallback}
+
+
+def _detect_one(cap: Capability, deep: bool, te_version: str | None) -> tuple[bool, str]:
+    """One stored capability as its registry record says it is detected; (present, why not)."""
+    kind, _, what = cap.detected.partition(":")
+    note = cap.note.format(te_version=te_version)
+    if kind == "installed":  # and not our own stand-in under its name (runtime/wgrad_fallback.py)
+        return (_installed(what) and not _stand_in(what)), note
+    if kind == "probe":
+        return PROBES[what](deep)
+    module, _, attr = what.partition(":")
+    package = module.split(".")[0]
+    if package == "transformer_engine" and te_version is None:
+        return False, ""  # "te" says why once, for every kernel of it
+    if deep or package in sys.modules:
+        return _try_import(module, attr), note
+    # Installed but not imported yet: judge by version rather than pay for the import here.
+    return version_tuple(te_version or "0") >= (cap.te_minimum or ()), note
 
 
 def resolve(spec: str | None, deep: bool = False) -> Capabilities:

@@ -10,7 +10,7 @@ launcher's parse hooks and the rank check's fingerprint.
 The one process slot, :data:`_CURRENT`, exists only because Megatron calls the bare
 ``extra_args_provider(parser)`` (and ``check_ranks()`` is called bare after ``init_process_group``):
 nothing can be passed through those calls. :meth:`RunContext.install` fills the slot through the
-undo log (``patches.ProcessPatches``), so :meth:`RunContext.uninstall` (or the end of a ``with``
+undo log (``process_changes.ProcessChanges``), so :meth:`RunContext.uninstall` (or the end of a ``with``
 block) puts back whatever was there and undoes every change recorded since.
 
 A dry run is a mode of the context. Where the caller wants the record back instead of a printed
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .patches import PATCHES, ProcessPatches
+from .process_changes import PROCESS_CHANGES, ProcessChanges
 
 if TYPE_CHECKING:  # types only: the context imports nothing heavy when it loads
     from ..core.env import EnvSettings
@@ -64,20 +64,20 @@ class RunContext:
     profile: Profile | None = None
     capabilities: Capabilities | None = None  # the last plan's, detected with ``target`` passed in
     controller: Controller | None = None
-    hooks: Any = None  # launcher.megatron_hooks.Hooks; typed loosely so runtime never imports launcher
+    hooks: Any = None  # launcher.parse_hooks.Hooks; typed loosely so runtime never imports launcher
     rank_fingerprint: dict[str, Any] | None = None  # this rank's decisions, for check_ranks()
-    undo: ProcessPatches = field(default_factory=lambda: PATCHES)  # the undo log (only that)
+    undo: ProcessChanges = field(default_factory=lambda: PROCESS_CHANGES)  # the undo log (only that)
     record: dict[str, Any] | None = None  # a capturing dry run's record, set by stop()
     plan: Any = None  # and its plan
     _mark: int | None = None
 
     @classmethod
     def create(cls, entry: str, environ: Mapping[str, str] | None = None, mode: Mode = "run",
-               target: Target | None = None, undo: ProcessPatches | None = None) -> RunContext:
+               target: Target | None = None, undo: ProcessChanges | None = None) -> RunContext:
         """A context for ``entry``; ``environ`` defaults to the process's environment."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
-        return cls(os.environ if environ is None else environ, mode, entry, target, undo=undo or PATCHES)
+        return cls(os.environ if environ is None else environ, mode, entry, target, undo=undo or PROCESS_CHANGES)
 
     @property
     def installed(self) -> bool:

@@ -4,7 +4,7 @@ The argparse adapter (``provider``) hands every parse here. :meth:`Controller.pl
 writes the decisions onto the parsed namespace, and changes nothing else in the process; it is all
 that ``explain`` and the dry run need. :meth:`Controller.apply` does what a real run needs on top:
 the wgrad fallback, the cross-rank check, the start-up table and the provenance record. Every
-process-wide change made there goes through ``patches.PATCHES``, which can undo it; the
+process-wide change made there goes through ``process_changes.PROCESS_CHANGES``, which can undo it; the
 controller belongs to a run context (``context.py``), which holds it for the process.
 
 What a controller is for is said once, by its ``mode``:

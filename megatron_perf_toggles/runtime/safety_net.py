@@ -17,7 +17,7 @@ The rules of the net:
   returns, so that a re-run never shows it twice.
 
 ``NET`` owns the wrappers: ``install(arguments_module)`` / ``uninstall()``; ``install`` registers
-the undo with ``patches.PATCHES``, the owner of every process-wide change.
+the undo with ``process_changes.PROCESS_CHANGES``, the owner of every process-wide change.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from argparse import Namespace
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .patches import PATCHES
+from .process_changes import PROCESS_CHANGES
 from .rebinding import ORIGINAL_ATTR, megatron_root, rebind
 
 FOUND_AT_RUN_TIME = "a rule found at run time"
@@ -78,10 +78,10 @@ class SafetyNet:
         if self.module is arguments and self.wrappers:
             return
         if self.wrappers:  # another Megatron in this process: move, and let the undo move back
-            PATCHES.install("the safety net, off the Megatron it watched before", self.uninstall,
+            PROCESS_CHANGES.install("the safety net, off the Megatron it watched before", self.uninstall,
                             functools.partial(self._wrap_all, self.module))
         self._wrap_all(arguments)
-        PATCHES.on_uninstall("the safety net (validate_args and the TransformerConfig builder)", self.uninstall)
+        PROCESS_CHANGES.on_uninstall("the safety net (validate_args and the TransformerConfig builder)", self.uninstall)
 
     def _wrap_all(self, arguments: Any) -> None:
         self.module, self.root = arguments, megatron_root(arguments)

@@ -9,7 +9,7 @@ plans for (``--world-size`` or ``--nnodes`` x ``--nproc-per-node``, ``--gpu h100
 and answers those questions from the small table below for the length of Megatron's parse and
 validate, and no longer.
 
-One owner undoes everything: a scoped :class:`~.patches.ProcessPatches` records each attribute and
+One owner undoes everything: a scoped :class:`~.process_changes.ProcessChanges` records each attribute and
 environment variable replaced and puts every one back, in reverse order, when the ``with`` block
 ends, however it ends (a dry run ends in ``SystemExit``). Nothing here imports torch or Megatron at module import time.
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import PerfTogglesError, did_you_mean
-from .patches import ProcessPatches
 from .probe import gpu_question_without_torch, torch_module
+from .process_changes import ProcessChanges
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +238,7 @@ class _Properties:
         return f"_Properties(name={self.name!r}, major={self.major}, minor={self.minor}, planned)"
 
 
-def _world(stand: ProcessPatches, target: Target) -> None:
+def _world(stand: ProcessChanges, target: Target) -> None:
     if target.world_size is None:
         return
     stand.set_item(os.environ, "WORLD_SIZE", str(target.world_size))
@@ -247,7 +247,7 @@ def _world(stand: ProcessPatches, target: Target) -> None:
     stand.set_item(os.environ, "LOCAL_WORLD_SIZE", str(target.per_node or min(target.world_size, 8)))
 
 
-def _device(stand: ProcessPatches, gpu: Gpu, count: int) -> None:
+def _device(stand: ProcessChanges, gpu: Gpu, count: int) -> None:
     """Answer torch's device questions for ``gpu``. Without torch there is nobody to ask them:
     planning on a machine with no torch reads the GPU's facts from the table alone."""
     import importlib
@@ -270,7 +270,7 @@ def _device(stand: ProcessPatches, gpu: Gpu, count: int) -> None:
     stand.set_attr(torch.version, "cuda", "12.8-planned" if gpu.vendor == "cuda" else None)
 
 
-def _te_version(stand: ProcessPatches, te_version: str | None) -> None:
+def _te_version(stand: ProcessChanges, te_version: str | None) -> None:
     """Megatron caches Transformer Engine's version in ``megatron.core.utils._te_version``; a
     planned TE (``MEGATRON_PERF_TOGGLES_ASSUME=te=VERSION``) answers its ``is_te_min_version``."""
     utils = sys.modules.get("megatron.core.utils")
@@ -292,7 +292,7 @@ def stand_ins(target: Target | None, te_version: str | None = None, megatron: bo
     ``target``, capabilities.for_plan, profile_file.observed). ``megatron=False``: no Megatron code
     runs in the block (a plan on a recorded surface), so torch, which only Megatron would ask about
     the GPU, is not imported (about 2 s) to be told."""
-    stand = ProcessPatches()  # scoped: undone when the block ends, however it ends
+    stand = ProcessChanges()  # scoped: undone when the block ends, however it ends
     try:
         if target is not None:
             _world(stand, target)

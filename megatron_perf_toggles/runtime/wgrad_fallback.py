@@ -14,8 +14,8 @@ import sys
 import types
 from typing import Any
 
-from .patches import PATCHES
 from .probe import gpu_question_without_torch, installed, torch_module
+from .process_changes import PROCESS_CHANGES
 
 MODULE_NAME = "fused_weight_gradient_mlp_cuda"
 # Where Megatron looks: module attribute + availability flag, and lazy importers (core.utils).
@@ -116,13 +116,13 @@ def activate() -> list[str]:
         if importlib.util.find_spec(MODULE_NAME) is not None:  # a real APEX, not imported yet
             return []
     module = existing or make_module()
-    PATCHES.set_item(sys.modules, MODULE_NAME, module, f"sys.modules[{MODULE_NAME!r}] (wgrad fallback)")
+    PROCESS_CHANGES.set_item(sys.modules, MODULE_NAME, module, f"sys.modules[{MODULE_NAME!r}] (wgrad fallback)")
     patched = [f"sys.modules[{MODULE_NAME!r}]"]
     for name in MEGATRON_SITES:
         site = sys.modules.get(name)
         if site is None:
             continue
-        PATCHES.set_attr(site, "fused_weight_gradient_mlp_cuda", module)
-        PATCHES.set_attr(site, "_grad_accum_fusion_available", True)
+        PROCESS_CHANGES.set_attr(site, "fused_weight_gradient_mlp_cuda", module)
+        PROCESS_CHANGES.set_attr(site, "_grad_accum_fusion_available", True)
         patched.append(f"{name}.fused_weight_gradient_mlp_cuda")
     return patched

@@ -260,10 +260,10 @@ def _stock_flags(tree: str | None, surface: str | None) -> tuple[set[str], dict[
     """The option strings the target Megatron has by itself (without the plugin), and its defaults."""
     if tree:
         from ..launcher.import_shims import megatron_importable
-        from ..runtime.patches import PATCHES
+        from ..runtime.process_changes import PROCESS_CHANGES
         from .surfaces.record import describe_parser, megatron_parser
 
-        with PATCHES.scope(), megatron_importable(tree):  # reading the flags leaves the process as it was
+        with PROCESS_CHANGES.scope(), megatron_importable(tree):  # reading the flags leaves the process as it was
             actions = describe_parser(megatron_parser())
     else:
         actions = replay.load_surface(surface or DEFAULT_SURFACE)["actions"]
@@ -318,7 +318,7 @@ def _doctor_megatron(tree: str | None) -> tuple[MegatronFacts | None, str | None
     import importlib.util
 
     from ..launcher.import_shims import import_failure, megatron_importable
-    from ..runtime.patches import PATCHES
+    from ..runtime.process_changes import PROCESS_CHANGES
 
     if tree is not None and not os.path.isfile(os.path.join(tree, "megatron", "training", "arguments.py")):
         raise PerfTogglesError(f"--megatron {tree}: not a Megatron-LM checkout (no megatron/training/arguments.py)",
@@ -326,7 +326,7 @@ def _doctor_megatron(tree: str | None) -> tuple[MegatronFacts | None, str | None
     if tree is None and importlib.util.find_spec("megatron") is None:
         return None, "not importable (put the Megatron-LM checkout on PYTHONPATH, or pass --megatron PATH)"
     try:
-        with PATCHES.scope(), megatron_importable(tree):  # a report changes nothing
+        with PROCESS_CHANGES.scope(), megatron_importable(tree):  # a report changes nothing
             import megatron.training.arguments  # noqa: F401 - what megatron_facts() inspects
     except Exception as error:  # noqa: BLE001 - any import failure is one line
         what, hint = import_failure(error)
@@ -499,7 +499,7 @@ def _add_doctor(sub: Any) -> None:
 def _add_tools(sub: Any) -> None:
     """patch, ablate, tune, surface: each tool declares its options once, for its own module's parser too."""
     from . import patching
-    from .ablate import runner as ablate
+    from .ablate import command as ablate
     from .surfaces import record
 
     pa = sub.add_parser("patch", help="apply the matching patch from patches/ to a Megatron-LM checkout",
@@ -510,7 +510,7 @@ def _add_tools(sub: Any) -> None:
                         description=ablate.DESCRIPTION, epilog=ablate.EPILOG)
     ablate.add_arguments(ab)
     ab.set_defaults(func=ablate.run_ablation)
-    from . import tune
+    from .tune import command as tune
 
     tu = sub.add_parser("tune", help="measure the toggles on your command line and write a profile",
                         description=tune.DESCRIPTION, epilog=tune.EPILOG)

@@ -35,13 +35,13 @@ def checkout_script(tree: str) -> Path:
 
 def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None,
                   ) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
-    """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (launcher/megatron_hooks.py): the same
+    """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (launcher/parse_hooks.py): the same
     providers, parse, validate_args, planned world and GPU; the record is handed back, not printed."""
     import contextlib
     import io
     import runpy
 
-    from ..launcher import megatron_hooks as hooks
+    from ..launcher import parse_hooks as hooks
     from ..launcher.import_shims import megatron_importable
     from ..runtime.context import RunContext
     from ..runtime.provider import extra_args_provider

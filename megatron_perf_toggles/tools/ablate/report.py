@@ -66,8 +66,7 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
             confidence: float = 0.95, effect: float = 0.01) -> list[dict[str, Any]]:
     """Per arm: the median of its runs' medians with their range; against the baseline, block by
     block: the speedup with its interval and verdict, the loss ratio with its band, and sizing."""
-    # Longer than 50 lines on purpose: one row per arm, built in the order the report reads it;
-    # the statistics themselves live in stats.py.
+    # One row per arm, built in the order the report reads it; the statistics live in stats.py.
     measured = [r for r in runs if r.get("block", -1) >= 0]
     by: dict[tuple[str, int], dict[str, Any]] = {(r["arm"], r["block"]): r for r in measured}
     base = baseline_of(arms)

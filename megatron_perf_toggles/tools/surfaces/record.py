@@ -119,9 +119,9 @@ def code_facts() -> dict[str, Any]:
 
 def record_surface(tree: str) -> dict[str, Any]:
     from ...launcher.import_shims import megatron_importable
-    from ...runtime.patches import PATCHES
+    from ...runtime.process_changes import PROCESS_CHANGES
 
-    with PATCHES.scope(), megatron_importable(tree):  # recording leaves the process as it was
+    with PROCESS_CHANGES.scope(), megatron_importable(tree):  # recording leaves the process as it was
         parser = megatron_parser()
         facts = code_facts()
     return {"schema": SCHEMA, "source": "NVIDIA/Megatron-LM", "facts": facts, "actions": describe_parser(parser)}

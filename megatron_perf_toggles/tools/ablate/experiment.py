@@ -1,0 +1,211 @@
+"""``Experiment``: a spec's arms checked for confounds, then run in blocks until a stopping rule.
+
+1. :meth:`Experiment.check` resolves every arm (and each variable's single-change probe) through
+   the plugin's dry run and refuses confounded arms (confounds.py).
+2. :meth:`Experiment.run` runs one unmeasured warm-up run, then blocks: each block runs every arm
+   once in an order shuffled by the seed, so drift and warm-up hit every arm alike. It stops
+   after ``repeats`` blocks, or, with ``target_ci``, once every interval is that narrow or
+   ``max_repeats`` is reached; no block starts that would end after ``budget``.
+3. The result compares each arm with the baseline block by block (report.py, on stats.py).
+
+``ablate`` runs one experiment; ``tune`` runs one per phase. Both go through this class alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import runs
+from .confounds import dry_run_world, resolve_and_check, resolve_arm
+from .design import Arm, baseline_of
+from .report import compare, measure_run, sizing, widest_interval, write_results
+from .spec import ExperimentSpec
+from .world import logged_world_size, world_size
+
+Resolver = Callable[..., dict[str, Any]]
+
+
+def say(text: str) -> None:
+    print(f"[ablate] {text}", file=sys.stderr, flush=True)
+
+
+class Experiment:
+    """One experiment: ``spec`` over ``arms``, its runs under ``out``, with ``environ`` for every
+    run. ``resolver`` (the dry run, planned for the runs' world) and ``clock`` are stand-ins in
+    tests; ``prior_seconds`` (run times from an earlier experiment on the same job: tune's later
+    phases, which have no warm-up run) price a block until this experiment has timed a run."""
+
+    def __init__(self, spec: ExperimentSpec, arms: Sequence[Arm], out: Path, environ: dict[str, str],
+                 resolver: Resolver = resolve_arm, clock: Callable[[], float] = time.monotonic,
+                 prior_seconds: Sequence[float] = ()) -> None:
+        self.spec, self.arms, self.out, self.environ = spec, list(arms), out, environ
+        self.resolver, self.clock, self.prior_seconds = resolver, clock, list(prior_seconds)
+        self.args = spec.run_args()
+        self.records: list[dict[str, Any]] = []
+        self.derived: dict[str, set[str]] = {}
+        self.statuses: list[dict[str, Any]] = []
+        self.orders: list[list[str]] = []
+        self.blocks = 0
+
+    # --- before the first run ------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Dry-run every arm and probe, refuse confounds and runs with nothing to measure."""
+        self.records, self.derived = resolve_and_check(self.resolver, self.spec.script, self.args, self.arms,
+                                                       self.environ)
+        self.spec.check_measurable(self.iters)
+
+    @property
+    def baseline(self) -> Arm:
+        return baseline_of(self.arms)
+
+    def record_of(self, arm: Arm) -> dict[str, Any]:
+        return self.records[self.arms.index(arm)]
+
+    @property
+    def iters(self) -> Any:
+        """Iterations per run: ``--iters``, else what the baseline's arguments resolve to."""
+        if self.spec.iters is not None:
+            return self.spec.iters
+        return self.record_of(self.baseline).get("effective_args", {}).get("train_iters")
+
+    def runs_of_block(self, block: int) -> list[runs.Run]:
+        """Block ``block``'s runs in their seeded order (-1: the warm-up run, the baseline's)."""
+        if block < 0:
+            return [self._run(self.baseline, -1)]
+        return [self._run(self.arms[i], block) for i in runs.block_order(self.spec.seed, block, len(self.arms))]
+
+    def _run(self, arm: Arm, block: int) -> runs.Run:
+        return runs.make_run(self.out, arm, block, self.spec.launch, self.spec.script, self.args,
+                             self.record_of(arm))
+
+    def planned_runs(self) -> int:
+        return self.spec.repeats * len(self.arms) + (1 if self.spec.warmup_run else 0)
+
+    # --- running -------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Warm-up run, then blocks until a stopping rule; the result (also written by :meth:`write`)."""
+        start = self.clock()
+        progress = runs.Progress(self.planned_runs())
+        if self.spec.warmup_run:
+            self._warm_up(progress)
+        stop_reason = None
+        while True:
+            stop, stop_reason = self._enough()
+            if stop:
+                break
+            block = self.runs_of_block(self.blocks)
+            stop_reason = self._over_budget(block, start)
+            if stop_reason:
+                break
+            self.orders.append([r.arm.name for r in block])
+            progress.total = max(progress.total, len(self.statuses) + len(block))
+            for run in block:
+                self._execute(run, progress)
+            self.blocks += 1
+        if stop_reason:
+            say(f"stopped: {stop_reason}")
+        return self._result(stop_reason, self.clock() - start)
+
+    def _execute(self, run: runs.Run, progress: runs.Progress) -> None:
+        index = len(self.statuses) + 1
+        self.statuses.append(runs.execute(run, self.environ, progress, index, max(progress.total - index, 0)))
+
+    def _warm_up(self, progress: runs.Progress) -> None:
+        """The unmeasured warm-up run; it times the runs still to do, which it says."""
+        warm = self.runs_of_block(-1)[0]
+        earlier = runs.finished_earlier(warm.directory, warm.arm, warm.command) is not None
+        self._execute(warm, progress)
+        per_run = self.statuses[-1]["seconds"]
+        if self.statuses[-1]["status"] != "done":
+            say(f"the warm-up run failed after {per_run:.0f}s: it prices nothing")
+            return
+        to_do = sum(runs.finished_earlier(r.directory, r.arm, r.command) is None
+                    for b in range(self.spec.repeats) for r in self.runs_of_block(b))
+        more = (" (--target-ci may add blocks)"
+                if self.spec.target_ci is not None and self.spec.max_repeats > self.spec.repeats else "")
+        left = (f"about {per_run * to_do / 60:.1f} min for the {to_do} runs of --repeats blocks still to do"
+                if to_do else "every run of the --repeats blocks is done")
+        say(f"the warm-up run took {per_run:.0f}s{' (in an earlier call)' if earlier else ''}: {left}{more}")
+
+    def _enough(self) -> tuple[bool, str | None]:
+        """Whether to stop before the next block (and why, where a rule other than --repeats says so)."""
+        spec = self.spec
+        if self.blocks < spec.repeats:
+            return False, None
+        if spec.target_ci is None:
+            return True, None
+        width = widest_interval(self._rows())
+        if width <= spec.target_ci:
+            return True, f"every interval within +-{spec.target_ci * 100:g} % after {self.blocks} blocks"
+        if self.blocks >= spec.max_repeats:
+            return True, f"--max-repeats {spec.max_repeats} reached (widest interval +-{width * 100:.2f} %)"
+        return False, None
+
+    def _over_budget(self, block: list[runs.Run], start: float) -> str | None:
+        """Why ``block`` would not end within --budget (None: it would, or nothing prices it).
+
+        A resumed block costs only its runs not done earlier; one with none left costs nothing and
+        is never the reason to stop. Priced by this call's finished runs, else (no warm-up run) by
+        this block's runs done earlier, else by the caller's prior times."""
+        spec = self.spec
+        previous = [runs.finished_earlier(r.directory, r.arm, r.command) for r in block]
+        to_run = [r for r, done in zip(block, previous, strict=True) if done is None]
+        seconds = runs.run_seconds(self.statuses) or runs.run_seconds(previous) or self.prior_seconds
+        if spec.budget is None or not seconds or not to_run:
+            return None
+        predicted = statistics.median(seconds) * len(to_run)
+        used = self.clock() - start
+        if used + predicted <= spec.budget * 60:
+            return None
+        left = "" if len(to_run) == len(block) else f", {len(to_run)} of its {len(block)} runs still to do"
+        # the first run on a fresh machine also pays one-time costs (kernel and helper builds):
+        # say so where that price, not the time already used, stopped it
+        timed = (", timed by the warm-up run alone"
+                 if self.blocks == 0 and spec.warmup_run and used <= spec.budget * 60 else "")
+        return (f"--budget {spec.budget:g} min: block {self.blocks + 1} (about {predicted / 60:.1f} min"
+                f"{left}{timed}) would not fit after {used / 60:.1f} min")
+
+    # --- the result ----------------------------------------------------------------------------
+
+    def _gpus(self) -> int | None:
+        return world_size(self.statuses, self.baseline.name, self.spec.launch, self.spec.world_size)
+
+    def _rows(self) -> list[dict[str, Any]]:
+        seq = self.records[0].get("effective_args", {}).get("seq_length")
+        measured = [measure_run(s, self.spec.warmup) for s in self.statuses]
+        return compare(self.arms, measured, self.blocks, seq, self._gpus(), self.spec.confidence, self.spec.effect)
+
+    def commands(self) -> dict[str, dict[str, Any]]:
+        """Each arm's environment and command (with a candidate's additions), as the results keep them."""
+        spec = self.spec
+        return {a.name: {"env": a.env(), "argv": runs.arm_command(spec.launch, spec.script, self.args, a),
+                         **({"candidate_env": a.added_env(), "candidate_args": a.added_args()} if a.adds else {})}
+                for a in self.arms}
+
+    def _result(self, stop_reason: str | None, seconds: float) -> dict[str, Any]:
+        spec = self.spec
+        planned = dry_run_world(spec.launch, spec.world_size)
+        logged = logged_world_size(self.statuses, self.baseline.name)
+        if logged is not None and logged != planned:
+            say(f"warning: the runs had a world of {logged}, the dry runs planned for {planned}: "
+                f"say --world-size {logged}")
+        rows = self._rows()
+        return {"design": spec.design, "seed": spec.seed, "repeats": spec.repeats, "blocks_run": self.blocks,
+                "block_order": self.orders, "world_size": self._gpus(), "planned_world_size": planned,
+                "warmup_run": spec.warmup_run, "iters": self.iters, "warmup": spec.warmup,
+                "confidence": spec.confidence, "target_ci": spec.target_ci, "budget_min": spec.budget,
+                "stop_reason": stop_reason, "derived": {n: sorted(k) for n, k in self.derived.items()},
+                "rows": rows, "sizing": sizing(rows, spec.effect, spec.confidence),
+                "runs": [measure_run(s, spec.warmup) for s in self.statuses], "commands": self.commands(),
+                "seconds": seconds}
+
+    def write(self, result: dict[str, Any]) -> None:
+        """results.json, results.md (and a plot where matplotlib is at hand) under ``out``."""
+        write_results(self.out, result, self.records)

@@ -1,0 +1,114 @@
+"""What each choice of a profile quotes: step time and loss against the arm that differs in that
+toggle alone, peak memory, the environment measured, and the memory limit's turn-offs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ...core.profile import Choice, Environment, Evidence
+from ..ablate import report, stats
+from .rule import Decided, say, step_ms
+
+
+def _loss(decided: Decided, result: Mapping[str, Any], chosen: Sequence[Mapping[str, Any] | None],
+          against: Sequence[Mapping[str, Any] | None]) -> tuple[float | None, bool | None]:
+    """The loss with the chosen value over the loss with the other, and whether it left the phase's
+    one noise band, the baseline's (the band its results.md states). Where one of the two arms is
+    the baseline, both come from the other arm's row of the phase's table, so the profile says what
+    the table says; otherwise the pair is compared at its own last logged iteration against the
+    baseline's band. Without a baseline row there is no band."""
+    rows = {r["arm"]: r for r in result.get("rows", [])}
+    base = next((name for name, r in rows.items() if r.get("baseline")), None)
+    if base is not None and base in (decided.chosen, decided.against):
+        other = decided.against if base == decided.chosen else decided.chosen
+        row = (rows.get(other) or {}).get("loss")
+        if not row:
+            return None, None
+        if base == decided.against:
+            return row.get("ratio"), row.get("outside_noise_band")
+        # the chosen value is the baseline's: the median of its per-block ratios, the table's the other way up
+        flipped = stats.loss_comparison(row["arm_losses"], row["baseline_losses"])
+        return (flipped or {}).get("ratio"), row.get("outside_noise_band")
+    common = report.loss_iterations(chosen) & report.loss_iterations(against)
+    if not common:
+        return None, None
+    last = max(common)
+    band = report.losses_at(report.done_by_block(result["runs"], base, result["blocks_run"]), last) if base else []
+    cmp_ = stats.loss_comparison(report.losses_at(against, last), report.losses_at(chosen, last), band_from=band)
+    return (cmp_["ratio"], cmp_["outside_noise_band"]) if cmp_ else (None, None)
+
+
+def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
+    """Step time with the other value over step time with the chosen one, paired by block; the
+    loss as :func:`_loss` compares it."""
+    blocks = result["blocks_run"]
+    chosen = report.done_by_block(result["runs"], decided.chosen, blocks)
+    against = report.done_by_block(result["runs"], decided.against, blocks)
+    sp = stats.paired_speedup([step_ms(r) for r in against], [step_ms(r) for r in chosen],
+                              decided.confidence or result["confidence"])
+    ratio, outside = _loss(decided, result, chosen, against)
+    return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
+                    verdict=sp["verdict"], confidence=sp["confidence"], blocks=sp["blocks"],
+                    design=decided.phase, loss_ratio=ratio, loss_within_noise=None if outside is None else not outside,
+                    rule=decided.rule, peak_memory_delta_mb=memory_change(result, decided.chosen, decided.against))
+
+
+def peak_mb(result: Mapping[str, Any], arm: str) -> float | None:
+    """An arm's measured peak allocated MB (the highest over its finished runs), None if not logged."""
+    row = next((r for r in result.get("rows", []) if r["arm"] == arm), None)
+    return None if row is None else row.get("max_allocated_mb")
+
+
+def memory_change(result: Mapping[str, Any], chosen: str, against: str) -> float | None:
+    """Peak allocated MB with the chosen arm minus with the other one."""
+    a, b = peak_mb(result, chosen), peak_mb(result, against)
+    return None if a is None or b is None else round(a - b, 1)
+
+
+def within_memory_limit(choices: Mapping[str, Choice], first: Mapping[str, Any], limit_gb: float | None
+                        ) -> tuple[dict[str, Choice], str]:
+    """Keep the choices within ``--memory-limit-gb``: the peak of a set of choices is read from
+    leave-one-out as all-on's peak plus, for each toggle chosen off, what removing it changed
+    (measured; the toggles' memory terms add up, docs/memory.md). While it is above the limit, the
+    toggle whose removal lowers the peak most is turned off, with the numbers in its rule. Returns
+    the choices and a line for the profile's review ('' where no limit was given)."""
+    if limit_gb is None:
+        return dict(choices), ""
+    limit = limit_gb * 1024
+    base = peak_mb(first, "all-on")
+    if base is None:
+        return dict(choices), f"--memory-limit-gb {limit_gb:g}: not applied, leave-one-out logged no peak memory"
+    without = {d: peak_mb(first, f"without:{d}") for d in choices}
+    saving: dict[str, float] = {d: base - mb for d, mb in without.items() if mb is not None}
+
+    def peak(cs: Mapping[str, Choice]) -> float:
+        return base - sum(saving.get(d, 0.0) for d, c in cs.items() if c.value is False)
+
+    out = dict(choices)
+    while peak(out) > limit:
+        candidates = [d for d, c in out.items() if c.value is not False and saving.get(d, 0.0) > 0]
+        if not candidates:
+            return out, (f"--memory-limit-gb {limit_gb:g}: the choices peak at {peak(out) / 1024:.1f} GB per GPU "
+                         "(measured), and no toggle left on lowers it: above the limit")
+        dest = max(candidates, key=lambda d: saving[d])
+        before = peak(out)
+        rule = (f"off: --memory-limit-gb {limit_gb:g}; with it on the choices peak at {before / 1024:.1f} GB per GPU "
+                f"(measured), removing it saves {saving[dest]:.0f} MB")
+        out[dest] = Choice(False, Evidence(against=True, verdict="memory limit", design="leave-one-out", rule=rule,
+                                           peak_memory_delta_mb=-round(saving[dest], 1)))
+        say(f"{dest} off: {rule}")
+    return out, f"--memory-limit-gb {limit_gb:g}: the choices peak at {peak(out) / 1024:.1f} GB per GPU (measured)"
+
+
+def measured_on(record: Mapping[str, Any], world: int | None) -> Environment:
+    """What the runs ran on: the baseline's dry-run record (Megatron, TE, torch, the GPU that
+    process saw) and ``world``, the runs' world size (``ablate.world.world_size``; None: not
+    recorded). The dry run's record is not asked for it: the dry run is one process planning for
+    a world, not the runs themselves. No torch is imported here."""
+    caps = record.get("capabilities") or {}
+    te = caps.get("te_version")
+    return Environment(megatron=(record.get("megatron") or {}).get("version"),
+                       transformer_engine=None if te == "unknown" else te, torch=caps.get("torch_version"),
+                       gpu=record.get("gpu_visible"),
+                       world_size=world)
