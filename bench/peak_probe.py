@@ -52,7 +52,9 @@ def main() -> None:
         raise
     except BaseException as error:
         text = str(error)
-        oom = type(error).__name__ == "OutOfMemoryError" or "out of memory" in text.lower()
+        # Only torch's OutOfMemoryError is the caching allocator giving up on GPU memory; a CUDA error
+        # that says "out of memory" can come from elsewhere (a pinned host allocation, a kernel launch).
+        oom = type(error).__name__ == "OutOfMemoryError"
         STATE.update(status="oom" if oom else "error", error=f"{type(error).__name__}: {text[:800]}")
         asked = re.search(r"Tried to allocate ([\d.]+) (GiB|MiB)", text)
         if asked:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..errors import EnvValueError
 from .facts import Capabilities, version_tuple
 from .memory import BF16, FP32, MB, Layout
 
@@ -44,14 +45,39 @@ EXPANDABLE = "expandable_segments:True"
 LAUNCH_VAR = "PYTORCH_CUDA_ALLOC_CONF"
 
 
+@dataclass(frozen=True, slots=True)
+class AllocConf:
+    """The allocator setting torch will read: the variable, its text, and what the plan needs of it."""
+
+    var: str | None = None  # the first of ALLOC_CONF_VARS that is set (torch reads that one)
+    raw: str = ""
+    expandable: bool = False  # expandable_segments:True
+    async_backend: bool = False  # backend:cudaMallocAsync: not the caching allocator at all
+
+    def with_expandable(self) -> tuple[str, str]:
+        """The variable and value a launch exports to turn expandable segments on, keeping the rest."""
+        kept = [part for part in self.raw.replace(" ", "").split(",") if part and not part.startswith("expandable_segments")]
+        return self.var or LAUNCH_VAR, ",".join([*kept, EXPANDABLE])
+
+
+def alloc_conf(environ: Mapping[str, str]) -> AllocConf:
+    """The allocator setting in ``environ``, parsed as strictly as torch parses it: a value of
+    ``expandable_segments`` other than True or False, which torch refuses at its first allocation,
+    is refused here first (EnvValueError: one line)."""
+    var = next((name for name in ALLOC_CONF_VARS if name in environ), None)
+    if var is None:
+        return AllocConf()
+    raw = environ[var]
+    options = dict(part.partition(":")[::2] for part in raw.replace(" ", "").split(",") if part)
+    value = options.get("expandable_segments", "False")
+    if value not in ("True", "False"):
+        raise EnvValueError(var, raw, "expandable_segments:True or expandable_segments:False (torch accepts only these)")
+    return AllocConf(var, raw, value == "True", options.get("backend") == "cudaMallocAsync")
+
+
 def expandable_segments(environ: Mapping[str, str]) -> bool:
     """Whether the allocator settings in ``environ`` turn expandable segments on."""
-    for name in ALLOC_CONF_VARS:
-        raw = environ.get(name)
-        if raw is not None and raw.strip():
-            options = dict(part.partition(":")[::2] for part in raw.replace(" ", "").split(",") if part)
-            return options.get("expandable_segments", "").lower() == "true"
-    return False
+    return alloc_conf(environ).expandable
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +88,9 @@ class Largest:
     what: str
 
 
-def largest_allocation(layout: Layout, values: Mapping[str, Any]) -> Largest:
-    """The step's largest single transient allocation under these toggle values.
+def largest_allocation(layout: Layout, values: Mapping[str, Any], last_stage: bool = True) -> Largest:
+    """The step's largest single transient allocation under these toggle values, on a rank of the
+    last pipeline stage (``last_stage=False``: of the first, which computes no logits).
 
     Candidates, each a tensor made and freed once per micro-batch: the logits' fp32 copy (stock's
     cross entropy and the native fusion upcast the bf16 logits), or with Transformer Engine's cross
@@ -74,7 +101,9 @@ def largest_allocation(layout: Layout, values: Mapping[str, Any]) -> Largest:
     logits = (BF16 * tokens_vocab / MB, "the bf16 logits (Transformer Engine's cross entropy)") if te_ce \
         else (FP32 * tokens_vocab / MB, "the fp32 copy of the logits in the cross entropy")
     fc1 = layout.ffn * (2 if layout.swiglu else 1) // layout.tp
-    candidates = [logits, (BF16 * layout.tokens * fc1 / MB, "the first MLP projection's output")]
+    candidates = [(BF16 * layout.tokens * fc1 / MB, "the first MLP projection's output")]
+    if last_stage:
+        candidates.append(logits)
     if layout.unfused_attention:
         seq = layout.seq // layout.cp
         scores = BF16 * layout.micro_batch * (layout.heads // layout.tp) * seq * seq / MB
@@ -83,17 +112,19 @@ def largest_allocation(layout: Layout, values: Mapping[str, Any]) -> Largest:
     return Largest(round(mb, 1), what)
 
 
-def need_mb(peak_mb: float, largest: Largest, expandable: bool) -> float:
-    """What the allocator needs for a job that peaks at ``peak_mb`` allocated (see the module)."""
-    return peak_mb if expandable else peak_mb + largest.mb
+def need_mb(stages: list[tuple[float, Largest]], expandable: bool) -> float:
+    """What the allocator needs on the busiest rank, given each pipeline stage's peak allocated MB
+    and its largest allocation: the peak with expandable segments, else the peak plus the largest
+    allocation (see the module), the larger over the stages."""
+    return max(peak if expandable else peak + largest.mb for peak, largest in stages)
 
 
-def verdict(peak_mb: float, largest: Largest, limit_mb: float, expandable_set: bool,
+def verdict(need_fixed: float, need_expandable: float, limit_mb: float, expandable_set: bool,
             expandable_allowed: bool = True) -> Verdict:
     """fits (as launched), fits only with expandable segments, or does not fit."""
-    if need_mb(peak_mb, largest, expandable_set) <= limit_mb:
+    if (need_expandable if expandable_set else need_fixed) <= limit_mb:
         return "fits"
-    if not expandable_set and expandable_allowed and peak_mb <= limit_mb:
+    if not expandable_set and expandable_allowed and need_expandable <= limit_mb:
         return "fits_with_expandable_segments"
     return "does_not_fit"
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import EnvValueError, RegistryError
-from .allocator import expandable_segments
+from .allocator import AllocConf, alloc_conf
 from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTING_BY_ENV, SETTINGS, TOGGLES, Setting, Toggle
 
 
@@ -108,7 +108,12 @@ class EnvSettings:
     memory_headroom: str | None = None  # parsed by core.memory_guard (a percentage or GB)
     # PyTorch's own allocator setting, read (never set) for the memory plan: not one of ours, so no
     # registry entry; core.allocator says where torch reads it.
-    expandable_segments: bool = False
+    alloc: AllocConf = field(default_factory=AllocConf)
+
+    @property
+    def expandable_segments(self) -> bool:
+        """The allocator's need is the peak alone: expandable segments (or not the caching allocator)."""
+        return self.alloc.expandable or self.alloc.async_backend
 
     def raw_for_record(self, environ: Mapping[str, str]) -> dict[str, str]:
         """The plugin's variables as they were set, for the provenance record."""
@@ -161,5 +166,5 @@ def read_env(environ: Mapping[str, str]) -> EnvSettings:
         settings["dry_run_output"] = output.strip().lower()
     # The fields are named by the registry, so a checker cannot match values to them: check_settings
     # has matched each setting's kind to its field's type at import.
-    return EnvSettings(toggles=toggles, rank=rank_of(environ), expandable_segments=expandable_segments(environ),
+    return EnvSettings(toggles=toggles, rank=rank_of(environ), alloc=alloc_conf(environ),
                        **settings)  # type: ignore[arg-type]

@@ -165,14 +165,6 @@ def fp32_logits_mb(layout: Layout) -> float:
     return FP32 * layout.tokens * layout.vocab_per_rank / MB
 
 
-# The native fusion's +4 B per logit was measured (to the MB) on micro-batches of up to 4.2e9 logits
-# per rank. On the H200 a micro-batch of 10.5e9 (40960 tokens x 256000) ran out of memory in its first
-# iteration with 110 GB allocated, asking for another 40 GB: +7.5 B per logit or more over stock.
-# Past 2**32 logits (where the compiled kernels' indexing changes), the model prices the fusion at
-# +8 B per logit: a bound from that failure, not a measured term.
-NATIVE_CE_VALIDATED_ELEMENTS = 2**32
-
-
 def cross_entropy_mb(layout: Layout, fused: bool, impl: str) -> float:
     """Cross entropy against stock's unfused path, which upcasts the bf16 logits once (the
     ``.float()`` at the start of the vocab-parallel cross entropy) and keeps that fp32 tensor, turned
@@ -196,11 +188,7 @@ def cross_entropy_mb(layout: Layout, fused: bool, impl: str) -> float:
     """
     if not fused:
         return 0.0
-    if impl != "native":
-        return -fp32_logits_mb(layout) / 2
-    if layout.tokens * layout.vocab_per_rank > NATIVE_CE_VALIDATED_ELEMENTS:
-        return 2 * fp32_logits_mb(layout)  # a bound: see NATIVE_CE_VALIDATED_ELEMENTS
-    return fp32_logits_mb(layout)
+    return fp32_logits_mb(layout) if impl == "native" else -fp32_logits_mb(layout) / 2
 
 
 def dummy_wgrads_mb(layout: Layout, last_stage: bool = True) -> float:

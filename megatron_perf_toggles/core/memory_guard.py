@@ -20,6 +20,7 @@ from .allocator import (
     EXPANDABLE,
     LAUNCH_VAR,
     VERDICT_WORDS,
+    AllocConf,
     Largest,
     Verdict,
     expandable_segments_refused,
@@ -113,7 +114,8 @@ class MemoryPlan:
     limit_mb: float | None = None
     note: str = ""
     planned_mb: float | None = None  # the busier pipeline stage's, with the decisions (planned_peak)
-    largest: Largest | None = None  # the plan's largest allocation per step (core.allocator)
+    largest: Largest | None = None  # the plan's largest allocation per step, on its neediest stage (core.allocator)
+    needs: dict[str, float] | None = None  # what the allocator needs: fixed_segments, expandable_segments
     stock_largest: Largest | None = None
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # "stock" and "plan"
     expandable_set: bool = False  # PYTORCH_CUDA_ALLOC_CONF already turns expandable segments on
@@ -139,9 +141,7 @@ class MemoryPlan:
             "stock_largest_allocation_mb": None if self.stock_largest is None else self.stock_largest.mb,
             # what the caching allocator needs for this plan: its peak plus its largest allocation with
             # fixed segments, the peak alone with expandable segments (core.allocator)
-            "allocator_need_mb": None if self.planned_mb is None or self.largest is None else {
-                "fixed_segments": round(need_mb(self.planned_mb, self.largest, False), 1),
-                "expandable_segments": round(need_mb(self.planned_mb, self.largest, True), 1)},
+            "allocator_need_mb": self.needs,
             "verdict": dict(self.verdicts) or None,
             "expandable_segments_set": self.expandable_set, "expandable_segments_refused": self.expandable_refused,
             "launch_environment": self.launch,
@@ -157,16 +157,30 @@ def _deltas(values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any, te
     return out
 
 
-def planned_peak(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
-                 te: bool) -> float:
-    """The plan's peak: each pipeline stage's own stock peak plus the decisions' changes on that
-    stage (the logits' terms are the last stage's alone), the larger of the two. Adding the last
-    stage's changes to stock's peak would price a first-stage peak with logits it does not hold."""
-    out = []
+def stage_peaks(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
+                te: bool) -> dict[str, float]:
+    """Each pipeline stage's own stock peak plus the decisions' changes on that stage (the logits'
+    terms are the last stage's alone): ``last``, and ``first`` where PP > 1."""
+    out = {}
     for name, stage_mb in (estimate.stages or {"last": estimate.peak_mb}).items():
         deltas = (toggle_delta_mb(t.dest, values, stock, layout, te, last_stage=name == "last") for t in TOGGLES)
-        out.append(stage_mb + sum(d for d in deltas if d is not None))
-    return max(out)
+        out[name] = stage_mb + sum(d for d in deltas if d is not None)
+    return out
+
+
+def planned_peak(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
+                 te: bool) -> float:
+    """The plan's peak: the larger of the stages' (``stage_peaks``). Adding the last stage's changes
+    to stock's peak would price a first-stage peak with logits it does not hold."""
+    return max(stage_peaks(estimate, values, stock, layout, te).values())
+
+
+def allocator_stages(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
+                     te: bool) -> list[tuple[float, Largest]]:
+    """Each stage's peak with its own largest allocation (the first stage holds no logits), for what
+    the caching allocator needs (``allocator.need_mb``)."""
+    return [(peak, largest_allocation(layout, values, last_stage=name == "last"))
+            for name, peak in stage_peaks(estimate, values, stock, layout, te).items()]
 
 
 @dataclass(slots=True)
@@ -184,12 +198,28 @@ class _Fit:
     def peak(self, values: Mapping[str, Any]) -> float:
         return planned_peak(self.estimate, values, self.base, self.layout, self.te)
 
+    def stages(self, values: Mapping[str, Any]) -> list[tuple[float, Largest]]:
+        return allocator_stages(self.estimate, values, self.base, self.layout, self.te)
+
     def verdict(self, values: Mapping[str, Any]) -> Verdict:
-        return verdict(self.peak(values), largest_allocation(self.layout, values), self.limit, self.expandable_set,
+        stages = self.stages(values)
+        return verdict(need_mb(stages, False), need_mb(stages, True), self.limit, self.expandable_set,
                        expandable_allowed=self.refused is None)
 
     def need(self, values: Mapping[str, Any]) -> float:
-        return need_mb(self.peak(values), largest_allocation(self.layout, values), self.expandable_set)
+        return need_mb(self.stages(values), self.expandable_set)
+
+
+def _neediest(stages: list[tuple[float, Largest]]) -> tuple[float, Largest]:
+    """The stage whose peak plus largest allocation is the largest: where fixed segments run short first."""
+    return max(stages, key=lambda stage: stage[0] + stage[1].mb)
+
+
+def _allocator_record(memory: MemoryPlan, stages: list[tuple[float, Largest]]) -> None:
+    """The plan's largest allocation (its neediest stage's) and what the allocator needs, into the record."""
+    memory.largest = _neediest(stages)[1]
+    memory.needs = {"fixed_segments": round(need_mb(stages, False), 1),
+                    "expandable_segments": round(need_mb(stages, True), 1)}
 
 
 def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: Capabilities, env: EnvSettings,
@@ -212,19 +242,27 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     memory.deltas = _deltas(values, base, layout, te)
     memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te)
     memory.planned_mb = planned_peak(estimate, values, base, layout, te)
-    memory.largest, memory.stock_largest = largest_allocation(layout, values), largest_allocation(layout, base)
+    _allocator_record(memory, allocator_stages(estimate, values, base, layout, te))
+    memory.stock_largest = _neediest(allocator_stages(estimate, base, base, layout, te))[1]
     if caps.gpu_memory_mb is None:
         memory.note = "the GPU's memory is not known here: no memory guard"
         return memory, []
     limit = caps.gpu_memory_mb - headroom_mb(env, caps.gpu_memory_mb)
     memory.limit_mb = round(limit, 1)
-    memory.expandable_refused = None if env.expandable_segments else expandable_segments_refused(args, caps)
+    refused = expandable_segments_refused(args, caps)
+    memory.expandable_refused = None if env.expandable_segments else refused
     fit = _Fit(layout, estimate, base, te, limit, env.expandable_segments, memory.expandable_refused)
     memory.verdicts = {"stock": fit.verdict(base), "plan": fit.verdict(values)}
     messages = _back_off(fit, memory, decisions, values, Context(args, values, caps, env), _where(caps, env, limit))
     memory.verdicts["plan"] = fit.verdict(values)
-    memory.launch = _launch(memory, fit, values, args, caps)
-    return memory, messages + _verdict_messages(memory, fit, values, decisions)
+    memory.launch = _launch(memory, fit, args, caps, env.alloc)
+    messages += _verdict_messages(memory, fit, values)
+    if env.alloc.expandable and refused:
+        messages.append(Message("warning", f"memory: {env.alloc.var} turns expandable segments on, but {refused}: "
+                                           "Megatron will stop this launch"))
+    if env.alloc.async_backend:
+        memory.note = "backend:cudaMallocAsync: not the caching allocator; the need is taken as the peak alone"
+    return memory, messages
 
 
 def _where(caps: Capabilities, env: EnvSettings, limit: float) -> str:
@@ -242,6 +280,16 @@ def _eligible(memory: MemoryPlan, decisions: Mapping[str, Decision], ctx: Contex
     return [d for d in costly if decisions[d].source == "default" and ctx.env.plugin_enabled and not _needed(d, ctx)]
 
 
+def _cannot_help(memory: MemoryPlan, decisions: Mapping[str, Decision], eligible: list[str], where: str) -> Message:
+    """Nothing the guard may change improves the outcome: say what takes the job past stock's need."""
+    costly = [d for d, mb in memory.deltas.items() if mb and mb > 0 and d not in eligible]
+    words = ", ".join(f"{d} ({decisions[d].source if decisions[d].source != 'default' else 'needed by a feature asked for'}"
+                      f", {delta_words(memory.deltas[d])})" for d in costly)
+    return Message("warning", f"memory: what was asked for ({words or 'the layout itself'}) takes the job past what "
+                              f"stock needs ({where}); backing off a default would not change that, so the defaults "
+                              "are kept")
+
+
 def _back_off(fit: _Fit, memory: MemoryPlan, decisions: dict[str, Decision], values: dict[str, Any],
               ctx: Context, where: str) -> list[Message]:
     """Back off defaults, costliest first, only where that changes the outcome: until the plan is
@@ -251,43 +299,39 @@ def _back_off(fit: _Fit, memory: MemoryPlan, decisions: dict[str, Decision], val
         return []
     eligible = _eligible(memory, decisions, ctx)
     best = fit.verdict({**values, **{d: fit.base[d] for d in eligible}})
-    if not worse(plan_v, best):  # nothing the guard may change improves the outcome
-        asked = [d for d, mb in memory.deltas.items() if mb and mb > 0 and decisions[d].source != "default"]
-        words = ", ".join(f"{d} ({decisions[d].source}, {delta_words(memory.deltas[d])})" for d in asked)
-        return [Message("warning", f"memory: the choices made explicitly ({words or 'none'}) take the job past what "
-                                   f"stock needs ({where}); backing off a default would not change that, so the "
-                                   "defaults are kept")]
+    if not worse(plan_v, best):
+        return [_cannot_help(memory, decisions, eligible, where)]
+    target = best if worse(best, stock_v) else stock_v  # the better of these two the guard cannot beat
     for dest in eligible:
         now = fit.verdict(values)
-        if not worse(now, stock_v) or now == best:
+        if not worse(now, target):
             break
         trial = {**values, dest: fit.base[dest]}
         if fit.need(trial) >= fit.need(values) and fit.peak(trial) >= fit.peak(values):
             continue  # it does not add to what is short (the logits' terms where the first stage peaks)
-        goal = ("fit without expandable segments" if now == "fits_with_expandable_segments"
-                else "fit" if best == "fits" else "fit with expandable segments")
+        goal = ("fit with expandable segments" if target == "fits_with_expandable_segments" else
+                "fit without expandable segments" if now == "fits_with_expandable_segments" else "fit")
         reason = (f"memory: stock (estimated peak {size_words(fit.estimate.peak_mb)}) {VERDICT_WORDS[stock_v]} "
-                  f"({where}), but with the defaults the job "
-                  f"{VERDICT_WORDS[now]} (planned peak {size_words(fit.peak(values))}); this default adds "
-                  f"{delta_words(memory.deltas[dest])}, so it is backed off to stock's "
-                  f"{format_value(fit.base[dest])} to {goal} ({HEADROOM_VAR} sets the headroom)")
+                  f"({where}), but with the defaults the job {VERDICT_WORDS[now]} (planned peak "
+                  f"{size_words(fit.peak(values))}); this default adds {delta_words(memory.deltas[dest])}, so it is "
+                  f"backed off to stock's {format_value(fit.base[dest])} to {goal} ({HEADROOM_VAR} sets the headroom)")
         decisions[dest] = Decision(fit.base[dest], "guard", reason)
         values[dest] = fit.base[dest]
         memory.deltas = _deltas(values, fit.base, fit.layout, fit.te)
         memory.planned_mb = fit.peak(values)
-        memory.largest = largest_allocation(fit.layout, values)
+        _allocator_record(memory, fit.stages(values))
     return []
 
 
-def _verdict_messages(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any],
-                      decisions: Mapping[str, Decision]) -> list[Message]:
+def _verdict_messages(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any]) -> list[Message]:
     """A warning where the job, as planned, will not run as launched; none where it fits."""
     plan_v, stock = memory.verdicts["plan"], memory.stock
     if plan_v == "fits" or stock is None:
         return []
     if plan_v == "fits_with_expandable_segments":
+        var = memory.launch[0] if memory.launch else {"name": LAUNCH_VAR, "value": EXPANDABLE}
         return [Message("warning", f"memory: this job {VERDICT_WORDS[plan_v]}: export "
-                                   f"{LAUNCH_VAR}={EXPANDABLE} (the launch environment says why)")]
+                                   f"{var['name']}={var['value']} (the launch environment says why)")]
     why = (f"; {memory.expandable_refused}, which expandable segments would need"
            if memory.expandable_refused and min(stock.peak_mb, fit.peak(values)) <= fit.limit else "")
     return [Message("warning", f"memory: this job does not fit: planned peak {size_words(fit.peak(values))}, "
@@ -295,17 +339,18 @@ def _verdict_messages(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any],
                                f" (stock: {VERDICT_WORDS[memory.verdicts['stock']]}){why}")]
 
 
-def _launch(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any], args: Mapping[str, Any],
-            caps: Capabilities) -> list[dict[str, str]]:
+def _launch(memory: MemoryPlan, fit: _Fit, args: Mapping[str, Any], caps: Capabilities,
+            alloc: AllocConf) -> list[dict[str, str]]:
     """What the launch must export for the plan to fit: expandable segments where only they make it
     fit (and NCCL_GRAPH_REGISTER=0 beside them with Transformer Engine's CUDA graphs)."""
     if memory.verdicts.get("plan") != "fits_with_expandable_segments" or memory.largest is None:
         return []
-    without = fit.peak(values) + memory.largest.mb
-    out = [{"name": LAUNCH_VAR, "value": EXPANDABLE,
-            "why": (f"fits only with expandable segments: peak {size_words(fit.peak(values))} plus the largest "
-                    f"allocation {size_words(memory.largest.mb)} ({memory.largest.what}) needs "
-                    f"{size_words(without)} of fixed segments; limit {size_words(fit.limit)}")}]
+    without = (memory.needs or {}).get("fixed_segments", 0.0)
+    name, value = alloc.with_expandable()  # the variable torch reads, the user's other options kept
+    out = [{"name": name, "value": value,
+            "why": (f"fits only with expandable segments: the peak plus the largest allocation "
+                    f"{size_words(memory.largest.mb)} ({memory.largest.what}) needs {size_words(without)} of "
+                    f"fixed segments; limit {size_words(fit.limit)}")}]
     if te_cuda_graphs(args, caps):
         out.append({"name": "NCCL_GRAPH_REGISTER", "value": "0",
                     "why": "Transformer Engine's CUDA graphs with expandable segments: Megatron asserts it"})

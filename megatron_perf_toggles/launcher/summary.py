@@ -68,8 +68,10 @@ def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None,
         out.append("launch environment (Megatron checks these for this layout, or the memory plan needs them; "
                    "export them in the launch):")
         for var in launch:
+            here = os.environ.get(var.name)
             note = "set for this plan" if var in set_here else (
-                "already set here" if os.environ.get(var.name) is not None else "not set here")
+                "already set here" if here == var.value else "not set here" if here is None else
+                "set here to another value")
             out.append(f"  export {var.name}={var.value}    # {var.why} ({note})")
     else:
         out.append("launch environment: nothing this layout needs")

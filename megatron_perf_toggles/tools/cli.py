@@ -191,6 +191,19 @@ def _explain_target(ns: argparse.Namespace) -> planned.Target:
     return target
 
 
+def _check_world(ns: argparse.Namespace, target: planned.Target, args: dict[str, Any]) -> None:
+    """On a recorded surface (no validate_args to ask), a world that the model-parallel size does not
+    divide is one line, as Megatron's check would be."""
+    if ns.megatron or target.world_size is None:
+        return
+    sizes = [args.get(d) or 1 for d in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                        "context_parallel_size")]
+    model = sizes[0] * sizes[1] * sizes[2] if all(isinstance(n, int) for n in sizes) else 1
+    if target.world_size % model:
+        raise PerfTogglesError(f"world size {target.world_size} is not divisible by TP x PP x CP = {model}",
+                               "plan a world that is a multiple of the model-parallel size")
+
+
 def _explain_header(ns: argparse.Namespace, caps: Capabilities, label: str, target: planned.Target,
                     profile: Profile | None, width: int | None) -> None:
     """Who plans (Megatron), for what (world, GPU), on which stack (one line), and the command."""
@@ -215,6 +228,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     target = _explain_target(ns)
     plan, caps, label, args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
                                                 target=target)
+    _check_world(ns, target, args)
     # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts,
     # and what the memory plan asks for (the allocator setting where only it makes the job fit).
     launch = launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version)

@@ -252,6 +252,9 @@ def test_explain_plans_a_world_on_a_recorded_surface_too():
 
     assert weights("64") / weights("8") == pytest.approx((6 + 12 / 64) / (6 + 12 / 8), rel=1e-4)  # parts in 0.1 MB
     assert "did you mean 'h100'" in _one_line(run_cli("explain", "--gpu", "h10"))
+    # A world the model-parallel size does not divide is one line, as Megatron's own check would be.
+    line = _one_line(run_cli("explain", "--world-size", "6", "--", *SURFACE_MODEL, "--tensor-model-parallel-size", "4"))
+    assert "world size 6 is not divisible by TP x PP x CP = 4" in line
 
 
 SURFACE_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",

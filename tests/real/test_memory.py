@@ -143,7 +143,7 @@ def test_explicit_request_is_kept_and_no_default_is_backed_off_that_cannot_help(
     assert plan.memory["peak_memory_delta_mb"]["gradient_accumulation_fusion"] > 0
     assert plan.decisions["gradient_accumulation_fusion"].source == "default"
     assert plan.memory["verdict"] == {"stock": "fits_with_expandable_segments", "plan": "does_not_fit"}
-    warning = [m.text for m in plan.messages if m.text.startswith("memory: the choices made explicitly")]
+    warning = [m.text for m in plan.messages if m.text.startswith("memory: what was asked for")]
     assert warning and "cross_entropy_loss_fusion (cli" in warning[0] and "would not change that" in warning[0]
 
 
