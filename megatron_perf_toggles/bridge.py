@@ -27,7 +27,6 @@ asserts against from core 0.18.2, becomes ``native``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -35,7 +34,9 @@ from .core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_R
 from .core.decide import Plan
 from .core.facts import Capabilities
 from .runtime import frontend
-from .runtime.target import planned_world
+from .runtime.context import Mode
+from .runtime.provenance import record_dir as record_dir_of
+from .runtime.target import Target
 
 _MISSING = object()
 
@@ -126,12 +127,15 @@ def _named(explicit: Iterable[str], homes: Mapping[str, tuple[Home, ...]]) -> se
     return {dest for dest, hs in homes.items() if dest in names or any(h.path in names for h in hs)}
 
 
-def read(cfg: Any, explicit: Iterable[str] = ()) -> frontend.Found:
-    """What the plugin reads of ``cfg``: arguments, configured and explicit toggle values."""
+def read(cfg: Any, explicit: Iterable[str] = (), traced: Iterable[str] = ()) -> frontend.Found:
+    """What the plugin reads of ``cfg``: arguments (with their field paths), configured and
+    explicit toggle values. ``traced``: field paths the recipe function assigned (:func:`build`),
+    configured whatever their value."""
     homes = bridge_homes()
     named = _named(explicit, homes)
-    args, _ = _args(cfg)
-    found = frontend.Found(args=args)
+    assigned = set(traced)
+    args, where = _args(cfg)
+    found = frontend.Found(args=args, words=_words(cfg, where))
     for dest, dest_homes in homes.items():
         home = next((h for h in dest_homes if _read(cfg, h.path) is not _MISSING), None)
         if home is None:
@@ -140,14 +144,28 @@ def read(cfg: Any, explicit: Iterable[str] = ()) -> frontend.Found:
         value = home.from_field(raw)
         args[dest] = value
         found.stock[dest] = value
+        found.words[dest] = f"cfg.{home.path}"
         if dest in named:
             found.explicit[dest] = (value, f"cfg.{home.path}")
             continue
         obj, name = _section(cfg, home.path)
         default = declared_default(obj, name)
-        if default is _MISSING or default != raw or not generic_declaration(obj, name):
+        if (default is _MISSING or default != raw or not generic_declaration(obj, name)
+                or any(h.path in assigned for h in dest_homes)):
             found.configured[dest] = (value, f"cfg.{home.path}")
     return found
+
+
+def _words(cfg: Any, where: Mapping[str, tuple[Any, str]]) -> dict[str, str]:
+    """Each argument's Bridge field path (``cfg.model.qk_layernorm``), and for those Bridge spells
+    otherwise, the field that sets it (packed sequences for Megatron's ``--sft``)."""
+    sections = {id(getattr(cfg, s, None)): s for s in BRIDGE_SECTIONS}
+    words = {dest: f"cfg.{sections.get(id(obj), '?')}.{name}" for dest, (obj, name) in where.items()}
+    for dest, home in BRIDGE_DERIVED:
+        value = _read(cfg, home.path)
+        if value not in (_MISSING, None, False, 0) and not (isinstance(value, (int, float)) and value < 0):
+            words[dest] = f"cfg.{home.path}"
+    return words
 
 
 def write(cfg: Any, plan: Plan) -> list[str]:
@@ -171,25 +189,33 @@ def write(cfg: Any, plan: Plan) -> list[str]:
 
 def apply(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str] | None = None,
           capabilities: Capabilities | None = None, record_dir: str | None = None,
-          announce: bool = True) -> Plan:
+          announce: bool = True, mode: Mode = "run", target: Target | None = None) -> Plan:
     """Decide every toggle for ``cfg`` (a Bridge ``ConfigContainer``) and write the decisions into
-    its fields. Prints the start-up table and writes ``perf_toggles.json`` (rank 0) into
-    ``record_dir``, else the (tagged) tensorboard or wandb directory, else ``cfg.checkpoint.save``.
-    ``capabilities`` plans for another machine instead of detecting this one's. Returns the plan;
-    a request that cannot be honoured raises a PerfTogglesError with one line."""
-    environ = os.environ if environ is None else environ
+    its fields, through the plugin's one pipeline (``runtime.frontend``): the resume check and
+    history in ``cfg.checkpoint``, the cross-rank check, the start-up table and
+    ``perf_toggles.json`` (rank 0; into ``record_dir``, else the tagged tensorboard or wandb
+    directory, else ``cfg.checkpoint.save``), and the safety net around Bridge's
+    ``ConfigContainer.validate``. ``capabilities`` plans for another machine instead of detecting
+    this one's; ``mode="plan"`` (``explain``) decides and writes the fields, nothing else. Returns
+    the plan; a request that cannot be honoured raises a PerfTogglesError with one line."""
     _resolve_mixed_precision(cfg)
-    found = read(cfg, explicit)
-    world = planned_world(None, environ)
-    if world is not None and not found.args.get("world_size"):  # as Megatron's parse_args reads it
-        found.args["world_size"] = world
-    plan, caps, env = frontend.decide_found(found, environ, capabilities)
-    write(cfg, plan)
-    if plan.wgrad_path == "fallback" and capabilities is None:
-        from .runtime import wgrad_fallback
+    from .runtime.bridge_recipe import traced_fields
 
-        wgrad_fallback.activate()
-    if announce:
-        directory = record_dir or frontend.provenance.record_dir(plan, found.args) or _read(cfg, "checkpoint.save")
-        frontend.announce(plan, caps, env, environ, directory if isinstance(directory, str) else None)
+    found = read(cfg, explicit, traced_fields(cfg))
+    ctx = frontend.start("bridge", environ, mode=mode, capabilities_=capabilities, target=target, announce=announce)
+    plan, view, reg = frontend.plan(ctx, found)
+    write(cfg, plan)
+    ctx.plan = plan
+    if mode != "run":
+        return plan
+    ctx.install()  # the process's context from here on: check_ranks() and the safety net find it
+    controller = ctx.controller
+    assert controller is not None
+    save = _read(cfg, "checkpoint.save")
+    controller.record_dir = record_dir or record_dir_of(plan, vars(view)) or (save if isinstance(save, str) else None)
+    from .runtime.bridge_net import watch_validation
+
+    watch_validation(cfg, ctx, view, reg)
+    controller.apply(view, reg)
     return plan
+

@@ -26,9 +26,14 @@ from .core.config_fields import PRIMUS_DEFAULT_FILES, PRIMUS_HOMES
 from .core.decide import FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, Plan
 from .core.facts import Capabilities
 from .core.registry import BY_DEST
+from .errors import PerfTogglesError
 from .runtime import frontend
+from .runtime.context import Mode, RunContext
+from .runtime.controller import Registration
+from .runtime.target import Target
 
 PATCH_ID = "megatron_perf_toggles.decisions"
+VALIDATE_ID = "megatron_perf_toggles.validate_args"
 _MISSING = object()
 
 
@@ -68,69 +73,90 @@ def primus_defaults(package_dir: str | None = None) -> dict[str, Any]:
 
 
 def read(ns: Any, defaults: Mapping[str, Any], explicit: Iterable[str] = ()) -> frontend.Found:
-    """What the plugin reads of Primus's namespace: the arguments, and which toggles it set."""
+    """What the plugin reads of Primus's namespace: the arguments, and which toggles it set. Its
+    keys are Megatron's dests, so each argument's name in the user's YAML is its dest."""
     args = dict(vars(ns))
     named = set(explicit)
     if named - set(PRIMUS_HOMES):
         from .errors import PerfTogglesError
 
         raise PerfTogglesError(f"primus: explicit names no toggle: {', '.join(sorted(named - set(PRIMUS_HOMES)))}")
-    found = frontend.Found(args=args)
+    found = frontend.Found(args=args, words={dest: f"YAML key {dest}" for dest in args})
     for dest, homes in PRIMUS_HOMES.items():
         home = homes[0]
         value = getattr(ns, home.path, _MISSING)
-        if value is _MISSING:
+        if value is _MISSING:  # this Megatron has no flag for it: the plugin adds the dest, stock is Megatron's default
+            found.stock[dest] = megatron_default(dest)
             continue
         found.stock[dest] = value
         default = defaults[dest] if dest in defaults else megatron_default(dest)
         if dest in named:
-            found.explicit[dest] = (value, home.path)
+            found.explicit[dest] = (value, f"YAML key {home.path}")
         elif value is not None and value != default:
-            found.configured[dest] = (value, home.path)
+            found.configured[dest] = (value, f"YAML key {home.path}")
     return found
 
 
 def apply_to_namespace(ns: Any, defaults: Mapping[str, Any] | None = None, *, explicit: Iterable[str] = (),
                        environ: Mapping[str, str] | None = None, capabilities: Capabilities | None = None,
-                       announce: bool = True) -> Plan:
+                       announce: bool = True, mode: Mode = "run", target: Target | None = None) -> Plan:
     """Decide every toggle for ``ns`` and write the decisions back onto it (and
-    ``ns.perf_toggles``, as the argparse path does). ``defaults``: Primus's (read from the imported
-    package when omitted)."""
-    environ = os.environ if environ is None else environ
+    ``ns.perf_toggles``, as the argparse path does), through the one pipeline
+    (``runtime.frontend``): resume check and history, cross-rank check, the start-up table and
+    record. ``defaults``: Primus's (read from the imported package when omitted). A request that
+    cannot be honoured raises a PerfTogglesError with one line."""
     found = read(ns, primus_defaults() if defaults is None else defaults, explicit)
-    plan, caps, env = frontend.decide_found(found, environ, capabilities)
-    for dest, decision in plan.decisions.items():
-        setattr(ns, dest, decision.value)
-    for dest, path in plan.log_dirs.items():
-        setattr(ns, dest, path)
-    ns.perf_toggles_precision = plan.precision
-    ns.perf_toggles = frontend.provenance.decision_records(plan)
-    if plan.wgrad_path == "fallback" and capabilities is None:
-        from .runtime import wgrad_fallback
-
-        wgrad_fallback.activate()
-    if announce:
-        frontend.announce(plan, caps, env, environ, frontend.provenance.record_dir(plan, found.args))
+    ctx = frontend.start("primus", environ, mode=mode, capabilities_=capabilities, target=target, announce=announce)
+    plan, _, reg = frontend.plan(ctx, found, ns)
+    ctx.plan = plan
+    if mode == "run":
+        ctx.install()  # the process's context: check_ranks() and the validation patch find it
+        _PLANNED[id(ns)] = (ns, ctx, reg)
+        assert ctx.controller is not None
+        ctx.controller.apply(ns, reg)
     return plan
 
 
+# The namespaces planned in this process, for the before_train patch (its context carries the same namespace).
+_PLANNED: dict[int, tuple[Any, RunContext, Registration]] = {}
+_REFUSED: dict[int, tuple[Any, PerfTogglesError]] = {}
+
+
 def build_args_patch(ctx: Any) -> None:
-    """Primus's ``build_args`` phase: the namespace is ``ctx.extra["backend_args"]``."""
+    """Primus's ``build_args`` phase: the namespace is ``ctx.extra["backend_args"]``. A refusal is
+    kept for the namespace, not raised here: Primus logs and swallows what a patch raises, so it
+    stops the job where Primus's own checks do (:func:`before_train_patch`)."""
     ns = ctx.extra.get("backend_args")
-    if ns is not None:
+    if ns is None:
+        return
+    try:
         apply_to_namespace(ns)
+    except PerfTogglesError as error:
+        _REFUSED[id(ns)] = (ns, error)  # its one line comes with the stop
+
+
+def before_train_patch(ctx: Any) -> None:
+    """Primus's ``before_train`` phase, after its own ``megatron.validate_args`` patch: Megatron's
+    ``validate_args`` (as Primus wrapped it) raises a refusal kept at ``build_args``, with one line
+    and exit status 2 on every rank, and otherwise runs inside the safety net."""
+    from .runtime import primus_validate
+
+    primus_validate.install(ctx.extra.get("backend_args"), _PLANNED, _REFUSED)
 
 
 def register() -> bool:
-    """Register :func:`build_args_patch` with Primus (its registry replaces a patch registered again
-    under the same id); False where Primus is not importable. Priority 90: after Primus's own
-    argument patches (lower numbers run first), so the plugin decides on their result."""
+    """Register the patches with Primus (its registry replaces a patch registered again under the
+    same id); False where Primus is not importable. ``build_args`` at priority 90: after Primus's
+    own argument patches (lower numbers run first), so the plugin decides on their result;
+    ``before_train`` at 90: after Primus wrapped ``validate_args``."""
     try:
         from primus.core.patches import register_patch
     except ImportError:
         return False
     register_patch(PATCH_ID, backend="megatron", phase="build_args", priority=90,
                    description="megatron-perf-toggles: the plugin's toggle decisions")(build_args_patch)
+    register_patch(VALIDATE_ID, backend="megatron", phase="before_train", priority=90,
+                   description="megatron-perf-toggles: refusals and the safety net at validate_args")(before_train_patch)
     return True
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,15 @@ CASES = {
                                                     "dataset.offline_packing_specs": None}},
     "world_8": {"recipe": QWEN3, "env": {"WORLD_SIZE": "8"}},
     "env_impl": {"recipe": QWEN3, "env": {"CROSS_ENTROPY_FUSION_IMPL": "native", "CROSS_ENTROPY_LOSS_FUSION": "0"}},
+    # Run-time protections: Bridge's own validation (runtime_config_update), the history a resume reads,
+    # the cross-rank check at init_process_group.
+    "validated": {"recipe": QWEN3, "validate": True, "rank_check": True},
+    "late_gate": {"recipe": QWEN3, "edits": {"model.qk_layernorm": False}, "validate": True,
+                  "late_edits": {"model.attention_output_gate": True}},  # set after apply: no guard saw it
+    "late_gate_off": {"recipe": QWEN3, "edits": {"model.qk_layernorm": False}, "validate": True,
+                      "late_edits": {"model.attention_output_gate": True}, "env": {"MEGATRON_PERF_TOGGLES": "0"}},
+    "resume_changed": {"recipe": QWEN3, "resume": {}, "env": {"CROSS_ENTROPY_LOSS_FUSION": "0"}},
+    "resume_same": {"recipe": QWEN3, "resume": {}},
 }
 
 
@@ -68,8 +78,12 @@ def _run(cases: dict, tree: Path | None) -> dict:
     # have Python 3.12 compile all of it again. Nothing is written into the tree either way.
     env.pop("PYTHONPYCACHEPREFIX", None)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    proc = subprocess.run([python, str(REPO / "tests" / "bridge_driver.py")], input=json.dumps(list(cases.values())),
-                          capture_output=True, text=True, env=env, timeout=600)
+    # A recipe's checkpoint directory is relative ("nemo_experiments/..."): the resume history the
+    # plugin writes there lands in a scratch directory, never in the checkout.
+    with tempfile.TemporaryDirectory(prefix="bridge-cases-") as scratch:
+        proc = subprocess.run([python, str(REPO / "tests" / "bridge_driver.py")],
+                              input=json.dumps(list(cases.values())), capture_output=True, text=True, env=env,
+                              timeout=600, cwd=scratch)
     if proc.returncode != 0 or not proc.stdout.strip():
         pytest.fail(f"bridge driver failed ({proc.returncode}): {proc.stderr[-3000:]}")
     out = json.loads(proc.stdout)
@@ -106,7 +120,8 @@ def test_qk_layernorm_recipe_gets_fused_qkv_rope_off_with_reason():
     assert r["before"]["model.qk_layernorm"] is True
     d = r["decisions"]["fused_single_qkv_rope"]
     assert (d["value"], d["source"]) == (False, "guard")
-    assert "--qk-layernorm" in d["reason"]
+    # In Bridge's words: the field the recipe set, not Megatron's flag for it.
+    assert "cfg.model.qk_layernorm" in d["reason"] and "--" not in d["reason"]
     assert r["after"]["model.fused_single_qkv_rope"] is False
 
 
@@ -140,7 +155,7 @@ def test_average_in_collective_goes_off_with_per_token_loss():
     assert base["after"]["ddp.average_in_collective"] is True
     assert base["decisions"]["ddp_average_in_collective"]["source"] == "config"  # the base recipe turns it on
     d = r["decisions"]["ddp_average_in_collective"]
-    assert (d["value"], d["source"]) == (False, "guard") and "per-token-loss" in d["reason"]
+    assert (d["value"], d["source"]) == (False, "guard") and "cfg.model.calculate_per_token_loss" in d["reason"]
     assert r["after"]["ddp.average_in_collective"] is False
 
 
@@ -245,6 +260,36 @@ def test_record_and_table_are_the_argparse_paths():
     assert r["record"]["package"] == "megatron-perf-toggles"
     assert any(line.startswith("[perf-toggles] fused_single_qkv_rope: off (guard;") for line in r["table"])
     assert r["record"]["capabilities"]["megatron"]["version"] == r["megatron_version"]
+
+
+def test_bridge_validation_passes_with_the_plugin_and_the_rank_check_runs():
+    r = case("validated")
+    assert r["validated"] is True
+    assert r["fingerprint"]["toggles"] == {d: rec["value"] for d, rec in r["decisions"].items()}
+    assert r["rank_check"] == {"armed": True, "checked": True}
+
+
+def test_safety_net_backs_off_a_default_bridges_validation_rejects():
+    # Gated attention set after apply: no guard saw it, and Megatron's TransformerConfig (built in
+    # Bridge's validation) rejects fused single-QKV RoPE with it. Stock values pass: the net turns
+    # the plugin default back, says so, and validation goes on.
+    r, stock = case("late_gate"), case("late_gate_off")
+    assert stock["validated"] is True and stock["after_validate"]["model.fused_single_qkv_rope"] is False
+    assert r["after"]["model.fused_single_qkv_rope"] is True  # the plugin default, as planned
+    assert r["validated"] is True, r["validated"]
+    assert r["after_validate"]["model.fused_single_qkv_rope"] is False
+    assert any("fused_single_qkv_rope: off (guard; Bridge's validation rejected the plugin default" in line
+               for line in r["table_after_validate"])
+    assert r["history"][-1]["decisions"]["fused_single_qkv_rope"] is False  # this launch's line, rewritten
+
+
+def test_resume_history_and_a_changed_toggle_warn_as_argparse_does():
+    changed, same = case("resume_changed"), case("resume_same")
+    assert len(changed["history"]) == 2 and changed["history"][0]["start_iteration"] == 0
+    assert changed["history"][1]["start_iteration"] == 100
+    warning = [m for m in changed["messages"] if m.startswith("resuming from")]
+    assert warning and "cross_entropy_loss_fusion on -> off" in warning[0]
+    assert not [m for m in same["messages"] if m.startswith("resuming from")]
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look at the driver's output

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -146,3 +147,63 @@ def test_pth_hook_registers_when_primus_imports_its_patches(tree):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["megatron", "build_args", "90"]
     assert "already registered" not in proc.stdout + proc.stderr  # registered once
+
+
+# --- the whole job on Primus's own code path (tests/primus_driver.py) -----------------------------
+
+JOB_DESTS = ("fused_single_qkv_rope", "grad_reduce_in_bf16", "cross_entropy_loss_fusion")
+
+
+def _megatron_tree() -> str | None:
+    trees = [t for t in os.environ.get("MEGATRON_LM_TREES", "").split(os.pathsep) if t.strip()]
+    return next((t for t in trees if Path(t).name == "main"), trees[-1] if trees else None)
+
+
+def primus_jobs(tree: Path, jobs: list[dict], env: dict | None = None) -> tuple[subprocess.CompletedProcess, list]:
+    """Jobs run one after another in one process, as Primus's runtime runs a job (see the driver)."""
+    megatron = _megatron_tree()
+    if megatron is None:
+        pytest.skip("Primus jobs need a Megatron-LM tree: set MEGATRON_LM_TREES")
+    pytest.importorskip("loguru", reason="Primus's logger needs loguru (pip install loguru)")
+    case = {"megatron": megatron, "jobs": [{"dests": JOB_DESTS, **job, "config": str(tree / job["config"])}
+                                           for job in jobs]}
+    with tempfile.TemporaryDirectory(prefix="primus-job-") as scratch:  # Primus writes ./output there
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "primus_driver.py"), json.dumps(case)],
+                              capture_output=True, text=True, timeout=600, cwd=scratch,
+                              env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join((str(tree), str(REPO)))})
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return proc, results
+
+
+def test_a_refusal_stops_the_primus_job_at_validate_args_with_one_line(tree):
+    # Primus logs and swallows what a build_args patch raises; the refusal must still stop the job,
+    # where Primus's own checks do (Megatron's validate_args as Primus wraps it), exit status 2.
+    proc, results = primus_jobs(tree, [{"config": BF16}], env={"GRAD_REDUCE_IN_BF16": "perhaps"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert results == []  # the job did not get past validation
+    ours = [line for line in proc.stderr.splitlines() if "[perf-toggles]" in line]
+    assert len(ours) == 1 and ours[0].startswith("[perf-toggles] error: GRAD_REDUCE_IN_BF16='perhaps'"), ours
+    assert "EnvValueError" not in proc.stderr  # no traceback of ours (Primus logs its own patches' failures)
+
+
+def test_primus_job_resume_history_rank_check_and_safety_net(tree):
+    assume = {"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.8,rocm"}  # the planned machine's TE: fused RoPE on
+    proc, results = primus_jobs(tree, [
+        {"config": BF16, "env": assume, "overrides": {"save": "checkpoints"}},  # Primus puts them under its output
+        # The next launch loads what the first saved (iteration 100), with one toggle changed.
+        {"config": BF16, "resume": 100, "env": {**assume, "CROSS_ENTROPY_LOSS_FUSION": "0"},
+         "overrides": {"save": "checkpoints"}},
+        # Gated attention set after the plan (no guard saw it): Megatron's TransformerConfig rejects
+        # fused single-QKV RoPE with it, and the net backs the plugin default off.
+        {"config": BF16, "env": assume, "transformer_config": True,
+         "late": {"attention_output_gate": True, "apply_rope_fusion": False}},
+    ])
+    assert proc.returncode == 0 and len(results) == 3, proc.stderr[-3000:]
+    first, resumed, late = results
+    assert not [m for m in first["messages"] if m.startswith("resuming from")]
+    warning = [m for m in resumed["messages"] if m.startswith("resuming from")]
+    assert warning and "cross_entropy_loss_fusion on -> off" in warning[0]
+    assert first["fingerprint"]["toggles"] == {d: r["value"] for d, r in first["records"].items()}
+    assert late["planned"]["fused_single_qkv_rope"] is True
+    d = late["records"]["fused_single_qkv_rope"]
+    assert (d["value"], d["source"]) == (False, "guard") and "TransformerConfig rejected the plugin default" in d["reason"]
