@@ -59,8 +59,20 @@ def run_case(case: dict) -> dict:
     from megatron_perf_toggles import bridge
     from megatron_perf_toggles.runtime import frontend, provenance
 
+    if case.get("explain"):  # explain in this process, as the command runs it: its JSON record
+        from megatron_perf_toggles.tools import cli
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(["explain", *case["explain"]])
+        return {"code": code, "explain": json.loads(out.getvalue())}
     module, _, func = case["recipe"].rpartition(".")
-    cfg = getattr(importlib.import_module(module), func)()
+    if case.get("build"):  # as explain builds it: the fields the recipe sets are the recipe's
+        from megatron_perf_toggles.runtime import bridge_recipe
+
+        cfg = bridge_recipe.build(getattr(importlib.import_module(module), func))
+    else:
+        cfg = getattr(importlib.import_module(module), func)()
     if case.get("model"):  # another model provider in the recipe's place: (class path, keyword arguments)
         path, kwargs = case["model"]
         provider_module, _, provider = path.rpartition(".")

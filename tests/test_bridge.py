@@ -21,6 +21,10 @@ import pytest
 import tree_driver
 from conftest import REPO
 
+from megatron_perf_toggles.runtime.capabilities import effective_assume
+from megatron_perf_toggles.runtime.target import make_target
+
+H100_64 = make_target(64, gpu="h100")
 QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"
 QWEN3_SFT = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_sft_1gpu_h100_bf16_config"
 ENABLE = ("set BRIDGE_PYTHON to a Python 3.12 with megatron-bridge installed (pip install --no-deps "
@@ -56,6 +60,12 @@ CASES = {
                       "late_edits": {"model.attention_output_gate": True}, "env": {"MEGATRON_PERF_TOGGLES": "0"}},
     "resume_changed": {"recipe": QWEN3, "resume": {}, "env": {"CROSS_ENTROPY_LOSS_FUSION": "0"}},
     "resume_same": {"recipe": QWEN3, "resume": {}},
+    # explain's plan of a 64-GPU H100 job, and apply on the same recipe where that job runs (the
+    # planned stack of an H100, as MEGATRON_PERF_TOGGLES_ASSUME names it there; WORLD_SIZE 64).
+    "explain_64": {"explain": ["--bridge-recipe", QWEN3.replace(".qwen3.", ".qwen3:"), "--world-size", "64",
+                               "--gpu", "h100", "--json"]},
+    "apply_64": {"recipe": QWEN3, "build": True,
+                 "env": {"WORLD_SIZE": "64", "MEGATRON_PERF_TOGGLES_ASSUME": effective_assume(None, H100_64)}},
 }
 
 
@@ -99,6 +109,35 @@ RUNS = tree_driver.SESSION.background("bridge", lambda: _run(CASES, _tree()), re
 # wheel, which ships megatron.training too).
 INSTALLED = tree_driver.SESSION.background("bridge-installed-core", lambda: _run({"defaults": CASES["defaults"]}, None),
                                            real=False)
+
+
+def _explain_commands() -> list[dict]:
+    """``megatron-perf-toggles explain --bridge-recipe`` as a user runs it on a CPU machine with Bridge
+    and no Transformer Engine (the package's own stand-in, not the tests'), in the Bridge interpreter."""
+    environ = tree_driver.SESSION.environ
+    python = environ.get("BRIDGE_PYTHON")
+    if not python:
+        pytest.skip(f"Megatron-Bridge suite: {ENABLE}")
+    tree = _tree()
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bridge-explain-") as scratch:
+        hf = Path(scratch) / "hf"
+        subprocess.run([python, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import bridge_driver; "
+                        "bridge_driver._offline_hf_cache(sys.argv[2])", str(REPO / "tests"), str(hf)], check=True,
+                       timeout=120)
+        env = {k: v for k, v in environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "PYTHONPYCACHE"))}
+        env.update(PYTHONPATH=os.pathsep.join(p for p in (str(tree) if tree else "", str(REPO)) if p),
+                   PYTHONDONTWRITEBYTECODE="1", COLUMNS="100", HF_HOME=str(hf), HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1")
+        recipe = QWEN3.replace(".qwen3.", ".qwen3:")
+        for extra in (["--world-size", "64", "--gpu", "h100"], ["--world-size", "8", "--", "no_such_keyword=1"]):
+            proc = subprocess.run([python, "-m", "megatron_perf_toggles", "explain", "--bridge-recipe", recipe, *extra],
+                                  capture_output=True, text=True, env=env, timeout=600, cwd=scratch)
+            out.append({"code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr})
+    return out
+
+
+EXPLAIN = tree_driver.SESSION.background("bridge-explain", _explain_commands, real=False)
 
 
 def results() -> dict:
@@ -290,6 +329,31 @@ def test_resume_history_and_a_changed_toggle_warn_as_argparse_does():
     warning = [m for m in changed["messages"] if m.startswith("resuming from")]
     assert warning and "cross_entropy_loss_fusion on -> off" in warning[0]
     assert not [m for m in same["messages"] if m.startswith("resuming from")]
+
+
+def test_explain_plans_the_recipe_as_apply_decides_it():
+    plan, applied = case("explain_64"), case("apply_64")
+    assert plan["code"] == 0
+    record = plan["explain"]
+    assert record["target"]["world_size"] == 64 and record["stack"]
+    assert record["decisions"] == applied["decisions"]  # value, source, reason and memory, toggle by toggle
+    assert record["precision"] == applied["record"]["precision"]
+    # The recipe assigns grad_reduce_in_fp32=True itself: its value, although Bridge's default, stands.
+    d = record["decisions"]["grad_reduce_in_bf16"]
+    assert (d["value"], d["source"]) == (False, "config") and "grad_reduce_in_fp32 = True" in d["reason"]
+
+
+def test_explain_bridge_recipe_on_a_cpu_machine_fits_a_screen():
+    planned, broken = tree_driver.SESSION.outcome(EXPLAIN)
+    assert planned["code"] == 0, planned["stderr"][-2000:]
+    lines = planned["stdout"].splitlines()
+    assert len(lines) <= 50 and max(len(line) for line in lines) <= 100, planned["stdout"]
+    assert "world 64 (--world-size 64), h100" in planned["stdout"]
+    assert any(line.startswith("fused_single_qkv_rope") and " off " in line for line in lines)
+    # A recipe that cannot be built here: one line, exit 2.
+    assert broken["code"] == 2 and broken["stdout"] == ""
+    said = broken["stderr"].strip().splitlines()
+    assert len(said) == 1 and "cannot be built here: TypeError" in said[0], broken["stderr"][-2000:]
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look at the driver's output

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 from conftest import full_caps
 
-from megatron_perf_toggles import bridge
 from megatron_perf_toggles.core.config_fields import BRIDGE_OVERRIDES, PRIMUS_HOMES, Home, bridge_homes
 from megatron_perf_toggles.core.decide import FP4_LAYER_DESTS, Decision, decide
 from megatron_perf_toggles.core.facts import MegatronFacts
 from megatron_perf_toggles.core.registry import TOGGLES
+from megatron_perf_toggles.runtime import bridge_adapter as bridge  # the adapter behind megatron_perf_toggles.bridge
 from megatron_perf_toggles.runtime import frontend
 
 ROPE = {"position_embedding_type": "rope", "bf16": True}

@@ -20,7 +20,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from megatron_perf_toggles.runtime.capabilities import effective_assume
+from megatron_perf_toggles.runtime.target import make_target
+
 BF16 = "examples/megatron/configs/MI355X/llama3.1_8B-BF16-pretrain.yaml"
+MI355X_BF16 = BF16
 MXFP4 = "examples/megatron/configs/MI355X/llama3.1_8B-MXFP4-pretrain.yaml"
 DESTS = ("gradient_accumulation_fusion", "grad_reduce_in_bf16", "ddp_average_in_collective",
          "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "fused_single_qkv_rope",
@@ -184,6 +188,40 @@ def test_a_refusal_stops_the_primus_job_at_validate_args_with_one_line(tree):
     ours = [line for line in proc.stderr.splitlines() if "[perf-toggles]" in line]
     assert len(ours) == 1 and ours[0].startswith("[perf-toggles] error: GRAD_REDUCE_IN_BF16='perhaps'"), ours
     assert "EnvValueError" not in proc.stderr  # no traceback of ours (Primus logs its own patches' failures)
+
+
+EXPLAIN = r"""
+import sys
+from megatron_perf_toggles.tools import cli
+for extra in (["--json"], []):
+    code = cli.main(["explain", *sys.argv[1:], *extra])
+    print(f"=== exit {code}", flush=True)
+"""
+
+
+def test_explain_primus_config_plans_what_the_patch_decides(tree):
+    # An 8-GPU MI355X job planned on this CPU machine, and the same experiment through Primus's own
+    # code path where that job runs (the planned stack of an MI355X, as MEGATRON_PERF_TOGGLES_ASSUME
+    # names it there; WORLD_SIZE 8).
+    megatron = _megatron_tree()
+    if megatron is None:
+        pytest.skip("explain --primus-config needs a Megatron-LM tree: set MEGATRON_LM_TREES")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    with tempfile.TemporaryDirectory(prefix="primus-explain-") as scratch:
+        proc = subprocess.run([sys.executable, "-c", EXPLAIN, "--primus-config", str(tree / MI355X_BF16), "--megatron",
+                               megatron, "--world-size", "8", "--gpu", "mi355x"], capture_output=True, text=True,
+                              timeout=600, cwd=scratch, env={**env, "COLUMNS": "100", "PYTHONPATH": str(REPO)})
+    record_text, summary, _ = proc.stdout.split("=== exit ")[0], *proc.stdout.split("=== exit ")[1:]
+    assert proc.stdout.count("=== exit 0") == 2, proc.stderr[-3000:]
+    record = json.loads(record_text)
+    lines = summary.splitlines()[1:]
+    assert len(lines) <= 50 and max(len(line) for line in lines) <= 100, summary
+    assert "world 8 (--world-size 8), mi355x" in summary
+    job = {**env, "WORLD_SIZE": "8", "MEGATRON_PERF_TOGGLES_ASSUME": effective_assume(None, make_target(8, gpu="mi355x"))}
+    run, results = primus_jobs(tree, [{"config": MI355X_BF16, "env": job}])
+    assert run.returncode == 0 and results, run.stderr[-3000:]
+    assert record["decisions"] == results[0]["records"]  # value, source, reason and memory, toggle by toggle
+    assert record["decisions"]["grad_reduce_in_bf16"]["value"] is True
 
 
 def test_primus_job_resume_history_rank_check_and_safety_net(tree):

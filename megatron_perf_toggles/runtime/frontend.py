@@ -30,7 +30,7 @@ from typing import Any
 from ..core.decide import Decision, Plan
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, version_tuple
-from ..core.registry import BY_DEST, format_value
+from ..core.registry import BY_DEST
 from .capabilities import for_plan
 from .context import Mode, RunContext
 from .controller import Controller, Registration
@@ -113,7 +113,7 @@ def start(entry: str, environ: Mapping[str, str] | None = None, *, mode: Mode = 
 
 def registration(controller: Controller, found: Found) -> Registration:
     """What the controller plans from: the front end's values sorted into the tiers."""
-    preset = {dest: Decision(value, "config", f"set in the configuration ({where} = {format_value(value)})")
+    preset = {dest: Decision(value, "config", f"set in the configuration ({where})")
               for dest, (value, where) in found.configured.items() if dest not in found.explicit}
     return Registration(controller, dict(found.stock), (), explicit={d: v for d, (v, _) in found.explicit.items()},
                         preset=preset, speak=lambda plan: in_words(plan, found))

@@ -28,6 +28,7 @@ from ..runtime import profile_file, provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import detect, megatron_facts, resolve
 from ..runtime.probe import installed, torch_module
+from . import explain_frontends
 from .llama3_8b import LLAMA3_8B_BF16, llama3_8b_args
 from .planning import DEFAULT_SURFACE, checkout_script, plan_command_line
 from .surfaces import replay
@@ -183,15 +184,17 @@ def _profile_summary(profile: Profile) -> str:
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:
-    megatron_args = _megatron_args(ns)
+    front = explain_frontends.requested(ns)  # a Bridge recipe or a Primus file instead of a command line
+    megatron_args = explain_frontends.command(ns) if front else _megatron_args(ns)
     profile = profile_named()
     target = target_from(ns)
-    if not ns.megatron and target.world_size is not None:
+    if not front and not ns.megatron and target.world_size is not None:
         raise PerfTogglesError("--world-size / --nnodes plan Megatron's validate_args, which needs a checkout",
                                "add --megatron /path/to/Megatron-LM")
-    plan, caps, label, args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
-                                                target=target)
-    megatron_source = (f"detected in the checkout {caps.megatron.path}" if ns.megatron
+    plan, caps, label, args = (explain_frontends.plan(ns, target) if front else plan_command_line(
+        megatron_args, tree=ns.megatron, surface=ns.megatron_version, target=target))
+    megatron_source = (f"Megatron {caps.megatron.version}, as the front end imports it" if front
+                       else f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
     # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts.
     launch = launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version)
@@ -214,7 +217,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         _say(f"Profile:  {_profile_summary(profile)}", width)
     for line in fact_sources(caps, megatron_source):
         _say(f"  {line}", width)
-    if not ns.megatron_args:
+    if not ns.megatron_args and not front:
         _say("Command:  built-in Llama-3-8B bf16 command line (pass your own after --)", width)
     print()
     rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", d.reason]
@@ -442,6 +445,7 @@ def _add_explain(sub: Any) -> None:
                         "values show with source 'profile', and a line says whether it was measured on a "
                         "setup like the one planned for).")
     ex.add_argument("--json", action="store_true", help="print the provenance record as JSON")
+    explain_frontends.add_options(ex)
     _planning_options(ex, "a Megatron-LM checkout: use its real parser",
                       "plan against a recorded Megatron surface instead (default: main)")
     ex.set_defaults(func=cmd_explain)
