@@ -78,7 +78,7 @@ def facts_for_version(version: str) -> MegatronFacts:
     if best is None:
         return MegatronFacts(version=version)
     facts = {**best[1].get("facts", {}), "version": version, "path": None}
-    return megatron_facts_from_surface({"facts": facts})
+    return megatron_facts_from_surface({"name": best[1].get("name"), "facts": facts})
 
 
 def capabilities(env: EnvSettings, target: Any = None) -> Capabilities:
