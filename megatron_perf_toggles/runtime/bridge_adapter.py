@@ -222,7 +222,7 @@ def _plan(cfg: Any, explicit: Iterable[str], environ: Mapping[str, str] | None, 
 
     _resolve_mixed_precision(cfg)
     found = read(cfg, explicit, traced_fields(cfg))
-    ctx = frontend.start("bridge", environ, mode=mode, capabilities_=capabilities, target=target, announce=announce)
+    ctx = frontend.start("bridge", environ, mode=mode, caps=capabilities, target=target, announce=announce)
     plan, view, reg = frontend.plan(ctx, found)
     write(cfg, plan)
     ctx.plan = plan

@@ -99,12 +99,12 @@ def capabilities(env: EnvSettings, target: Any = None) -> Capabilities:
 
 
 def start(entry: str, environ: Mapping[str, str] | None = None, *, mode: Mode = "run",
-          capabilities_: Capabilities | None = None, target: Any = None, announce: bool = True) -> RunContext:
+          caps: Capabilities | None = None, target: Any = None, announce: bool = True) -> RunContext:
     """The run context of one front-end entry point, with its controller: the environment and
     profile are read (a bad value is one line here), and the capabilities fixed for its plans."""
     environ = os.environ if environ is None else environ
     ctx = RunContext.create(entry, environ, mode=mode, target=target)
-    controller = Controller(environ, mode=mode, capabilities=capabilities_, announce=announce, target=target)
+    controller = Controller(environ, mode=mode, capabilities=caps, announce=announce, target=target)
     if controller.capabilities is None:
         controller.capabilities = capabilities(controller.env, target)
     ctx.use_controller(controller)

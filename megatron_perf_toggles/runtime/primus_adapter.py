@@ -126,7 +126,7 @@ def _plan(ns: Any, defaults: Mapping[str, Any] | None, explicit: Iterable[str], 
           mode: Mode, capabilities: Capabilities | None, target: Target | None, announce: bool,
           ) -> tuple[RunContext, Plan, Registration]:
     found = read(ns, primus_defaults() if defaults is None else defaults, explicit)
-    ctx = frontend.start("primus", environ, mode=mode, capabilities_=capabilities, target=target, announce=announce)
+    ctx = frontend.start("primus", environ, mode=mode, caps=capabilities, target=target, announce=announce)
     plan, _, reg = frontend.plan(ctx, found, ns)
     ctx.plan = plan
     return ctx, plan, reg
