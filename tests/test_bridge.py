@@ -60,6 +60,10 @@ CASES = {
                       "late_edits": {"model.attention_output_gate": True}, "env": {"MEGATRON_PERF_TOGGLES": "0"}},
     "resume_changed": {"recipe": QWEN3, "resume": {}, "env": {"CROSS_ENTROPY_LOSS_FUSION": "0"}},
     "resume_same": {"recipe": QWEN3, "resume": {}},
+    # The checkpoint saved a bf16 gradient buffer keyed by dtype: another one cannot load.
+    "resume_layout_env": {"recipe": QWEN3, "resume": {}, "env": {"GRAD_REDUCE_IN_BF16": "0"}},
+    "resume_layout_explicit": {"recipe": QWEN3, "resume": {}, "edits": {"ddp.grad_reduce_in_fp32": True},
+                               "explicit": ["ddp.grad_reduce_in_fp32"]},
     # explain's plan of a 64-GPU H100 job, and apply on the same recipe where that job runs (the
     # planned stack of an H100, as MEGATRON_PERF_TOGGLES_ASSUME names it there; WORLD_SIZE 64).
     "explain_64": {"explain": ["--bridge-recipe", QWEN3.replace(".qwen3.", ".qwen3:"), "--world-size", "64",
@@ -226,6 +230,7 @@ def test_explicit_te_is_held_like_a_command_line_flag():
 def test_explicit_fusion_and_te_are_refused_in_one_line():
     r = case("explicit_both")
     assert "CannotHonourError" in r["error"] and "\n" not in r["error"]
+    assert "cfg.model.cross_entropy_fusion_impl te was requested" in r["error"] and " --" not in r["error"]
 
 
 def test_a_model_providers_own_setting_is_kept():
@@ -329,6 +334,17 @@ def test_resume_history_and_a_changed_toggle_warn_as_argparse_does():
     warning = [m for m in changed["messages"] if m.startswith("resuming from")]
     assert warning and "cross_entropy_loss_fusion on -> off" in warning[0]
     assert not [m for m in same["messages"] if m.startswith("resuming from")]
+
+
+def test_a_resume_the_checkpoint_layout_cannot_take_is_kept_or_refused_as_on_argparse():
+    # As on the argparse path: an environment value yields to the checkpoint with a warning; an
+    # explicit request is refused, in one line, in Bridge's words.
+    kept, refused = case("resume_layout_env"), case("resume_layout_explicit")
+    d = kept["decisions"]["grad_reduce_in_bf16"]
+    assert (d["value"], d["source"]) == (True, "guard") and "saved with a bf16 gradient buffer" in d["reason"]
+    assert kept["after"]["ddp.grad_reduce_in_fp32"] is False
+    assert "CannotHonourError: cfg.mixed_precision.grad_reduce_in_fp32 = True was requested" in refused["error"]
+    assert "cfg.checkpoint.load_optim = False" in refused["error"] and "--" not in refused["error"]
 
 
 def test_explain_plans_the_recipe_as_apply_decides_it():

@@ -139,6 +139,8 @@ def read(cfg: Any, explicit: Iterable[str] = (), traced: Iterable[str] = ()) -> 
         args[dest] = value
         found.stock[dest] = value
         found.words[dest] = f"cfg.{home.path}"
+        if home.inverted:
+            found.inverted.add(dest)
         if dest in named:
             found.explicit[dest] = (value, f"cfg.{home.path}")
             continue

@@ -30,6 +30,7 @@ from ..core.ckpt_layout import checkpoint_facts
 from ..core.decide import Decision, Message, Plan, decide
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
+from ..errors import PerfTogglesError
 from . import provenance, resume
 from .capabilities import for_plan
 from .context import MODES, Mode, RunContext, current
@@ -64,7 +65,7 @@ class Registration:
     added_flags: list[str] = field(default_factory=list)  # the flag forms this parser lacked
     explicit: dict[str, Any] = field(default_factory=dict)  # dest -> value named explicitly (a front end's)
     preset: dict[str, Decision] = field(default_factory=dict)  # dest -> the configuration's own value
-    speak: Callable[[Plan], None] | None = None  # the reasons and messages in the front end's words
+    speak: Callable[[str], str] | None = None  # Megatron's words (flags) into the front end's (fields, keys)
 
 
 @dataclass(slots=True)
@@ -142,10 +143,16 @@ class Controller:
             world = planned_world(self.target, os.environ) or planned_world(None, self.environ)
             args = {**args, "world_size": world}
         preset = reg.preset if self.env.plugin_enabled else {}  # switched off: the configuration's values stand
-        plan = decide(args, explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
-                      observed=observed, preset=preset)
+        try:
+            plan = decide(args, explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
+                          observed=observed, preset=preset)
+        except PerfTogglesError as refusal:
+            if reg.speak is not None:  # the refusal's one line in the front end's words
+                refusal.message, refusal.hint = reg.speak(refusal.message), refusal.hint and reg.speak(refusal.hint)
+                refusal.args = (refusal.message,)
+            raise
         if reg.speak is not None:
-            reg.speak(plan)
+            in_words(plan, reg.speak)
         original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
         for dest, decision in plan.decisions.items():
             setattr(ns, dest, decision.value)
@@ -262,6 +269,14 @@ class Controller:
             for line in provenance.lines(Plan(changed, plan.precision, {}, [warning], plan.wgrad_path)):
                 print(line, flush=True)
             self._persist(ns, outcome)
+
+
+def in_words(plan: Plan, speak: Callable[[str], str]) -> None:
+    """Every reason and message of ``plan`` through ``speak`` (a front end's words)."""
+    for dest, d in list(plan.decisions.items()):
+        plan.decisions[dest] = Decision(d.value, d.source, speak(d.reason))
+    for message in plan.messages:
+        message.text = speak(message.text)
 
 
 def backed_off_values(sources: dict[str, str]) -> str:

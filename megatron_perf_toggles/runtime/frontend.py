@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -35,7 +35,7 @@ from .capabilities import for_plan
 from .context import Mode, RunContext
 from .controller import Controller, Registration
 
-__all__ = ["Found", "capabilities", "facts_for_version", "in_words", "plan", "read_env", "start"]
+__all__ = ["Found", "capabilities", "facts_for_version", "plan", "read_env", "speaker", "start"]
 
 
 @dataclass(slots=True)
@@ -52,6 +52,7 @@ class Found:
     explicit: dict[str, tuple[Any, str]] = field(default_factory=dict)
     stock: dict[str, Any] = field(default_factory=dict)
     words: dict[str, str] = field(default_factory=dict)
+    inverted: set[str] = field(default_factory=set)  # dests whose word names the opposite (grad_reduce_in_fp32)
 
 
 def _surfaces() -> list[dict[str, Any]]:
@@ -116,7 +117,7 @@ def registration(controller: Controller, found: Found) -> Registration:
     preset = {dest: Decision(value, "config", f"set in the configuration ({where})")
               for dest, (value, where) in found.configured.items() if dest not in found.explicit}
     return Registration(controller, dict(found.stock), (), explicit={d: v for d, (v, _) in found.explicit.items()},
-                        preset=preset, speak=lambda plan: in_words(plan, found))
+                        preset=preset, speak=speaker(found))
 
 
 def plan(ctx: RunContext, found: Found, ns: argparse.Namespace | None = None) -> tuple[Plan, argparse.Namespace,
@@ -141,25 +142,27 @@ def _flag_words(dest: str, value: Any) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def in_words(plan: Plan, found: Found) -> None:
-    """Reasons and messages in the front end's words: a value named explicitly says where it was
-    named, and each Megatron flag (``--qk-layernorm``) becomes the field or key the user wrote
-    (``cfg.model.qk_layernorm``, ``qk_layernorm``) wherever the front end has one."""
-    for dest, (value, where) in found.explicit.items():
-        d = plan.decisions.get(dest)
-        if d is not None and d.source == "cli":
-            plan.decisions[dest] = dataclasses.replace(d, reason=d.reason.replace(
-                f"set on the command line ({_flag_words(dest, value)})", f"named explicitly ({where})"))
+def speaker(found: Found) -> Callable[[str], str]:
+    """Megatron's words into the front end's: a value named explicitly says where it was named, and
+    each Megatron flag (``--qk-layernorm``, ``--no-grad-reduce-in-bf16``) becomes the field or key
+    the user wrote (``cfg.model.qk_layernorm``, ``cfg.ddp.grad_reduce_in_fp32 = True``) wherever
+    the front end has one. For reasons, messages and a refusal's line alike."""
+    named = {f"set on the command line ({_flag_words(dest, value)})": f"named explicitly ({where})"
+             for dest, (value, where) in found.explicit.items()}
 
     def word(match: re.Match[str]) -> str:
         dest = match.group(2).replace("-", "_")
         name = found.words.get(dest)
         if name is None:
             return match.group(0)
-        return f"{name}=False" if match.group(1) else name
+        on = not match.group(1)
+        if dest in found.inverted:
+            return f"{name} = {not on}"
+        return name if on else f"{name} = False"
 
-    for dest, d in list(plan.decisions.items()):
-        plan.decisions[dest] = dataclasses.replace(d, reason=_FLAG.sub(word, d.reason))
-    for message in plan.messages:
-        message.text = _FLAG.sub(word, message.text)
+    def speak(text: str) -> str:
+        for megatron, ours in named.items():
+            text = text.replace(megatron, ours)
+        return _FLAG.sub(word, text)
 
+    return speak
