@@ -56,12 +56,23 @@ def run_job(job: dict, megatron_tree: str) -> dict:
             arguments.core_transformer_config_from_args(ns)
         ctx = context.current()
         plan = ctx.plan if ctx is not None else None
+        checked = None
+        if job.get("rank_check"):  # the cross-rank check, at init_process_group as Megatron's initialize calls it
+            import tempfile
+
+            import torch.distributed as dist
+
+            armed = getattr(dist.init_process_group, "_perf_toggles_wrapped", False)
+            dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rendezvous", rank=0, world_size=1)
+            checked = {"armed": armed, "checked": not getattr(dist.init_process_group, "_perf_toggles_wrapped", False)}
+            dist.destroy_process_group()
         records = getattr(ns, "perf_toggles", None)
         records = {k: (v if isinstance(v, dict) else vars(v)) for k, v in
                    (records.items() if isinstance(records, dict) else vars(records).items())} if records else None
         return {"before": before, "planned": planned, "validated": {d: getattr(ns, d, None) for d in dests},
                 "records": records, "messages": [m.text for m in plan.messages] if plan is not None else [],
-                "fingerprint": ctx.rank_fingerprint if ctx is not None else None, "save": getattr(ns, "save", None)}
+                "fingerprint": ctx.rank_fingerprint if ctx is not None else None, "save": getattr(ns, "save", None),
+                "rank_check": checked}
     finally:
         os.environ.clear()
         os.environ.update(saved)

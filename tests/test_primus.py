@@ -247,7 +247,7 @@ def _jobs(tree: Path) -> tuple[subprocess.CompletedProcess, tuple]:
     assume = {"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.8,rocm"}  # the planned machine's TE: fused RoPE on
     planned = {"WORLD_SIZE": "8", "MEGATRON_PERF_TOGGLES_ASSUME": effective_assume(None, MI355X_8)}
     proc, results = primus_jobs(tree, [
-        {"config": BF16, "env": assume, "overrides": {"save": "checkpoints"}},  # Primus puts them under its output
+        {"config": BF16, "env": assume, "overrides": {"save": "checkpoints"}, "rank_check": True},  # saves under Primus's output
         # The next launch loads what the first saved (iteration 100), with one toggle changed.
         {"config": BF16, "resume": 100, "env": {**assume, "CROSS_ENTROPY_LOSS_FUSION": "0"},
          "overrides": {"save": "checkpoints"}},
@@ -268,6 +268,7 @@ def test_primus_job_resume_history_rank_check_and_safety_net(tree):
     warning = [m for m in resumed["messages"] if m.startswith("resuming from")]
     assert warning and "cross_entropy_loss_fusion on -> off" in warning[0]
     assert first["fingerprint"]["toggles"] == {d: r["value"] for d, r in first["records"].items()}
+    assert first["rank_check"] == {"armed": True, "checked": True}
     assert late["planned"]["fused_single_qkv_rope"] is True
     d = late["records"]["fused_single_qkv_rope"]
     assert (d["value"], d["source"]) == (False, "guard") and "TransformerConfig rejected the plugin default" in d["reason"]
