@@ -16,7 +16,8 @@ from megatron_perf_toggles.core.guard_base import rule
 from megatron_perf_toggles.core.megatron_rules import RULES, SUPPORTED
 from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.runtime import bridge_adapter as bridge  # the adapter behind megatron_perf_toggles.bridge
-from megatron_perf_toggles.runtime import frontend
+from megatron_perf_toggles.runtime import frontend, probe
+from megatron_perf_toggles.tools import cli
 from megatron_perf_toggles.tools.surfaces import replay
 
 ROPE = {"position_embedding_type": "rope", "bf16": True}
@@ -203,3 +204,34 @@ def test_bridge_on_a_megatron_core_wheel_gets_the_tables_rules():
     facts = frontend.facts_for_version("0.19.2")  # PyPI's megatron-core: the 0.19.0 surface's facts
     assert facts.version == "0.19.2"
     assert all(facts.has_rule(r.id) for r in RULES if "0.19.0" in r.versions)
+
+
+# --- explain --bridge-recipe / --primus-config: a bad input is one line, exit 2, before any import ----
+
+
+def _checkout_without_megatron(root):
+    (root / "primus" / "core" / "patches").mkdir(parents=True)
+    (root / "exp.yaml").write_text("modules: {}\n")
+    return str(root / "exp.yaml")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--bridge-recipe", "nonsense"], "name it MODULE:FUNCTION"),
+    (["--bridge-recipe", "no_such_bridge.recipes:x"], "no_such_bridge.recipes is not importable here"),
+    (["--primus-config", "/no/such/file.yaml"], "no such file"),
+    (["--bridge-recipe", "a.b:c", "--", "not-a-keyword"], "KEY=VALUE"),
+])
+def test_explain_front_end_bad_input_is_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["explain", *argv])
+    assert done.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and says in said[0], said
+
+
+def test_explain_primus_config_without_a_megatron_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(probe, "installed", lambda name: False)  # no Megatron importable here either
+    with pytest.raises(SystemExit) as done:
+        cli.main(["explain", "--primus-config", _checkout_without_megatron(tmp_path)])
+    said = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(said) == 1 and "pass --megatron" in said[0], said

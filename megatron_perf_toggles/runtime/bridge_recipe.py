@@ -33,14 +33,21 @@ ROOTS = ("megatron.core.model_parallel_config:ModelParallelConfig",
 _TRACED: dict[int, tuple[weakref.ref[Any], frozenset[str]]] = {}
 
 
-def resolve(spec: str) -> Callable[..., Any]:
-    """``MODULE:FUNCTION`` (or ``MODULE.FUNCTION``) to the function; one line where it is none."""
+def split(spec: str) -> tuple[str, str]:
+    """``MODULE:FUNCTION`` (or ``MODULE.FUNCTION``) into its two names; one line where it is neither
+    (checked before anything is imported)."""
     module, sep, name = spec.partition(":")
     if not sep:
         module, _, name = spec.rpartition(".")
-    if not module or not name:
+    if not module or not name or not all(part.isidentifier() for part in (*module.split("."), name)):
         raise PerfTogglesError(f"--bridge-recipe {spec!r}: name it MODULE:FUNCTION",
                                "e.g. megatron.bridge.recipes.llama:llama3_8b_pretrain_config")
+    return module, name
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """``MODULE:FUNCTION`` (or ``MODULE.FUNCTION``) to the function; one line where it is none."""
+    module, name = split(spec)
     try:
         fn = getattr(importlib.import_module(module), name)
     except ImportError as error:

@@ -99,8 +99,13 @@ def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
     from ..launcher.te_standin import transformer_engine
     from ..runtime import bridge_adapter as bridge
     from ..runtime import bridge_recipe
+    from ..runtime.probe import installed
 
     kwargs = _keywords(list(ns.megatron_args))
+    module, _ = bridge_recipe.split(ns.bridge_recipe)  # a misspelt name or a missing Bridge: one line, at once
+    if not installed(module.partition(".")[0]) or (module.startswith("megatron.") and not installed("megatron.bridge")):
+        raise PerfTogglesError(f"--bridge-recipe {ns.bridge_recipe}: {module} is not importable here",
+                               "install Megatron-Bridge (pip install megatron-bridge) or run with its Python")
     with megatron_importable(ns.megatron), transformer_engine(), planned.stand_ins(target):
         fn = bridge_recipe.resolve(ns.bridge_recipe)
         cfg = bridge_recipe.build(fn, **kwargs)
@@ -177,6 +182,11 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
     if not config.is_file():
         raise PerfTogglesError(f"--primus-config {config}: no such file")
     root = _primus_root(config)
+    from ..runtime.probe import installed
+
+    if root is None and not installed("primus"):
+        raise PerfTogglesError(f"--primus-config {config}: the file is in no Primus checkout and Primus is not "
+                               "importable here", "pass a file inside a Primus checkout, or install Primus")
     tree = _megatron_for(ns, root)
     if root is not None and str(root) not in sys.path:
         sys.path.insert(0, str(root))
