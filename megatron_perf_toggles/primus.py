@@ -19,14 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import PerfTogglesError
-from .runtime.primus_adapter import PATCH_ID, PLANNED, apply_to_namespace, explain, megatron_default, primus_defaults, read
+from .runtime.context import FrontEnd, RunContext
+from .runtime.primus_adapter import PATCH_ID, apply_to_namespace, explain, megatron_default, primus_defaults, read
 
 VALIDATE_ID = "megatron_perf_toggles.validate_args"
 __all__ = ["PATCH_ID", "VALIDATE_ID", "apply_to_namespace", "build_args_patch", "explain", "megatron_default",
            "primus_defaults", "read", "register"]
-
-_REFUSED: dict[int, tuple[Any, PerfTogglesError]] = {}
-
 
 def build_args_patch(ctx: Any) -> None:
     """Primus's ``build_args`` phase: the namespace is ``ctx.extra["backend_args"]``. A refusal is
@@ -37,8 +35,8 @@ def build_args_patch(ctx: Any) -> None:
         return
     try:
         apply_to_namespace(ns)
-    except PerfTogglesError as error:
-        _REFUSED[id(ns)] = (ns, error)  # its one line comes with the stop
+    except PerfTogglesError as error:  # its one line comes with the stop, from the process's context
+        RunContext.create("primus").install().front = FrontEnd(ns, refusal=error)
 
 
 def before_train_patch(ctx: Any) -> None:
@@ -47,7 +45,7 @@ def before_train_patch(ctx: Any) -> None:
     and exit status 2 on every rank, and otherwise runs inside the safety net."""
     from .runtime import primus_validate
 
-    primus_validate.install(ctx.extra.get("backend_args"), PLANNED, _REFUSED)
+    primus_validate.install(ctx.extra.get("backend_args"))
 
 
 def register() -> bool:

@@ -94,7 +94,7 @@ def one(path: Path, gpu: str, env: dict[str, str]) -> dict:
     from primus.core.patches.patch_registry import PatchRegistry
 
     from megatron_perf_toggles import primus as plugin
-    from megatron_perf_toggles.runtime import frontend
+    from megatron_perf_toggles.runtime import context, frontend
     from megatron_perf_toggles.runtime.capabilities import effective_assume
     from megatron_perf_toggles.runtime.patches import PATCHES
     from megatron_perf_toggles.runtime.target import make_target
@@ -124,12 +124,15 @@ def one(path: Path, gpu: str, env: dict[str, str]) -> dict:
                             extra={"backend_args": ns, "primus_config": loaded, "module_config": module,
                                    "runtime_state": None})
             caps = frontend.capabilities(frontend.read_env(environ))
+            ctx = context.current()  # the plugin's patch installed it, a refusal kept on it
+            front = ctx.front if ctx is not None else None
+            refusal = front.refusal if front is not None and front.config is twins[1] else None
     finally:
         os.environ.clear()
         os.environ.update(saved)
     stock, ours = twins
-    if id(ours) in plugin._REFUSED:
-        return {"built": True, "failed": [f"refused: {plugin._REFUSED[id(ours)][1]}"]}
+    if refusal is not None:
+        return {"built": True, "failed": [f"refused: {refusal}"]}
     if not getattr(ours, "perf_toggles", None):
         return {"built": True, "failed": ["the patch did not apply (Primus logged why)"]}
     failed = check(ours, caps, "GRAD_REDUCE_IN_BF16" in env)

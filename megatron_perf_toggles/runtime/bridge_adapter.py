@@ -27,7 +27,7 @@ from ..core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_
 from ..core.decide import Plan
 from ..core.facts import Capabilities
 from . import frontend
-from .context import Mode, RunContext
+from .context import FrontEnd, Mode, RunContext
 from .controller import Registration
 from .provenance import record_dir as record_dir_of
 from .target import Target
@@ -202,7 +202,8 @@ def apply(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str] 
     controller.record_dir = record_dir or record_dir_of(plan, vars(view)) or (save if isinstance(save, str) else None)
     from .bridge_net import watch_validation
 
-    watch_validation(cfg, ctx, view, reg)
+    ctx.front = FrontEnd(cfg, view, reg)
+    watch_validation(cfg, ctx)
     controller.apply(view, reg)
     return plan
 

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import copy
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..core.config_fields import bridge_homes
-from .context import RunContext
-from .controller import Registration
+from .context import RunContext, current
 from .safety_net import FOUND_AT_RUN_TIME, first_line, quiet_and_undone, smallest_backoff
 
 NET_ATTR = "_perf_toggles_net"
-_WATCHED: dict[int, tuple[weakref.ref[Any], RunContext, Any, Registration]] = {}
 
 
 def _set(cfg: Any, dest: str, value: Any) -> None:
@@ -59,10 +56,11 @@ def _trial(original: Callable[[Any], Any], snapshot: Any, stock: dict[str, Any])
 def _wrap(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     @functools.wraps(original)
     def validate(cfg: Any) -> Any:
-        entry = _WATCHED.get(id(cfg))
-        if entry is None or entry[0]() is not cfg:
+        ctx = current()  # the run context bridge.apply installed, for the configuration it planned
+        front = ctx.front if ctx is not None else None
+        if ctx is None or front is None or front.config is not cfg:
             return original(cfg)
-        _, ctx, view, reg = entry
+        view, reg = front.view, front.registration
         snapshot = copy.deepcopy(cfg)
         try:
             return original(cfg)
@@ -83,15 +81,10 @@ def _wrap(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return validate
 
 
-def watch_validation(cfg: Any, ctx: RunContext, view: Any, reg: Registration) -> None:
-    """Watch ``cfg``'s validation (its class's ``validate``, wrapped once through the context's
-    undo log, which puts Bridge's own back)."""
+def watch_validation(cfg: Any, ctx: RunContext) -> None:
+    """Watch ``cfg``'s validation (``ctx.front``: the configuration bridge.apply planned; its class's
+    ``validate`` is wrapped once, through the context's undo log, which puts Bridge's own back)."""
     cls = type(cfg)
-    current = getattr(cls, "validate", None)
-    if current is None:
-        return
-    for key in [k for k, v in _WATCHED.items() if v[0]() is None]:
-        del _WATCHED[key]
-    _WATCHED[id(cfg)] = (weakref.ref(cfg), ctx, view, reg)
-    if not hasattr(current, NET_ATTR):
-        ctx.undo.set_attr(cls, "validate", _wrap(current), "Megatron-Bridge ConfigContainer.validate (safety net)")
+    current_validate = getattr(cls, "validate", None)
+    if current_validate is not None and not hasattr(current_validate, NET_ATTR):
+        ctx.undo.set_attr(cls, "validate", _wrap(current_validate), "Megatron-Bridge ConfigContainer.validate (safety net)")

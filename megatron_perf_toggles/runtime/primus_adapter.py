@@ -22,14 +22,12 @@ from ..core.decide import FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, Plan
 from ..core.facts import Capabilities
 from ..core.registry import BY_DEST
 from . import frontend
-from .context import Mode, RunContext
+from .context import FrontEnd, Mode, RunContext
 from .controller import Registration
 from .target import Target
 
 PATCH_ID = "megatron_perf_toggles.decisions"  # the build_args patch, as Primus's registry knows it
 _MISSING = object()
-# The namespaces planned in this process, for the before_train patch (its context carries the same namespace).
-PLANNED: dict[int, tuple[Any, RunContext, Registration]] = {}
 
 
 def megatron_default(dest: str) -> Any:
@@ -107,7 +105,7 @@ def apply_to_namespace(ns: Any, defaults: Mapping[str, Any] | None = None, *, ex
     cannot be honoured raises a PerfTogglesError with one line."""
     ctx, plan, reg = _plan(ns, defaults, explicit, environ, "run", capabilities, None, announce)
     ctx.install()  # the process's context: check_ranks() and the validation patch find it
-    PLANNED[id(ns)] = (ns, ctx, reg)
+    ctx.front = FrontEnd(ns, ns, reg)
     assert ctx.controller is not None
     ctx.controller.apply(ns, reg)
     return plan

@@ -19,12 +19,11 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import PREFIX, PerfTogglesError
-from .context import RunContext
-from .controller import Registration
+from .context import current
 from .patches import PATCHES
 from .rebinding import ORIGINAL_ATTR, megatron_root, rebind
 
@@ -51,29 +50,28 @@ def _refusing(original: Callable[..., Any], ns: Any, error: PerfTogglesError,
     return validate_args
 
 
-def install(ns: Any, planned: Mapping[int, tuple[Any, RunContext, Registration]],
-            refused: Mapping[int, tuple[Any, PerfTogglesError]],
-            end: Callable[[PerfTogglesError], None] = _end) -> str:
-    """Arm ``validate_args`` for ``ns``: ``"refusal"``, ``"net"`` or ``"none"`` (a namespace the
-    plugin did not plan). ``end`` is what a refusal does (the process ends; tests pass another)."""
-    if ns is None:
+def install(ns: Any, end: Callable[[PerfTogglesError], None] = _end) -> str:
+    """Arm ``validate_args`` for ``ns``, from the process's run context (the ``build_args`` patch
+    installed it): ``"refusal"``, ``"net"`` or ``"none"`` (a namespace the plugin did not plan).
+    ``end`` is what a refusal does (the process ends; tests pass another)."""
+    ctx = current()
+    front = ctx.front if ctx is not None else None
+    if ns is None or front is None or front.config is not ns:
         return "none"
     import megatron.training.arguments as arguments
 
-    kept = refused.get(id(ns))
-    if kept is not None and kept[0] is ns:
-        current = arguments.validate_args
-        wrapper = _refusing(current, ns, kept[1], end)
+    if isinstance(front.refusal, PerfTogglesError):
+        current_validate = arguments.validate_args
+        wrapper = _refusing(current_validate, ns, front.refusal, end)
         root = megatron_root(arguments)
-        rebind(current, wrapper, root)
-        PATCHES.on_uninstall("the plugin's refusal at validate_args (Primus)", functools.partial(rebind, wrapper,
-                                                                                                 current, root))
+        rebind(current_validate, wrapper, root)
+        PATCHES.on_uninstall("the plugin's refusal at validate_args (Primus)",
+                             functools.partial(rebind, wrapper, current_validate, root))
         return "refusal"
-    entry = planned.get(id(ns))
-    if entry is None or entry[0] is not ns or entry[1].controller is None:
+    if ctx is None or ctx.controller is None or front.registration is None:
         return "none"
     from .safety_net import NET
 
     NET.install(arguments)
-    entry[1].controller.watch(ns, entry[2])
+    ctx.controller.watch(ns, front.registration)
     return "net"
