@@ -81,8 +81,9 @@ if not TREES:  # one skip line for the whole suite, not one per test
 def run(tree: Path, config: str, megatron: str = "0.18.2", **env: str) -> dict:
     case = {"config": str(tree / config), "dests": DESTS, "megatron": megatron, "env": env}
     pythonpath = os.pathsep.join((str(tree), str(REPO)))
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(case)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": pythonpath}, timeout=300, cwd=str(tree))
+    with tempfile.TemporaryDirectory(prefix="primus-case-") as scratch:  # Primus's loader makes ./output there
+        proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(case)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": pythonpath}, timeout=300, cwd=scratch)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"Primus driver failed ({proc.returncode}): {proc.stderr[-3000:]}")
