@@ -35,7 +35,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[],
     extras_require={
-        "test": ["pytest>=7", "ruff>=0.4", "mypy>=1.10,<2.5"],
+        # loguru: Primus's logger, for the tests that run a job through Primus's own code path.
+        "test": ["pytest>=7", "ruff>=0.4", "mypy>=1.10,<2.5", "loguru"],
         # What Megatron-LM's parse_args + validate_args + TransformerConfig import on a CPU-only
         # machine, core 0.13 to main (pydantic from 0.16), next to torch. torch is not listed: a
         # plain "torch" from PyPI is a multi-GB CUDA build; install PyTorch's CPU build first (README).

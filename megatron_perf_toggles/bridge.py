@@ -5,191 +5,22 @@ Bridge builds its configuration from recipes and never parses Megatron's flags n
 the recipe and any overrides, before ``pretrain(cfg, ...)``::
 
     from megatron_perf_toggles import bridge
+    cfg = bridge.build("megatron.bridge.recipes.llama:llama3_8b_pretrain_config")  # or your own call
     bridge.apply(cfg)
     pretrain(cfg, forward_step)
 
-What counts as set: a toggle field whose value differs from the default its dataclass declares
-(``dataclasses.fields`` of the section's own class; a ``default_factory`` is called) was set by
-the recipe or the user; so was one a model provider declares for its model (a class outside
-Megatron's and Bridge's generic configs, ``core.config_fields.BRIDGE_GENERIC_MODULES``), whatever
-its value. It is kept unless an environment variable asks otherwise or a guard
-cannot honour it (then it changes, with a warning). A field still at its declared default is the
-plugin's to decide. ``explicit`` names fields (``"model.cross_entropy_fusion_impl"``) or toggles
-(``"cross_entropy_fusion_impl"``) to hold as command-line requests: a guard that cannot honour
-one refuses with one line (a PerfTogglesError) instead.
-
-The decision is the argparse path's (``core.decide.decide``), with Bridge's fields mapped to
-Megatron's dests by ``core.config_fields``. Rules that Megatron enforces only in ``validate_args``
-are applied here too, because Bridge skips them: the ``te`` cross-entropy impl, which Megatron
-asserts against from core 0.18.2, becomes ``native``.
+``apply`` goes through the plugin's one pipeline (``runtime/frontend.py``): the decision with the
+argparse path's registry, environment, profile and guards, the start-up table and record, the
+resume check and history, the cross-rank check and the safety net around Bridge's own validation.
+Rules that Megatron enforces only in ``validate_args`` are applied here too, because Bridge skips
+them. ``build`` calls a recipe while watching which fields it sets, so that a value the recipe
+chose stays the recipe's even where it equals the dataclass default. The adapter itself is
+``runtime/bridge_adapter.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from collections.abc import Iterable, Mapping
-from typing import Any
+from .runtime.bridge_adapter import apply, declared_default, explain, generic_declaration, read, write
+from .runtime.bridge_recipe import build, traced_fields
 
-from .core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_RUNTIME_FIELDS, BRIDGE_SECTIONS, Home, bridge_homes
-from .core.decide import Plan
-from .core.facts import Capabilities
-from .runtime import frontend
-from .runtime.target import planned_world
-
-_MISSING = object()
-
-
-def _section(cfg: Any, path: str) -> tuple[Any, str]:
-    """The object holding ``path``'s last name (``cfg.model`` for ``model.qk_layernorm``)."""
-    *parents, name = path.split(".")
-    obj = cfg
-    for part in parents:
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None, name
-    return obj, name
-
-
-def _read(cfg: Any, path: str) -> Any:
-    obj, name = _section(cfg, path)
-    return _MISSING if obj is None else getattr(obj, name, _MISSING)
-
-
-def declared_default(obj: Any, name: str) -> Any:
-    """The default ``obj``'s own dataclass declares for ``name`` (a factory is called), or a
-    marker when it declares none (then any value counts as set)."""
-    if not dataclasses.is_dataclass(obj):
-        return _MISSING
-    for f in dataclasses.fields(obj):
-        if f.name == name:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            if f.default_factory is not dataclasses.MISSING:
-                try:
-                    return f.default_factory()
-                except Exception:  # noqa: BLE001 - a factory that cannot run here declares nothing usable
-                    return _MISSING
-    return _MISSING
-
-
-def generic_declaration(obj: Any, name: str) -> bool:
-    """Whether the class that declares ``name`` for ``obj`` is Megatron's or one of Bridge's generic
-    configs (``BRIDGE_GENERIC_MODULES``): only then is its default the plugin's to decide. A model
-    provider that redeclares the field chose that value for its model, as a recipe would."""
-    field = getattr(type(obj), "__dataclass_fields__", {}).get(name)
-    if field is None:
-        return False
-    declaring = [c for c in type(obj).__mro__ if getattr(c, "__dataclass_fields__", {}).get(name) is field][-1]
-    return declaring.__module__.startswith(BRIDGE_GENERIC_MODULES)
-
-
-def _resolve_mixed_precision(cfg: Any) -> None:
-    """A recipe may name its precision (``"bf16_mixed"``); Bridge resolves the name first thing in
-    ``runtime_config_update``. Resolving it here, the same way, lets the plugin set its fields."""
-    if isinstance(getattr(cfg, "mixed_precision", None), str):
-        from megatron.bridge.training.mixed_precision import get_mixed_precision_config
-
-        cfg.mixed_precision = get_mixed_precision_config(cfg.mixed_precision)
-
-
-def _args(cfg: Any) -> tuple[dict[str, Any], dict[str, tuple[Any, str]]]:
-    """Every field of the sections the guards read, by name (earlier sections win), and where each came from."""
-    args: dict[str, Any] = {}
-    where: dict[str, tuple[Any, str]] = {}
-    for section in BRIDGE_SECTIONS:
-        obj = getattr(cfg, section, None)
-        if obj is None or not dataclasses.is_dataclass(obj):
-            continue
-        for f in dataclasses.fields(obj):
-            if f.name not in args and f.name not in BRIDGE_RUNTIME_FIELDS:
-                args[f.name] = getattr(obj, f.name, None)
-                where[f.name] = (obj, f.name)
-    for dest, home in BRIDGE_DERIVED:
-        value = _read(cfg, home.path)
-        if value is _MISSING or value is None:
-            continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = value > 0
-        if home.from_field(bool(value)) and not args.get(dest):
-            args[dest] = True
-    return args, where
-
-
-def _named(explicit: Iterable[str], homes: Mapping[str, tuple[Home, ...]]) -> set[str]:
-    names = set(explicit)
-    unknown = names - set(homes) - {h.path for hs in homes.values() for h in hs}
-    if unknown:
-        from .errors import PerfTogglesError
-
-        raise PerfTogglesError(f"bridge.apply: explicit names no toggle or toggle field: {', '.join(sorted(unknown))}")
-    return {dest for dest, hs in homes.items() if dest in names or any(h.path in names for h in hs)}
-
-
-def read(cfg: Any, explicit: Iterable[str] = ()) -> frontend.Found:
-    """What the plugin reads of ``cfg``: arguments, configured and explicit toggle values."""
-    homes = bridge_homes()
-    named = _named(explicit, homes)
-    args, _ = _args(cfg)
-    found = frontend.Found(args=args)
-    for dest, dest_homes in homes.items():
-        home = next((h for h in dest_homes if _read(cfg, h.path) is not _MISSING), None)
-        if home is None:
-            continue  # this Bridge/Megatron has no field for it
-        raw = _read(cfg, home.path)
-        value = home.from_field(raw)
-        args[dest] = value
-        found.stock[dest] = value
-        if dest in named:
-            found.explicit[dest] = (value, f"cfg.{home.path}")
-            continue
-        obj, name = _section(cfg, home.path)
-        default = declared_default(obj, name)
-        if default is _MISSING or default != raw or not generic_declaration(obj, name):
-            found.configured[dest] = (value, f"cfg.{home.path}")
-    return found
-
-
-def write(cfg: Any, plan: Plan) -> list[str]:
-    """Every field each decision lives in; returns the paths written."""
-    written = []
-    for dest, decision in plan.decisions.items():
-        for home in bridge_homes().get(dest, ()):
-            obj, name = _section(cfg, home.path)
-            if obj is None or not hasattr(obj, name):
-                continue
-            setattr(obj, name, home.to_field(decision.value))
-            written.append(home.path)
-    if plan.log_dirs:
-        _, where = _args(cfg)
-        for dest, path in plan.log_dirs.items():
-            if dest in where:
-                obj, name = where[dest]
-                setattr(obj, name, path)
-    return written
-
-
-def apply(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str] | None = None,
-          capabilities: Capabilities | None = None, record_dir: str | None = None,
-          announce: bool = True) -> Plan:
-    """Decide every toggle for ``cfg`` (a Bridge ``ConfigContainer``) and write the decisions into
-    its fields. Prints the start-up table and writes ``perf_toggles.json`` (rank 0) into
-    ``record_dir``, else the (tagged) tensorboard or wandb directory, else ``cfg.checkpoint.save``.
-    ``capabilities`` plans for another machine instead of detecting this one's. Returns the plan;
-    a request that cannot be honoured raises a PerfTogglesError with one line."""
-    environ = os.environ if environ is None else environ
-    _resolve_mixed_precision(cfg)
-    found = read(cfg, explicit)
-    world = planned_world(None, environ)
-    if world is not None and not found.args.get("world_size"):  # as Megatron's parse_args reads it
-        found.args["world_size"] = world
-    plan, caps, env = frontend.decide_found(found, environ, capabilities)
-    write(cfg, plan)
-    if plan.wgrad_path == "fallback" and capabilities is None:
-        from .runtime import wgrad_fallback
-
-        wgrad_fallback.activate()
-    if announce:
-        directory = record_dir or frontend.provenance.record_dir(plan, found.args) or _read(cfg, "checkpoint.save")
-        frontend.announce(plan, caps, env, environ, directory if isinstance(directory, str) else None)
-    return plan
+__all__ = ["apply", "build", "declared_default", "explain", "generic_declaration", "read", "traced_fields", "write"]

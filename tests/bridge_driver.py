@@ -59,8 +59,20 @@ def run_case(case: dict) -> dict:
     from megatron_perf_toggles import bridge
     from megatron_perf_toggles.runtime import frontend, provenance
 
+    if case.get("explain"):  # explain in this process, as the command runs it: its JSON record
+        from megatron_perf_toggles.tools import cli
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(["explain", *case["explain"]])
+        return {"code": code, "explain": json.loads(out.getvalue())}
     module, _, func = case["recipe"].rpartition(".")
-    cfg = getattr(importlib.import_module(module), func)()
+    if case.get("build"):  # as explain builds it: the fields the recipe sets are the recipe's
+        from megatron_perf_toggles.runtime import bridge_recipe
+
+        cfg = bridge_recipe.build(getattr(importlib.import_module(module), func))
+    else:
+        cfg = getattr(importlib.import_module(module), func)()
     if case.get("model"):  # another model provider in the recipe's place: (class path, keyword arguments)
         path, kwargs = case["model"]
         provider_module, _, provider = path.rpartition(".")
@@ -78,6 +90,8 @@ def run_case(case: dict) -> dict:
                                  megatron=frontend.facts_for_version(case["planned_megatron"]))
     record_dir = tempfile.mkdtemp()
     out = io.StringIO()
+    if "resume" in case:  # an earlier launch saved into the directory this one resumes from
+        _earlier_launch(cfg, case, environ, caps)
     try:
         with contextlib.redirect_stdout(out):
             plan = bridge.apply(cfg, explicit=case.get("explicit", ()), environ=environ, capabilities=caps,
@@ -85,6 +99,7 @@ def run_case(case: dict) -> dict:
     except Exception as error:  # noqa: BLE001 - a refusal is a result
         return {"error": f"{type(error).__name__}: {error}", "before": before}
     after = {f: _get(cfg, f) for f in FIELDS}
+    extra = _run_time(cfg, case, out)
     # Bridge's own step that copies mixed precision onto the model and DDP configs (runtime_config_update).
     cfg.mixed_precision.finalize()
     cfg.mixed_precision.setup(cfg.model, cfg.optimizer, cfg.ddp)
@@ -97,7 +112,59 @@ def run_case(case: dict) -> dict:
         "before": before, "after": after, "after_setup": after_setup,
         "table": out.getvalue().splitlines(), "record": record,
         "megatron_version": frontend.capabilities(frontend.read_env({})).megatron.version,
+        **extra,
     }
+
+
+def _earlier_launch(cfg, case: dict, environ: dict, caps) -> None:
+    """A launch of the same recipe, with the case's ``resume`` environment, that saved into a
+    directory; Megatron's tracker then says iteration 100 was saved there, and this launch loads it."""
+    import copy
+
+    from megatron_perf_toggles import bridge
+
+    directory = tempfile.mkdtemp(prefix="ckpt-")
+    cfg.checkpoint.save = cfg.checkpoint.load = directory
+    earlier = copy.deepcopy(cfg)
+    with contextlib.redirect_stdout(io.StringIO()):
+        bridge.apply(earlier, environ={**{k: v for k, v in environ.items() if k not in case.get("env", {})},
+                                       **case["resume"]}, capabilities=caps, record_dir=tempfile.mkdtemp())
+    with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("100")
+
+
+def _run_time(cfg, case: dict, out) -> dict:
+    """What the run-time protections did: the history beside the checkpoints, this rank's
+    fingerprint (and the check at init_process_group), Bridge's own validation under the net."""
+    from megatron_perf_toggles.runtime import context
+
+    result: dict = {"fingerprint": (context.current().rank_fingerprint if context.current() else None)}
+    if case.get("rank_check"):
+        import torch.distributed as dist
+
+        wrapped = getattr(dist.init_process_group, "_perf_toggles_wrapped", False)
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rendezvous", rank=0, world_size=1)
+        result["rank_check"] = {"armed": wrapped, "checked": dist.init_process_group.__name__ == "init_process_group"
+                                and not getattr(dist.init_process_group, "_perf_toggles_wrapped", False)}
+        dist.destroy_process_group()
+    if case.get("validate"):
+        from megatron.bridge.training.config import runtime_config_update
+
+        for path, value in case.get("late_edits", {}).items():
+            parent, _, name = path.rpartition(".")
+            setattr(_get(cfg, parent), name, value)
+        try:
+            with contextlib.redirect_stdout(out):
+                runtime_config_update(cfg)
+            result["validated"] = True
+        except Exception as error:  # noqa: BLE001 - Bridge's refusal is a result
+            result["validated"] = f"{type(error).__name__}: {error}"
+        result["after_validate"] = {f: _get(cfg, f) for f in FIELDS}
+        result["table_after_validate"] = out.getvalue().splitlines()
+    save = cfg.checkpoint.save
+    history = os.path.join(save, "perf_toggles_history.jsonl") if save else ""
+    result["history"] = [json.loads(line) for line in open(history)] if history and os.path.exists(history) else []
+    return result
 
 
 def main() -> int:

@@ -160,8 +160,19 @@ def pytest_unconfigure(config):
     _unshare_bytecode(config)
 
 
+def _frontend_corpus_summary(terminalreporter) -> None:
+    """The config front ends' corpus counts (tests/real/test_frontend_corpus.py), one line each."""
+    lines = [value for key in ("passed", "failed") for rep in terminalreporter.stats.get(key, [])
+             for name, value in getattr(rep, "user_properties", ()) if name == "front-end corpus"]
+    if lines:
+        terminalreporter.section("front-end corpus")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Say plainly which real-Megatron suites ran, on which trees, and which were skipped."""
+    _frontend_corpus_summary(terminalreporter)
     trees = megatron_trees()
     suites = sorted({
         rep.nodeid.split("::")[0]

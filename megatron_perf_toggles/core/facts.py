@@ -229,7 +229,19 @@ def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:
     known = {f.name for f in fields(MegatronFacts)}
     facts = {k: v for k, v in surface.get("facts", {}).items() if k in known}
     if isinstance(facts.get("rules"), list | tuple):
-        rules = [r for r in facts["rules"] if r not in BY_ID or facts.get(BY_ID[r].fact) is not False]
+        # The rules table says which releases carry each rule (found in real trees, documented
+        # ones included): a rule the recorder could not detect by its phrase still binds there.
+        from .megatron_rules import rules_of
+
+        recorded = sorted({*facts["rules"], *rules_of(surface_release(surface))})
+        rules = [r for r in recorded if r not in BY_ID or facts.get(BY_ID[r].fact) is not False]
         rules += [r.id for r in BY_ID.values() if r.fact and facts.get(r.fact) is True and r.id not in rules]
         facts["rules"] = tuple(rules)
     return MegatronFacts(**facts)
+
+
+def surface_release(surface: dict[str, Any]) -> str:
+    """The release a recorded surface is of, as the rules table names it (``0.19.0``, ``main``; a
+    fork recorded as a delta: its base's)."""
+    name = str(surface.get("release") or surface.get("name") or "")
+    return name.removeprefix("core_v") if name else str(surface.get("facts", {}).get("version") or "")

@@ -373,3 +373,8 @@ def _span(versions: tuple[str, ...]) -> str:
     if idx and idx == list(range(idx[0], idx[-1] + 1)) and len(idx) > 1:
         return f"{SUPPORTED[idx[0]]} … {SUPPORTED[idx[-1]]}"
     return ", ".join(versions)
+
+
+def rules_of(release: str) -> tuple[str, ...]:
+    """The ids of the rules the rules table records for ``release`` (``0.19.0``, ``main``)."""
+    return tuple(r.id for r in RULES if release in r.versions)

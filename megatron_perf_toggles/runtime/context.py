@@ -53,6 +53,19 @@ class _Stopped(Exception):  # private: never seen outside this module
 
 
 @dataclass(slots=True)
+class FrontEnd:
+    """What a configuration front end's run leaves for its later hooks (the validation it watches):
+    the object it planned (a Bridge ``ConfigContainer``, Primus's namespace), the namespace the plan
+    was written to, the controller's registration, and a refusal kept until the front end's own
+    checks can stop the job with it (Primus)."""
+
+    config: Any
+    view: Any = None
+    registration: Any = None  # controller.Registration; typed loosely, as ``hooks`` is
+    refusal: BaseException | None = None
+
+
+@dataclass(slots=True)
 class RunContext:
     """What the plugin knows and holds in one process, made by one entry point."""
 
@@ -69,6 +82,7 @@ class RunContext:
     undo: ProcessChanges = field(default_factory=lambda: PROCESS_CHANGES)  # the undo log (only that)
     record: dict[str, Any] | None = None  # a capturing dry run's record, set by stop()
     plan: Any = None  # and its plan
+    front: FrontEnd | None = None  # a configuration front end's planned object (Bridge, Primus)
     _mark: int | None = None
 
     @classmethod

@@ -22,7 +22,7 @@ import argparse
 import functools
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from ..core.ckpt_layout import checkpoint_facts
 from ..core.decide import Decision, Message, Plan, decide
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
+from ..errors import PerfTogglesError
 from . import provenance, resume
 from .capabilities import for_plan
 from .context import MODES, Mode, RunContext, current
@@ -51,12 +52,20 @@ UNSET: Any = _Unset()  # the default of every watched dest: "the command line di
 
 @dataclass(slots=True)
 class Registration:
-    """What the argparse adapter learned from one parser: enough to plan each of its parses."""
+    """What an adapter learned from its configuration: enough to plan each of its parses.
+
+    The argparse adapter fills the first four (the command line's values are told from defaults by
+    ``UNSET``); a configuration front end (Megatron-Bridge, Primus) has no command line and says
+    directly what was asked (``explicit``: held as a flag is) and what its configuration set
+    (``preset``: the ``config`` tier), and rewrites reasons into its own words (``speak``)."""
 
     controller: Controller
-    stock: dict[str, Any]  # Megatron's own defaults of the watched dests
+    stock: dict[str, Any]  # Megatron's own defaults of the watched dests (a front end's: its own values)
     watched: tuple[str, ...]  # the dests whose command-line value we must tell from a default
     added_flags: list[str] = field(default_factory=list)  # the flag forms this parser lacked
+    explicit: dict[str, Any] = field(default_factory=dict)  # dest -> value named explicitly (a front end's)
+    preset: dict[str, Decision] = field(default_factory=dict)  # dest -> the configuration's own value
+    speak: Callable[[str], str] | None = None  # Megatron's words (flags) into the front end's (fields, keys)
 
 
 @dataclass(slots=True)
@@ -103,6 +112,7 @@ class Controller:
         self.last: Outcome | None = None
         self.target = target  # the job planned for (None: this machine); capabilities are detected for it
         self.context: RunContext | None = None  # the run context this controller belongs to, if any
+        self.record_dir: str | None = None  # where perf_toggles.json goes, where a front end names it
 
     @property
     def here(self) -> bool:
@@ -114,7 +124,7 @@ class Controller:
     def plan(self, ns: argparse.Namespace, reg: Registration) -> Plan:
         """Decide for this parse and write the decisions onto ``ns``. No other side effect; a
         PerfTogglesError (a request that cannot be honoured) propagates."""
-        explicit: dict[str, Any] = {}
+        explicit: dict[str, Any] = dict(reg.explicit)
         for dest in reg.watched:
             value = getattr(ns, dest, UNSET)
             if value is UNSET:
@@ -130,9 +140,19 @@ class Controller:
             observed = profile_file.observed_for(self.profile, caps, self.environ, self.mode, self.target)
         args = vars(ns)
         if args.get("world_size") is None:  # Megatron's parse_args sets it after this step (memory_guard needs it)
-            args = {**args, "world_size": planned_world(self.target, os.environ)}
-        plan = decide(args, explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
-                      observed=observed)
+            world = planned_world(self.target, os.environ) or planned_world(None, self.environ)
+            args = {**args, "world_size": world}
+        preset = reg.preset if self.env.plugin_enabled else {}  # switched off: the configuration's values stand
+        try:
+            plan = decide(args, explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
+                          observed=observed, preset=preset)
+        except PerfTogglesError as refusal:
+            if reg.speak is not None:  # the refusal's one line in the front end's words
+                refusal.message, refusal.hint = reg.speak(refusal.message), refusal.hint and reg.speak(refusal.hint)
+                refusal.args = (refusal.message,)
+            raise
+        if reg.speak is not None:
+            in_words(plan, reg.speak)
         original_dirs = {dest: getattr(ns, dest) for dest in plan.log_dirs}
         for dest, decision in plan.decisions.items():
             setattr(ns, dest, decision.value)
@@ -164,11 +184,22 @@ class Controller:
             self._arm_rank_check(ns, outcome)
             if not watched:  # no Megatron validation to wait for: the table goes out now
                 self._announce(ns, outcome)
-        if watched and net is not None:
-            # The table goes out once Megatron's validation has passed, with its final values
-            # (a run-time back-off included), not before.
-            net.NET.watch(ns, reg.stock, functools.partial(self._backed_off, outcome=outcome),
-                          functools.partial(self._validated, outcome=outcome))
+        if watched:
+            self.watch(ns, reg)
+
+    def watch(self, ns: argparse.Namespace, reg: Registration) -> None:
+        """Let the safety net watch Megatron's validation of ``ns``; once it has passed, the table
+        goes out with its final values (a run-time back-off included). A front end whose validation
+        comes later than its plan (Primus installs the net before training) calls this then."""
+        from .safety_net import NET
+
+        outcome = self.last
+        assert outcome is not None, "watch() follows plan()"
+        NET.watch(ns, reg.stock, self.on_backoff(outcome), functools.partial(self._validated, outcome=outcome))
+
+    def on_backoff(self, outcome: Outcome) -> Callable[[argparse.Namespace, list[str], str], None]:
+        """What a safety net calls when it turned plugin defaults back (a front end's net too)."""
+        return functools.partial(self._backed_off, outcome=outcome)
 
     def _validated(self, ns: argparse.Namespace, *, outcome: Outcome) -> None:
         if self.mode == "run":
@@ -201,7 +232,7 @@ class Controller:
         """Rank 0 of a real run: the JSON record beside the logs, and the launch history in --save."""
         plan, caps = outcome.plan, outcome.capabilities
         payload = provenance.build_record(plan, caps, self.env.raw_for_record(self.environ), sys.argv)
-        directory = provenance.record_dir(plan, vars(ns))
+        directory = self.record_dir or provenance.record_dir(plan, vars(ns))
         try:
             if directory:
                 provenance.write_atomic(directory, payload)
@@ -238,6 +269,14 @@ class Controller:
             for line in provenance.lines(Plan(changed, plan.precision, {}, [warning], plan.wgrad_path)):
                 print(line, flush=True)
             self._persist(ns, outcome)
+
+
+def in_words(plan: Plan, speak: Callable[[str], str]) -> None:
+    """Every reason and message of ``plan`` through ``speak`` (a front end's words)."""
+    for dest, d in list(plan.decisions.items()):
+        plan.decisions[dest] = Decision(d.value, d.source, speak(d.reason))
+    for message in plan.messages:
+        message.text = speak(message.text)
 
 
 def backed_off_values(sources: dict[str, str]) -> str:

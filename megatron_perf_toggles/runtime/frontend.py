@@ -1,32 +1,41 @@
-"""What the config front ends (Megatron-Bridge, Primus) share: read the settings, decide, announce.
+"""What a configuration front end (Megatron-Bridge, Primus) hands the one pipeline, and how.
 
-A front end without a command line reads three things from its configuration object and hands
-them here: the arguments the guards look at (under Megatron's dests), the toggle values that the
-configuration set itself (a recipe's, an experiment file's), and those the caller named
-explicitly. The decision is ``core.decide.decide``, unchanged: the environment, the profile, the
-registry, the precedence and every guard are the argparse path's. Values the configuration set
-become ``config`` decisions (below the environment, above the profile and the plugin default, and
-a guard may change them with a warning); values named explicitly are command-line requests (a
-guard that cannot honour one refuses with one line).
+A front end is an adapter with two jobs: read what its configuration says, and write a plan back.
+It reads into a :class:`Found`: the arguments the guards and the memory model look at (under
+Megatron's dests, layout facts included), each toggle value with its tier (``explicit``: named by
+the caller, held as a command-line flag is; ``configured``: set by the configuration itself, the
+``config`` tier; otherwise the environment, a profile or the plugin default decide), the value
+that stands with the plugin switched off, and the front end's own name for every argument
+(``words``: a Bridge field path, a Primus YAML key).
+
+Everything else happens once, for argparse and the front ends alike, behind the
+:class:`~.controller.Controller` of a :class:`~.context.RunContext` made here per entry point
+(:func:`start`): the decision (``core.decide.decide``: environment, profile, precedence, guards,
+memory guard), the records on the namespace, the resume comparison and history, the start-up
+table and ``perf_toggles.json``, the wgrad fallback, the cross-rank check and the safety net.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
-import sys
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from ..core.decide import Decision, Plan, decide
+from ..core.decide import Decision, Plan
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, version_tuple
-from ..core.registry import BY_DEST, format_value
-from . import provenance
-from .capabilities import resolve
+from ..core.registry import BY_DEST
+from .capabilities import for_plan
+from .context import Mode, RunContext
+from .controller import Controller, Registration
+
+__all__ = ["Found", "capabilities", "facts_for_version", "plan", "read_env", "speaker", "start"]
 
 
 @dataclass(slots=True)
@@ -34,14 +43,16 @@ class Found:
     """What a front end read from its configuration object.
 
     ``args``: everything the guards may read, under Megatron's dests; ``configured``: dest ->
-    (value, where) for toggle values the configuration set (not its class's default);
-    ``explicit``: dest -> (value, where) for those the caller named; ``stock``: dest -> the value
-    that stands when the plugin is switched off (the configuration's own)."""
+    (value, where) for toggle values the configuration set; ``explicit``: dest -> (value, where)
+    for those the caller named; ``stock``: dest -> the value that stands when the plugin is
+    switched off (the configuration's own); ``words``: dest -> the front end's name for it."""
 
     args: dict[str, Any]
     configured: dict[str, tuple[Any, str]] = field(default_factory=dict)
     explicit: dict[str, tuple[Any, str]] = field(default_factory=dict)
     stock: dict[str, Any] = field(default_factory=dict)
+    words: dict[str, str] = field(default_factory=dict)
+    inverted: set[str] = field(default_factory=set)  # dests whose word names the opposite (grad_reduce_in_fp32)
 
 
 def _surfaces() -> list[dict[str, Any]]:
@@ -68,13 +79,15 @@ def facts_for_version(version: str) -> MegatronFacts:
     if best is None:
         return MegatronFacts(version=version)
     facts = {**best[1].get("facts", {}), "version": version, "path": None}
-    return megatron_facts_from_surface({"facts": facts})
+    return megatron_facts_from_surface({"name": best[1].get("name"), "facts": facts})
 
 
-def capabilities(env: EnvSettings) -> Capabilities:
-    """This machine's capabilities, as the argparse path detects them; where Megatron's training
-    package is missing (megatron-core alone), its facts come from the recorded release."""
-    caps = resolve(env.assume)
+def capabilities(env: EnvSettings, target: Any = None) -> Capabilities:
+    """The capabilities a front end's plan rests on, by the argparse path's rule
+    (``capabilities.for_plan``: this machine, or the planned stack of ``target``'s GPU); where
+    Megatron's training package is missing (megatron-core alone), its facts come from the recorded
+    release at or below the installed core."""
+    caps = for_plan(env.assume, target=target)
     if caps.megatron.version is None:
         try:
             from megatron.core import package_info
@@ -86,36 +99,40 @@ def capabilities(env: EnvSettings) -> Capabilities:
     return caps
 
 
-def decide_found(found: Found, environ: Mapping[str, str] | None = None,
-                 caps: Capabilities | None = None) -> tuple[Plan, Capabilities, EnvSettings]:
-    """The plan for what a front end found: ``core.decide.decide`` with its values sorted into
-    explicit (``cli``), configured (``config``) and defaults. A PerfTogglesError propagates."""
+def start(entry: str, environ: Mapping[str, str] | None = None, *, mode: Mode = "run",
+          caps: Capabilities | None = None, target: Any = None, announce: bool = True) -> RunContext:
+    """The run context of one front-end entry point, with its controller: the environment and
+    profile are read (a bad value is one line here), and the capabilities fixed for its plans."""
     environ = os.environ if environ is None else environ
-    env = read_env(environ)
-    profile = None
-    if env.profile_path:
-        from . import profile_file
+    ctx = RunContext.create(entry, environ, mode=mode, target=target)
+    controller = Controller(environ, mode=mode, capabilities=caps, announce=announce, target=target)
+    if controller.capabilities is None:
+        controller.capabilities = capabilities(controller.env, target)
+    ctx.use_controller(controller)
+    return ctx
 
-        profile = profile_file.load(env.profile_path)
-    caps = caps or capabilities(env)
-    observed = None
-    if profile is not None:
-        from . import profile_file
 
-        observed = profile_file.observed_for(profile, caps, environ, "run")
-    explicit = {dest: value for dest, (value, _) in found.explicit.items()}
-    preset: dict[str, Decision] = {}
-    stock = dict(found.stock)
-    if env.plugin_enabled:
-        preset = {dest: Decision(value, "config", f"set in the configuration ({where} = {format_value(value)})")
-                  for dest, (value, where) in found.configured.items() if dest not in explicit}
-    plan = decide(found.args, explicit, env, caps, stock, profile=profile, observed=observed, preset=preset)
-    for dest, (value, where) in found.explicit.items():  # "set on the command line" would mislead here
-        d = plan.decisions.get(dest)
-        if d is not None and d.source == "cli":
-            plan.decisions[dest] = Decision(d.value, d.source, d.reason.replace(
-                f"set on the command line ({_flag_words(dest, value)})", f"named explicitly ({where})"))
-    return plan, caps, env
+def registration(controller: Controller, found: Found) -> Registration:
+    """What the controller plans from: the front end's values sorted into the tiers."""
+    preset = {dest: Decision(value, "config", f"set in the configuration ({where})")
+              for dest, (value, where) in found.configured.items() if dest not in found.explicit}
+    return Registration(controller, dict(found.stock), (), explicit={d: v for d, (v, _) in found.explicit.items()},
+                        preset=preset, speak=speaker(found))
+
+
+def plan(ctx: RunContext, found: Found, ns: argparse.Namespace | None = None) -> tuple[Plan, argparse.Namespace,
+                                                                                       Registration]:
+    """Plan for what a front end found, through its context's controller: the decisions land on
+    ``ns`` (Primus's own namespace; a view of the configuration otherwise) with ``perf_toggles``,
+    as on the argparse path. A PerfTogglesError (a request that cannot be honoured) propagates."""
+    controller = ctx.controller
+    assert controller is not None, "frontend.start() makes the controller"
+    view = ns if ns is not None else argparse.Namespace(**found.args)
+    reg = registration(controller, found)
+    return controller.plan(view, reg), view, reg
+
+
+_FLAG = re.compile(r"(?<![\w-])--(no-)?([a-z0-9][a-z0-9-]*)")
 
 
 def _flag_words(dest: str, value: Any) -> str:
@@ -125,21 +142,27 @@ def _flag_words(dest: str, value: Any) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def announce(plan: Plan, caps: Capabilities, env: EnvSettings, environ: Mapping[str, str] | None,
-             directory: str | None, command: list[str] | None = None) -> str | None:
-    """Rank 0: the start-up table on stdout and the decision record (``perf_toggles.json``) in
-    ``directory``, as the argparse path writes them. Returns the record's path, if written."""
-    if env.rank != 0:
-        return None
-    for line in provenance.lines(plan):
-        print(line, flush=True)
-    if not directory:
-        return None
-    environ = os.environ if environ is None else environ
-    payload = provenance.build_record(plan, caps, env.raw_for_record(environ), command or list(sys.argv))
-    try:
-        return provenance.write_atomic(directory, payload)
-    except OSError as error:
-        print(f"{provenance.PREFIX} warning: could not write the provenance record: {error}",
-              file=sys.stderr, flush=True)
-        return None
+def speaker(found: Found) -> Callable[[str], str]:
+    """Megatron's words into the front end's: a value named explicitly says where it was named, and
+    each Megatron flag (``--qk-layernorm``, ``--no-grad-reduce-in-bf16``) becomes the field or key
+    the user wrote (``cfg.model.qk_layernorm``, ``cfg.ddp.grad_reduce_in_fp32 = True``) wherever
+    the front end has one. For reasons, messages and a refusal's line alike."""
+    named = {f"set on the command line ({_flag_words(dest, value)})": f"named explicitly ({where})"
+             for dest, (value, where) in found.explicit.items()}
+
+    def word(match: re.Match[str]) -> str:
+        dest = match.group(2).replace("-", "_")
+        name = found.words.get(dest)
+        if name is None:
+            return match.group(0)
+        on = not match.group(1)
+        if dest in found.inverted:
+            return f"{name} = {not on}"
+        return name if on else f"{name} = False"
+
+    def speak(text: str) -> str:
+        for megatron, ours in named.items():
+            text = text.replace(megatron, ours)
+        return _FLAG.sub(word, text)
+
+    return speak

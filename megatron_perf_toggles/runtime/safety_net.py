@@ -30,7 +30,7 @@ import os
 import sys
 import weakref
 from argparse import Namespace
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .process_changes import PROCESS_CHANGES
@@ -50,7 +50,10 @@ class _Entry:
 
     def __init__(self, ns: Namespace, stock: dict[str, Any], on_backoff: Callable[[Namespace, list[str], str], None],
                  on_validated: Callable[[Namespace], None] | None = None):
-        self.ref = weakref.ref(ns)
+        try:
+            self.ref: Callable[[], Namespace | None] = weakref.ref(ns)
+        except TypeError:  # a namespace without weak references (Primus's SimpleNamespace) is held
+            self.ref = lambda: ns
         self.stock = stock
         self.on_backoff = on_backoff
         self.on_validated = on_validated  # called once validate_args has passed, back-offs included
@@ -142,7 +145,7 @@ class SafetyNet:
                 if not dests:
                     _release(held_out, held_err)
                     raise
-                message = _first_line(error)
+                message = first_line(error)
             else:
                 _release(held_out, held_err)
                 if validating and entry.on_validated is not None:
@@ -179,7 +182,7 @@ class SafetyNet:
             ns = Namespace(**_copy(entry.pre_validate if revalidate else snapshot))  # type: ignore[arg-type]
             for dest in dests:
                 setattr(ns, dest, entry.stock[dest])
-            with _quiet_and_undone():
+            with quiet_and_undone():
                 try:
                     if revalidate:
                         validate, vrest, vkwargs = entry.validate  # type: ignore[misc]
@@ -193,26 +196,38 @@ class SafetyNet:
 
     @staticmethod
     def _find(trial: Callable[[list[str]], Namespace | None], snapshot: dict[str, Any], entry: _Entry) -> list[str]:
-        """The smallest set of plugin defaults whose stock values make the call pass, or []."""
-        records = snapshot.get("perf_toggles") or {}
-        candidates = [dest for dest, rec in records.items()
-                      if rec.get("source") in BACKED_OFF_SOURCES and dest in entry.stock
-                      and rec.get("value") != entry.stock[dest]]
-        if not candidates or trial(candidates) is None:
-            return []  # no default in play, or stock values fail too: not ours to fix
-        for dest in candidates:
-            if trial([dest]) is not None:
-                return [dest]
-        chosen: list[str] = []
-        for dest in candidates:
-            chosen.append(dest)
-            if trial(chosen) is not None:
-                break
-        for dest in list(chosen):
-            smaller = [d for d in chosen if d != dest]
-            if smaller and trial(smaller) is not None:
-                chosen = smaller
-        return chosen
+        return smallest_backoff(trial, _as_mapping(snapshot.get("perf_toggles")), entry.stock)
+
+
+def _as_mapping(value: Any) -> dict[str, Any]:
+    """The decision records as dicts: Primus turns the dicts on its namespace into SimpleNamespaces."""
+    if value is None:
+        return {}
+    items = value.items() if isinstance(value, Mapping) else vars(value).items()
+    return {k: (v if isinstance(v, Mapping) else vars(v)) for k, v in items}
+
+
+def smallest_backoff(trial: Callable[[list[str]], object | None], records: Mapping[str, Mapping[str, Any]],
+                     stock: Mapping[str, Any]) -> list[str]:
+    """The smallest set of plugin defaults whose stock values make ``trial`` pass (not None), or
+    []: the rule of the net, shared by every front end's validation (Bridge's too)."""
+    candidates = [dest for dest, rec in records.items()
+                  if rec.get("source") in BACKED_OFF_SOURCES and dest in stock and rec.get("value") != stock[dest]]
+    if not candidates or trial(candidates) is None:
+        return []  # no default in play, or stock values fail too: not ours to fix
+    for dest in candidates:
+        if trial([dest]) is not None:
+            return [dest]
+    chosen: list[str] = []
+    for dest in candidates:
+        chosen.append(dest)
+        if trial(chosen) is not None:
+            break
+    for dest in list(chosen):
+        smaller = [d for d in chosen if d != dest]
+        if smaller and trial(smaller) is not None:
+            chosen = smaller
+    return chosen
 
 
 NET = SafetyNet()
@@ -244,14 +259,14 @@ def _release(out: io.StringIO, err: io.StringIO) -> None:
         sys.stderr.flush()
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     line = text[0] if text else type(error).__name__
     return line if len(line) <= 240 else line[:237] + "..."
 
 
 @contextlib.contextmanager
-def _quiet_and_undone() -> Iterator[None]:
+def quiet_and_undone() -> Iterator[None]:
     """Run a trial validation with no output and no lasting effect on process state."""
     import logging  # only when a validation failed: nothing on the success path
     import warnings

@@ -28,6 +28,7 @@ from ..runtime import profile_file, provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import detect, megatron_facts, resolve
 from ..runtime.probe import installed, torch_module
+from . import explain_frontends
 from .llama3_8b import EXAMPLE_WORLD, LLAMA3_8B_EXAMPLE, llama3_8b_args
 from .planning import DEFAULT_SURFACE, checkout_script, plan_command_line
 from .surfaces import replay
@@ -205,7 +206,7 @@ def _check_world(ns: argparse.Namespace, target: planned.Target, args: dict[str,
 
 
 def _explain_header(ns: argparse.Namespace, caps: Capabilities, label: str, target: planned.Target,
-                    profile: Profile | None, width: int | None) -> None:
+                    profile: Profile | None, width: int | None, megatron_source: str, front: bool) -> None:
     """Who plans (Megatron), for what (world, GPU), on which stack (one line), and the command."""
     _say(f"Megatron: {label}", width)
     _say(f"Plan for: {planned.describe(target)}", width)
@@ -214,28 +215,30 @@ def _explain_header(ns: argparse.Namespace, caps: Capabilities, label: str, targ
     if profile is not None:
         _say(f"Profile:  {_profile_summary(profile)}", width)
     if ns.verbose:
-        for line in fact_sources(caps, f"detected in the checkout {caps.megatron.path}" if ns.megatron
-                                 else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}"):
+        for line in fact_sources(caps, megatron_source):
             _say(f"  {line}", width)
-    if not ns.megatron_args:
+    if not ns.megatron_args and not front:
         _say("Command:  built-in Llama-3-8B bf16, TP 2, sequence parallel, distributed optimizer (yours after --)",
              width)
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:
-    megatron_args = _megatron_args(ns)
+    front = explain_frontends.requested(ns)  # a Bridge recipe or a Primus file instead of a command line
+    megatron_args = explain_frontends.command(ns) if front else _megatron_args(ns)
     profile = profile_named()
-    target = _explain_target(ns)
-    plan, caps, label, args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
-                                                target=target)
-    _check_world(ns, target, args)
+    target = target_from(ns) if front else _explain_target(ns)
+    plan, caps, label, args = (explain_frontends.plan(ns, target) if front else plan_command_line(
+        megatron_args, tree=ns.megatron, surface=ns.megatron_version, target=target))
+    if not front:
+        _check_world(ns, target, args)
+    megatron_source = (f"Megatron {caps.megatron.version}, as the front end imports it" if front
+                       else f"detected in the checkout {caps.megatron.path}" if ns.megatron
+                       else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
     # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts,
     # and what the memory plan asks for (the allocator setting where only it makes the job fit).
     launch = launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version)
     launch += launch_env.from_memory(plan.memory)
     if ns.json:
-        megatron_source = (f"detected in the checkout {caps.megatron.path}" if ns.megatron
-                           else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
         payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
         payload["megatron"] = label
         payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
@@ -245,7 +248,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
     width = _width()
-    _explain_header(ns, caps, label, target, profile, width)
+    _explain_header(ns, caps, label, target, profile, width, megatron_source, bool(front))
     print()
     rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", d.reason]
             for dest, d in plan.decisions.items()]
@@ -470,6 +473,7 @@ def _add_explain(sub: Any) -> None:
                         "setup like the one planned for).")
     ex.add_argument("--json", action="store_true", help="print the provenance record as JSON")
     ex.add_argument("--verbose", action="store_true", help="also say where each fact the plan rests on came from")
+    explain_frontends.add_options(ex)
     _planning_options(ex, "a Megatron-LM checkout: use its real parser",
                       "plan against a recorded Megatron surface instead (default: main)")
     ex.set_defaults(func=cmd_explain)

@@ -14,12 +14,17 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import tree_driver
 from conftest import REPO
 
+from megatron_perf_toggles.runtime.capabilities import effective_assume
+from megatron_perf_toggles.runtime.target import make_target
+
+H100_64 = make_target(64, gpu="h100")
 QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"
 QWEN3_SFT = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_sft_1gpu_h100_bf16_config"
 ENABLE = ("set BRIDGE_PYTHON to a Python 3.12 with megatron-bridge installed (pip install --no-deps "
@@ -46,6 +51,25 @@ CASES = {
                                                     "dataset.offline_packing_specs": None}},
     "world_8": {"recipe": QWEN3, "env": {"WORLD_SIZE": "8"}},
     "env_impl": {"recipe": QWEN3, "env": {"CROSS_ENTROPY_FUSION_IMPL": "native", "CROSS_ENTROPY_LOSS_FUSION": "0"}},
+    # Run-time protections: Bridge's own validation (runtime_config_update), the history a resume reads,
+    # the cross-rank check at init_process_group.
+    "validated": {"recipe": QWEN3, "validate": True, "rank_check": True},
+    "late_gate": {"recipe": QWEN3, "edits": {"model.qk_layernorm": False}, "validate": True,
+                  "late_edits": {"model.attention_output_gate": True}},  # set after apply: no guard saw it
+    "late_gate_off": {"recipe": QWEN3, "edits": {"model.qk_layernorm": False}, "validate": True,
+                      "late_edits": {"model.attention_output_gate": True}, "env": {"MEGATRON_PERF_TOGGLES": "0"}},
+    "resume_changed": {"recipe": QWEN3, "resume": {}, "env": {"CROSS_ENTROPY_LOSS_FUSION": "0"}},
+    "resume_same": {"recipe": QWEN3, "resume": {}},
+    # The checkpoint saved a bf16 gradient buffer keyed by dtype: another one cannot load.
+    "resume_layout_env": {"recipe": QWEN3, "resume": {}, "env": {"GRAD_REDUCE_IN_BF16": "0"}},
+    "resume_layout_explicit": {"recipe": QWEN3, "resume": {}, "edits": {"ddp.grad_reduce_in_fp32": True},
+                               "explicit": ["ddp.grad_reduce_in_fp32"]},
+    # explain's plan of a 64-GPU H100 job, and apply on the same recipe where that job runs (the
+    # planned stack of an H100, as MEGATRON_PERF_TOGGLES_ASSUME names it there; WORLD_SIZE 64).
+    "explain_64": {"explain": ["--bridge-recipe", QWEN3.replace(".qwen3.", ".qwen3:"), "--world-size", "64",
+                               "--gpu", "h100", "--json"]},
+    "apply_64": {"recipe": QWEN3, "build": True,
+                 "env": {"WORLD_SIZE": "64", "MEGATRON_PERF_TOGGLES_ASSUME": effective_assume(None, H100_64)}},
 }
 
 
@@ -68,8 +92,12 @@ def _run(cases: dict, tree: Path | None) -> dict:
     # have Python 3.12 compile all of it again. Nothing is written into the tree either way.
     env.pop("PYTHONPYCACHEPREFIX", None)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    proc = subprocess.run([python, str(REPO / "tests" / "bridge_driver.py")], input=json.dumps(list(cases.values())),
-                          capture_output=True, text=True, env=env, timeout=600)
+    # A recipe's checkpoint directory is relative ("nemo_experiments/..."): the resume history the
+    # plugin writes there lands in a scratch directory, never in the checkout.
+    with tempfile.TemporaryDirectory(prefix="bridge-cases-") as scratch:
+        proc = subprocess.run([python, str(REPO / "tests" / "bridge_driver.py")],
+                              input=json.dumps(list(cases.values())), capture_output=True, text=True, env=env,
+                              timeout=600, cwd=scratch)
     if proc.returncode != 0 or not proc.stdout.strip():
         pytest.fail(f"bridge driver failed ({proc.returncode}): {proc.stderr[-3000:]}")
     out = json.loads(proc.stdout)
@@ -85,6 +113,35 @@ RUNS = tree_driver.SESSION.background("bridge", lambda: _run(CASES, _tree()), re
 # wheel, which ships megatron.training too).
 INSTALLED = tree_driver.SESSION.background("bridge-installed-core", lambda: _run({"defaults": CASES["defaults"]}, None),
                                            real=False)
+
+
+def _explain_commands() -> list[dict]:
+    """``megatron-perf-toggles explain --bridge-recipe`` as a user runs it on a CPU machine with Bridge
+    and no Transformer Engine (the package's own stand-in, not the tests'), in the Bridge interpreter."""
+    environ = tree_driver.SESSION.environ
+    python = environ.get("BRIDGE_PYTHON")
+    if not python:
+        pytest.skip(f"Megatron-Bridge suite: {ENABLE}")
+    tree = _tree()
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bridge-explain-") as scratch:
+        hf = Path(scratch) / "hf"
+        subprocess.run([python, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import bridge_driver; "
+                        "bridge_driver._offline_hf_cache(sys.argv[2])", str(REPO / "tests"), str(hf)], check=True,
+                       timeout=120)
+        env = {k: v for k, v in environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "PYTHONPYCACHE"))}
+        env.update(PYTHONPATH=os.pathsep.join(p for p in (str(tree) if tree else "", str(REPO)) if p),
+                   PYTHONDONTWRITEBYTECODE="1", COLUMNS="100", HF_HOME=str(hf), HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1")
+        recipe = QWEN3.replace(".qwen3.", ".qwen3:")
+        for extra in (["--world-size", "64", "--gpu", "h100"], ["--world-size", "8", "--", "no_such_keyword=1"]):
+            proc = subprocess.run([python, "-m", "megatron_perf_toggles", "explain", "--bridge-recipe", recipe, *extra],
+                                  capture_output=True, text=True, env=env, timeout=600, cwd=scratch)
+            out.append({"code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr})
+    return out
+
+
+EXPLAIN = tree_driver.SESSION.background("bridge-explain", _explain_commands, real=False)
 
 
 def results() -> dict:
@@ -106,7 +163,8 @@ def test_qk_layernorm_recipe_gets_fused_qkv_rope_off_with_reason():
     assert r["before"]["model.qk_layernorm"] is True
     d = r["decisions"]["fused_single_qkv_rope"]
     assert (d["value"], d["source"]) == (False, "guard")
-    assert "--qk-layernorm" in d["reason"]
+    # In Bridge's words: the field the recipe set, not Megatron's flag for it.
+    assert "cfg.model.qk_layernorm" in d["reason"] and "--" not in d["reason"]
     assert r["after"]["model.fused_single_qkv_rope"] is False
 
 
@@ -140,7 +198,7 @@ def test_average_in_collective_goes_off_with_per_token_loss():
     assert base["after"]["ddp.average_in_collective"] is True
     assert base["decisions"]["ddp_average_in_collective"]["source"] == "config"  # the base recipe turns it on
     d = r["decisions"]["ddp_average_in_collective"]
-    assert (d["value"], d["source"]) == (False, "guard") and "per-token-loss" in d["reason"]
+    assert (d["value"], d["source"]) == (False, "guard") and "cfg.model.calculate_per_token_loss" in d["reason"]
     assert r["after"]["ddp.average_in_collective"] is False
 
 
@@ -172,6 +230,7 @@ def test_explicit_te_is_held_like_a_command_line_flag():
 def test_explicit_fusion_and_te_are_refused_in_one_line():
     r = case("explicit_both")
     assert "CannotHonourError" in r["error"] and "\n" not in r["error"]
+    assert "cfg.model.cross_entropy_fusion_impl te was requested" in r["error"] and " --" not in r["error"]
 
 
 def test_a_model_providers_own_setting_is_kept():
@@ -245,6 +304,72 @@ def test_record_and_table_are_the_argparse_paths():
     assert r["record"]["package"] == "megatron-perf-toggles"
     assert any(line.startswith("[perf-toggles] fused_single_qkv_rope: off (guard;") for line in r["table"])
     assert r["record"]["capabilities"]["megatron"]["version"] == r["megatron_version"]
+
+
+def test_bridge_validation_passes_with_the_plugin_and_the_rank_check_runs():
+    r = case("validated")
+    assert r["validated"] is True
+    assert r["fingerprint"]["toggles"] == {d: rec["value"] for d, rec in r["decisions"].items()}
+    assert r["rank_check"] == {"armed": True, "checked": True}
+
+
+def test_safety_net_backs_off_a_default_bridges_validation_rejects():
+    # Gated attention set after apply: no guard saw it, and Megatron's TransformerConfig (built in
+    # Bridge's validation) rejects fused single-QKV RoPE with it. Stock values pass: the net turns
+    # the plugin default back, says so, and validation goes on.
+    r, stock = case("late_gate"), case("late_gate_off")
+    assert stock["validated"] is True and stock["after_validate"]["model.fused_single_qkv_rope"] is False
+    assert r["after"]["model.fused_single_qkv_rope"] is True  # the plugin default, as planned
+    assert r["validated"] is True, r["validated"]
+    assert r["after_validate"]["model.fused_single_qkv_rope"] is False
+    assert any("fused_single_qkv_rope: off (guard; Bridge's validation rejected the plugin default" in line
+               for line in r["table_after_validate"])
+    assert r["history"][-1]["decisions"]["fused_single_qkv_rope"] is False  # this launch's line, rewritten
+
+
+def test_resume_history_and_a_changed_toggle_warn_as_argparse_does():
+    changed, same = case("resume_changed"), case("resume_same")
+    assert len(changed["history"]) == 2 and changed["history"][0]["start_iteration"] == 0
+    assert changed["history"][1]["start_iteration"] == 100
+    warning = [m for m in changed["messages"] if m.startswith("resuming from")]
+    assert warning and "cross_entropy_loss_fusion on -> off" in warning[0]
+    assert not [m for m in same["messages"] if m.startswith("resuming from")]
+
+
+def test_a_resume_the_checkpoint_layout_cannot_take_is_kept_or_refused_as_on_argparse():
+    # As on the argparse path: an environment value yields to the checkpoint with a warning; an
+    # explicit request is refused, in one line, in Bridge's words.
+    kept, refused = case("resume_layout_env"), case("resume_layout_explicit")
+    d = kept["decisions"]["grad_reduce_in_bf16"]
+    assert (d["value"], d["source"]) == (True, "guard") and "saved with a bf16 gradient buffer" in d["reason"]
+    assert kept["after"]["ddp.grad_reduce_in_fp32"] is False
+    assert "CannotHonourError: cfg.mixed_precision.grad_reduce_in_fp32 = True was requested" in refused["error"]
+    assert "cfg.checkpoint.load_optim = False" in refused["error"] and "--" not in refused["error"]
+
+
+def test_explain_plans_the_recipe_as_apply_decides_it():
+    plan, applied = case("explain_64"), case("apply_64")
+    assert plan["code"] == 0
+    record = plan["explain"]
+    assert record["target"]["world_size"] == 64 and record["stack"]
+    assert record["decisions"] == applied["decisions"]  # value, source, reason and memory, toggle by toggle
+    assert record["precision"] == applied["record"]["precision"]
+    # The recipe assigns grad_reduce_in_fp32=True itself: its value, although Bridge's default, stands.
+    d = record["decisions"]["grad_reduce_in_bf16"]
+    assert (d["value"], d["source"]) == (False, "config") and "grad_reduce_in_fp32 = True" in d["reason"]
+
+
+def test_explain_bridge_recipe_on_a_cpu_machine_fits_a_screen():
+    planned, broken = tree_driver.SESSION.outcome(EXPLAIN)
+    assert planned["code"] == 0, planned["stderr"][-2000:]
+    lines = planned["stdout"].splitlines()
+    assert len(lines) <= 50 and max(len(line) for line in lines) <= 100, planned["stdout"]
+    assert "world 64 (--world-size 64), h100" in planned["stdout"]
+    assert any(line.startswith("fused_single_qkv_rope") and " off " in line for line in lines)
+    # A recipe that cannot be built here: one line, exit 2.
+    assert broken["code"] == 2 and broken["stdout"] == ""
+    said = broken["stderr"].strip().splitlines()
+    assert len(said) == 1 and "cannot be built here: TypeError" in said[0], broken["stderr"][-2000:]
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look at the driver's output

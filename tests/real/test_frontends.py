@@ -8,12 +8,17 @@ import dataclasses
 import pytest
 from conftest import full_caps
 
-from megatron_perf_toggles import bridge
 from megatron_perf_toggles.core.config_fields import BRIDGE_OVERRIDES, PRIMUS_HOMES, Home, bridge_homes
 from megatron_perf_toggles.core.decide import FP4_LAYER_DESTS, Decision, decide
-from megatron_perf_toggles.core.facts import MegatronFacts
+from megatron_perf_toggles.core.env import read_env
+from megatron_perf_toggles.core.facts import MegatronFacts, megatron_facts_from_surface, surface_release
+from megatron_perf_toggles.core.guard_base import rule
+from megatron_perf_toggles.core.megatron_rules import RULES, SUPPORTED
 from megatron_perf_toggles.core.registry import TOGGLES
-from megatron_perf_toggles.runtime import frontend
+from megatron_perf_toggles.runtime import bridge_adapter as bridge  # the adapter behind megatron_perf_toggles.bridge
+from megatron_perf_toggles.runtime import frontend, probe
+from megatron_perf_toggles.tools import cli
+from megatron_perf_toggles.tools.surfaces import replay
 
 ROPE = {"position_embedding_type": "rope", "bf16": True}
 
@@ -169,3 +174,64 @@ def test_primus_defaults_without_primus_is_one_line():
     with pytest.raises(PerfTogglesError, match="Primus is not importable") as error:
         primus.primus_defaults()
     assert "\n" not in str(error.value)
+
+
+# --- recorded surfaces cannot drift from the rules table -------------------------------------------
+
+SURFACES = replay.available()
+
+
+@pytest.mark.parametrize("name", SURFACES)
+def test_every_rule_the_table_records_for_a_release_binds_its_recorded_surface(name):
+    # explain --megatron-version and Bridge on a megatron-core wheel read Megatron's rules from a
+    # recorded surface: a rule the table says the release carries must bind there, whether or not
+    # the recorder could detect it by its phrase, or its guard would never fire.
+    surface = replay.load_surface(name)
+    facts = megatron_facts_from_surface(surface)
+    release = surface_release(surface)
+    assert release in SUPPORTED, f"{name}: the rules table knows no release {release!r}"
+    missing = [r.id for r in RULES if release in r.versions and not facts.has_rule(r.id)]
+    assert not missing, f"{name} lacks {missing}"
+    # and what a guard answers, it does there: packed sequences turn fused single-QKV RoPE off
+    if release in rule("fqr_packed_sequences").versions:
+        plan = decide({"sft": True, "position_embedding_type": "rope", "bf16": True}, {}, read_env({}),
+                      full_caps(megatron=facts))
+        assert (plan.decisions["fused_single_qkv_rope"].value, plan.decisions["fused_single_qkv_rope"].source) \
+            == (False, "guard")
+
+
+def test_bridge_on_a_megatron_core_wheel_gets_the_tables_rules():
+    facts = frontend.facts_for_version("0.19.2")  # PyPI's megatron-core: the 0.19.0 surface's facts
+    assert facts.version == "0.19.2"
+    assert all(facts.has_rule(r.id) for r in RULES if "0.19.0" in r.versions)
+
+
+# --- explain --bridge-recipe / --primus-config: a bad input is one line, exit 2, before any import ----
+
+
+def _checkout_without_megatron(root):
+    (root / "primus" / "core" / "patches").mkdir(parents=True)
+    (root / "exp.yaml").write_text("modules: {}\n")
+    return str(root / "exp.yaml")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--bridge-recipe", "nonsense"], "name it MODULE:FUNCTION"),
+    (["--bridge-recipe", "no_such_bridge.recipes:x"], "no_such_bridge.recipes is not importable here"),
+    (["--primus-config", "/no/such/file.yaml"], "no such file"),
+    (["--bridge-recipe", "a.b:c", "--", "not-a-keyword"], "KEY=VALUE"),
+])
+def test_explain_front_end_bad_input_is_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["explain", *argv])
+    assert done.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and says in said[0], said
+
+
+def test_explain_primus_config_without_a_megatron_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(probe, "installed", lambda name: False)  # no Megatron importable here either
+    with pytest.raises(SystemExit) as done:
+        cli.main(["explain", "--primus-config", _checkout_without_megatron(tmp_path)])
+    said = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(said) == 1 and "pass --megatron" in said[0], said

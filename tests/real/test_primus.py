@@ -9,17 +9,25 @@ tree needs its own interpreter), the plugin's ``build_args`` patch runs through 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 
 import pytest
+import tree_driver
 from conftest import REPO
 
+from megatron_perf_toggles.runtime.capabilities import effective_assume
+from megatron_perf_toggles.runtime.target import make_target
+
 BF16 = "examples/megatron/configs/MI355X/llama3.1_8B-BF16-pretrain.yaml"
+MI355X_BF16 = BF16
+MI355X_8 = make_target(8, gpu="mi355x")
 MXFP4 = "examples/megatron/configs/MI355X/llama3.1_8B-MXFP4-pretrain.yaml"
 DESTS = ("gradient_accumulation_fusion", "grad_reduce_in_bf16", "ddp_average_in_collective",
          "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "fused_single_qkv_rope",
@@ -73,8 +81,9 @@ if not TREES:  # one skip line for the whole suite, not one per test
 def run(tree: Path, config: str, megatron: str = "0.18.2", **env: str) -> dict:
     case = {"config": str(tree / config), "dests": DESTS, "megatron": megatron, "env": env}
     pythonpath = os.pathsep.join((str(tree), str(REPO)))
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(case)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": pythonpath}, timeout=300, cwd=str(tree))
+    with tempfile.TemporaryDirectory(prefix="primus-case-") as scratch:  # Primus's loader makes ./output there
+        proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(case)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": pythonpath}, timeout=300, cwd=scratch)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"Primus driver failed ({proc.returncode}): {proc.stderr[-3000:]}")
@@ -146,3 +155,128 @@ def test_pth_hook_registers_when_primus_imports_its_patches(tree):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["megatron", "build_args", "90"]
     assert "already registered" not in proc.stdout + proc.stderr  # registered once
+
+
+# --- the whole job on Primus's own code path (tests/primus_driver.py) -----------------------------
+
+JOB_DESTS = ("fused_single_qkv_rope", "grad_reduce_in_bf16", "cross_entropy_loss_fusion")
+
+
+def _megatron_tree() -> str | None:
+    trees = [t for t in tree_driver.SESSION.environ.get("MEGATRON_LM_TREES", "").split(os.pathsep) if t.strip()]
+    return next((t for t in trees if Path(t).name == "main"), trees[-1] if trees else None)
+
+
+def primus_jobs(tree: Path, jobs: list[dict], env: dict | None = None) -> tuple[subprocess.CompletedProcess, list]:
+    """Jobs run one after another in one process, as Primus's runtime runs a job (see the driver)."""
+    megatron = _megatron_tree()
+    if megatron is None:
+        pytest.skip("Primus jobs need a Megatron-LM tree: set MEGATRON_LM_TREES")
+    pytest.importorskip("loguru", reason="Primus's logger needs loguru (pip install loguru)")
+    case = {"megatron": megatron, "jobs": [{"dests": JOB_DESTS, **job, "config": str(tree / job["config"])}
+                                           for job in jobs]}
+    with tempfile.TemporaryDirectory(prefix="primus-job-") as scratch:  # Primus writes ./output there
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "primus_driver.py"), json.dumps(case)],
+                              capture_output=True, text=True, timeout=600, cwd=scratch,
+                              env={**tree_driver.SESSION.environ, **(env or {}),
+                                   "PYTHONPATH": os.pathsep.join((str(tree), str(REPO)))})
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return proc, results
+
+
+def _refusal(tree: Path) -> tuple[subprocess.CompletedProcess, list]:
+    return primus_jobs(tree, [{"config": BF16}], env={"GRAD_REDUCE_IN_BF16": "perhaps"})
+
+
+def test_a_refusal_stops_the_primus_job_at_validate_args_with_one_line(tree):
+    # Primus logs and swallows what a build_args patch raises; the refusal must still stop the job,
+    # where Primus's own checks do (Megatron's validate_args as Primus wraps it), exit status 2.
+    proc, results = tree_driver.SESSION.outcome(JOBS[tree]["refusal"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert results == []  # the job did not get past validation
+    ours = [line for line in proc.stderr.splitlines() if "[perf-toggles]" in line]
+    assert len(ours) == 1 and ours[0].startswith("[perf-toggles] error: GRAD_REDUCE_IN_BF16='perhaps'"), ours
+    assert "EnvValueError" not in proc.stderr  # no traceback of ours (Primus logs its own patches' failures)
+
+
+EXPLAIN = r"""
+import sys
+from megatron_perf_toggles.tools import cli
+for extra in (["--json"], []):
+    code = cli.main(["explain", *sys.argv[1:], *extra])
+    print(f"=== exit {code}", flush=True)
+"""
+
+
+def _explain(tree: Path) -> subprocess.CompletedProcess:
+    megatron = _megatron_tree()
+    if megatron is None:
+        pytest.skip("explain --primus-config needs a Megatron-LM tree: set MEGATRON_LM_TREES")
+    env = {k: v for k, v in tree_driver.SESSION.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    with tempfile.TemporaryDirectory(prefix="primus-explain-") as scratch:
+        return subprocess.run([sys.executable, "-c", EXPLAIN, "--primus-config", str(tree / MI355X_BF16), "--megatron",
+                               megatron, "--world-size", "8", "--gpu", "mi355x"], capture_output=True, text=True,
+                              timeout=600, cwd=scratch, env={**env, "COLUMNS": "100", "PYTHONPATH": str(REPO)})
+
+
+def test_explain_primus_config_plans_what_the_patch_decides(tree):
+    # An 8-GPU MI355X job planned on this CPU machine, and the same experiment through Primus's own
+    # code path where that job runs (the planned stack of an MI355X, as MEGATRON_PERF_TOGGLES_ASSUME
+    # names it there; WORLD_SIZE 8).
+    proc = tree_driver.SESSION.outcome(JOBS[tree]["explain"])
+    record_text, summary, _ = proc.stdout.split("=== exit ")[0], *proc.stdout.split("=== exit ")[1:]
+    assert proc.stdout.count("=== exit 0") == 2, proc.stderr[-3000:]
+    record = json.loads(record_text)
+    lines = summary.splitlines()[1:]
+    assert len(lines) <= 50 and max(len(line) for line in lines) <= 100, summary
+    assert "world 8 (--world-size 8), mi355x" in summary
+    patched = job_results(tree)[1][3]
+    assert record["decisions"] == patched["records"]  # value, source, reason and memory, toggle by toggle
+    assert record["decisions"]["grad_reduce_in_bf16"]["value"] is True
+    # Reasons in Primus's words: the YAML keys, not Megatron's flags.
+    reason = record["decisions"]["cross_entropy_fusion_impl"]["reason"]
+    assert "YAML key cross_entropy_loss_fusion" in reason and "--" not in reason
+    assert "YAML key gradient_accumulation_fusion: false" in record["decisions"]["gradient_accumulation_fusion"]["reason"]
+
+
+def job_results(tree: Path) -> tuple[subprocess.CompletedProcess, tuple]:
+    return tree_driver.SESSION.outcome(JOBS[tree]["jobs"])
+
+
+def _jobs(tree: Path) -> tuple[subprocess.CompletedProcess, tuple]:
+    """Primus's code path, four jobs in one process (each started as a fresh process would be)."""
+    assume = {"MEGATRON_PERF_TOGGLES_ASSUME": "te=2.8,rocm"}  # the planned machine's TE: fused RoPE on
+    planned = {"WORLD_SIZE": "8", "MEGATRON_PERF_TOGGLES_ASSUME": effective_assume(None, MI355X_8)}
+    proc, results = primus_jobs(tree, [
+        {"config": BF16, "env": assume, "overrides": {"save": "checkpoints"}, "rank_check": True},  # saves under Primus's output
+        # The next launch loads what the first saved (iteration 100), with one toggle changed.
+        {"config": BF16, "resume": 100, "env": {**assume, "CROSS_ENTROPY_LOSS_FUSION": "0"},
+         "overrides": {"save": "checkpoints"}},
+        # Gated attention set after the plan (no guard saw it): Megatron's TransformerConfig rejects
+        # fused single-QKV RoPE with it, and the net backs the plugin default off.
+        {"config": BF16, "env": assume, "transformer_config": True,
+         "late": {"attention_output_gate": True, "apply_rope_fusion": False}},
+        # The 8-GPU MI355X job explain plans (test_explain_primus_config_plans_what_the_patch_decides).
+        {"config": MI355X_BF16, "env": planned},
+    ])
+    assert proc.returncode == 0 and len(results) == 4, proc.stderr[-3000:]
+    return proc, tuple(results)
+
+
+def test_primus_job_resume_history_rank_check_and_safety_net(tree):
+    _, (first, resumed, late, _) = job_results(tree)
+    assert not [m for m in first["messages"] if m.startswith("resuming from")]
+    warning = [m for m in resumed["messages"] if m.startswith("resuming from")]
+    assert warning and "cross_entropy_loss_fusion on -> off" in warning[0]
+    assert first["fingerprint"]["toggles"] == {d: r["value"] for d, r in first["records"].items()}
+    assert first["rank_check"] == {"armed": True, "checked": True}
+    assert late["planned"]["fused_single_qkv_rope"] is True
+    d = late["records"]["fused_single_qkv_rope"]
+    assert (d["value"], d["source"]) == (False, "guard") and "TransformerConfig rejected the plugin default" in d["reason"]
+
+
+# The three processes start with the session's workers, beside the unit tests (tests/tree_driver.py).
+JOBS = {tree: {name: tree_driver.SESSION.background(f"primus-{name}-{tree.name}", functools.partial(job, tree),
+                                                    real=False)
+               for name, job in (("jobs", _jobs), ("refusal", _refusal), ("explain", _explain))}
+        for tree in TREES}

@@ -17,7 +17,7 @@ from megatron_perf_toggles.core.registry import SETTINGS, TOGGLES
 
 TESTS = REPO / "tests"
 # The front ends' tests are the front-end redesign's (issue 34): real-layer by what they run.
-FRONT_ENDS = {"test_bridge.py", "test_primus.py", "test_frontends.py"}
+FRONT_ENDS = {"test_bridge.py", "test_primus.py", "test_frontends.py", "test_frontend_corpus.py"}
 
 
 def _names(path) -> set[str]:

@@ -46,6 +46,7 @@ def _load(name: str) -> dict[str, Any]:
     delta = json.loads(delta_file.read_text())
     base = copy.deepcopy(_load(delta["base"]))
     base["facts"] = {**base["facts"], **delta.get("facts", {})}
+    base["release"] = base.get("release") or base["name"]  # a fork carries its base release's rules
     base["name"], base["source"] = delta["name"], delta["source"]
     removed = set(delta.get("remove_dests", []))
     actions = [a for a in base["actions"] if a["dest"] not in removed]
