@@ -75,10 +75,6 @@ def alloc_conf(environ: Mapping[str, str]) -> AllocConf:
     return AllocConf(var, raw, value == "True", options.get("backend") == "cudaMallocAsync")
 
 
-def expandable_segments(environ: Mapping[str, str]) -> bool:
-    """Whether the allocator settings in ``environ`` turn expandable segments on."""
-    return alloc_conf(environ).expandable
-
 
 @dataclass(frozen=True, slots=True)
 class Largest:

@@ -46,7 +46,7 @@ def plan(args=None, explicit=None, gpu_mb=H200_MB, megatron=None, **environ):
     ({"PYTORCH_HIP_ALLOC_CONF": "expandable_segments:True"}, True),
 ])
 def test_the_allocator_setting_is_read_where_torch_reads_it(environ, on):
-    assert allocator.expandable_segments(environ) is on
+    assert allocator.alloc_conf(environ).expandable is on
     assert read_env(environ).expandable_segments is on
 
 
