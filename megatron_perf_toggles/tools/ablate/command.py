@@ -91,7 +91,7 @@ def design_arms(ns: argparse.Namespace, spec: ExperimentSpec) -> list[Arm]:
     """The design's arms; a toggle a guard turns off for this model can be on in no arm, so it is
     left out before any dry run (the candidates design names no toggles)."""
     dests, flags = _known_args()
-    toggles = parse_toggles(spec.toggles)
+    toggles = parse_toggles(spec.toggles, spec.megatron_args)
     if ns.design != "candidates":
         from .guarded import leave_out
 
