@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..core.guards import GUARDS, guards_table
 from ..core.megatron_rules import rules_table
-from ..core.registry import SETTINGS, TOGGLES, format_value
+from ..core.registry import BY_CAPABILITY, SETTINGS, TOGGLES, format_value
 from .surfaces import replay
 
 BEGIN = "<!-- generated:{name} begin -->"
@@ -43,7 +43,10 @@ def _cell(surface: dict, t) -> str:
     flags = {f for a in surface["actions"] for f in a["flags"]}
     facts = replay.surface_facts(surface)
     native = [f for f in t.flags if f in flags]
-    if t.dest == "fused_single_qkv_rope" and facts.get("fused_single_qkv_rope_field") is False:
+    # a toggle that needs a TransformerConfig field this Megatron lacks (fused single-QKV RoPE before
+    # 0.15, MoE router fusion on 0.13): the plugin registers its flags, and its guard turns it off
+    fields = [BY_CAPABILITY[c].detected.removeprefix("megatron:") for c in t.needs if not BY_CAPABILITY[c].stored]
+    if any(facts.get(field) is False for field in fields):
         return "guard: off (no field)"
     if t.dest == "cross_entropy_fusion_impl" and facts.get("asserts_te_cross_entropy"):
         return "guard: te→native"

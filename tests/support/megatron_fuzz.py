@@ -114,7 +114,11 @@ def moe(s: Sample) -> None:
     if s.chance(0.6):
         s.add("moe-grouped-gemm", "--moe-grouped-gemm")
     if s.chance(0.6):
-        s.add("dispatcher", "--moe-token-dispatcher-type", s.rng.choice(["alltoall", "allgather", "flex"]))
+        dispatcher = s.rng.choice(["alltoall", "allgather", "flex"])
+        s.add(f"dispatcher-{dispatcher}", "--moe-token-dispatcher-type", dispatcher)
+        if dispatcher == "flex" and s.chance(0.5):
+            backend = s.rng.choice(["deepep", "hybridep"])
+            s.add(f"flex-{backend}", "--moe-flex-dispatcher-backend", backend)
     if s.chance(0.3):
         s.add("moe-shared-expert", "--moe-shared-expert-intermediate-size", "256")
     if s.chance(0.3):
@@ -123,6 +127,44 @@ def moe(s: Sample) -> None:
         s.add("delay-wgrad-compute", "--delay-wgrad-compute")
         if s.chance(0.5):
             s.add("overlap-moe-ep-comm", "--overlap-moe-expert-parallel-comm")
+    moe_router(s)
+    moe_experts(s)
+
+
+def moe_router(s: Sample) -> None:
+    """The router options the fused router is judged against (issue 36)."""
+    if s.chance(0.3):
+        score = s.rng.choice(["sigmoid", "softmax", "sqrtsoftplus"])
+        s.add(f"router-score-{score}", "--moe-router-score-function", score)
+    if s.chance(0.2):
+        s.add("router-group-limited", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1")
+    if s.chance(0.15):
+        s.add("router-force-load-balancing", "--moe-router-force-load-balancing")
+    if s.chance(0.2):
+        balancing = s.rng.choice(["aux_loss", "seq_aux_loss", "sinkhorn", "none", "quantile_balancing"])
+        s.add(f"router-balancing-{balancing}", "--moe-router-load-balancing-type", balancing)
+    if s.chance(0.15):
+        s.add("router-expert-bias", "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid")
+    if s.chance(0.1):
+        s.add("routing-replay", "--moe-enable-routing-replay")
+    if s.chance(0.15):
+        s.add("moe-router-fusion", "--moe-router-fusion")
+
+
+def moe_experts(s: Sample) -> None:
+    """The expert options grouped GEMM is judged against: biases, the legacy path, the op fuser, recompute."""
+    if s.chance(0.4):
+        s.add("moe-disable-bias-linear", "--disable-bias-linear")
+    elif s.chance(0.3):
+        s.add("no-bias-dropout-fusion", "--no-bias-dropout-fusion")
+    if s.chance(0.1):
+        s.add("legacy-grouped-gemm", "--moe-use-legacy-grouped-gemm")
+    if s.chance(0.1):
+        s.add("te-op-fuser", "--use-transformer-engine-op-fuser")
+    if s.chance(0.1):
+        s.add("recompute-moe-act", "--recompute-granularity", "selective", "--recompute-modules", "moe_act")
+    if s.chance(0.05):
+        s.add("batch-invariant", "--batch-invariant-mode")
 
 
 def attention(s: Sample) -> None:

@@ -282,3 +282,21 @@ def test_memory_column_stays_working_for_moe_decisions():
     dense = plan(model=LLAMA_ARGS)
     assert all((dense.memory.get("peak_memory_delta_mb") or {}).get(d) in (0, 0.0, None) for d in MOE)
     assert replace(dense, not_applicable=()).shown().keys() >= set(MOE)
+
+
+# --- front ends: where each MoE toggle lives -------------------------------------------------------
+
+
+def test_front_ends_find_the_moe_toggles_under_megatrons_names():
+    from megatron_perf_toggles.core.config_fields import PRIMUS_HOMES, bridge_homes
+
+    homes = bridge_homes()
+    for dest in MOE:  # Bridge: TransformerConfig's fields (cfg.model.<dest>); Primus: the YAML key is the dest
+        assert [h.path for h in homes[dest]] == [f"model.{dest}"] and not homes[dest][0].inverted
+        assert [h.path for h in PRIMUS_HOMES[dest]] == [dest]
+
+
+def test_a_front_end_model_is_moe_by_its_num_moe_experts():
+    # a Bridge ConfigContainer's model names the expert count as TransformerConfig does
+    p = plan(model={**LLAMA_ARGS, "num_moe_experts": 16, "add_bias_linear": False})
+    assert [p.decisions[d].value for d in MOE] == [True, True, True]
