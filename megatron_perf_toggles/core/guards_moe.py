@@ -150,14 +150,19 @@ def _op_fuser_blocker(ctx: Context) -> str:
 def moe_grouped_gemm_op_fuser(ctx: Context) -> Iterator[Change]:
     """Grouped GEMM goes off under `--use-transformer-engine-op-fuser` where TE's fused grouped MLP,
     which Megatron then asserts, cannot take the model (TE older than 2.14, expert tensor parallelism,
-    probs applied on the input, an activation other than SwiGLU, quick GeGLU or weighted squared ReLU)."""
+    probs applied on the input, an activation other than SwiGLU, quick GeGLU or weighted squared ReLU).
+    An explicit `--moe-grouped-gemm` beside the op fuser is kept: Megatron judges that request."""
     if not _on(ctx, GG) or not ctx.args.get("use_transformer_engine_op_fuser") \
             or not carries(ctx, GG_OP_FUSER):
         return
     blocker = _op_fuser_blocker(ctx)
     if blocker:
-        yield _off(GG, f"--use-transformer-engine-op-fuser builds TE's fused grouped MLP, and {blocker}",
-                   f"drop --use-transformer-engine-op-fuser or {NO_GG}")
+        # --moe-grouped-gemm named beside the op fuser asks for the fused grouped MLP itself: that
+        # request is Megatron's to judge when it builds the experts, as stock does
+        change = _off(GG, f"--use-transformer-engine-op-fuser builds TE's fused grouped MLP, and {blocker}",
+                      f"drop --use-transformer-engine-op-fuser or {NO_GG}")
+        change.yields_to_cli = True
+        yield change
 
 
 def _layout(ctx: Context, grouped: bool) -> str:

@@ -150,6 +150,13 @@ def test_op_fuser_takes_grouped_gemm_only_where_the_fused_grouped_mlp_can(args, 
     assert p.decisions["moe_grouped_gemm"].value is on
 
 
+def test_op_fuser_with_an_explicit_grouped_gemm_is_megatrons_to_judge():
+    # a functional test of Megatron's own (groupedGEMM_op_fuser) names both: stock takes the command line
+    p = plan({"use_transformer_engine_op_fuser": True, "swiglu": True}, te_version="2.12",
+             explicit={"moe_grouped_gemm": True})
+    assert got(p, "moe_grouped_gemm") == (True, "cli")
+
+
 def test_op_fuser_rule_binds_only_from_018():
     p = plan({"use_transformer_engine_op_fuser": True, "swiglu": False}, release="0.17.0")
     assert p.decisions["moe_grouped_gemm"].value is True
