@@ -176,7 +176,7 @@ def _cannot_load(ctx: Context, saved: Any) -> str:
     """Why the checkpoint being resumed cannot load with grouped GEMM at its current value ("" if it can)."""
     a, now = ctx.args, is_on(ctx.values, GG)
     fmt = a.get("ckpt_format") or "torch_dist"
-    if saved is None:  # no record of the launch that saved it
+    if saved is None:  # no launch of the plugin recorded it, or one from before the MoE toggles (stock's: off)
         if fmt == "torch" and not a.get("finetune"):
             return (f"--ckpt-format torch keeps the experts' parameters by module, and the layout of the "
                     f"checkpoint in {a.get('load')} was not recorded")
@@ -198,11 +198,11 @@ def moe_grouped_gemm_checkpoint(ctx: Context) -> Iterator[Change]:
     """On resume, grouped GEMM keeps the value the checkpoint was saved with where its expert layout
     cannot load the other: the torch format (by module names), and the legacy GroupedMLP's optimizer
     state in a distributed checkpoint. A torch-format checkpoint whose layout was not recorded keeps
-    Megatron's default (off). torch_dist moves weights and optimizer state between SequentialMLP and
+    Megatron's default (off), as stock saved it. torch_dist moves weights and optimizer state between SequentialMLP and
     TEGroupedMLP, so there the choice is free."""
-    if not ctx.args.get("load") or not is_moe(ctx.args):
+    if not ctx.checkpoint or not is_moe(ctx.args):  # no checkpoint to resume (or none known)
         return
-    saved = ctx.checkpoint.get("decisions", {}).get(GG) if ctx.checkpoint else None
+    saved = ctx.checkpoint.get("decisions", {}).get(GG)  # None: its launch recorded no value
     reason = _cannot_load(ctx, saved)
     value = bool(saved) if saved is not None else False
     # Back on only where no guard above turned it off for a reason of its own (that one stands).

@@ -69,14 +69,16 @@ def loaded_iteration(args: Mapping[str, Any]) -> int | None:
 
 
 def checkpoint_writer(args: Mapping[str, Any]) -> dict[str, Any] | None:
-    """What the launch that wrote the checkpoint this run resumes recorded, or None. The history
-    lives beside ``--load`` (the run that saved there appended to it)."""
+    """What the launch that wrote the checkpoint this run resumes recorded, or None where there is
+    no checkpoint to resume. The history lives beside ``--load`` (the run that saved there appended
+    to it); a checkpoint no launch of the plugin recorded is the iteration alone (``decisions``
+    empty), so a guard can tell "nothing recorded" from "nothing to resume"."""
     loaded = loaded_iteration(args)
     if not loaded:
         return None
     writers = [e for e in _history(str(args["load"])) if int(e.get("start_iteration") or 0) < loaded]
     if not writers:
-        return None
+        return {"iteration": loaded, "load_dir": args["load"], "decisions": {}, "recorded": False}
     return {**writers[-1], "iteration": loaded, "load_dir": args["load"]}
 
 

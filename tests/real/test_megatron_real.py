@@ -30,6 +30,9 @@ GPU_TE = {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,te=2.12,cuda"}
 MFSDP_DEFER = [*BF16, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format",
                "fsdp_dtensor", "--pipeline-model-parallel-size", "2", "--defer-embedding-wgrad-compute"]
 DEFER = [*BF16, "--pipeline-model-parallel-size", "2", "--defer-embedding-wgrad-compute"]
+# A mixture-of-experts model as MoE recipes set one up; validate_args asks the GPU about grouped GEMM
+MOE = [*BF16, "--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+H100 = {"device_capability": [9, 0]}
 
 
 def _delay_wgrad_graph_argv(tree: Path) -> list[str]:
@@ -106,16 +109,35 @@ def _cases(tmp: str, tree: Path) -> list[dict]:
          "env": CAPABLE},
     ]
     cases.append({"id": "wgrad_sites", "kind": "wgrad_sites"})
+    cases += _moe_cases()
     for t in TOGGLES:
         off, on = ("native", "te") if t.kind == "choice" else ("0", "1")
-        cases.append({"id": f"env0:{t.dest}", "argv": BF16, "env": {**CAPABLE, t.env: off}})
-        cases.append({"id": f"env1:{t.dest}", "argv": BF16, "env": {**CAPABLE, t.env: on}})
-        cases.append({"id": f"envbad:{t.dest}", "argv": BF16, "env": {**CAPABLE, t.env: "perhaps"}})
+        # a MoE toggle is judged on a MoE model (TE's permutation kernels are not here: no TransformerConfig)
+        argv, extra = (MOE, {**H100, "config": False}) if t.scope == "moe" else (BF16, {})
+        cases.append({"id": f"env0:{t.dest}", "argv": argv, "env": {**CAPABLE, t.env: off}, **extra})
+        cases.append({"id": f"env1:{t.dest}", "argv": argv, "env": {**CAPABLE, t.env: on}, **extra})
+        cases.append({"id": f"envbad:{t.dest}", "argv": argv, "env": {**CAPABLE, t.env: "perhaps"}, **extra})
         cli_on = t.flag_for(True if t.kind == "bool" else "te")
         cli_off = t.flag_for(False if t.kind == "bool" else "native")
-        cases.append({"id": f"cli_on_over_env0:{t.dest}", "argv": [*BF16, *cli_on], "env": {**CAPABLE, t.env: off}})
-        cases.append({"id": f"cli_off_over_env1:{t.dest}", "argv": [*BF16, *cli_off], "env": {**CAPABLE, t.env: on}})
+        cases.append({"id": f"cli_on_over_env0:{t.dest}", "argv": [*argv, *cli_on], "env": {**CAPABLE, t.env: off},
+                      **extra})
+        cases.append({"id": f"cli_off_over_env1:{t.dest}", "argv": [*argv, *cli_off], "env": {**CAPABLE, t.env: on},
+                      **extra})
     return cases
+
+
+def _moe_cases() -> list[dict]:
+    """Issue 36: the MoE toggles on a MoE model (TransformerConfig built, the permutation left to stock,
+    whose TE kernels this machine lacks), on a dense one (asked for by the environment), and fp16 where
+    0.13 to 0.15 take grouped GEMM only under bf16."""
+    fp16 = [w for w in MOE if w != "--bf16"] + ["--fp16"]
+    return [
+        {"id": "moe", "argv": MOE, "env": {**CAPABLE, "MOE_PERMUTE_FUSION": "0"}, **H100},
+        {"id": "moe_dense", "argv": BF16, "env": {**CAPABLE, "MOE_GROUPED_GEMM": "1", "MOE_ROUTER_FUSION": "1"}},
+        {"id": "moe_fp16", "argv": fp16, "env": CAPABLE, "config": False, **H100},
+        {"id": "stock:moe_fp16_grouped_gemm", "argv": [*fp16, "--moe-grouped-gemm"], "stock": True, "config": False,
+         **H100},
+    ]
 
 
 def _resume_cases(tmp: str) -> list[dict]:
@@ -338,7 +360,8 @@ def test_cli_overrides_env_both_directions(tree, t):
     r_off = ok(by_id[f"cli_off_over_env1:{t.dest}"])
     assert r_off["values"][t.dest] == off and r_off["perf_toggles"][t.dest]["source"] == "cli"
     r_on = by_id[f"cli_on_over_env0:{t.dest}"]
-    unhonourable = t.dest == "fused_single_qkv_rope" and version < (0, 15)
+    unhonourable = (t.dest == "fused_single_qkv_rope" and version < (0, 15)) or (
+        t.dest == "moe_router_fusion" and version < (0, 14))  # no TransformerConfig field there
     if unhonourable:  # refused with one clear line, not crashed later
         assert r_on.get("exit") == 2 and f"{t.flag} " in r_on["stderr"] and "Traceback" not in r_on["stderr"]
         return
@@ -434,3 +457,37 @@ def test_explicit_fp32_accumulation_survives_validation(tree):
     assert r["values"]["accumulate_allreduce_grads_in_fp32"] is True
     assert (r["perf_toggles"]["grad_reduce_in_bf16"]["value"], r["perf_toggles"]["grad_reduce_in_bf16"]["source"]) \
         == (False, "guard")
+
+
+# --- mixture-of-experts toggles (issue 36) ---------------------------------------------------------
+
+
+def test_moe_toggles_reach_the_transformer_config(tree):
+    _path, version, by_id = tree
+    r = ok(by_id["moe"])
+    pt, cfg = r["perf_toggles"], r["config_moe"]
+    assert pt["moe_grouped_gemm"]["source"] == "default" and cfg["moe_grouped_gemm"] is True
+    assert pt["moe_permute_fusion"]["source"] == "env" and cfg["moe_permute_fusion"] is False
+    if version >= (0, 14):  # the field exists from core 0.14
+        assert pt["moe_router_fusion"]["source"] == "default" and cfg["moe_router_fusion"] is True
+    else:
+        assert pt["moe_router_fusion"]["source"] == "guard" and r["values"]["moe_router_fusion"] is False
+        assert "moe_router_fusion" not in cfg or cfg["moe_router_fusion"] is None
+    assert "[perf-toggles] moe_grouped_gemm: on (default;" in r["stdout"]
+
+
+def test_a_dense_model_keeps_megatrons_moe_values_and_the_table_leaves_them_out(tree):
+    r = ok(tree[2]["moe_dense"])
+    for dest in ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion"):
+        assert r["values"][dest] is False
+    assert "moe_" not in r["stdout"]
+
+
+def test_fp16_moe_keeps_grouped_gemm_where_megatron_asserts_bf16(tree):
+    _path, version, by_id = tree
+    stock = by_id["stock:moe_fp16_grouped_gemm"]
+    asserts_bf16 = version < (0, 16)  # validate_args: grouped GEMM for MoE only under bf16, up to 0.15
+    assert ("bf16" in (stock.get("error") or "")) is asserts_bf16
+    r = ok(by_id["moe_fp16"])
+    assert r["values"]["moe_grouped_gemm"] is (not asserts_bf16)
+    assert r["perf_toggles"]["moe_grouped_gemm"]["source"] == ("guard" if asserts_bf16 else "default")

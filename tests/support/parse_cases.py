@@ -68,6 +68,11 @@ def _run_case(case: dict, api: dict) -> dict:
     saved = {name: getattr(module, name) for name in ("get_device_arch_version",) if hasattr(module, name)}
     if case.get("device_arch") is not None and "get_device_arch_version" in saved:
         module.get_device_arch_version = lambda: case["device_arch"]  # a GPU machine's answer, no GPU touched
+    import torch
+
+    real_capability = torch.cuda.get_device_capability
+    if case.get("device_capability"):  # validate_args asks it for grouped GEMM: a GPU's answer, no GPU touched
+        torch.cuda.get_device_capability = lambda device=None: tuple(case["device_capability"])
     te_swap = None
     if case.get("te_version"):
         # Answer Megatron's TE version checks as a machine with that TE would, wherever imported.
@@ -101,12 +106,15 @@ def _run_case(case: dict, api: dict) -> dict:
                 result["config_cross_entropy_fusion_impl"] = getattr(cfg, "cross_entropy_fusion_impl", None)
                 result["config_fp4_layers"] = [cfg.first_last_layers_bf16, cfg.num_layers_at_start_in_bf16,
                                                cfg.num_layers_at_end_in_bf16]
+                result["config_moe"] = {d: getattr(cfg, d, None) for d in ("moe_grouped_gemm", "moe_permute_fusion",
+                                                                          "moe_router_fusion")}
     except SystemExit as exc:
         result["exit"] = exc.code
     except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback_tail"] = traceback.format_exc().splitlines()[-3:]
     finally:
+        torch.cuda.get_device_capability = real_capability
         for name, fn in saved.items():
             setattr(module, name, fn)
         if te_swap is not None:

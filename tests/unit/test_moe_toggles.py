@@ -166,8 +166,13 @@ def test_op_fuser_rule_binds_only_from_018():
 
 
 def _resume(fmt, saved=None, **args):
-    ck = {"decisions": {"moe_grouped_gemm": saved}, "iteration": 100} if saved is not None else {}
+    # what resume.checkpoint_writer hands the plan: the writer's decisions, or none where no launch recorded them
+    ck = {"decisions": {"moe_grouped_gemm": saved} if saved is not None else {}, "iteration": 100}
     return plan({"load": "/ckpt", "ckpt_format": fmt, **args}, checkpoint=ck)
+
+
+def test_nothing_to_resume_leaves_grouped_gemm_free():
+    assert plan({"load": "/empty", "ckpt_format": "torch"}, checkpoint=None).decisions["moe_grouped_gemm"].value is True
 
 
 def test_torch_format_checkpoint_keeps_the_saved_expert_layout():
@@ -307,3 +312,15 @@ def test_a_front_end_model_is_moe_by_its_num_moe_experts():
     # a Bridge ConfigContainer's model names the expert count as TransformerConfig does
     p = plan(model={**LLAMA_ARGS, "num_moe_experts": 16, "add_bias_linear": False})
     assert [p.decisions[d].value for d in MOE] == [True, True, True]
+
+
+def test_a_checkpoint_no_launch_recorded_is_told_from_no_checkpoint(tmp_path):
+    from megatron_perf_toggles.runtime import resume
+
+    args = {**MOE_ARGS, "load": str(tmp_path), "ckpt_format": "torch"}
+    assert resume.checkpoint_writer(args) is None  # an empty --load: a fresh run
+    assert plan(args, checkpoint=resume.checkpoint_writer(args)).decisions["moe_grouped_gemm"].value is True
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("40")  # saved by stock Megatron: no history
+    writer = resume.checkpoint_writer(args)
+    assert writer is not None and writer["iteration"] == 40 and writer["decisions"] == {}
+    assert got(plan(args, checkpoint=writer), "moe_grouped_gemm") == (False, "guard")
