@@ -206,3 +206,19 @@ def test_the_options_are_in_help(capsys):
     out = capsys.readouterr().out
     for words in ("--block-seeds BASE", "--loss-window N", "--concurrent K", "each-alone"):
         assert words in out
+
+
+def test_each_run_gets_its_own_checkpoints_and_at_once_its_own_dataset_cache(tmp_path):
+    """The paths come from each arm's resolved arguments (what Megatron would save to, read from)."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    argv = ["--design", "one-at-a-time", "--toggles", TOGGLE, "--out", str(tmp_path / "out"), "--launch", FAKE,
+            "--repeats", "1", "--concurrent", "2", "--iters", "4", "--warmup", "1", str(script), "--", "--save", "/ck"]
+    resolver = lambda script, args, arm, environ, world=None: _record(arm, save="/ck", data_path=["/corpus"])  # noqa: E731
+    assert ablate.main(argv, resolver=resolver) == 0
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    for run in runs:
+        cmd, here = run["command"], str(tmp_path / "out" / "runs" / "block01")
+        assert cmd.count("--save") == 1 and cmd[cmd.index("--save") + 1].startswith(here)
+        assert cmd[cmd.index("--data-cache-path") + 1].startswith(here)
+    assert len({r["command"][r["command"].index("--data-cache-path") + 1] for r in runs}) == 2

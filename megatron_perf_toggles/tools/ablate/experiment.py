@@ -84,7 +84,7 @@ class Experiment:
 
     def _run(self, arm: Arm, block: int) -> runs.Run:
         return runs.make_run(self.out, arm, block, self.spec.launch, self.spec.script, self.args_of(block),
-                             self.record_of(arm), together=self.together)
+                             self.record_of(arm).get("effective_args", {}), together=self.together)
 
     def args_of(self, block: int) -> list[str]:
         """Block ``block``'s Megatron arguments: with --block-seeds, its own --seed (the warm-up run, block -1,
