@@ -58,3 +58,19 @@ def test_smoke_runs_the_speed_presets_with_intervals_memory_and_each_arm_s_comma
             argv = command["argv"]
             assert argv[argv.index("--num-experts") + 1] == experts and "env" in command, name
         assert all(r["summary"]["memory_mb"]["max_allocated"] for r in data["runs"])
+
+
+@pytest.mark.real_megatron
+@pytest.mark.own_process
+def test_the_report_reads_the_smoke_results(smoke, tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import report_moe
+
+    out, _ = smoke
+    adds = [w for part in ("loss", "speed-a", "speed-b") for w in ("--add", f"{part}={out / part}")]
+    assert report_moe.main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "docs"), *adds]) == 0
+    md = (tmp_path / "docs" / "moe_h200.md").read_text()
+    assert "## Loss" in md and "## Speed: speed-a" in md and "## Speed: speed-b" in md and "## Peak memory" in md
+    assert "Seed-to-seed band (stock's spread across seeds): 0.0100" in md  # seeds 1234 and 1235: 0.04, 0.05
+    assert md.count("within the seed-to-seed band") == 4 and md.count("no detectable difference") == 8
+    assert str(out) not in (tmp_path / "raw" / "loss.json").read_text()
