@@ -33,9 +33,10 @@ def full_caps(**overrides) -> Capabilities:
     """A machine that can honour every toggle (TE with both kernels, APEX), on a Megatron like main."""
     megatron = overrides.pop("megatron", MegatronFacts(
         version="0.20.0", fused_single_qkv_rope_field=True, asserts_te_cross_entropy=False,
-        asserts_ddp_average_with_gtp=True,
+        asserts_ddp_average_with_gtp=True, moe_router_fusion_field=True,
     ))
     base = dict(te_version="2.20.2", te_fused_qkv_rope=True, te_cross_entropy=True, apex_fused_wgrad=True,
+                te_grouped_linear=True, te_fused_permute=True, te_fused_router=True,
                 device="cuda", megatron=megatron)
     base.update(overrides)
     return Capabilities(**base)
@@ -44,6 +45,9 @@ def full_caps(**overrides) -> Capabilities:
 # What the decision tests look at of the one Llama-3-8B definition (the one explain plans for).
 LLAMA_ARGS = llama3_8b_args("bf16", "position_embedding_type", "num_layers", "pipeline_model_parallel_size",
                             "optimizer", "lr", "adam_eps")
+# The same model as a mixture of experts, as MoE recipes set it up (no bias in the linear layers): every
+# MoE toggle applies and no guard has a reason to act.
+MOE_ARGS = {**LLAMA_ARGS, "num_experts": 8, "moe_router_topk": 2, "add_bias_linear": False}
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,8 @@
 
 No Megatron, torch or environment access happens here, so every rule can be unit-tested in
 milliseconds. Read top to bottom: base resolution (cli > env > profile > plugin default), then
-the FP4 layer selection, then the guards in order, then advice.
+the toggles that do not apply to this model (MoE ones on a dense model: Megatron's own value), the
+FP4 layer selection, then the guards in order, then advice.
 
 A profile value (``core.profile``) is treated by the guards exactly as an environment value: a
 guard that cannot honour it changes it, with the reason and a warning that a requested value was
@@ -27,7 +28,7 @@ from .guard_base import Guard, Need, guard, lacking
 from .guards import GUARDS, NEEDS
 from .plan import Change, Context, Decision, Message, Plan
 from .precision import log_dir_warnings, precision_tag, tagged_log_dirs
-from .registry import TOGGLES
+from .registry import BY_DEST, TOGGLES
 from .resolve import Resolution, base_decision, requested
 
 if TYPE_CHECKING:  # the profile module loads only when a profile is set (import time)
@@ -38,6 +39,18 @@ __all__ = ["FP4_LAYER_DESTS", "FP4_RECIPE_SELECTION", "GUARDS", "MEGATRON_FP4_LA
            "requested"]
 
 ADAM_EPS_ADVICE = (5e-4, 1e-6)  # (lr at or above, eps below)
+NOT_MOE = "not a mixture-of-experts model (--num-experts is not set): Megatron's own value stands"
+
+
+def _not_applicable(args: Mapping[str, Any], decisions: dict[str, Decision], stock: Mapping[str, Any]) -> tuple[str, ...]:
+    """The toggles that mean nothing for this model (``Toggle.applies``): each keeps Megatron's own
+    value (its default, or what the command line or the configuration set), whatever the
+    environment, a profile or the plugin default asked, so no guard has anything to do with it."""
+    out = tuple(t.dest for t in TOGGLES if not t.applies(args))
+    for dest in out:
+        if decisions[dest].source not in ("cli", "config"):
+            decisions[dest] = Decision(stock.get(dest, BY_DEST[dest].stock_default), "default", NOT_MOE)
+    return out
 
 
 def _advice(args: Mapping[str, Any]) -> list[Message]:
@@ -89,6 +102,7 @@ def decide(
     """
     stock = stock or {}
     decisions = {t.dest: base_decision(t.dest, explicit, env, stock, profile, preset) for t in TOGGLES}
+    not_applicable = _not_applicable(args, decisions, stock)
     fp4_decisions, messages = fp4_selection(args, explicit, env, stock, preset)
     decisions.update(fp4_decisions)
     resolution = Resolution(decisions, env, caps)
@@ -119,4 +133,4 @@ def decide(
     wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else (
         "fallback" if caps.wgrad_fallback and env.wgrad_fallback else "missing"))
     return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages, wgrad_path=wgrad_path,
-                profile=profile_record, memory=memory.to_record())
+                profile=profile_record, memory=memory.to_record(), not_applicable=not_applicable)

@@ -15,7 +15,7 @@ from ..errors import AssumeError
 from .megatron_rules import BY_ID
 from .registry import BY_CAPABILITY, Capability
 
-ASSUME_NAMES = ("apex", "aiter", "rocm", "cuda", "te=VERSION", "none")
+ASSUME_NAMES = ("apex", "aiter", "grouped_gemm", "rocm", "cuda", "te=VERSION", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,7 @@ class MegatronFacts:
     # A rule's fact (``MegatronRule.fact``): whether this Megatron carries that rule, as its rules say
     # where they were read (``__post_init__``), else as stated (a record made by hand); None: not known.
     fused_single_qkv_rope_field: bool | None = None
+    moe_router_fusion_field: bool | None = None
     asserts_te_cross_entropy: bool | None = None
     asserts_ddp_average_with_gtp: bool | None = None
     has_parse_and_validate_args: bool | None = None
@@ -167,8 +168,8 @@ def parse_assume(spec: str) -> dict[str, Any]:
             continue
         name, _, value = item.partition("=")
         name = name.strip().lower()
-        if name == "apex" and not value:
-            out.update({c.name: True for c in _stored("apex")})
+        if name in ("apex", "grouped_gemm") and not value:
+            out.update({c.name: True for c in _stored(name)})
         elif name == "aiter" and not value:
             out["aiter_version"] = "assumed"
         elif name in ("rocm", "cuda") and not value:

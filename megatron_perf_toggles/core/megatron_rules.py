@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from .megatron_rule import MegatronRule, Stage
 from .megatron_rules_allocator import ALLOCATOR_RULES
+from .megatron_rules_moe import MOE_RULES
 
-__all__ = ["ALLOCATOR_RULES", "BY_ID", "RULES", "SUPPORTED", "MegatronRule", "Stage", "rules_table"]
+__all__ = ["ALLOCATOR_RULES", "BY_ID", "MOE_RULES", "RULES", "SUPPORTED", "MegatronRule", "Stage", "rules_table"]
 
 TOGGLE_RULES: tuple[MegatronRule, ...] = (
     MegatronRule(
@@ -349,8 +350,9 @@ TOGGLE_RULES: tuple[MegatronRule, ...] = (
 
 )
 
-# With the rules about the allocator setting, which the memory plan may list at launch (no toggle).
-RULES: tuple[MegatronRule, ...] = TOGGLE_RULES + ALLOCATOR_RULES
+# With the MoE toggles' rules (their own module), and the rules about the allocator setting, which the
+# memory plan may list at launch (no toggle).
+RULES: tuple[MegatronRule, ...] = TOGGLE_RULES + MOE_RULES + ALLOCATOR_RULES
 BY_ID: dict[str, MegatronRule] = {r.id: r for r in RULES}
 
 

@@ -238,6 +238,8 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
     implementation) plus the implementation (where stock fuses too). None: not modelled."""
     if dest in ZERO_TERMS:
         return 0.0
+    if dest.startswith("moe_") and bool(values.get(dest)) == bool(stock.get(dest)):
+        return 0.0  # a MoE toggle at Megatron's own value (always so on a dense model) changes nothing
     if dest == "gradient_accumulation_fusion":
         now, before = bool(values.get(dest)), bool(stock.get(dest))
         if now == before:

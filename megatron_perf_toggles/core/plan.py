@@ -48,9 +48,16 @@ class Plan:
     wgrad_path: str = "off"  # apex | fallback | off: who computes fused weight gradients
     profile: dict[str, Any] | None = None  # the profile in use and how its environment compares (the record)
     memory: dict[str, Any] | None = None  # each decision's peak-memory change and stock's peak (memory_guard)
+    # Toggles that mean nothing for this model (the MoE ones on a dense model): Megatron's own value
+    # stands, the records keep it, and the tables people read leave it out.
+    not_applicable: tuple[str, ...] = ()
 
     def values(self) -> dict[str, Any]:
         return {dest: d.value for dest, d in self.decisions.items()}
+
+    def shown(self) -> dict[str, Decision]:
+        """The decisions a table shows: those that apply to this model."""
+        return {dest: d for dest, d in self.decisions.items() if dest not in self.not_applicable}
 
 
 @dataclass(slots=True)

@@ -6,10 +6,9 @@ provenance schema are all derived from these records.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
-
-from ..errors import RegistryError
+from typing import Any, Literal
 
 Kind = Literal["bool", "choice"]
 Bucket = Literal["gpt", "extra"]
@@ -31,8 +30,21 @@ GROUPS: dict[str, Group] = {
         Group("mixed_precision", ("mixed precision",), "gpt"),
         Group("distributed", ("distributed init", "distributed"), "extra"),
         Group("training", ("training",), "extra"),
+        # Megatron's parser keeps the MoE flags in its "moe" group up to core 0.15; from 0.16 the
+        # TransformerConfig fields become flags in "transformer configuration" (anchors find them).
+        Group("moe", ("moe",), "gpt"),
     )
 }
+
+Scope = Literal["all", "moe"]
+
+
+def is_moe(args: Mapping[str, Any]) -> bool:
+    """A mixture-of-experts model: ``--num-experts`` (TransformerConfig's ``num_moe_experts``, as a
+    configuration front end names it) is set above zero."""
+    experts = args.get("num_experts") or args.get("num_moe_experts") or 0
+    return isinstance(experts, int) and not isinstance(experts, bool) and experts > 0
+
 
 @dataclass(frozen=True, slots=True)
 class Capability:
@@ -48,7 +60,8 @@ class Capability:
       ``probe:NAME``          a probe of its own in ``runtime.capabilities.PROBES``;
       ``megatron:FIELD``      the ``MegatronFacts`` field of the Megatron at hand (not stored).
     ``assumed``, how ``MEGATRON_PERF_TOGGLES_ASSUME`` (and so a planned stack) sets it:
-      ``apex`` (the ``apex`` entry), ``gpu`` (a ``cuda`` or ``rocm`` entry), ``te>=X.Y`` (a
+      ``apex`` (the ``apex`` entry), ``grouped_gemm`` (the ``grouped_gemm`` entry), ``gpu`` (a ``cuda``
+      or ``rocm`` entry), ``te>=X.Y`` (a
       ``te=VERSION`` entry at least that recent), ``megatron`` (the Megatron planned for answers it).
     ``note``: why it is missing, as ``explain`` and a guard's reason say it (``{te_version}`` filled in).
     """
@@ -82,6 +95,20 @@ CAPABILITY_RECORDS: tuple[Capability, ...] = (
                "te>=2.0", "TE {te_version} has no parallel cross-entropy kernel"),
     Capability("megatron_fused_single_qkv_rope_field", "megatron:fused_single_qkv_rope_field", "megatron",
                "this Megatron's TransformerConfig has no fused_single_qkv_rope field"),
+    # MoE: Megatron's TEGroupedMLP needs TE's GroupedLinear (Megatron builds it from TE 1.9); the fused
+    # permutation it imports from TE >= 2.1; the fused router kernels it imports only from TE 2.7.
+    Capability("te_grouped_linear", "import:transformer_engine.pytorch:GroupedLinear",
+               "te>=1.9", "TE {te_version} has no GroupedLinear for grouped-GEMM experts"),
+    Capability("te_fused_permute", "import:transformer_engine.pytorch.permutation:moe_sort_chunks_by_index_with_probs",
+               "te>=2.1", "TE {te_version} has no fused MoE permutation kernels"),
+    Capability("te_fused_router", "import:transformer_engine.pytorch.router:fused_topk_with_score_function",
+               "te>=2.7", "TE {te_version} has no fused MoE router kernels"),
+    # The legacy GroupedMLP (Megatron's local spec, --moe-use-legacy-grouped-gemm, up to core 0.16) runs
+    # on the separate grouped_gemm package, which no current stack installs.
+    Capability("grouped_gemm_package", "installed:grouped_gemm", "grouped_gemm",
+               "the grouped_gemm package (for Megatron's legacy GroupedMLP) is not installed"),
+    Capability("megatron_moe_router_fusion_field", "megatron:moe_router_fusion_field", "megatron",
+               "this Megatron's TransformerConfig has no moe_router_fusion field"),
 )
 BY_CAPABILITY: dict[str, Capability] = {c.name: c for c in CAPABILITY_RECORDS}
 CAPABILITIES = tuple(BY_CAPABILITY)  # the names, in declaration order
@@ -127,12 +154,18 @@ class Toggle:
     needs: tuple[str, ...] = ()  # capability names from CAPABILITIES
     anchors: tuple[str, ...] = ()  # Megatron flags whose group a new flag should join, in order
     bucket: Bucket | None = None  # launch-script bucket, where the originating scripts differ from the group's
+    scope: Scope = "all"  # the models it applies to: "moe" only where --num-experts is set (is_moe)
 
     def __post_init__(self) -> None:
         if not self.flag:
             object.__setattr__(self, "flag", flag_of(self.dest))
         if not self.off_flag and self.kind == "bool":
             object.__setattr__(self, "off_flag", flag_of("no_" + self.dest))
+
+    def applies(self, args: Mapping[str, Any]) -> bool:
+        """Whether the toggle means anything for the model ``args`` describe (elsewhere Megatron's own
+        value stands and the tables leave it out)."""
+        return self.scope == "all" or is_moe(args)
 
     @property
     def script_bucket(self) -> Bucket:
@@ -233,6 +266,45 @@ TOGGLES: tuple[Toggle, ...] = (
         anchors=("--fused-single-qkv-rope", "--qk-layernorm", "--no-rope-fusion"),
         help="Apply RoPE to the packed QKV tensor in one TE kernel, with no split and concat.",
     ),
+    Toggle(
+        dest="moe_grouped_gemm",
+        env="MOE_GROUPED_GEMM",
+        title="MoE grouped GEMM",
+        kind="bool",
+        default=True,
+        group="moe",
+        scope="moe",
+        needs=("te_grouped_linear",),
+        anchors=("--moe-grouped-gemm", "--moe-token-dispatcher-type"),
+        help="Run a rank's local experts as one grouped GEMM (TE's GroupedLinear) instead of one GEMM "
+        "per expert (MoE models only).",
+    ),
+    Toggle(
+        dest="moe_permute_fusion",
+        env="MOE_PERMUTE_FUSION",
+        title="MoE permute fusion",
+        kind="bool",
+        default=True,
+        group="moe",
+        scope="moe",
+        needs=("te_fused_permute",),
+        anchors=("--moe-permute-fusion", "--moe-grouped-gemm", "--moe-token-dispatcher-type"),
+        help="Fuse the token permutation and unpermutation around the experts into TE kernels "
+        "(MoE models only).",
+    ),
+    Toggle(
+        dest="moe_router_fusion",
+        env="MOE_ROUTER_FUSION",
+        title="MoE router fusion",
+        kind="bool",
+        default=True,
+        group="moe",
+        scope="moe",
+        needs=("megatron_moe_router_fusion_field", "te_fused_router"),
+        anchors=("--moe-router-fusion", "--moe-permute-fusion", "--moe-grouped-gemm"),
+        help="Fuse the router's top-k, score function and aux-loss scores into TE kernels "
+        "(MoE models only).",
+    ),
 )
 
 SETTINGS: tuple[Setting, ...] = (
@@ -245,7 +317,7 @@ SETTINGS: tuple[Setting, ...] = (
             "0 leaves --tensorboard-dir and --wandb-save-dir untagged.",
             field="tag_log_dir"),
     Setting("MEGATRON_PERF_TOGGLES_ASSUME", "text", "",
-            "Plan for another machine: comma list of apex, aiter, rocm, cuda, te=VERSION, none. "
+            "Plan for another machine: comma list of apex, aiter, grouped_gemm, rocm, cuda, te=VERSION, none. "
             "Replaces detection of those packages; a plan for another machine starts from its planned stack "
             "and this replaces what it names.",
             field="assume"),
@@ -299,61 +371,9 @@ BOOL_FALSE = ("0", "false", "no", "off")
 BOOL_ACCEPTED = "1/0, true/false, yes/no, on/off (any case), or unset for the default"
 
 def _validate() -> None:
-    seen_dest: set[str] = set()
-    seen_env: set[str] = set()
-    seen_flags: set[str] = set()
-    for t in TOGGLES:
-        where = f"toggle {t.dest!r}"
-        if t.dest in seen_dest or t.env in seen_env:
-            raise RegistryError(f"{where}: duplicate dest or env var")
-        seen_dest.add(t.dest)
-        seen_env.add(t.env)
-        if t.group not in GROUPS:
-            raise RegistryError(f"{where}: unknown group {t.group!r}")
-        for need in t.needs:
-            if need not in BY_CAPABILITY:
-                raise RegistryError(f"{where}: unknown capability {need!r}")
-        if t.kind == "bool":
-            if not (isinstance(t.default, bool) and isinstance(t.stock_default, bool)):
-                raise RegistryError(f"{where}: a bool toggle needs bool defaults")
-            if not (t.flag and t.off_flag) or t.choices:
-                raise RegistryError(f"{where}: a bool toggle needs flag and off_flag, no choices")
-        else:
-            if t.default not in t.choices or t.stock_default not in t.choices or t.off_flag:
-                raise RegistryError(f"{where}: choice defaults must be among its choices")
-        for f in t.flags:
-            if not f.startswith("--") or f in seen_flags:
-                raise RegistryError(f"{where}: flag {f!r} is malformed or declared twice")
-            seen_flags.add(f)
-        if not t.help or "\n" in t.help:
-            raise RegistryError(f"{where}: help must be one line")
-    _validate_capabilities()
-    fields: set[str] = set()
-    for s in SETTINGS:
-        if s.env in seen_env or s.field in fields:
-            raise RegistryError(f"setting {s.env!r}: env var or field declared twice")
-        seen_env.add(s.env)
-        fields.add(s.field)
+    from .registry_check import validate  # the checks live apart; the declarations stay here
 
-
-_DETECTED = ("import:", "installed:", "probe:", "megatron:")
-_ASSUMED = ("apex", "gpu", "megatron")
-
-
-def _validate_capabilities() -> None:
-    names = [c.name for c in CAPABILITY_RECORDS]
-    if len(set(names)) != len(names):
-        raise RegistryError("a capability is declared twice")
-    for c in CAPABILITY_RECORDS:
-        where = f"capability {c.name!r}"
-        if not c.detected.startswith(_DETECTED) or (c.detected.startswith("import:") and c.detected.count(":") != 2):
-            raise RegistryError(f"{where}: detected must be one of {', '.join(d + '...' for d in _DETECTED)}")
-        if c.assumed not in _ASSUMED and not (c.assumed.startswith("te>=") and c.assumed[4:].replace(".", "").isdigit()):
-            raise RegistryError(f"{where}: assumed must be apex, gpu, megatron or te>=X.Y")
-        if (c.assumed == "megatron") != (not c.stored):
-            raise RegistryError(f"{where}: a Megatron fact is detected and assumed as one (megatron:FIELD, megatron)")
-        if not c.note or "\n" in c.note:
-            raise RegistryError(f"{where}: the note must be one line")
+    validate(TOGGLES, SETTINGS, GROUPS, BY_CAPABILITY, CAPABILITY_RECORDS)
 
 
 _validate()

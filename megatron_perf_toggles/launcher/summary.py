@@ -56,7 +56,7 @@ def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None,
     else:
         out.append("decisions (final, after Megatron's validate_args):")
         rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", _cut(d.reason)]
-                for dest, d in plan.decisions.items()]
+                for dest, d in plan.shown().items()]
         out.extend("  " + line for line in _table(rows, ["toggle", "value", "source", "peak memory", "reason"]))
         out.append(f"  precision tag: {plan.precision}; fused wgrad: {WGRAD_WORDS.get(plan.wgrad_path, plan.wgrad_path)}")
         if plan.memory is not None:

@@ -46,7 +46,7 @@ def memory_words(plan: Plan, dest: str) -> str:
 
 def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
     out = []
-    for dest, d in plan.decisions.items():
+    for dest, d in plan.shown().items():  # what applies to this model (no MoE toggle on a dense one)
         memory = memory_words(plan, dest)
         out.append(f"{PREFIX} {dest}: {format_value(d.value)} ({d.source}; {d.reason}{'; ' + memory if memory else ''})")
     if plan.memory is not None:

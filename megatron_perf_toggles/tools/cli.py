@@ -251,8 +251,11 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     _explain_header(ns, caps, label, target, profile, width, megatron_source, bool(front))
     print()
     rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", d.reason]
-            for dest, d in plan.decisions.items()]
+            for dest, d in plan.shown().items()]
     print(_table(rows, ["toggle", "value", "source", "peak memory", "reason"], width))
+    if ns.verbose and plan.not_applicable:  # the MoE toggles on a dense model: one line, nothing more
+        _say(f"MoE toggles: not a mixture-of-experts model ({', '.join(plan.not_applicable)} left as Megatron's)",
+             width)
     if plan.memory is not None:
         from ..core.memory_guard import summary
 

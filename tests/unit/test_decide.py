@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import LLAMA_ARGS, full_caps
+from conftest import LLAMA_ARGS, MOE_ARGS, full_caps
 
 from megatron_perf_toggles.core.decide import decide
 from megatron_perf_toggles.core.facts import MegatronFacts, with_assumptions
@@ -21,7 +21,7 @@ def run(args=None, explicit=None, env_settings=None, caps=None, stock=None):
 
 
 def test_plugin_defaults_on_a_capable_machine():
-    plan = run()
+    plan = run(MOE_ARGS)  # a MoE model, so that every toggle applies
     for t in TOGGLES:
         d = plan.decisions[t.dest]
         assert (d.value, d.source) == (t.default, "default"), t.dest
@@ -32,12 +32,13 @@ def test_plugin_defaults_on_a_capable_machine():
 def test_precedence_cli_over_env_over_default(t, env):
     off = False if t.kind == "bool" else "native"
     on = True if t.kind == "bool" else "te"
-    from_env = run(env_settings=env(**{t.env: off if t.kind == "choice" else 0})).decisions[t.dest]
+    model = MOE_ARGS if t.scope == "moe" else None
+    from_env = run(model, env_settings=env(**{t.env: off if t.kind == "choice" else 0})).decisions[t.dest]
     assert (from_env.value, from_env.source) == (off, "env")
     assert t.env in from_env.reason
-    from_cli = run(explicit={t.dest: on}, env_settings=env(**{t.env: off if t.kind == "choice" else 0}))
+    from_cli = run(model, explicit={t.dest: on}, env_settings=env(**{t.env: off if t.kind == "choice" else 0}))
     assert (from_cli.decisions[t.dest].value, from_cli.decisions[t.dest].source) == (on, "cli")
-    cli_off = run(explicit={t.dest: off}).decisions[t.dest]
+    cli_off = run(model, explicit={t.dest: off}).decisions[t.dest]
     assert (cli_off.value, cli_off.source) == (off, "cli")
 
 

@@ -44,7 +44,8 @@ def test_every_declared_capability_is_answered_recorded_and_assumed(cap: registr
     assert getattr(Capabilities(), cap.name) is False and getattr(Capabilities(**{cap.name: True}), cap.name) is True
     assert cap.name in Capabilities(**{cap.name: True}).to_record()
     assert parse_assume("none")[cap.name] is False
-    entry = {"apex": "apex", "gpu": "cuda"}.get(cap.assumed) or f"te={'.'.join(map(str, cap.te_minimum or ()))}"
+    by_name = {"apex": "apex", "gpu": "cuda", "grouped_gemm": "grouped_gemm"}
+    entry = by_name.get(cap.assumed) or f"te={'.'.join(map(str, cap.te_minimum or ()))}"
     assert parse_assume(entry)[cap.name] is True
 
 

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from conftest import LLAMA_ARGS, REPO, full_caps
+from conftest import LLAMA_ARGS, MOE_ARGS, REPO, full_caps
 from sandbox import clean_environ
 
 from megatron_perf_toggles.core.decide import decide
@@ -183,14 +183,15 @@ def test_precedence_cli_over_env_over_profile_over_default(t):
     other = (not t.default) if t.kind == "bool" else next(c for c in t.choices if c != t.default)
     env_word = str(t.default).lower() if t.kind == "choice" else str(int(t.default))
     profile = replace(sample(**{t.dest: other}), source="p.json")
-    caps = full_caps(megatron=replace(full_caps().megatron, rules=("fqr_field",)))  # the field; no rule in the way
+    caps = full_caps(megatron=replace(full_caps().megatron, rules=("fqr_field", "moe_rf_field")))  # the fields; no rule in the way
+    model = MOE_ARGS if t.scope == "moe" else None  # a MoE toggle applies to a MoE model only
 
     def got(**kw):
-        d = plan_with(profile, caps=caps, **kw).decisions[t.dest]
+        d = plan_with(profile, caps=caps, args=model, **kw).decisions[t.dest]
         return d.value, d.source
 
     assert got() == (other, "profile")
-    assert plan_with(profile, caps=caps).decisions[t.dest].reason.startswith("profile p.json: x1.036")
+    assert plan_with(profile, caps=caps, args=model).decisions[t.dest].reason.startswith("profile p.json: x1.036")
     assert got(environ={t.env: env_word}) == (t.default, "env")
     assert got(environ={t.env: env_word}, explicit={t.dest: other}) == (other, "cli")
     assert plan_with(None, caps=caps).decisions[t.dest].source == "default"

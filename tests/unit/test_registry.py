@@ -20,12 +20,27 @@ SPEC = {
                                   ("--cross-entropy-loss-fusion", "--no-cross-entropy-loss-fusion")),
     "CROSS_ENTROPY_FUSION_IMPL": ("cross_entropy_fusion_impl", "te", ("--cross-entropy-fusion-impl",)),
     "FUSED_SINGLE_QKV_ROPE": ("fused_single_qkv_rope", True, ("--fused-single-qkv-rope", "--no-fused-single-qkv-rope")),
+    # issue 36: the mixture-of-experts toggles, on by default (for MoE models only)
+    "MOE_GROUPED_GEMM": ("moe_grouped_gemm", True, ("--moe-grouped-gemm", "--no-moe-grouped-gemm")),
+    "MOE_PERMUTE_FUSION": ("moe_permute_fusion", True, ("--moe-permute-fusion", "--no-moe-permute-fusion")),
+    "MOE_ROUTER_FUSION": ("moe_router_fusion", True, ("--moe-router-fusion", "--no-moe-router-fusion")),
 }
+MOE_DESTS = {"moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion"}
 
 
 def test_registry_matches_spec_table():
     got = {t.env: (t.dest, t.default, t.flags) for t in registry.TOGGLES}
     assert got == SPEC
+
+
+def test_moe_toggles_apply_to_moe_models_only():
+    assert {t.dest for t in registry.TOGGLES if t.scope == "moe"} == MOE_DESTS
+    for dest in MOE_DESTS:
+        toggle = registry.BY_DEST[dest]
+        assert toggle.group == "moe"
+        assert toggle.applies({"num_experts": 8}) and toggle.applies({"num_moe_experts": 2})
+        assert not any(toggle.applies(a) for a in ({}, {"num_experts": None}, {"num_experts": 0}, {"num_experts": True}))
+    assert registry.BY_DEST["grad_reduce_in_bf16"].applies({})
 
 
 def test_choice_toggle_accepts_te_and_native():

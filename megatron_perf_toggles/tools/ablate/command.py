@@ -20,7 +20,7 @@ from typing import Any
 from ...errors import PerfTogglesError, fail
 from .argv import repeated_flags
 from .confounds import dry_run_world, planned_for, resolve_arm
-from .design import DEFAULT_TOGGLES, DESIGNS, OTHERS, Arm, expand, parse_candidates, parse_toggles, parse_vary
+from .design import DESIGNS, OTHERS, Arm, expand, parse_candidates, parse_toggles, parse_vary
 from .experiment import Experiment, say
 from .runs import check_launcher, check_out
 from .spec import POSITIONALS, SHARED, ExperimentSpec
@@ -94,14 +94,15 @@ def design_arms(ns: argparse.Namespace, spec: ExperimentSpec) -> list[Arm]:
     """The design's arms; a toggle a guard turns off for this model can be on in no arm, so it is
     left out before any dry run (the candidates design names no toggles)."""
     dests, flags = _known_args()
-    toggles = parse_toggles(spec.toggles)
+    toggles = parse_toggles(spec.toggles, spec.megatron_args)
     rest: tuple[str, ...] | None = None
     if ns.design != "candidates":
         from .guarded import leave_out
 
         # each-alone's defaults arm turns on the toggles not named too: those a guard turns off are
         # left out of it as well (pinned off in every arm)
-        named = DEFAULT_TOGGLES if ns.design == "each-alone" else toggles
+        named = (tuple(dict.fromkeys((*toggles, *parse_toggles(None, spec.megatron_args))))
+                 if ns.design == "each-alone" else toggles)
         kept = leave_out(named, spec.script, spec.megatron_args, dry_run_world(spec.launch, spec.world_size),
                          say=lambda line: print(line, file=sys.stderr, flush=True))
         rest = tuple(d for d in kept if d not in toggles)

@@ -18,7 +18,27 @@ from ...errors import PerfTogglesError
 
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline", "candidates", "each-alone")
 OTHERS = ("inherit", "off", "on")
-DEFAULT_TOGGLES = tuple(t.dest for t in TOGGLES if t.kind == "bool")
+ALL_TOGGLES = tuple(t.dest for t in TOGGLES if t.kind == "bool")  # every on/off toggle --toggles may name
+# The default for a dense model: the toggles that apply to every model. A mixture-of-experts run
+# (--num-experts set) adds the MoE toggles (default_toggles), so dense experiments stay as they were.
+DEFAULT_TOGGLES = tuple(d for d in ALL_TOGGLES if BY_DEST[d].scope == "all")
+
+
+def _num_experts(megatron_args: Sequence[str]) -> int:
+    """``--num-experts N`` (or ``--num-experts=N``) among Megatron's arguments, else 0."""
+    words = list(megatron_args)
+    for i, word in enumerate(words):
+        name, eq, value = str(word).partition("=")
+        if name == "--num-experts":
+            text = value if eq else (words[i + 1] if i + 1 < len(words) else "")
+            return int(text) if text.isdigit() else 0
+    return 0
+
+
+def default_toggles(megatron_args: Sequence[str] = ()) -> tuple[str, ...]:
+    """The on/off toggles that apply to the model these Megatron arguments describe."""
+    args = {"num_experts": _num_experts(megatron_args)}
+    return tuple(d for d in ALL_TOGGLES if BY_DEST[d].applies(args))
 
 
 class DesignError(PerfTogglesError):
@@ -117,15 +137,16 @@ def _refused_env(name: str) -> str | None:
     return None
 
 
-def parse_toggles(text: str | None) -> tuple[str, ...]:
+def parse_toggles(text: str | None, megatron_args: Sequence[str] = ()) -> tuple[str, ...]:
+    """``--toggles``; without it, the toggles that apply to the model ``megatron_args`` describe."""
     if not text:
-        return DEFAULT_TOGGLES
+        return default_toggles(megatron_args)
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     if not names:
-        raise DesignError("--toggles is empty", f"choose from: {', '.join(DEFAULT_TOGGLES)}")
+        raise DesignError("--toggles is empty", f"choose from: {', '.join(ALL_TOGGLES)}")
     for n in names:
-        if n not in DEFAULT_TOGGLES:
-            raise DesignError(f"--toggles: unknown toggle {n!r}", f"choose from: {', '.join(DEFAULT_TOGGLES)}")
+        if n not in ALL_TOGGLES:
+            raise DesignError(f"--toggles: unknown toggle {n!r}", f"choose from: {', '.join(ALL_TOGGLES)}")
     if len(set(names)) != len(names):
         raise DesignError("--toggles names a toggle twice")
     return names
@@ -144,7 +165,7 @@ def parse_vary(items: list[str] | None, known_args: set[str] | None = None) -> l
             raise DesignError(f"--vary {name}: on/off toggles take part through --toggles, not --vary")
         if name not in BY_DEST and known_args is not None and name not in known_args:
             raise DesignError(f"--vary {item!r}: unknown name {name!r}: neither a toggle nor a Megatron argument",
-                              f"toggles: {', '.join(DEFAULT_TOGGLES)}")
+                              f"toggles: {', '.join(ALL_TOGGLES)}")
         if len(set(vals)) != len(vals):
             raise DesignError(f"--vary {item!r}: a value is listed twice")
         out.append(Vary(name, vals))
@@ -264,7 +285,9 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str 
     if len(arms) < 2 or (not toggles and design in ("headline", "one-at-a-time", "leave-one-out", "each-alone")):
         raise DesignError(f"design {design!r} with these toggles gives {len(arms)} arm(s); nothing to compare")
     if others != "inherit":
-        pinned = {d: others == "on" for d in DEFAULT_TOGGLES if d not in toggles and d not in (rest or ())}
+        moe = any(BY_DEST[d].scope == "moe" for d in toggles)  # a MoE experiment pins the other MoE toggles too
+        pinnable = ALL_TOGGLES if moe else DEFAULT_TOGGLES
+        pinned = {d: others == "on" for d in pinnable if d not in toggles and d not in (rest or ())}
         for arm in arms:
             arm.fixed = dict(pinned)
     return arms

@@ -209,7 +209,7 @@ def confirm(setup: Setup, choices: Mapping[str, Choice], pins: Mapping[str, bool
 
 def taking_part(setup: Setup) -> tuple[tuple[str, ...], dict[str, str], dict[str, bool]]:
     """The toggles that take part, those a guard keeps off here (with why), and the pins."""
-    toggles = parse_toggles(setup.spec.toggles)
+    toggles = parse_toggles(setup.spec.toggles, setup.spec.megatron_args)
     say(f"dry runs plan for {setup.planned}")
     excluded, pins = defaults_dry_run(setup, toggles)
     for dest, why in excluded.items():

@@ -1,0 +1,261 @@
+"""The guards of the mixture-of-experts toggles: grouped GEMM, permute fusion and router fusion.
+
+Each answers rules of Megatron's (``megatron_rules_moe``) or of Transformer Engine's import gates,
+as Megatron checks them in the version at hand (``carries``). They act on MoE models only: on a
+dense model the decision leaves Megatron's own value before any guard runs (``decide``), so these
+toggles are off here and no guard below has anything to do. Grouped GEMM changes the experts'
+parameter layout (TEGroupedMLP or the legacy GroupedMLP instead of SequentialMLP), so one guard
+keeps it as the checkpoint being resumed was saved where that layout cannot load the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from .guard_base import carries, declared_in, guard, is_on, lacking, rule, te_at_least
+from .plan import Change, Context
+from .registry import is_moe
+
+GG, PF, RF = "moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion"
+GG_BF16 = rule("moe_gg_bf16")
+GG_CAPABILITY = rule("moe_gg_compute_capability")
+GG_TE_BIAS = rule("moe_gg_te_bias")
+GG_LEGACY_BIAS = rule("moe_gg_legacy_bias")
+GG_BIAS_DROPOUT = rule("moe_gg_bias_dropout_fusion")
+GG_FP8_TE = rule("moe_gg_fp8_old_te")
+GG_GROUPED_LINEAR = rule("moe_gg_te_grouped_linear")
+GG_LEGACY_PACKAGE = rule("moe_gg_legacy_package")
+GG_LEGACY_LOCAL = rule("moe_gg_legacy_local_spec")
+GG_OP_FUSER = rule("moe_gg_op_fuser")
+PF_TE = rule("moe_pf_te")
+PF_BATCH_INVARIANT = rule("moe_pf_batch_invariant")
+RF_FIELD = rule("moe_rf_field")
+RF_TE = rule("moe_rf_te")
+RF_TE_IMPORT = rule("moe_rf_te_import")
+RF_SQRTSOFTPLUS = rule("moe_rf_sqrtsoftplus")
+RF_QUANTILE = rule("moe_rf_quantile_balancing")
+RF_REPLAY = rule("moe_rf_routing_replay")
+
+GG_FP8_MIN_TE = (1, 11)
+OP_FUSER_MIN_TE = (2, 14)
+ROUTER_MIN_TE = (2, 7)  # Megatron imports TE's router kernels only from here (2.7.0.dev)
+SQRTSOFTPLUS_MIN_TE = (2, 13)
+NO_GG = "pass --no-moe-grouped-gemm"
+
+
+def _on(ctx: Context, dest: str) -> bool:
+    """The toggle is on, for a MoE model (on a dense one an explicit flag is Megatron's to judge)."""
+    return is_on(ctx.values, dest) and is_moe(ctx.args)
+
+
+def _off(dest: str, reason: str, hint: str, capability: str = "") -> Change:
+    return Change(dest, False, reason.replace("  ", " "), hint=hint, capability=capability)
+
+
+def _megatron(ctx: Context) -> str:
+    return f"Megatron {ctx.caps.megatron.version}" if ctx.caps.megatron.version else "Megatron"
+
+
+def _te_words(ctx: Context) -> str:
+    return f"Transformer Engine {ctx.caps.te_version}" if ctx.caps.te_version else "no Transformer Engine"
+
+
+def _legacy_path(ctx: Context) -> str:
+    """Why this job would build the legacy GroupedMLP ("" where it builds TEGroupedMLP): the local
+    spec, the legacy flag, or a Transformer Engine without GroupedLinear (where the Megatron at hand
+    still has the legacy path at all)."""
+    if not carries(ctx, GG_LEGACY_PACKAGE):
+        return ""
+    a = ctx.args
+    if a.get("transformer_impl") == "local" and carries(ctx, GG_LEGACY_LOCAL):
+        return "--transformer-impl local builds the legacy GroupedMLP"
+    if a.get("moe_use_legacy_grouped_gemm"):
+        return "--moe-use-legacy-grouped-gemm builds the legacy GroupedMLP"
+    if ctx.caps.te_version is not None and lacking(ctx, GG) and carries(ctx, GG_GROUPED_LINEAR):
+        return f"{_te_words(ctx)} has no GroupedLinear, so Megatron builds the legacy GroupedMLP"
+    return ""
+
+
+@guard(moves=(GG,), answers=(GG_GROUPED_LINEAR, GG_LEGACY_PACKAGE, GG_LEGACY_LOCAL))
+def moe_grouped_gemm_kernel(ctx: Context) -> Iterator[Change]:
+    """Grouped GEMM goes off where no grouped kernel can run: the legacy GroupedMLP (the local spec,
+    `--moe-use-legacy-grouped-gemm`, or TE without GroupedLinear, up to core 0.16) without the
+    grouped_gemm package; from core 0.17, TE without GroupedLinear (the job would fail to build its
+    experts)."""
+    if not _on(ctx, GG):
+        return
+    legacy = _legacy_path(ctx)
+    if legacy and ctx.caps.value_of("grouped_gemm_package") is False:
+        note = ctx.caps.notes.get("grouped_gemm_package") or "the grouped_gemm package is not installed"
+        yield _off(GG, f"{legacy}, which needs the grouped_gemm package ({note})", NO_GG,
+                   capability="grouped_gemm_package")
+        return
+    need = lacking(ctx, GG)
+    if need and not legacy and ctx.args.get("transformer_impl", "transformer_engine") != "local":
+        why = ctx.caps.notes.get(need) or ctx.caps.notes.get("te") or "Transformer Engine's GroupedLinear is not available"
+        yield _off(GG, why, f"install Transformer Engine >= 1.9 or {NO_GG}", capability=need)
+
+
+@guard(moves=(GG,), answers=(GG_BF16, GG_CAPABILITY, GG_FP8_TE))
+def moe_grouped_gemm_precision(ctx: Context) -> Iterator[Change]:
+    """Grouped GEMM goes off without `--bf16` (core 0.13 to 0.15 assert it), on a CUDA GPU older than
+    sm_80, and under FP8 with Transformer Engine older than 1.11."""
+    if not _on(ctx, GG):
+        return
+    a, arch = ctx.args, ctx.caps.gpu_arch or ""
+    if not a.get("bf16") and carries(ctx, GG_BF16):
+        yield _off(GG, f"{_megatron(ctx)} supports MoE grouped GEMM only with --bf16", NO_GG)
+    elif arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) < 80 and carries(ctx, GG_CAPABILITY):
+        yield _off(GG, f"grouped GEMM kernels need compute capability 8.0 or newer ({arch})", NO_GG)
+    elif a.get("fp8") and not te_at_least(ctx.caps, GG_FP8_MIN_TE) and carries(ctx, GG_FP8_TE):
+        yield _off(GG, f"FP8 grouped GEMM needs Transformer Engine >= 1.11 ({_te_words(ctx)})", NO_GG)
+
+
+@guard(moves=(GG,), answers=(GG_TE_BIAS, GG_LEGACY_BIAS, GG_BIAS_DROPOUT))
+def moe_grouped_gemm_bias(ctx: Context) -> Iterator[Change]:
+    """Grouped GEMM goes off where linear layers keep their bias (no `--disable-bias-linear`) and the
+    grouped experts cannot take one: always on the legacy path and in core 0.13/0.14, and with
+    bias-dropout fusion (no `--no-bias-dropout-fusion`) from 0.15."""
+    a = ctx.args
+    if not _on(ctx, GG) or not a.get("add_bias_linear", True):
+        return
+    hint = f"pass --disable-bias-linear, or {NO_GG}"
+    if _legacy_path(ctx) and carries(ctx, GG_LEGACY_BIAS):
+        yield _off(GG, "the legacy GroupedMLP takes no bias, and --disable-bias-linear is not set", hint)
+    elif carries(ctx, GG_TE_BIAS):
+        yield _off(GG, f"{_megatron(ctx)}'s TEGroupedMLP takes no bias, and --disable-bias-linear is not set", hint)
+    elif a.get("bias_dropout_fusion", True) and carries(ctx, GG_BIAS_DROPOUT):
+        yield _off(GG, "TEGroupedMLP rejects bias-dropout fusion with biased linear layers "
+                   "(--disable-bias-linear and --no-bias-dropout-fusion are both unset)",
+                   f"pass --disable-bias-linear or --no-bias-dropout-fusion, or {NO_GG}")
+
+
+def _op_fuser_blocker(ctx: Context) -> str:
+    """Why TE's fused grouped MLP (``--use-transformer-engine-op-fuser``) cannot take this model ("" if it can)."""
+    a = ctx.args
+    if not te_at_least(ctx.caps, OP_FUSER_MIN_TE):
+        return f"it needs Transformer Engine >= 2.14 ({_te_words(ctx)})"
+    expert_tp = a.get("expert_tensor_parallel_size") or a.get("tensor_model_parallel_size") or 1
+    if expert_tp > 1:
+        return f"it takes no expert tensor parallelism (expert tensor-parallel size {expert_tp})"
+    if a.get("moe_apply_probs_on_input"):
+        return "it does not take --moe-apply-probs-on-input"
+    if not (a.get("swiglu") or a.get("quick_geglu") or (a.get("squared_relu") and a.get("use_fused_weighted_squared_relu"))):
+        return "it takes only SwiGLU, quick GeGLU or fused weighted squared ReLU experts"
+    return ""
+
+
+@guard(moves=(GG,), answers=(GG_OP_FUSER,))
+def moe_grouped_gemm_op_fuser(ctx: Context) -> Iterator[Change]:
+    """Grouped GEMM goes off under `--use-transformer-engine-op-fuser` where TE's fused grouped MLP,
+    which Megatron then asserts, cannot take the model (TE older than 2.14, expert tensor parallelism,
+    probs applied on the input, an activation other than SwiGLU, quick GeGLU or weighted squared ReLU)."""
+    if not _on(ctx, GG) or not ctx.args.get("use_transformer_engine_op_fuser") \
+            or not carries(ctx, GG_OP_FUSER):
+        return
+    blocker = _op_fuser_blocker(ctx)
+    if blocker:
+        yield _off(GG, f"--use-transformer-engine-op-fuser builds TE's fused grouped MLP, and {blocker}",
+                   f"drop --use-transformer-engine-op-fuser or {NO_GG}")
+
+
+def _layout(ctx: Context, grouped: bool) -> str:
+    """The experts' parameter layout a run with grouped GEMM at ``grouped`` builds."""
+    if not grouped:
+        return "SequentialMLP"
+    return "legacy GroupedMLP" if _legacy_path(ctx) else "TEGroupedMLP"
+
+
+def _cannot_load(ctx: Context, saved: Any) -> str:
+    """Why the checkpoint being resumed cannot load with grouped GEMM at its current value ("" if it can)."""
+    a, now = ctx.args, is_on(ctx.values, GG)
+    fmt = a.get("ckpt_format") or "torch_dist"
+    if saved is None:  # no record of the launch that saved it
+        if fmt == "torch" and not a.get("finetune"):
+            return (f"--ckpt-format torch keeps the experts' parameters by module, and the layout of the "
+                    f"checkpoint in {a.get('load')} was not recorded")
+        return ""
+    if bool(saved) == now:
+        return ""
+    was, will = _layout(ctx, bool(saved)), _layout(ctx, now)
+    if fmt == "torch":
+        return f"the checkpoint in {a.get('load')} was saved as {was} in the torch format, which {will} cannot load"
+    legacy = "legacy GroupedMLP" in (was, will)
+    if legacy and not (a.get("no_load_optim") or a.get("finetune")):
+        return (f"the checkpoint in {a.get('load')} was saved as {was}, and the distributed checkpoint moves "
+                f"only weights, not optimizer state, between the legacy GroupedMLP and {will}")
+    return ""
+
+
+@guard(moves=(GG,))  # no Megatron rule: the checkpoint being resumed
+def moe_grouped_gemm_checkpoint(ctx: Context) -> Iterator[Change]:
+    """On resume, grouped GEMM keeps the value the checkpoint was saved with where its expert layout
+    cannot load the other: the torch format (by module names), and the legacy GroupedMLP's optimizer
+    state in a distributed checkpoint. A torch-format checkpoint whose layout was not recorded keeps
+    Megatron's default (off). torch_dist moves weights and optimizer state between SequentialMLP and
+    TEGroupedMLP, so there the choice is free."""
+    if not ctx.args.get("load") or not is_moe(ctx.args):
+        return
+    saved = ctx.checkpoint.get("decisions", {}).get(GG) if ctx.checkpoint else None
+    reason = _cannot_load(ctx, saved)
+    value = bool(saved) if saved is not None else False
+    # Back on only where no guard above turned it off for a reason of its own (that one stands).
+    if reason and not (value and ctx.sources.get(GG) == "guard"):
+        yield Change(GG, value, reason, hint="resume with the saved value, or convert the checkpoint to torch_dist")
+
+
+@guard(moves=(PF,), answers=(PF_TE, PF_BATCH_INVARIANT))
+def moe_permute_fusion_unsupported(ctx: Context) -> Iterator[Change]:
+    """Permute fusion goes off without Transformer Engine's fused permutation (TE 2.1), where Megatron
+    raises while building the TransformerConfig, and under `--batch-invariant-mode` (main)."""
+    if not _on(ctx, PF):
+        return
+    need = lacking(ctx, PF)
+    if need and carries(ctx, PF_TE):
+        why = ctx.caps.notes.get(need) or ctx.caps.notes.get("te") or "Transformer Engine's fused permutation is not available"
+        yield _off(PF, why, "install Transformer Engine >= 2.1 or pass --no-moe-permute-fusion", capability=need)
+    elif ctx.args.get("batch_invariant_mode") and carries(ctx, PF_BATCH_INVARIANT):
+        yield _off(PF, "--batch-invariant-mode needs the unfused permutation (fixed reduction order)",
+                   "pass --no-moe-permute-fusion")
+
+
+def _router_te_blocker(ctx: Context) -> tuple[str, str]:
+    """(why TE cannot run the fused router here, the capability it rests on) or ("", "")."""
+    need = lacking(ctx, RF)
+    if need == "megatron_moe_router_fusion_field":
+        return (f"{_megatron(ctx)} TransformerConfig has no moe_router_fusion field (added in core 0.14)", "")
+    if need and carries(ctx, RF_TE):
+        return (ctx.caps.notes.get(need) or ctx.caps.notes.get("te") or "TE's fused router kernels are not available",
+                need)
+    if ctx.caps.te_version is not None and not te_at_least(ctx.caps, ROUTER_MIN_TE) and carries(ctx, RF_TE_IMPORT):
+        return (f"Megatron uses TE's fused router kernels only from Transformer Engine 2.7 ({_te_words(ctx)})", "")
+    return "", ""
+
+
+def _lb_types(args: Any) -> set[str]:
+    value = args.get("moe_router_load_balancing_type") or ()
+    return {value} if isinstance(value, str) else {str(v) for v in value}
+
+
+@guard(moves=(RF,), answers=(RF_FIELD, RF_TE, RF_TE_IMPORT, RF_SQRTSOFTPLUS, RF_QUANTILE, RF_REPLAY))
+def moe_router_fusion_unsupported(ctx: Context) -> Iterator[Change]:
+    """Router fusion goes off without the TransformerConfig field (core 0.13) or TE's fused router
+    kernels (TE 2.7), with the sqrtsoftplus score function before TE 2.13, with quantile-balancing
+    routing, and with `--moe-enable-routing-replay` (the fused top-k skips the replay)."""
+    if not _on(ctx, RF):
+        return
+    a, hint = ctx.args, "pass --no-moe-router-fusion"
+    reason, capability = _router_te_blocker(ctx)
+    if reason:
+        yield _off(RF, reason, hint, capability=capability)
+    elif a.get("moe_router_score_function") == "sqrtsoftplus" and not te_at_least(ctx.caps, SQRTSOFTPLUS_MIN_TE) \
+            and carries(ctx, RF_SQRTSOFTPLUS):
+        yield _off(RF, f"the fused sqrtsoftplus score function needs Transformer Engine >= 2.13 ({_te_words(ctx)})", hint)
+    elif "quantile_balancing" in _lb_types(a) and carries(ctx, RF_QUANTILE):
+        yield _off(RF, "quantile-balancing routing does not take router fusion", hint)
+    elif a.get("moe_enable_routing_replay") and carries(ctx, RF_REPLAY):
+        yield _off(RF, "--moe-enable-routing-replay: the fused top-k does not replay recorded routing", hint)
+
+
+GUARDS = declared_in(globals())  # in the order they are declared above
