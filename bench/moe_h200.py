@@ -23,10 +23,13 @@ environment in results.json: the MoE memory model's validation data.
     python bench/moe_h200.py --megatron PATH --out DIR --smoke     # CPU: stand-in runs, real dry runs
     python bench/moe_h200.py --out DIR --collect SMALL             # the small JSON of every part, to copy
 
-It prints the expected run time first. --budget stops cleanly (no block, or batch of runs at once,
-starts that would end after it) and the same command resumes: finished runs are skipped. Until the
-registry has the MoE toggles, the MoE arms are candidates (their flags added to stock) and there
-is no defaults arm.
+It prints the expected run time first. --budget stops cleanly and the same command resumes:
+finished runs are skipped. A speed part stops before a run that would not fit (ablate
+--split-blocks: a 16-run part does not fit one call, and a whole block of 5 runs left unstarted
+would waste minutes), so its blocks may span two calls (the results name them); the loss part's
+runs start together or not at all. The budget ablate gets leaves out the dry runs before its first
+run (about a minute). Where the registry lacks the MoE toggles, the MoE arms are candidates (their
+flags added to stock) and there is no defaults arm.
 """
 
 from __future__ import annotations
@@ -150,8 +153,8 @@ def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) 
     if p.loss:
         cmd += ["--block-seeds", str(ns.base_seed), "--loss-window", str(min(ns.loss_window, iters)),
                 "--concurrent", str(ns.repeats * arms()), "--no-warmup-run"]
-    if budget_min is not None:
-        cmd += ["--budget", f"{budget_min:.2f}"]
+    if budget_min is not None:  # ablate's clock starts after its dry runs; a speed part may stop mid-block
+        cmd += ["--budget", f"{max(budget_min - DRY_RUNS_S / 60, 0.1):.2f}", *([] if p.loss else ["--split-blocks"])]
     data = corpus(ns) if p.loss else None
     cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(p.shape, data)]
     return cmd, env

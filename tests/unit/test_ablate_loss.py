@@ -222,3 +222,29 @@ def test_each_run_gets_its_own_checkpoints_and_at_once_its_own_dataset_cache(tmp
         assert cmd.count("--save") == 1 and cmd[cmd.index("--save") + 1].startswith(here)
         assert cmd[cmd.index("--data-cache-path") + 1].startswith(here)
     assert len({r["command"][r["command"].index("--data-cache-path") + 1] for r in runs}) == 2
+
+
+def test_split_blocks_stop_before_a_run_and_the_same_command_finishes_the_block(tmp_path, capsys):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    argv = ["--design", "one-at-a-time", "--toggles", TOGGLE, "--out", str(tmp_path / "out"), "--launch", FAKE,
+            "--repeats", "3", "--budget", "3", "--split-blocks", "--iters", "4", "--warmup", "1", str(script)]
+
+    def call():
+        ticks = iter(range(50, 100000, 50))  # every look at the clock: 50 s later
+        return ablate.main(argv, resolver=_fake_megatron(), clock=lambda: next(ticks) - 50)
+
+    assert call() == 0
+    first = json.loads((tmp_path / "out" / "results.json").read_text())
+    # the warm-up run, block 1, then block 2's first run: its second would end after 3 min
+    assert [r["block"] for r in first["runs"]] == [-1, 0, 0, 1] and first["blocks_run"] == 1
+    assert "stopped before run 2 of 2 of the block" in first["stop_reason"]
+    assert call() == 0
+    again = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert again["blocks_run"] == 3 and again["blocks_across_calls"] == [2] and again["stop_reason"] is None
+    assert "Blocks whose runs ran in two calls (--split-blocks): 2." in (tmp_path / "out" / "results.md").read_text()
+    assert capsys.readouterr().err.count("done earlier, skipped") == 4  # the warm-up run, block 1, block 2's first
+    with pytest.raises(SystemExit) as info:
+        at = argv.index("--budget")
+        ablate.main(argv[:at] + argv[at + 2:], resolver=_fake_megatron())
+    assert info.value.code == 2 and "--split-blocks needs --budget" in capsys.readouterr().err

@@ -41,6 +41,9 @@ def test_the_plan_comes_first_with_the_expected_time(tmp_path, capsys):
         assert len(flags) == len(set(flags))  # each Megatron argument once
         assert cmd[3] == "ablate" and "--budget" in cmd
         assert "--save" not in cmd and "--load" not in cmd
+        assert float(_value(cmd, "--budget")) < 9  # the dry runs before ablate's clock starts are left out
+    assert "--split-blocks" in cmds["speed-a"] and "--split-blocks" in cmds["speed-b"]
+    assert "--split-blocks" not in cmds["loss"]  # its runs start together or not at all
 
 
 def test_the_speed_shapes_are_the_issue_s(tmp_path, capsys):

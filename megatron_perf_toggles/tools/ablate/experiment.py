@@ -53,6 +53,7 @@ class Experiment:
         self.statuses: list[dict[str, Any]] = []
         self.orders: list[list[str]] = []
         self.blocks = 0
+        self.across_calls: list[int] = []  # blocks (1-based) whose runs ran in two calls (--split-blocks)
 
     # --- before the first run ------------------------------------------------------------------
 
@@ -122,17 +123,32 @@ class Experiment:
             if stop:
                 break
             block = self.runs_of_block(self.blocks)
-            stop_reason = self._over_budget(block, start)
+            stop_reason = None if self.spec.split_blocks else self._over_budget(block, start)
             if stop_reason:
                 break
             self.orders.append([r.arm.name for r in block])
             progress.total = max(progress.total, len(self.statuses) + len(block))
-            for run in block:
-                self._execute(run, progress)
+            stop_reason = self._run_block(block, progress, start)
+            if stop_reason:
+                break
             self.blocks += 1
         if stop_reason:
             say(f"stopped: {stop_reason}")
         return self._result(stop_reason, self.clock() - start)
+
+    def _run_block(self, block: list[runs.Run], progress: runs.Progress, start: float) -> str | None:
+        """Each run of the block; with --split-blocks, none starts that would end after --budget
+        (the stop reason; the same command resumes the block there). A block that a call resumed
+        part-way is named in the results: its runs ran in two calls."""
+        earlier = sum(runs.finished_earlier(r.directory, r.arm, r.command) is not None for r in block)
+        for i, run in enumerate(block):
+            why = self._over_budget([run], start) if self.spec.split_blocks else None
+            if why:
+                return f"{why}: stopped before run {i + 1} of {len(block)} of the block, which the same command resumes"
+            self._execute(run, progress)
+        if 0 < earlier < len(block):
+            self.across_calls.append(self.blocks + 1)
+        return None
 
     def _run_together(self, start: float) -> str | None:
         """--concurrent K: every block's runs, K at a time, in block order; no batch starts that
@@ -264,6 +280,7 @@ class Experiment:
                      "GPU at once, so their step times measure the sharing, not the arms"}
         return {"design": spec.design, "seed": spec.seed, "repeats": spec.repeats, "blocks_run": self.blocks,
                 "block_seeds": self.seeds(), "loss_window": spec.loss_window, **speed,
+                "blocks_across_calls": self.across_calls,
                 "block_order": self.orders, "world_size": self._gpus(), "planned_world_size": planned,
                 "warmup_run": spec.warmup_run and not self.together, "iters": self.iters, "warmup": spec.warmup,
                 "confidence": spec.confidence, "target_ci": spec.target_ci, "budget_min": spec.budget,

@@ -209,6 +209,9 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{size['blocks_for_half_width']}. This run had {result['blocks_run']}."]
     if result.get("stop_reason"):
         lines += ["", f"Stopped: {result['stop_reason']}."]
+    if result.get("blocks_across_calls"):
+        lines += ["", "Blocks whose runs ran in two calls (--split-blocks): "
+                  + ", ".join(str(b) for b in result["blocks_across_calls"]) + "."]
     failed = [r for r in result["runs"] if r.get("status") == "failed"]
     if failed:
         lines += ["", "## Failed runs", ""]

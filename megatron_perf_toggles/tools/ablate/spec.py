@@ -87,6 +87,10 @@ class ExperimentSpec:
         "--concurrent", "run K runs at once (for loss-only experiments: runs that share a GPU time the "
         "sharing, so the result then carries no speed figures; no warm-up run); each run gets its own "
         "MASTER_PORT (default %(default)s: one at a time)", type=int, metavar="K"))
+    split_blocks: bool = field(default=False, metadata=_opt(
+        "--split-blocks", "with --budget, stop before a run, not only before a block, that would not fit; the "
+        "same command resumes the block there, so its runs ran in two calls (perhaps on two machines: more "
+        "noise in that block's ratios; the results name such blocks)", action="store_true"))
     design: str = "ablation"  # the design's name, as the results record it (not an option of this spec)
 
     # --- options -----------------------------------------------------------------------------
@@ -152,6 +156,7 @@ class ExperimentSpec:
             (self.loss_window is not None and self.iters is not None and self.loss_window > self.iters,
              f"--loss-window {self.loss_window} is more than --iters {self.iters}"),
             (self.concurrent < 1, f"--concurrent {self.concurrent}: at least 1"),
+            (self.split_blocks and self.budget is None, "--split-blocks needs --budget"),
             (self.concurrent > 1 and self.target_ci is not None,
              "--target-ci needs timed runs, and --concurrent runs share the GPU: choose one"),
         ]
