@@ -21,7 +21,7 @@ environment in results.json: the MoE memory model's validation data.
     python bench/moe_h200.py --megatron PATH --out DIR --parts loss --budget 6
     python bench/moe_h200.py --megatron PATH --out DIR --parts speed-a --budget 9   # again to resume
     python bench/moe_h200.py --megatron PATH --out DIR --smoke     # CPU: stand-in runs, real dry runs
-    python bench/moe_h200.py --out DIR --collect SMALL             # the small JSON of every part, to copy
+    python bench/moe_h200.py --out DIR --collect SMALL             # results, statuses and logs, to copy
 
 It prints the expected run time first. --budget stops cleanly and the same command resumes:
 finished runs are skipped. A speed part stops before a run that would not fit (ablate
@@ -180,10 +180,12 @@ def build_helpers(megatron: Path) -> None:
 
 
 def collect(out: Path, dest: Path) -> int:
-    """Copy every part's results.json and results.md, and each run's status.json, to ``dest``."""
+    """Copy every part's results (json, md, png) and each run's status.json and log.txt to ``dest``:
+    what the report reads, and what a later call on another machine needs to resume (copied back
+    to the same --out path: a run counts as done by its status and is measured from its log)."""
     n = 0
-    for path in sorted(out.glob("*/results.*")) + sorted(out.glob("*/runs/*/*/status.json")):
-        if path.suffix in (".json", ".md"):
+    for path in sorted(out.glob("*/results.*")) + sorted(out.glob("*/runs/*/*/*")):
+        if path.name in ("results.json", "results.md", "results.png", "status.json", "log.txt"):
             target = dest / path.relative_to(out)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, target)
@@ -206,7 +208,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=29611, help="first MASTER_PORT (each part its own range)")
     ap.add_argument("--smoke", action="store_true", help="CPU: stand-in runs (tests/support/fake_megatron_run.py)")
     ap.add_argument("--print-only", action="store_true", help="print the plan and the commands, run nothing")
-    ap.add_argument("--collect", metavar="DIR", help="copy the small JSON of every part under --out to DIR, run nothing")
+    ap.add_argument("--collect", metavar="DIR", help="copy each part's results, each run's status and log to DIR; run nothing")
     ns = ap.parse_args(argv)
     ns.part_list = [p.strip() for p in ns.parts.split(",") if p.strip()]
     unknown = [p for p in ns.part_list if p not in PARTS]

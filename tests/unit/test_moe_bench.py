@@ -95,7 +95,7 @@ def test_expected_time_grows_with_the_work():
     assert moe_h200.estimate_s("loss", 5) == moe_h200.estimate_s("loss", 3)
 
 
-def test_collect_copies_the_small_json_and_leaves_the_logs(tmp_path, capsys):
+def test_collect_copies_results_statuses_and_logs_and_nothing_else(tmp_path, capsys):
     out = tmp_path / "out"
     run = out / "speed-a" / "runs" / "block01" / "all-off"
     run.mkdir(parents=True)
@@ -103,9 +103,12 @@ def test_collect_copies_the_small_json_and_leaves_the_logs(tmp_path, capsys):
     (out / "speed-a" / "results.md").write_text("# x\n")
     (run / "status.json").write_text("{}")
     (run / "log.txt").write_text("a long log\n")
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events").write_text("")
     assert moe_h200.main(["--out", str(out), "--collect", str(tmp_path / "small")]) == 0
     got = sorted(str(p.relative_to(tmp_path / "small")) for p in (tmp_path / "small").rglob("*") if p.is_file())
-    assert got == ["speed-a/results.json", "speed-a/results.md", "speed-a/runs/block01/all-off/status.json"]
+    assert got == ["speed-a/results.json", "speed-a/results.md", "speed-a/runs/block01/all-off/log.txt",
+                   "speed-a/runs/block01/all-off/status.json"]  # the log: a resumed run is measured from it
     assert moe_h200.main(["--out", str(tmp_path / "empty"), "--collect", str(tmp_path / "small2")]) == 1
 
 
