@@ -10,6 +10,9 @@ FAKE_SLEEP=s sleeps s seconds per iteration.
 FAKE_WORLD_SIZE=n prints Megatron's "using world size: n" start-up line.
 FAKE_EXTRA_MS=VAR=ms[,VAR=ms] adds ms to each iteration of a run whose VAR is 1 (a toggle that costs time).
 FAKE_EXTRA_MB=VAR=mb[,VAR=mb] adds mb to the max allocated memory of a run whose VAR is 1 (a toggle that costs memory).
+FAKE_SEED_LOSS=x adds x * (the --seed argument mod 10) to every loss (seed-to-seed spread).
+FAKE_LOSS_SHIFT=NAME=x[,NAME=x] adds x to every loss of a run whose variable NAME is 1, or, for a
+NAME that starts with --, whose arguments hold that flag (a toggle or a flag that moves the loss).
 Invoked as: python fake_megatron_run.py -m megatron_perf_toggles.run SCRIPT [args...]
 """
 
@@ -37,8 +40,13 @@ if os.environ.get("FAKE_WORLD_SIZE"):
     tp = int(argv[argv.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in argv else 1
     print(f"using world size: {world}, data-parallel size: {world // tp}, context-parallel size: 1, "
           f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: 1", flush=True)
+shift = float(os.environ.get("FAKE_SEED_LOSS", "0") or 0) * (
+    int(argv[argv.index("--seed") + 1]) % 10 if "--seed" in argv else 0)
+for item in filter(None, os.environ.get("FAKE_LOSS_SHIFT", "").split(",")):
+    name, _, by = item.partition("=")
+    shift += float(by) if (name in argv if name.startswith("--") else os.environ.get(name) == "1") else 0.0
 for i in range(1, iters + 1):
-    loss = 10.0 - 0.5 * i
+    loss = 10.0 - 0.5 * i + shift
     time.sleep(float(os.environ.get("FAKE_SLEEP", "0") or 0))
     print(f" [2026-11-30 01:00:00.000000] iteration {i:8d}/{iters:8d} | consumed samples: {16 * i:12d} | "
           f"elapsed time per iteration (ms): {ms + (5 if i % 2 else -5):.1f} | throughput per GPU (TFLOP/s/GPU): "

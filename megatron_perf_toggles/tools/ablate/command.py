@@ -33,6 +33,7 @@ DESCRIPTION = (
 EPILOG = ("example: megatron-perf-toggles ablate --design factorial --toggles grad_reduce_in_bf16 "
           "--vary adam_eps=1e-8,1e-5 --out runs/2x2 -- pretrain_gpt.py <megatron args>")
 STOPPING = ("effect", "target_ci", "max_repeats")  # ablate's own fields of the spec
+LOSS = ("block_seeds", "loss_window", "concurrent", "split_blocks")  # ablate's loss and resume fields
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--design", required=True, choices=DESIGNS,
                    help="one-at-a-time: all off, then each alone; leave-one-out: all on, then each off; "
                    "factorial: every combination (with --vary settings); headline: all off against all on; "
+                   "each-alone: all off (stock), each toggle alone, and the plugin defaults (every toggle, those "
+                   "not named in --toggles too) in the same blocks; "
                    "candidates: the command as given against each --candidate's additions")
     p.add_argument("--others", choices=OTHERS, default="inherit",
                    help="toggles not taking part: inherit the environment / plugin default (default), or pin "
@@ -52,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--overlap-param-gather' --candidate alloc='PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True'")
     p.add_argument("--dry-run", action="store_true",
                    help="check confounds, print arms, block order and commands; run and write nothing")
-    ExperimentSpec.add_options(p, (*SHARED, *STOPPING, *POSITIONALS), {"out": "ablation"})
+    ExperimentSpec.add_options(p, (*SHARED, *STOPPING, *LOSS, *POSITIONALS), {"out": "ablation"})
 
 
 def build_ablate_parser() -> argparse.ArgumentParser:
@@ -92,12 +95,20 @@ def design_arms(ns: argparse.Namespace, spec: ExperimentSpec) -> list[Arm]:
     left out before any dry run (the candidates design names no toggles)."""
     dests, flags = _known_args()
     toggles = parse_toggles(spec.toggles, spec.megatron_args)
+    rest: tuple[str, ...] | None = None
     if ns.design != "candidates":
         from .guarded import leave_out
 
-        toggles = leave_out(toggles, spec.script, spec.megatron_args, dry_run_world(spec.launch, spec.world_size),
-                            say=lambda line: print(line, file=sys.stderr, flush=True))
-    return expand(ns.design, toggles, parse_vary(ns.vary, dests), ns.others, parse_candidates(ns.candidate, flags))
+        # each-alone's defaults arm turns on the toggles not named too: those a guard turns off are
+        # left out of it as well (pinned off in every arm)
+        named = (tuple(dict.fromkeys((*toggles, *parse_toggles(None, spec.megatron_args))))
+                 if ns.design == "each-alone" else toggles)
+        kept = leave_out(named, spec.script, spec.megatron_args, dry_run_world(spec.launch, spec.world_size),
+                         say=lambda line: print(line, file=sys.stderr, flush=True))
+        rest = tuple(d for d in kept if d not in toggles)
+        toggles = tuple(d for d in toggles if d in kept)
+    return expand(ns.design, toggles, parse_vary(ns.vary, dests), ns.others, parse_candidates(ns.candidate, flags),
+                  rest=rest if ns.design == "each-alone" else None)
 
 
 def checked_experiment(spec: ExperimentSpec, arms: list[Arm], resolver: Callable[..., dict[str, Any]],
@@ -116,7 +127,7 @@ def checked_experiment(spec: ExperimentSpec, arms: list[Arm], resolver: Callable
         + (" and what they derive: " + "; ".join(f"{n} -> {', '.join(k)}" for n, k in explained.items())
            if explained else ""))
     check_launcher(spec.launch, spec.script, experiment.args, arms)
-    warm = "1 unmeasured warm-up run, then " if spec.warmup_run else ""
+    warm = "1 unmeasured warm-up run, then " if spec.warmup_run and spec.concurrent == 1 else ""
     say(f"{experiment.planned_runs()} runs: {warm}{spec.repeats} block(s) x {len(arms)} arms (seed {spec.seed}); "
         f"{experiment.iters} iterations per run, the first {spec.warmup} left out of the medians")
     return experiment

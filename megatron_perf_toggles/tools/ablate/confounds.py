@@ -86,10 +86,11 @@ def planned_for(resolver: Callable[..., dict[str, Any]], launch: str | None, sta
 
 def resolve_all(resolver: Callable[..., dict[str, Any]], script: str, megatron_args: Sequence[str],
                 arms: Sequence[Arm], environ: dict[str, str]) -> list[dict[str, Any]]:
-    """Dry-run the arms a few at a time (each is one Megatron import, CPU-bound)."""
+    """Dry-run the arms a few at a time (each is one Megatron import, CPU-bound: 2, or one per two
+    cores, at most 8, so a GPU machine's cores shorten the minute of dry runs before the first run)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    workers = max(1, min(len(arms), (os.cpu_count() or 2), 4))
+    workers = max(1, min(len(arms), max(2, (os.cpu_count() or 2) // 2), 8))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda arm: resolver(script, megatron_args, arm, environ), arms))
 

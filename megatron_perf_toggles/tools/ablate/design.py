@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ...core.registry import BY_DEST, SETTINGS, TOGGLES, flag_of
 from ...errors import PerfTogglesError
 
-DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline", "candidates")
+DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline", "candidates", "each-alone")
 OTHERS = ("inherit", "off", "on")
 ALL_TOGGLES = tuple(t.dest for t in TOGGLES if t.kind == "bool")  # every on/off toggle --toggles may name
 # The default for a dense model: the toggles that apply to every model. A mixture-of-experts run
@@ -215,12 +215,17 @@ def _label(toggles: dict[str, bool], settings: dict[str, str]) -> str:
     return ",".join(parts)
 
 
-def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str = "inherit",
-           candidates: Mapping[str, tuple[str, ...]] | None = None) -> list[Arm]:
-    """The design's arms, baseline first. ``others``: what the toggles outside ``toggles`` get in
-    every arm: ``inherit`` (the caller's environment, else the plugin default), ``off`` or ``on``.
-    A ``candidates`` design takes no toggles: the baseline is the command as given, and each
-    candidate arm adds its arguments to it."""
+def each_alone(toggles: tuple[str, ...], rest: tuple[str, ...]) -> list[Arm]:
+    """Stock (every toggle off), each of ``toggles`` alone, and the plugin defaults (every toggle
+    of ``toggles`` and ``rest`` at its default): the headline and each toggle's own share come
+    from the same blocks. Every arm sets all of them, so the defaults arm's change is intended."""
+    base = dict.fromkeys((*toggles, *rest), False)
+    arms = [Arm("all-off", base, baseline=True), *(Arm(f"only:{d}", {**base, d: True}) for d in toggles)]
+    return [*arms, Arm("defaults", {d: BY_DEST[d].default is True for d in base})]
+
+
+def _check_design(design: str, others: str, candidates: Mapping[str, tuple[str, ...]] | None,
+                  vary: list[Vary]) -> None:
     if design not in DESIGNS:
         raise DesignError(f"unknown design {design!r}", f"choose from: {', '.join(DESIGNS)}")
     if others not in OTHERS:
@@ -229,9 +234,26 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str 
         raise DesignError("--design candidates needs --candidate NAME='ARGS' (at least one)")
     if design != "candidates" and candidates:
         raise DesignError("--candidate needs --design candidates")
+    if design == "candidates" and vary:
+        raise DesignError("--vary needs --design factorial")
+
+
+def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str = "inherit",
+           candidates: Mapping[str, tuple[str, ...]] | None = None, rest: tuple[str, ...] | None = None
+           ) -> list[Arm]:
+    """The design's arms, baseline first. ``others``: what the toggles outside ``toggles`` get in
+    every arm: ``inherit`` (the caller's environment, else the plugin default), ``off`` or ``on``.
+    A ``candidates`` design takes no toggles: the baseline is the command as given, and each
+    candidate arm adds its arguments to it. ``each-alone``: ``rest`` are the other toggles its
+    defaults arm turns on (default: every on/off toggle not in ``toggles``); any toggle in neither
+    is pinned off in every arm."""
+    if design == "each-alone":
+        if others == "on":
+            raise DesignError("--others on: the each-alone design keeps the others off but in its defaults arm")
+        others = "off"
+        rest = tuple(d for d in DEFAULT_TOGGLES if d not in toggles) if rest is None else rest
+    _check_design(design, others, candidates, vary)
     if design == "candidates":
-        if vary:
-            raise DesignError("--vary needs --design factorial")
         toggles = ()
     settings_grid = [dict(zip([v.name for v in vary], combo, strict=True))
                      for combo in itertools.product(*[v.values for v in vary])] or [{}]
@@ -242,6 +264,8 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str 
         base = dict.fromkeys(toggles, False)
         arms.append(Arm("all-off", base, baseline=True))
         arms += [Arm(f"only:{d}", {**base, d: True}) for d in toggles]
+    elif design == "each-alone":
+        arms = each_alone(toggles, rest or ())
     elif design == "headline":
         arms.append(Arm("all-off", dict.fromkeys(toggles, False), baseline=True))
         arms.append(Arm("all-on", dict.fromkeys(toggles, True)))
@@ -258,12 +282,12 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str 
                 values = dict(zip(toggles, combo, strict=True))
                 arms.append(Arm(_label(values, settings), values, dict(settings)))
         arms[0].baseline = True
-    if len(arms) < 2 or (not toggles and design in ("headline", "one-at-a-time", "leave-one-out")):
+    if len(arms) < 2 or (not toggles and design in ("headline", "one-at-a-time", "leave-one-out", "each-alone")):
         raise DesignError(f"design {design!r} with these toggles gives {len(arms)} arm(s); nothing to compare")
     if others != "inherit":
         moe = any(BY_DEST[d].scope == "moe" for d in toggles)  # a MoE experiment pins the other MoE toggles too
         pinnable = ALL_TOGGLES if moe else DEFAULT_TOGGLES
-        pinned = {d: others == "on" for d in pinnable if d not in toggles}
+        pinned = {d: others == "on" for d in pinnable if d not in toggles and d not in (rest or ())}
         for arm in arms:
             arm.fixed = dict(pinned)
     return arms

@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from . import runs
+from .argv import set_args
 from .confounds import dry_run_world, resolve_and_check, resolve_arm
 from .design import Arm, baseline_of
-from .report import compare, measure_run, sizing, widest_interval, write_results
+from .loss_window import compare_windows
+from .report import compare, measure_run, sizing, widest_interval, without_speed, write_results
 from .spec import ExperimentSpec
 from .world import logged_world_size, world_size
 
@@ -51,6 +53,7 @@ class Experiment:
         self.statuses: list[dict[str, Any]] = []
         self.orders: list[list[str]] = []
         self.blocks = 0
+        self.across_calls: list[int] = []  # blocks (1-based) whose runs ran in two calls (--split-blocks)
 
     # --- before the first run ------------------------------------------------------------------
 
@@ -81,17 +84,36 @@ class Experiment:
         return [self._run(self.arms[i], block) for i in runs.block_order(self.spec.seed, block, len(self.arms))]
 
     def _run(self, arm: Arm, block: int) -> runs.Run:
-        return runs.make_run(self.out, arm, block, self.spec.launch, self.spec.script, self.args,
-                             self.record_of(arm))
+        return runs.make_run(self.out, arm, block, self.spec.launch, self.spec.script, self.args_of(block),
+                             self.record_of(arm).get("effective_args", {}), together=self.together)
+
+    def args_of(self, block: int) -> list[str]:
+        """Block ``block``'s Megatron arguments: with --block-seeds, its own --seed (the warm-up run, block -1,
+        has the base seed)."""
+        if self.spec.block_seeds is None:
+            return self.args
+        return set_args(self.args, {"--seed": str(self.spec.block_seeds + max(block, 0))})
+
+    def seeds(self) -> list[int] | None:
+        """The Megatron seed of each block run (None: every block has the arguments' own)."""
+        base = self.spec.block_seeds
+        return None if base is None else [base + b for b in range(self.blocks)]
+
+    @property
+    def together(self) -> bool:
+        """--concurrent: runs share the GPU, so none is timed (and none is a warm-up run)."""
+        return self.spec.concurrent > 1
 
     def planned_runs(self) -> int:
-        return self.spec.repeats * len(self.arms) + (1 if self.spec.warmup_run else 0)
+        return self.spec.repeats * len(self.arms) + (1 if self.spec.warmup_run and not self.together else 0)
 
     # --- running -------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         """Warm-up run, then blocks until a stopping rule; the result (also written by :meth:`write`)."""
         start = self.clock()
+        if self.together:
+            return self._result(self._run_together(start), self.clock() - start)
         progress = runs.Progress(self.planned_runs())
         if self.spec.warmup_run:
             self._warm_up(progress)
@@ -101,17 +123,67 @@ class Experiment:
             if stop:
                 break
             block = self.runs_of_block(self.blocks)
-            stop_reason = self._over_budget(block, start)
+            stop_reason = None if self.spec.split_blocks else self._over_budget(block, start)
             if stop_reason:
                 break
             self.orders.append([r.arm.name for r in block])
             progress.total = max(progress.total, len(self.statuses) + len(block))
-            for run in block:
-                self._execute(run, progress)
+            stop_reason = self._run_block(block, progress, start)
+            if stop_reason:
+                break
             self.blocks += 1
         if stop_reason:
             say(f"stopped: {stop_reason}")
         return self._result(stop_reason, self.clock() - start)
+
+    def _run_block(self, block: list[runs.Run], progress: runs.Progress, start: float) -> str | None:
+        """Each run of the block; with --split-blocks, none starts that would end after --budget
+        (the stop reason; the same command resumes the block there). A block that a call resumed
+        part-way is named in the results: its runs ran in two calls."""
+        earlier = sum(runs.finished_earlier(r.directory, r.arm, r.command) is not None for r in block)
+        for i, run in enumerate(block):
+            why = self._over_budget([run], start) if self.spec.split_blocks else None
+            if why:
+                return f"{why}: stopped before run {i + 1} of {len(block)} of the block, which the same command resumes"
+            self._execute(run, progress)
+        if 0 < earlier < len(block):
+            self.across_calls.append(self.blocks + 1)
+        return None
+
+    def _run_together(self, start: float) -> str | None:
+        """--concurrent K: every block's runs, K at a time, in block order; no batch starts that
+        would end after --budget (priced by the batches before it). The stop reason, if any."""
+        spec, total = self.spec, self.spec.repeats * len(self.arms)
+        todo = [r for b in range(spec.repeats) for r in self.runs_of_block(b)]
+        self.orders = [[r.arm.name for r in self.runs_of_block(b)] for b in range(spec.repeats)]
+        say(f"--concurrent {spec.concurrent}: {total} runs, {spec.concurrent} at a time, no warm-up run; they "
+            "share the GPU, so the result keeps losses and memory but no speed figures")
+        port = int(self.environ.get("MASTER_PORT", "29500")) + 1
+        reason = None
+        for first in range(0, total, spec.concurrent):
+            batch = todo[first:first + spec.concurrent]
+            reason = self._batch_over_budget(batch, start)
+            if reason:
+                break
+            self.statuses += runs.execute_together(batch, self.environ, port, len(self.statuses), total)
+        self.blocks = len(self.statuses) // len(self.arms)
+        if reason:
+            say(f"stopped: {reason}")
+        return reason
+
+    def _batch_over_budget(self, batch: list[runs.Run], start: float) -> str | None:
+        """Why a batch of runs at once would not end within --budget: it takes about as long as
+        the slowest run of the batches before it (None: it fits, or nothing prices it yet)."""
+        budget = self.spec.budget
+        to_run = [r for r in batch if runs.finished_earlier(r.directory, r.arm, r.command) is None]
+        seconds = runs.run_seconds(self.statuses)
+        if budget is None or not to_run or not seconds:
+            return None
+        used = self.clock() - start
+        if used + max(seconds) <= budget * 60:
+            return None
+        return (f"--budget {budget:g} min: the next {len(to_run)} runs at once (about {max(seconds) / 60:.1f} min) "
+                f"would not fit after {used / 60:.1f} min")
 
     def _execute(self, run: runs.Run, progress: runs.Progress) -> None:
         index = len(self.statuses) + 1
@@ -197,12 +269,23 @@ class Experiment:
             say(f"warning: the runs had a world of {logged}, the dry runs planned for {planned}: "
                 f"say --world-size {logged}")
         rows = self._rows()
+        if spec.loss_window is not None:
+            windows = compare_windows(self.arms, [measure_run(s, spec.warmup) for s in self.statuses], self.blocks,
+                                      spec.loss_window, self.seeds())
+            rows = [{**r, "loss_window": windows[r["arm"]]} for r in rows]
+        speed: dict[str, Any] = {}
+        if self.together:
+            rows = without_speed(rows)
+            speed = {"concurrent": spec.concurrent, "speed_note": f"not measured: {spec.concurrent} runs shared the "
+                     "GPU at once, so their step times measure the sharing, not the arms"}
         return {"design": spec.design, "seed": spec.seed, "repeats": spec.repeats, "blocks_run": self.blocks,
+                "block_seeds": self.seeds(), "loss_window": spec.loss_window, **speed,
+                "blocks_across_calls": self.across_calls,
                 "block_order": self.orders, "world_size": self._gpus(), "planned_world_size": planned,
-                "warmup_run": spec.warmup_run, "iters": self.iters, "warmup": spec.warmup,
+                "warmup_run": spec.warmup_run and not self.together, "iters": self.iters, "warmup": spec.warmup,
                 "confidence": spec.confidence, "target_ci": spec.target_ci, "budget_min": spec.budget,
                 "stop_reason": stop_reason, "derived": {n: sorted(k) for n, k in self.derived.items()},
-                "rows": rows, "sizing": sizing(rows, spec.effect, spec.confidence),
+                "rows": rows, "sizing": None if self.together else sizing(rows, spec.effect, spec.confidence),
                 "runs": [measure_run(s, spec.warmup) for s in self.statuses], "commands": self.commands(),
                 "seconds": seconds}
 

@@ -16,6 +16,8 @@ from typing import Any
 from ..._version import __version__
 from . import stats
 from .design import Arm, baseline_of
+from .loss_window import by_block as done_by_block  # the arm's finished run in each block: what comparisons pair
+from .loss_window import markdown_lines as loss_window_lines
 from .megatron_log import parse_file
 
 RAW_KEYS = ("ms_per_iter", "tflops_per_gpu", "lm_loss", "grad_norm", "global_batch_size")
@@ -43,13 +45,6 @@ def _median_of(run: Mapping[str, Any], key: str) -> float | None:
 def _loss_at(run: Mapping[str, Any], iteration: int) -> float | None:
     return next((it["lm_loss"] for it in run.get("iterations", []) if it["iteration"] == iteration
                  and "lm_loss" in it), None)
-
-
-def done_by_block(runs: Sequence[Mapping[str, Any]], arm: str, blocks: int) -> list[Mapping[str, Any] | None]:
-    """The arm's finished run in each block (None where it failed or did not run; the warm-up run,
-    block -1, is in none): what every comparison between arms pairs."""
-    by = {(r["arm"], r["block"]): r for r in runs if r.get("block", -1) >= 0 and r.get("status") == "done"}
-    return [by.get((arm, b)) for b in range(blocks)]
 
 
 def loss_iterations(runs: Sequence[Mapping[str, Any] | None]) -> set[int]:
@@ -113,6 +108,14 @@ def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, se
         if base_mb is not None and row.get("max_allocated_mb") is not None:
             row["max_allocated_delta_mb"] = round(row["max_allocated_mb"] - base_mb, 2)
     return rows
+
+
+SPEED_KEYS = ("ms_per_iter", "tflops_per_gpu", "tokens_per_s_per_gpu", "speedup", "blocks_to_resolve")
+
+
+def without_speed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows less every speed figure: runs that shared the GPU timed the sharing, not the arms."""
+    return [{k: v for k, v in r.items() if k not in SPEED_KEYS} for r in rows]
 
 
 def sizing(rows: Sequence[dict[str, Any]], effect: float, confidence: float) -> dict[str, Any] | None:
@@ -190,6 +193,9 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} | {flag} "
                      f"| {_f(r.get('max_allocated_mb'), '.0f')} | {_signed(r.get('max_allocated_delta_mb'))} |")
     lines += _loss_band(rows)
+    if result.get("speed_note"):
+        lines += ["", f"Speed: {result['speed_note']}"]
+    lines += loss_window_lines(result)
     adds = {name: c for name, c in result.get("commands", {}).items() if "candidate_args" in c}
     if adds:  # what each candidate arm adds, so that a reader can run it again
         lines += ["", "Candidates (added to the baseline's command):", ""]
@@ -203,6 +209,9 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{size['blocks_for_half_width']}. This run had {result['blocks_run']}."]
     if result.get("stop_reason"):
         lines += ["", f"Stopped: {result['stop_reason']}."]
+    if result.get("blocks_across_calls"):
+        lines += ["", "Blocks whose runs ran in two calls (--split-blocks): "
+                  + ", ".join(str(b) for b in result["blocks_across_calls"]) + "."]
     failed = [r for r in result["runs"] if r.get("status") == "failed"]
     if failed:
         lines += ["", "## Failed runs", ""]

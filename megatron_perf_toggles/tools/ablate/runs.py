@@ -55,10 +55,14 @@ def arm_command(launch: str | None, script: str, megatron_args: Sequence[str], a
     return [*prefix, "-m", "megatron_perf_toggles.run", script, *arm_args(megatron_args, arm, paths)]
 
 
-def arm_paths(effective: dict[str, Any], directory: Path) -> dict[str, str]:
+def arm_paths(effective: dict[str, Any], directory: Path, together: bool = False) -> dict[str, str]:
     """Each run its own log directory (and checkpoints, where it saves), so no run resumes from or
-    overwrites another. A ``--load`` other than ``--save`` (a pretrained start) is shared: runs only read it."""
+    overwrites another. A ``--load`` other than ``--save`` (a pretrained start) is shared: runs only read it.
+    ``together`` (runs at once): each its own dataset index cache, which they would otherwise all
+    write in one place at the same moment."""
     out = {"--tensorboard-dir": str(directory / "tensorboard")}
+    if together and effective.get("data_path"):
+        out["--data-cache-path"] = str(directory / "data-cache")
     if effective.get("wandb_save_dir"):
         out["--wandb-save-dir"] = str(directory / "wandb")
     if effective.get("save"):
@@ -77,9 +81,9 @@ def run_dir(out: Path, arm: Arm, block: int) -> Path:
 
 
 def make_run(out: Path, arm: Arm, block: int, launch: str | None, script: str, megatron_args: Sequence[str],
-             effective: dict[str, Any]) -> Run:
+             effective: dict[str, Any], together: bool = False) -> Run:
     here = run_dir(out, arm, block)
-    return Run(arm, block, here, arm_command(launch, script, megatron_args, arm, arm_paths(effective, here)))
+    return Run(arm, block, here, arm_command(launch, script, megatron_args, arm, arm_paths(effective, here, together)))
 
 
 class Progress:
@@ -152,10 +156,25 @@ def finished_earlier(directory: Path, arm: Arm, command: Sequence[str] | None = 
     return previous
 
 
-def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, remaining: int) -> dict[str, Any]:
+def execute_together(batch: Sequence[Run], environ: dict[str, str], first_port: int, done: int, total: int
+                     ) -> list[dict[str, Any]]:
+    """Run ``batch`` at once (threads wait on the processes), each with its own MASTER_PORT from
+    ``first_port`` on; their statuses in the batch's order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> dict[str, Any]:
+        progress = Progress(total, live=False)
+        return execute(batch[i], environ, progress, done + i + 1, 0, {"MASTER_PORT": str(first_port + i)})
+
+    with ThreadPoolExecutor(max_workers=max(1, len(batch))) as pool:
+        return list(pool.map(one, range(len(batch))))
+
+
+def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, remaining: int,
+            extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run one arm once unless its status says done with the same command and the same plugin
     variables (the arm's env: the same command with another toggle pinned is another run); never
-    raises on a crash."""
+    raises on a crash. ``extra_env``: what this run alone gets besides (a port of its own)."""
     from .megatron_log import ITERATION, parse_lines
 
     run.directory.mkdir(parents=True, exist_ok=True)
@@ -170,7 +189,7 @@ def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, r
     with open(log_path, "w") as log:
         try:
             proc = subprocess.Popen(run.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env={**environ, **run.arm.env()}, bufsize=1)
+                                    env={**environ, **(extra_env or {}), **run.arm.env()}, bufsize=1)
         except OSError as error:
             log.write(f"could not start {run.command[0]}: {error}\n")
             code = 127

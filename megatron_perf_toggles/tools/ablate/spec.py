@@ -75,6 +75,22 @@ class ExperimentSpec:
         "(0.01 = +-1 %%), --budget is spent or --max-repeats is reached", type=float, metavar="FRACTION"))
     max_repeats: int = field(default=30, metadata=_opt(
         "--max-repeats", "most blocks --target-ci may run (default %(default)s)", type=int))
+    block_seeds: int | None = field(default=None, metadata=_opt(
+        "--block-seeds", "blocks are seeds: block i runs every arm with Megatron's --seed BASE+i (i from 0; the "
+        "warm-up run has BASE), so a loss comparison has one run per seed and arm", type=int, metavar="BASE"))
+    loss_window: int | None = field(default=None, metadata=_opt(
+        "--loss-window", "compare losses over each run's last N iterations: per arm, each seed's (block's) mean "
+        "loss less the baseline's of the same seed, against the seed-to-seed band (the spread of the "
+        "baseline's own means); 'within the seed-to-seed band' only where every seed's difference is; "
+        "needs 2 or more blocks", type=int, metavar="N"))
+    concurrent: int = field(default=1, metadata=_opt(
+        "--concurrent", "run K runs at once (for loss-only experiments: runs that share a GPU time the "
+        "sharing, so the result then carries no speed figures; no warm-up run); each run gets its own "
+        "MASTER_PORT (default %(default)s: one at a time)", type=int, metavar="K"))
+    split_blocks: bool = field(default=False, metadata=_opt(
+        "--split-blocks", "with --budget, stop before a run, not only before a block, that would not fit; the "
+        "same command resumes the block there, so its runs ran in two calls (perhaps on two machines: more "
+        "noise in that block's ratios; the results name such blocks)", action="store_true"))
     design: str = "ablation"  # the design's name, as the results record it (not an option of this spec)
 
     # --- options -----------------------------------------------------------------------------
@@ -134,6 +150,15 @@ class ExperimentSpec:
              f"--target-ci {self.target_ci}: expected a fraction, e.g. 0.01 for +-1 %"),
             (self.budget is not None and self.budget <= 0, f"--budget {self.budget}: expected minutes > 0"),
             (self.world_size is not None and self.world_size < 1, f"--world-size {self.world_size}: at least 1"),
+            (self.block_seeds is not None and self.block_seeds < 0, f"--block-seeds {self.block_seeds}: "
+             "a seed cannot be negative"),
+            (self.loss_window is not None and self.loss_window < 1, f"--loss-window {self.loss_window}: at least 1"),
+            (self.loss_window is not None and self.iters is not None and self.loss_window > self.iters,
+             f"--loss-window {self.loss_window} is more than --iters {self.iters}"),
+            (self.concurrent < 1, f"--concurrent {self.concurrent}: at least 1"),
+            (self.split_blocks and self.budget is None, "--split-blocks needs --budget"),
+            (self.concurrent > 1 and self.target_ci is not None,
+             "--target-ci needs timed runs, and --concurrent runs share the GPU: choose one"),
         ]
         return [text for bad, text in rules if bad]
 

@@ -1,0 +1,76 @@
+"""bench/moe_h200.py --smoke on a real Megatron tree: every preset's arms resolved through Megatron's
+own parser (the confound check), the runs through the stand-in, and the results the report reads.
+A real_megatron suite: it needs MEGATRON_LM_TREES (the tree named main where given, else the newest)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, megatron_trees
+
+
+def _tree():
+    trees = megatron_trees()
+    return next((t for t in trees if t.name == "main"), trees[-1])
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe") / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FAKE_SEED_LOSS": "0.01"}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "moe_h200.py"), "--megatron", str(_tree()),
+                           "--out", str(out), "--smoke", "--parts", "loss,speed-a,speed-b", "--repeats", "2",
+                           "--budget", "30"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+@pytest.mark.real_megatron
+@pytest.mark.own_process
+def test_smoke_runs_the_loss_preset_seeds_at_once(smoke):
+    out, text = smoke
+    assert text.index("expected: ~") < text.index("[loss]")
+    data = json.loads((out / "loss" / "results.json").read_text())
+    assert data["blocks_run"] == 2 and data["block_seeds"] == [1234, 1235] and data["concurrent"] == 10
+    assert data["loss_window"] == 50 and data["warmup_run"] is False
+    base = data["rows"][0]
+    assert base["baseline"] and base["loss_window"]["band"] == pytest.approx(0.01)
+    assert all("speedup" not in r and r["loss_window"]["losses"] for r in data["rows"])
+    assert all(r.get("verdict") for r in (row["loss_window"] for row in data["rows"][1:]))
+    assert (out / "corpus" / "stdlib.idx").is_file()
+    assert all(run["command"].count("--data-cache-path") == 1 for run in data["runs"])
+
+
+@pytest.mark.real_megatron
+@pytest.mark.own_process
+def test_smoke_runs_the_speed_presets_with_intervals_memory_and_each_arm_s_command(smoke):
+    out, _ = smoke
+    for part, experts in (("speed-a", "8"), ("speed-b", "64")):
+        data = json.loads((out / part / "results.json").read_text())
+        assert data["blocks_run"] == 2 and len(data["rows"]) == 5 and data["runs"][0]["block"] == -1
+        for row in data["rows"][1:]:
+            assert row["speedup"]["verdict"] and row["max_allocated_mb"] == 200.5
+        for name, command in data["commands"].items():
+            argv = command["argv"]
+            assert argv[argv.index("--num-experts") + 1] == experts and "env" in command, name
+        assert all(r["summary"]["memory_mb"]["max_allocated"] for r in data["runs"])
+
+
+@pytest.mark.real_megatron
+@pytest.mark.own_process
+def test_the_report_reads_the_smoke_results(smoke, tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import report_moe
+
+    out, _ = smoke
+    adds = [w for part in ("loss", "speed-a", "speed-b") for w in ("--add", f"{part}={out / part}")]
+    assert report_moe.main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "docs"), *adds]) == 0
+    md = (tmp_path / "docs" / "moe_h200.md").read_text()
+    assert "## Loss" in md and "## Speed: speed-a" in md and "## Speed: speed-b" in md and "## Peak memory" in md
+    assert "Seed-to-seed band (stock's spread across seeds): 0.0100" in md  # seeds 1234 and 1235: 0.04, 0.05
+    assert md.count("within the seed-to-seed band") == 4 and md.count("no detectable difference") == 8
+    assert str(out) not in (tmp_path / "raw" / "loss.json").read_text()

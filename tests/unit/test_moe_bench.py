@@ -1,0 +1,128 @@
+"""bench/moe_h200.py: the MoE presets are thin ablate calls with the shapes the issue names, checked
+without a GPU or a Megatron tree (the smoke runs through a real tree are in tests/real)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import moe_h200
+
+
+def _plan(tmp_path, capsys, *extra):
+    tree = tmp_path / "Megatron-LM"
+    tree.mkdir(exist_ok=True)
+    (tree / "pretrain_gpt.py").write_text("")
+    assert moe_h200.main(["--megatron", str(tree), "--out", str(tmp_path / "out"), "--print-only", *extra]) == 0
+    out = capsys.readouterr().out
+    cmds = {ln.split("]")[0][1:]: ln.split("] ", 1)[1].split() for ln in out.splitlines() if ln.startswith("[")}
+    return out, cmds
+
+
+def _value(cmd, flag):
+    return cmd[cmd.index(flag) + 1]
+
+
+def _megatron(cmd):
+    return cmd[cmd.index("--") + 1:]
+
+
+def test_the_plan_comes_first_with_the_expected_time(tmp_path, capsys):
+    out, cmds = _plan(tmp_path, capsys, "--budget", "9")
+    assert set(cmds) == {"loss", "speed-a", "speed-b"}
+    assert out.index("expected: ~") < out.index("[loss]") and "min on the H200 (budget 9 min)" in out
+    assert "loss      15 runs (all at once)" in out and "speed-a   16 runs (1 warm-up run" in out
+    for cmd in cmds.values():
+        flags = [w for w in _megatron(cmd) if w.startswith("--")]
+        assert len(flags) == len(set(flags))  # each Megatron argument once
+        assert cmd[3] == "ablate" and "--budget" in cmd
+        assert "--save" not in cmd and "--load" not in cmd
+        assert float(_value(cmd, "--budget")) < 9  # the dry runs before ablate's clock starts are left out
+    assert "--split-blocks" in cmds["speed-a"] and "--split-blocks" in cmds["speed-b"]
+    assert "--split-blocks" not in cmds["loss"]  # its runs start together or not at all
+
+
+def test_the_speed_shapes_are_the_issue_s(tmp_path, capsys):
+    _, cmds = _plan(tmp_path, capsys, "--parts", "speed-a,speed-b")
+    a, b = _megatron(cmds["speed-a"]), _megatron(cmds["speed-b"])
+    for args in (a, b):
+        for flag, value in (("--num-layers", "4"), ("--hidden-size", "2048"), ("--num-attention-heads", "16"),
+                            ("--seq-length", "4096"), ("--micro-batch-size", "1"),
+                            ("--moe-token-dispatcher-type", "alltoall"), ("--expert-model-parallel-size", "1"),
+                            ("--moe-router-load-balancing-type", "aux_loss"),
+                            ("--transformer-impl", "transformer_engine"), ("--seed", "1234")):
+            assert _value(args, flag) == value, flag
+        assert {"--bf16", "--use-distributed-optimizer", "--mock-data"} <= set(args)
+    assert (_value(a, "--num-experts"), _value(a, "--moe-router-topk"), _value(a, "--moe-ffn-hidden-size")) == (
+        "8", "2", "4096")
+    assert (_value(b, "--num-experts"), _value(b, "--moe-router-topk"), _value(b, "--moe-ffn-hidden-size")) == (
+        "64", "8", "768")
+    for part in ("speed-a", "speed-b"):
+        cmd = cmds[part]
+        assert (_value(cmd, "--iters"), _value(cmd, "--warmup"), _value(cmd, "--repeats")) == ("20", "8", "3")
+        assert "--concurrent" not in cmd and "--block-seeds" not in cmd and "--no-warmup-run" not in cmd
+
+
+def test_the_loss_part_runs_seeds_at_once_on_real_text(tmp_path, capsys):
+    _, cmds = _plan(tmp_path, capsys, "--parts", "loss", "--repeats", "2", "--loss-window", "40")
+    cmd = cmds["loss"]
+    assert (_value(cmd, "--iters"), _value(cmd, "--block-seeds"), _value(cmd, "--loss-window")) == ("300", "1234", "40")
+    assert _value(cmd, "--concurrent") == str(2 * moe_h200.arms()) and "--no-warmup-run" in cmd
+    args = _megatron(cmd)
+    assert "--mock-data" not in args and _value(args, "--vocab-size") == "257"
+    assert _value(args, "--data-path") == str((tmp_path / "out" / "corpus" / "stdlib").resolve())
+    assert "--log-throughput" not in args and _value(args, "--num-experts") == "8"
+
+
+def test_the_moe_arms_are_toggles_where_the_registry_has_them_else_candidates(monkeypatch):
+    monkeypatch.setattr(moe_h200, "have_moe_toggles", lambda: True)
+    assert moe_h200.design_words() == ["--design", "each-alone", "--toggles",
+                                       "moe_grouped_gemm,moe_permute_fusion,moe_router_fusion"]
+    monkeypatch.setattr(moe_h200, "have_moe_toggles", lambda: False)
+    words = moe_h200.design_words()
+    assert words[:2] == ["--design", "candidates"] and words.count("--candidate") == 4
+    assert "all-moe=--moe-grouped-gemm --moe-permute-fusion --moe-router-fusion" in words
+
+
+def test_expected_time_grows_with_the_work():
+    assert moe_h200.estimate_s("speed-a", 3) > moe_h200.estimate_s("speed-a", 2)
+    assert moe_h200.estimate_s("speed-b", 3, 40) > moe_h200.estimate_s("speed-b", 3)
+    # the loss part's runs run at once: more seeds cost no more time
+    assert moe_h200.estimate_s("loss", 5) == moe_h200.estimate_s("loss", 3)
+
+
+def test_collect_copies_results_statuses_and_logs_and_nothing_else(tmp_path, capsys):
+    out = tmp_path / "out"
+    run = out / "speed-a" / "runs" / "block01" / "all-off"
+    run.mkdir(parents=True)
+    (out / "speed-a" / "results.json").write_text(json.dumps({"rows": []}))
+    (out / "speed-a" / "results.md").write_text("# x\n")
+    (run / "status.json").write_text("{}")
+    (run / "log.txt").write_text("a long log\n")
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events").write_text("")
+    assert moe_h200.main(["--out", str(out), "--collect", str(tmp_path / "small")]) == 0
+    got = sorted(str(p.relative_to(tmp_path / "small")) for p in (tmp_path / "small").rglob("*") if p.is_file())
+    assert got == ["speed-a/results.json", "speed-a/results.md", "speed-a/runs/block01/all-off/log.txt",
+                   "speed-a/runs/block01/all-off/status.json"]  # the log: a resumed run is measured from it
+    assert moe_h200.main(["--out", str(tmp_path / "empty"), "--collect", str(tmp_path / "small2")]) == 1
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--parts", "speed-c"], "unknown speed-c"),
+    (["--repeats", "0"], "at least 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, words):
+    tree = tmp_path / "t"
+    tree.mkdir()
+    (tree / "pretrain_gpt.py").write_text("")
+    with pytest.raises(SystemExit) as info:
+        moe_h200.main(["--megatron", str(tree), "--out", str(tmp_path / "o"), *extra])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        moe_h200.main(["--megatron", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
+    assert info.value.code == 2 and "no pretrain_gpt.py there" in capsys.readouterr().err
