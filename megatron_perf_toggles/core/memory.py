@@ -12,13 +12,14 @@ it counts; docs/memory.md has the derivations and the H200 validation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-MB = 2**20
-FP32, BF16 = 4, 2
+from . import memory_moe
+from .memory_moe import BF16, FP32, MB, MOE_DESTS, Moe, MoeUnknown, moe_from_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ class Layout:
     fp8: bool = False  # TE keeps an fp8 copy of each transformer layer's linear weights
     fp32_grad_buffer: bool = True  # stock's gradient buffer is fp32 (bf16 training with fp32 main grads)
     unfused_attention: bool = False  # --transformer-impl local: attention scores are materialised
+    moe: Moe | None = None  # the mixture-of-experts layers (core.memory_moe); None: a dense model
 
     @property
     def tokens(self) -> int:
@@ -71,25 +73,82 @@ class Layout:
                 "fc1": (fc1 // self.tp, self.hidden), "fc2": (self.hidden, self.ffn // self.tp)}
 
     def layer_params(self) -> int:
+        """One dense layer's parameters on this rank."""
         weights = sum(r * c for r, c in self.linear_shapes().values())
         return weights + 2 * self.hidden  # two RMSNorm/LayerNorm weights (replicated across TP)
+
+    def attention_params(self) -> int:
+        shapes = self.linear_shapes()
+        return sum(r * c for name, (r, c) in shapes.items() if name in ("qkv", "proj"))
+
+    def moe_layer_params(self) -> tuple[int, int]:
+        """One MoE layer's parameters on this rank: (outside the experts: attention, the norms, the
+        router and the shared experts; the local experts'), which the distributed optimizer shards
+        over different groups."""
+        moe = self.moe
+        assert moe is not None
+        dense = self.attention_params() + 2 * self.hidden + memory_moe.moe_dense_params(moe, self.hidden, self.swiglu, self.tp)
+        return dense, memory_moe.expert_params(moe, self.hidden, self.swiglu)
+
+    def stage_start(self, last: bool) -> int:
+        """The first layer of the last (or the first) pipeline stage."""
+        return max(self.layers - self.stage_layers, 0) if last else 0
+
+    def moe_layers(self, last: bool = True) -> int:
+        """The MoE layers on the last (or the first) pipeline stage."""
+        return 0 if self.moe is None else self.moe.layers_in(self.stage_start(last), self.stage_layers)
+
+    def stage_param_split(self, last: bool) -> tuple[int, int]:
+        """Parameters on one rank of the last (or the first) stage: (dense, expert). Dense: its
+        layers outside the experts, the final norm and the output layer on the last stage (its own
+        weight when untied; a copy of the embedding when tied and PP > 1), the input embedding on
+        the first (both when PP == 1)."""
+        moe_n = self.moe_layers(last)
+        dense = (self.stage_layers - moe_n) * self.layer_params()
+        expert = 0
+        if moe_n:
+            moe_dense, expert_layer = self.moe_layer_params()
+            dense, expert = dense + moe_n * moe_dense, moe_n * expert_layer
+        if last:
+            dense += self.hidden + self.embedding_params()
+            if self.pp == 1 and self.untied:
+                dense += self.embedding_params()
+        elif self.pp > 1:
+            dense += self.embedding_params()
+        else:
+            return self.stage_param_split(True)
+        return dense, expert
+
+    def weight_shapes(self) -> set[tuple[int, int]]:
+        """Each distinct linear weight shape of the model's layers on this rank: attention's, the
+        dense MLP's where a dense layer exists, the experts' and the shared experts' where MoE layers do."""
+        shapes = self.linear_shapes()
+        out = {shapes["qkv"], shapes["proj"]}
+        if self.moe is None or not all(self.moe.pattern):
+            out |= {shapes["fc1"], shapes["fc2"]}
+        if self.moe is not None:
+            out |= set(memory_moe.expert_shapes(self.moe, self.hidden, self.swiglu).values())
+            out |= set(memory_moe.shared_shapes(self.moe, self.hidden, self.swiglu, self.tp).values())
+        return out
+
+    def stage_linear_weights(self, last: bool) -> int:
+        """The linear layers' weights of the stage's layers (what FP8 keeps a 1-byte copy of)."""
+        moe_n = self.moe_layers(last)
+        dense = (self.stage_layers - moe_n) * sum(r * c for r, c in self.linear_shapes().values())
+        if not moe_n:
+            return dense
+        moe_dense, expert = self.moe_layer_params()
+        return dense + moe_n * (moe_dense - 2 * self.hidden - self.moe.experts * self.hidden + expert)  # type: ignore[union-attr]
 
     def embedding_params(self) -> int:
         return self.vocab_per_rank * self.hidden
 
     def last_stage_params(self) -> int:
-        """Parameters on one rank of the last stage: its layers, the final norm, the output layer
-        (its own weight when untied; a copy of the embedding when tied and PP > 1), and the input
-        embedding too when PP == 1."""
-        params = self.stage_layers * self.layer_params() + self.hidden + self.embedding_params()
-        if self.pp == 1 and self.untied:
-            params += self.embedding_params()
-        return params
+        """Parameters on one rank of the last stage (``stage_param_split``), experts included."""
+        return sum(self.stage_param_split(True))
 
     def first_stage_params(self) -> int:
-        if self.pp == 1:
-            return self.last_stage_params()
-        return self.stage_layers * self.layer_params() + self.embedding_params()
+        return sum(self.stage_param_split(False))
 
 
 class Unknown(Exception):
@@ -120,8 +179,9 @@ def padded_vocab(args: Mapping[str, Any]) -> int:
 
 def layout_from_args(args: Mapping[str, Any]) -> Layout:
     """The layout Megatron's parsed (and validated) namespace describes; raises Unknown for what the
-    model does not cover (MoE, MLA, hybrid models, a vocabulary not known yet)."""
-    for dest, words in (("num_experts", "mixture-of-experts layers"), ("multi_latent_attention", "multi-latent attention"),
+    model does not cover (MLA, hybrid models, a vocabulary not known yet, the MoE variants
+    ``core.memory_moe`` leaves out)."""
+    for dest, words in (("multi_latent_attention", "multi-latent attention"),
                         ("hybrid_override_pattern", "hybrid (Mamba) layers"), ("mtp_num_layers", "multi-token prediction")):
         if args.get(dest):
             raise Unknown(f"{words} are not in the memory model")
@@ -134,17 +194,24 @@ def layout_from_args(args: Mapping[str, Any]) -> Layout:
     # validate_args sets data_parallel_size; before it, the world size (parse_args reads WORLD_SIZE) gives it
     dp_default = world // (tp * pp * cp) if isinstance(world, int) and world >= tp * pp * cp else 1
     recompute = args.get("recompute_granularity")
+    dp = _int(args, "data_parallel_size", max(dp_default, 1))
+    ffn, layers = _int(args, "ffn_hidden_size", 4 * hidden), _int(args, "num_layers")
+    try:
+        moe = moe_from_args(args, layers, ffn, tp, pp, dp * tp * pp * cp)
+    except MoeUnknown as why:
+        raise Unknown(str(why)) from None
     return Layout(
-        hidden=hidden, ffn=_int(args, "ffn_hidden_size", 4 * hidden), layers=_int(args, "num_layers"),
+        hidden=hidden, ffn=ffn, layers=layers,
         heads=heads, query_groups=groups, kv_channels=_int(args, "kv_channels", hidden // heads),
         seq=_int(args, "seq_length"), micro_batch=_int(args, "micro_batch_size"), padded_vocab=padded_vocab(args),
-        tp=tp, pp=pp, cp=cp, dp=_int(args, "data_parallel_size", max(dp_default, 1)),
+        tp=tp, pp=pp, cp=cp, dp=dp,
         sequence_parallel=bool(args.get("sequence_parallel")) and tp > 1,
         untied=bool(args.get("untie_embeddings_and_output_weights")), swiglu=bool(args.get("swiglu")),
         distributed_optimizer=bool(args.get("use_distributed_optimizer")),
         recompute=recompute if recompute in ("selective", "full") else None,
         bias=bool(args.get("add_bias_linear", False)), fp8=bool(args.get("fp8") or args.get("fp8_format")),
         fp32_grad_buffer=_fp32_grad_buffer(args), unfused_attention=args.get("transformer_impl") == "local",
+        moe=moe,
     )
 
 
@@ -207,7 +274,7 @@ def dummy_wgrads_mb(layout: Layout, last_stage: bool = True) -> float:
     8 KV groups, vocab 128256, TP 1): 2 B x (128256x4096 + 6144x4096 + 4096x4096 + 28672x4096 +
     4096x14336) = 1002 + 416 = 1418 MB.
     """
-    shapes = set(layout.linear_shapes().values())
+    shapes = layout.weight_shapes()  # experts too: TE's grouped linear asks the same one-per-shape cache
     if last_stage:  # tied too: the output layer then runs the shared embedding weight through the same path
         shapes.add((layout.vocab_per_rank, layout.hidden))
     return BF16 * sum(r * c for r, c in shapes) / MB
@@ -238,6 +305,8 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
     implementation) plus the implementation (where stock fuses too). None: not modelled."""
     if dest in ZERO_TERMS:
         return 0.0
+    if dest in MOE_DESTS:
+        return moe_toggle_delta_mb(dest, values, stock, layout, te_installed, last_stage)
     if dest == "gradient_accumulation_fusion":
         now, before = bool(values.get(dest)), bool(stock.get(dest))
         if now == before:
@@ -258,6 +327,22 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
         return cross_entropy_mb(layout, stock_fused, impl) - cross_entropy_mb(
             layout, stock_fused, str(stock.get(dest, "native")))
     return None
+
+
+def moe_toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Layout,
+                        te_installed: bool, last_stage: bool = True) -> float | None:
+    """An MoE toggle's change (``core.memory_moe.toggle_delta_mb``) on the stage's MoE layers, each
+    holding one micro-batch's activations on the last stage and PP of them on the first: 0 where the
+    stage has no MoE layer (a dense model included); None without Transformer Engine, whose kernels
+    all three toggles run (Megatron's own fallbacks are not modelled)."""
+    moe_layers = layout.moe_layers(last_stage)
+    if layout.moe is None or not moe_layers or bool(values.get(dest)) == bool(stock.get(dest)):
+        return 0.0
+    if not te_installed:
+        return None
+    in_flight = moe_layers * (1 if last_stage else layout.pp)
+    return memory_moe.toggle_delta_mb(dest, values, stock, layout.moe, layout.hidden, layout.tokens, layout.tp,
+                                      layout.sequence_parallel, in_flight)
 
 
 # --- stock's own peak ----------------------------------------------------------------------------
@@ -303,27 +388,62 @@ def layer_activation_bytes(layout: Layout) -> tuple[float, bool]:
     return sbh * (10 + split / layout.tp), False
 
 
-def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool) -> Estimate:
-    """Stock's peak on the busier of the first and last pipeline stage: weights and optimizer state,
-    saved activations (PP micro-batches in flight on the first stage, one on the last), and on the
-    last stage the logits as stock's unfused cross entropy holds them (the bf16 output plus its
-    fp32 copy, 6 B x tokens x vocab / TP), and the placeholder gradients if fusion is on."""
-    per_layer, megatron_applies = layer_activation_bytes(layout)
+def moe_layer_activation_bytes(layout: Layout, values: Mapping[str, Any]) -> float:
+    """One MoE layer's saved activations for one micro-batch: the dense layer's without its MLP
+    (attention, the norms, residuals and masks: ``layer_activation_bytes`` with no FFN) plus the
+    MoE part under the MoE toggles' ``values`` (``core.memory_moe.moe_layer_bytes``). Full
+    recompute keeps the layer's input only, as for a dense layer."""
+    if layout.moe is None:
+        raise ValueError("a dense layout has no MoE layer")
+    if layout.recompute == "full":
+        return layer_activation_bytes(layout)[0]
+    attention = layer_activation_bytes(dataclasses.replace(layout, ffn=0))[0]
+    return attention + memory_moe.moe_layer_bytes(layout.moe, layout.hidden, layout.tokens, layout.tp,
+                                                  layout.sequence_parallel, layout.swiglu, values)
+
+
+def _stage_parts(layout: Layout, last: bool, in_flight: int, grad_accum_fusion: bool, te_installed: bool,
+                 moe_values: Mapping[str, Any]) -> dict[str, float]:
+    """One pipeline stage's parts of stock's peak (``stock_peak``)."""
+    per_layer = layer_activation_bytes(layout)[0]
     sbh = layout.tokens * layout.hidden
+    dense, expert = layout.stage_param_split(last)
+    moe_n = layout.moe_layers(last)
+    weights = dense * bytes_per_param(layout)
+    if layout.moe is not None:
+        weights += expert * memory_moe.expert_bytes_per_param(layout.moe, layout.distributed_optimizer)
+    activations = (layout.stage_layers - moe_n) * per_layer
+    if moe_n:
+        activations += moe_n * moe_layer_activation_bytes(layout, moe_values)
+    parts = {"weights_and_optimizer": weights / MB, "activations": in_flight * activations / MB}
+    if last:
+        parts["logits"] = (FP32 + BF16) * layout.tokens * layout.vocab_per_rank / MB + FP32 * sbh / MB
+    if not last or layout.pp == 1:
+        parts["embedding_output"] = in_flight * BF16 * sbh / MB
+    if layout.fp8:  # 1 B per linear weight of the stage's layers (the output layer stays bf16)
+        parts["fp8_weights"] = layout.stage_linear_weights(last) / MB
+    if grad_accum_fusion and te_installed:
+        parts["placeholder_wgrads"] = dummy_wgrads_mb(layout, last_stage=last)
+    if moe_n and layout.moe is not None:
+        buffers = memory_moe.persistent_mb(layout.moe, layout.hidden, layout.tokens, layout.tp,
+                                           layout.sequence_parallel, moe_values)
+        if buffers:
+            parts["moe_buffers"] = sum(buffers.values())
+    return parts
+
+
+def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool,
+               moe_values: Mapping[str, Any] | None = None) -> Estimate:
+    """Stock's peak on the busier of the first and last pipeline stage: weights and optimizer state,
+    saved activations (PP micro-batches in flight on the first stage, one on the last; MoE layers
+    priced under stock's MoE toggles, ``moe_values``, Megatron's defaults (all off) where not given),
+    on the last stage the logits as stock's unfused cross entropy holds them (the bf16 output plus
+    its fp32 copy, 6 B x tokens x vocab / TP), the placeholder gradients if fusion is on, and the
+    buffers MoE layers keep."""
+    megatron_applies = layer_activation_bytes(layout)[1] and layout.moe is None
     stages: list[dict[str, float]] = []
     for last, in_flight in ((True, 1), (False, layout.pp)):
-        params = layout.last_stage_params() if last else layout.first_stage_params()
-        parts = {"weights_and_optimizer": params * bytes_per_param(layout) / MB,
-                 "activations": in_flight * layout.stage_layers * per_layer / MB}
-        if last:
-            parts["logits"] = (FP32 + BF16) * layout.tokens * layout.vocab_per_rank / MB + FP32 * sbh / MB
-        if not last or layout.pp == 1:
-            parts["embedding_output"] = in_flight * BF16 * sbh / MB
-        if layout.fp8:  # 1 B per linear weight of the stage's layers (the output layer stays bf16)
-            parts["fp8_weights"] = layout.stage_layers * sum(r * c for r, c in layout.linear_shapes().values()) / MB
-        if grad_accum_fusion and te_installed:
-            parts["placeholder_wgrads"] = dummy_wgrads_mb(layout, last_stage=last)
-        stages.append(parts)
+        stages.append(_stage_parts(layout, last, in_flight, grad_accum_fusion, te_installed, moe_values or {}))
         if layout.pp == 1:
             break
     parts = max(stages, key=lambda p: sum(p.values()))
