@@ -33,7 +33,7 @@ from .allocator import (
 from .env import EnvSettings
 from .facts import Capabilities
 from .guards import NEEDS
-from .memory import Estimate, Unknown, layout_from_args, stock_peak, toggle_delta_mb
+from .memory import MOE_DESTS, Estimate, Unknown, layout_from_args, stock_peak, toggle_delta_mb
 from .plan import Context, Decision, Message
 from .registry import TOGGLES, format_value
 
@@ -96,10 +96,13 @@ def summary(memory: Mapping[str, Any]) -> str:
     return line + (f"; {note}" if note else "")
 
 
-def stock_values(stock: Mapping[str, Any], caps: Capabilities) -> dict[str, Any]:
+def stock_values(stock: Mapping[str, Any], caps: Capabilities, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What stock Megatron runs with: its own defaults, and gradient accumulation fusion only where
-    APEX's kernel is there (stock raises at model build otherwise, so such a job runs without it)."""
-    out = {t.dest: stock.get(t.dest, t.stock_default) for t in TOGGLES}
+    APEX's kernel is there (stock raises at model build otherwise, so such a job runs without it).
+    The MoE toggles the registry does not hold are what the command line gave (``args``): the
+    plugin does not move them, so stock and the plan both run with that."""
+    out = {d: bool((args or {}).get(d)) for d in MOE_DESTS}
+    out.update({t.dest: stock.get(t.dest, t.stock_default) for t in TOGGLES})
     out["gradient_accumulation_fusion"] = bool(out["gradient_accumulation_fusion"]) and caps.apex_fused_wgrad
     return out
 
@@ -229,7 +232,7 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     (``decisions`` is changed in place). Returns the memory record and the messages for the table."""
     headroom_mb(env, 1.0)  # a bad setting is reported on every plan, not only where the guard gets to use it
     memory = MemoryPlan(gpu_memory_mb=caps.gpu_memory_mb, expandable_set=env.expandable_segments)
-    base = stock_values(stock, caps)
+    base = stock_values(stock, caps, args)
     te = caps.te_version is not None
     try:
         layout = layout_from_args(args)
@@ -238,9 +241,10 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
         memory.deltas = {t.dest: None for t in TOGGLES}
         memory.note = f"no memory estimate: {why}; each decision's memory change is unknown"
         return memory, []
-    values = {dest: d.value for dest, d in decisions.items()}
+    values = {**{d: base[d] for d in MOE_DESTS}, **{dest: d.value for dest, d in decisions.items()}}
     memory.deltas = _deltas(values, base, layout, te)
-    memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te)
+    memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te,
+                                         {d: base[d] for d in MOE_DESTS})
     memory.planned_mb = planned_peak(estimate, values, base, layout, te)
     _allocator_record(memory, allocator_stages(estimate, values, base, layout, te))
     memory.stock_largest = _neediest(allocator_stages(estimate, base, base, layout, te))[1]

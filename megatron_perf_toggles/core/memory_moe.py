@@ -55,6 +55,8 @@ class Moe:
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
     aux_loss: bool = False  # a load-balancing loss with a coefficient above 0
+    recompute: str = ""  # what is recomputed: "full" (every layer), "moe" (the MoE part), "moe_act" (its activation)
+    legacy_grouped_gemm: bool = False  # --moe-use-legacy-grouped-gemm: the grouped_gemm package, not TE
 
     @property
     def local_experts(self) -> int:
@@ -87,15 +89,22 @@ def layer_pattern(freq: Any, layers: int) -> tuple[bool, ...]:
     number of layers, as Megatron asserts)."""
     if isinstance(freq, str):
         text = freq.strip()
-        freq = _pattern_value(ast.parse(text, mode="eval").body) if "[" in text else int(text)
+        try:
+            freq = _pattern_value(ast.parse(text, mode="eval").body) if "[" in text else int(text)
+        except MoeUnknown:
+            raise
+        except (SyntaxError, TypeError, ValueError):
+            raise MoeUnknown(f"--moe-layer-freq {text!r} is neither a number nor a list expression of 0 and 1") from None
     if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
         raise MoeUnknown("--moe-layer-freq is not known")
     if isinstance(freq, int):
         if freq <= 0:
             raise MoeUnknown("--moe-layer-freq must be 1 or more")
         return tuple(i % freq == 0 for i in range(layers))
-    if len(freq) != layers or any(v not in (0, 1) for v in freq):
-        raise MoeUnknown(f"--moe-layer-freq gives {len(freq)} layers of 0 and 1, the model has {layers}")
+    if any(v not in (0, 1) or isinstance(v, bool) for v in freq):
+        raise MoeUnknown("--moe-layer-freq: a pattern holds 0 (a dense layer) and 1 (an MoE layer) only")
+    if len(freq) != layers:
+        raise MoeUnknown(f"--moe-layer-freq gives {len(freq)} layers, the model has {layers} (Megatron asserts they match)")
     return tuple(bool(v) for v in freq)
 
 
@@ -115,6 +124,20 @@ def _aux_loss(args: Mapping[str, Any]) -> bool:
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
     coeffs = [coeffs] * len(kinds) if isinstance(coeffs, (int, float, str)) else list(coeffs)
     return any(k in AUX_LOSSES and float(c) > 0 for k, c in zip(kinds, coeffs, strict=False))
+
+
+def _recompute(args: Mapping[str, Any]) -> str:
+    """What selective recompute drops from an MoE layer: with ``moe`` in --recompute-modules the
+    whole MoE part is recomputed and only its input kept (moe_layer.py; --moe-layer-recompute, the
+    older flag, does the same); with ``moe_act`` the experts' activation (experts.py:
+    ``CheckpointWithoutOutput`` around it, so fc2's input is not kept)."""
+    if args.get("moe_layer_recompute"):
+        return "moe"
+    if args.get("recompute_granularity") != "selective":
+        return ""
+    modules = args.get("recompute_modules") or ()
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    return "moe" if "moe" in modules else "moe_act" if "moe_act" in modules else ""
 
 
 def moe_from_args(args: Mapping[str, Any], layers: int, ffn: int, tp: int, pp: int, world: int) -> Moe | None:
@@ -141,7 +164,9 @@ def moe_from_args(args: Mapping[str, Any], layers: int, ffn: int, tp: int, pp: i
         pattern=layer_pattern(args.get("moe_layer_freq", 1) or 1, layers), ep=ep, etp=etp,
         edp=max(world // (ep * etp * pp), 1), shared_ffn=int(args.get("moe_shared_expert_intermediate_size") or 0),
         dispatcher=dispatcher, capacity_factor=None if capacity in (None, "") else float(capacity),
-        pad_to_capacity=bool(args.get("moe_pad_expert_input_to_capacity")), aux_loss=_aux_loss(args))
+        pad_to_capacity=bool(args.get("moe_pad_expert_input_to_capacity")), aux_loss=_aux_loss(args),
+        recompute="full" if args.get("recompute_granularity") == "full" else _recompute(args),
+        legacy_grouped_gemm=bool(args.get("moe_use_legacy_grouped_gemm")))
 
 
 # --- weights -------------------------------------------------------------------------------------
@@ -209,7 +234,8 @@ def expert_activation_bytes(moe: Moe, hidden: int, routed: float, swiglu: bool) 
     ``2 x moe_ffn`` wide under SwiGLU; fc2 keeps the activation's output; the probability-weighted
     activation keeps the permuted probabilities in fp32). All split over ETP but the input."""
     fc1 = moe.ffn * (2 if swiglu else 1) // moe.etp
-    return routed * (BF16 * (hidden + fc1 + moe.ffn // moe.etp) + FP32)
+    activation = 0 if moe.recompute == "moe_act" else moe.ffn // moe.etp
+    return routed * (BF16 * (hidden + fc1 + activation) + FP32)
 
 
 def shared_activation_bytes(moe: Moe, layer_tokens: float, tp: int, sp: bool) -> float:
@@ -257,6 +283,8 @@ def moe_layer_bytes(moe: Moe, hidden: int, tokens: int, tp: int, sp: bool, swigl
     """One MoE layer's MLP part for one micro-batch: the experts, the shared experts, the router and
     the dispatcher (the attention part and the norms are the dense layer's, ``core.memory``)."""
     layer_tokens = tokens / tp if sp else tokens
+    if moe.recompute in ("moe", "full"):  # only the MoE part's input is kept: the norm's output
+        return BF16 * layer_tokens * hidden
     routed = routed_tokens(moe, tokens, tp, sp)
     return (expert_activation_bytes(moe, hidden, routed, swiglu) + shared_activation_bytes(moe, layer_tokens, tp, sp)
             + router_bytes(moe, layer_tokens, bool(values.get("moe_router_fusion")))
@@ -271,7 +299,7 @@ def persistent_mb(moe: Moe, hidden: int, tokens: int, tp: int, sp: bool, values:
     gathered tokens, which live in Megatron's global memory buffer (``use_global_buffer=True``)
     kept at its largest size, where TP x EP > 1."""
     out = {}
-    if values.get("moe_grouped_gemm"):
+    if values.get("moe_grouped_gemm") and not moe.legacy_grouped_gemm:
         out["grouped_gemm_workspaces"] = CUBLAS_STREAMS * CUBLAS_WORKSPACE_MB
     if moe.dispatcher == "allgather" and tp * moe.ep > 1:
         layer_tokens = tokens / tp if sp else tokens
@@ -311,8 +339,10 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
         return 0.0
     sign = 1 if now else -1
     layer_tokens = tokens / tp if sp else tokens
-    if dest == "moe_grouped_gemm":
-        return sign * CUBLAS_STREAMS * CUBLAS_WORKSPACE_MB
+    if dest == "moe_grouped_gemm":  # the legacy grouped_gemm package keeps no cuBLAS workspaces
+        return 0.0 if moe.legacy_grouped_gemm else sign * CUBLAS_STREAMS * CUBLAS_WORKSPACE_MB
+    if moe.recompute in ("moe", "full"):  # the router's and the permutation's tensors are recomputed, not kept
+        return 0.0
     if dest == "moe_permute_fusion":
         change = permute_bytes(moe, layer_tokens, True) - permute_bytes(moe, layer_tokens, False)
     elif dest == "moe_router_fusion":

@@ -92,7 +92,8 @@ def test_layout_terms_follow_tp_cp_and_pipeline():
 
 
 def test_unknown_layouts_are_refused_with_a_reason():
-    for extra, words in (({"num_experts": 8}, "mixture-of-experts"), ({"vocab_size": None}, "vocabulary")):
+    for extra, words in (({"multi_latent_attention": True}, "multi-latent attention"), ({"vocab_size": None}, "vocabulary"),
+                         ({"num_experts": 8, "moe_latent_size": 256}, "MoE latent projections")):
         args = {**memory_validation.args_of(REFERENCE_ARGV), **extra}
         with pytest.raises(memory.Unknown, match=words):
             memory.layout_from_args(args)
