@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from memory_validation import ABS_TOL_MB, REL_TOL, _toggle_flags, args_of  # noqa: E402
 
 from megatron_perf_toggles.core import memory  # noqa: E402
+from megatron_perf_toggles.core.memory_guard import stage_peaks  # noqa: E402
 from megatron_perf_toggles.core.memory_moe import MOE_DESTS  # noqa: E402
 from megatron_perf_toggles.core.registry import TOGGLES  # noqa: E402
 
@@ -89,20 +90,21 @@ def arm_values(argv: list[str], env: Mapping[str, str], intended: Mapping[str, A
 
 
 def plan_peak(argv: list[str], values: Mapping[str, Any], te: bool, apex: bool) -> dict[str, Any]:
-    """The arm's planned peak on one GPU: stock's per stage (core.memory.stock_peak) plus every
-    toggle's change against stock's value, registry and MoE toggles alike; the larger stage."""
+    """The arm's planned peak on one GPU, as the memory guard plans it (core.memory_guard.stage_peaks:
+    stock's peak per stage plus every toggle's change against stock's value, or the optimizer
+    step's peak where larger), over the registry's toggles and the MoE toggles alike."""
     args = {k: v for k, v in args_of(argv).items() if k not in ("world_size", "data_parallel_size")}
     layout = memory.layout_from_args(args)
     base = megatron_values(apex)
     estimate = memory.stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te,
                                  {d: base[d] for d in MOE_DESTS})
     dests = sorted(REGISTRY | set(MOE_DESTS))
-    stages = {}
-    for name, stage_mb in (estimate.stages or {"last": estimate.peak_mb}).items():
-        deltas = [memory.toggle_delta_mb(d, values, base, layout, te, last_stage=name == "last") for d in dests]
-        stages[name] = stage_mb + sum(d for d in deltas if d is not None)
+    stages = stage_peaks(estimate, values, base, layout, te, dests)
     terms = {d: memory.toggle_delta_mb(d, values, base, layout, te) for d in dests}
+    step = memory.step_peak(estimate, terms, layout, values, "last")
+    training = estimate.stages.get("last", estimate.peak_mb) + sum(v for v in terms.values() if v is not None)
     return {"planned_mb": round(max(stages.values()), 1), "stock_planned_mb": estimate.peak_mb,
+            "peak_in": "optimizer step" if step is not None and step > training else "forward and backward",
             "stock_parts_mb": estimate.parts, "deltas_mb": {d: None if v is None else round(v, 1) for d, v in terms.items()
                                                            if v is None or abs(v) >= 0.05}}
 

@@ -86,16 +86,36 @@ def grad_reduce_bf16_mb(layout: Layout, last_stage: bool = True) -> float:
     (distributed/param_and_grad_buffer.py) hold every parameter's gradient in bf16 instead of fp32
     (stock bf16 training sets accumulate_allreduce_grads_in_fp32). -2 B x parameters on the rank.
 
-    With the distributed optimizer, the optimizer step then upcasts its shard of the bf16 gradients
-    into fp32 main gradients (4 B x parameters / DP, transient); that step is not where a dense
-    model peaks, so the term is the buffer's saving alone."""
+    The optimizer step then upcasts the bf16 gradients into fp32 main gradients (``step_upcast_mb``);
+    that is a peak of its own, after the activations are gone, priced beside the training peak
+    (``step_peak``), so the term here is the buffer's saving alone."""
     if not layout.fp32_grad_buffer:  # fp16/fp32 training, or bf16 main grads: the flag changes nothing
         return 0.0
     params = layout.last_stage_params() if last_stage else layout.first_stage_params()
     return -BF16 * params / MB
 
 
+def step_upcast_mb(layout: Layout, values: Mapping[str, Any], last_stage: bool = True) -> float:
+    """The optimizer step's fp32 copies of bf16 gradients: with a bf16 gradient buffer, Megatron's
+    optimizers hand each main parameter ``grad.float()`` (optimizer/distrib_optimizer.py
+    ``_copy_model_grads_to_main_grads``: the rank's shard, over DP x CP for dense parameters and over
+    the expert data-parallel group for the experts'; optimizer.py: every parameter), alive together
+    until the step ends. With stock's fp32 buffer ``.float()`` is the buffer itself: nothing."""
+    if not layout.fp32_grad_buffer or not values.get("grad_reduce_in_bf16"):
+        return 0.0
+    dense, expert = layout.stage_param_split(last_stage)
+    if layout.distributed_optimizer:
+        shard = dense / (layout.dp * layout.cp) + (expert / layout.moe.edp if layout.moe is not None else 0)
+    else:
+        shard = dense + expert
+    return FP32 * shard / MB
+
+
 ZERO_TERMS = ("ddp_average_in_collective", "fused_single_qkv_rope")  # measured 0 MB on the H200
+# The toggles whose change persists through the optimizer step (buffers, cached placeholders,
+# workspaces); the others change what a micro-batch holds, gone by the step.
+PERSISTENT_TERMS = ("gradient_accumulation_fusion", "grad_reduce_in_bf16", "moe_grouped_gemm")
+PERSISTENT_PARTS = ("weights_and_optimizer", "fp8_weights", "placeholder_wgrads", "moe_buffers")
 
 
 def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Layout,
@@ -157,6 +177,20 @@ class Estimate:
     source: str
     parts: dict[str, float]
     stages: dict[str, float] = field(default_factory=dict)  # "last" (and "first" where PP > 1): each one's peak
+    kept: dict[str, float] = field(default_factory=dict)  # each stage's memory that outlives a step (PERSISTENT_PARTS)
+
+
+def step_peak(estimate: Estimate, deltas: Mapping[str, float | None], layout: Layout, values: Mapping[str, Any],
+              stage: str) -> float | None:
+    """A stage's peak in the optimizer step, under these toggle values (``deltas``: each toggle's
+    change on that stage): what outlives the step plus the persistent toggles' changes and the
+    step's fp32 gradient copies. Where the activations are small against the parameters (MoE
+    models often) this, not the backward, is the peak. None where the estimate has no such figure."""
+    kept = estimate.kept.get(stage)
+    if kept is None:
+        return None
+    persistent = sum(v for d, v in deltas.items() if v is not None and d in PERSISTENT_TERMS)
+    return kept + persistent + step_upcast_mb(layout, values, last_stage=stage == "last")
 
 
 MEGATRON_FORMULA = ("Megatron's theoretical memory formula (training/theoretical_memory_usage.py) for weights, "
@@ -250,4 +284,6 @@ def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool,
     parts = max(stages, key=lambda p: sum(p.values()))
     source = MEGATRON_FORMULA if megatron_applies else PLUGIN_ESTIMATE
     totals = {name: round(sum(p.values()), 1) for name, p in zip(("last", "first"), stages, strict=False)}
-    return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()}, totals)
+    kept = {name: round(sum(v for k, v in p.items() if k in PERSISTENT_PARTS), 1)
+            for name, p in zip(("last", "first"), stages, strict=False)}
+    return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()}, totals, kept)

@@ -11,7 +11,7 @@ peak. Where the layout or the GPU's memory is unknown, the plan says so instead 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from .allocator import (
 from .env import EnvSettings
 from .facts import Capabilities
 from .guards import NEEDS
-from .memory import MOE_DESTS, Estimate, Unknown, layout_from_args, stock_peak, toggle_delta_mb
+from .memory import MOE_DESTS, Estimate, Unknown, layout_from_args, step_peak, stock_peak, toggle_delta_mb
 from .plan import Context, Decision, Message
 from .registry import TOGGLES, format_value
 
@@ -161,21 +161,26 @@ def _deltas(values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any, te
 
 
 def stage_peaks(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
-                te: bool) -> dict[str, float]:
+                te: bool, dests: Iterable[str] | None = None) -> dict[str, float]:
     """Each pipeline stage's own stock peak plus the decisions' changes on that stage (the logits'
-    terms are the last stage's alone): ``last``, and ``first`` where PP > 1."""
+    terms are the last stage's alone), or its optimizer step's peak where that is larger
+    (``memory.step_peak``): ``last``, and ``first`` where PP > 1. ``dests``: the toggles priced
+    (default: the registry's)."""
     out = {}
     for name, stage_mb in (estimate.stages or {"last": estimate.peak_mb}).items():
-        deltas = (toggle_delta_mb(t.dest, values, stock, layout, te, last_stage=name == "last") for t in TOGGLES)
-        out[name] = stage_mb + sum(d for d in deltas if d is not None)
+        deltas = {d: toggle_delta_mb(d, values, stock, layout, te, last_stage=name == "last")
+                  for d in (dests if dests is not None else [t.dest for t in TOGGLES])}
+        training = stage_mb + sum(d for d in deltas.values() if d is not None)
+        step = step_peak(estimate, deltas, layout, values, name)
+        out[name] = training if step is None else max(training, step)
     return out
 
 
 def planned_peak(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
-                 te: bool) -> float:
+                 te: bool, dests: Iterable[str] | None = None) -> float:
     """The plan's peak: the larger of the stages' (``stage_peaks``). Adding the last stage's changes
     to stock's peak would price a first-stage peak with logits it does not hold."""
-    return max(stage_peaks(estimate, values, stock, layout, te).values())
+    return max(stage_peaks(estimate, values, stock, layout, te, dests).values())
 
 
 def allocator_stages(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,

@@ -263,3 +263,18 @@ def test_a_grouped_gemm_asked_for_on_the_command_line_is_in_the_planned_peak():
     plain = decide(MOE, {}, read_env({"MOE_GROUPED_GEMM": "0"}), caps(143156.0)).memory
     asked = decide({**MOE, "moe_grouped_gemm": True}, {"moe_grouped_gemm": True}, read_env({}), caps(143156.0)).memory
     assert asked["planned_peak_mb"] == pytest.approx(plain["planned_peak_mb"] + 128, abs=0.2)
+
+
+def test_the_optimizer_steps_fp32_gradient_copies_can_set_the_peak():
+    # few tokens, many parameters: with bf16 gradients (-2 B each) the step's fp32 copies (+4 B each,
+    # DP 1) outgrow what the backward held on top of the parameters
+    only_bf16_grads = {t.env: "0" for t in TOGGLES if t.kind == "bool" and t.dest != "grad_reduce_in_bf16"}
+    plan = decide(MOE, {}, read_env(only_bf16_grads), caps(143156.0))
+    assert plan.decisions["grad_reduce_in_bf16"].value is True
+    params = LAYERS * (ATTENTION + 2 * H + E * H + E * EXPERT) + H + 2 * VOCAB * H
+    assert plan.memory["planned_peak_mb"] == pytest.approx((18 - 2 + 4) * params / MB, abs=0.5)
+    # the per-decision figure stays the buffer's saving
+    assert plan.memory["peak_memory_delta_mb"]["grad_reduce_in_bf16"] == pytest.approx(-2 * params / MB, abs=0.1)
+    # sharded over 4 data-parallel ranks, the copies are a quarter: the backward peaks again
+    sharded = decide({**MOE, "world_size": 4}, {}, read_env(only_bf16_grads), caps(143156.0)).memory
+    assert sharded["planned_peak_mb"] == pytest.approx(sharded["stock_peak_mb"] - 2 * params / MB, abs=0.5)
