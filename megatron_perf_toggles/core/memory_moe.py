@@ -265,15 +265,20 @@ def router_bytes(moe: Moe, layer_tokens: float, fused: bool) -> float:
     return saved + (layer_tokens * moe.experts * FP32 if moe.aux_loss else 0.0)
 
 
-def permute_bytes(moe: Moe, layer_tokens: float, fused: bool) -> float:
-    """What the dispatcher's permutation keeps until the backward (moe_utils.py ``permute``).
+def permute_bytes(moe: Moe, layer_tokens: float, fused: bool, routed: float = 0.0) -> float:
+    """What the dispatcher's permutation keeps until the backward (moe_utils.py ``permute`` and
+    ``sort_chunks_by_idxs``; ``routed``: the tokens the rank's experts compute).
 
     Unfused: the permuted tokens come from ``index_select`` (which keeps its int64 indices, also
     the unpermute's scatter index) and, with alltoall, the permuted probabilities from indexing
-    with the flat sorted order (int64 again): tokens x k x 8 B each. Fused (Transformer Engine's
-    ``moe_permute_with_probs``): an int32 row-id map of tokens x (2 E + 1)."""
+    with the flat sorted order (int64 again): tokens x k x 8 B each; sorting the received tokens by
+    local expert is a split and a cat, which keep nothing. Fused (Transformer Engine's
+    ``moe_permute_with_probs``): an int32 row-id map of tokens x (2 E + 1), and with alltoall and
+    more than one local expert the chunk sort's int32 map of the routed tokens, once for the
+    dispatch and once for the combine."""
     if fused:
-        return layer_tokens * (2 * moe.experts + 1) * INT32
+        chunk_sorts = 2 if moe.dispatcher != "allgather" and moe.local_experts > 1 else 0
+        return layer_tokens * (2 * moe.experts + 1) * INT32 + chunk_sorts * routed * INT32
     copies = 2 if moe.dispatcher != "allgather" else 1
     return copies * layer_tokens * moe.topk * INT64
 
@@ -288,7 +293,7 @@ def moe_layer_bytes(moe: Moe, hidden: int, tokens: int, tp: int, sp: bool, swigl
     routed = routed_tokens(moe, tokens, tp, sp)
     return (expert_activation_bytes(moe, hidden, routed, swiglu) + shared_activation_bytes(moe, layer_tokens, tp, sp)
             + router_bytes(moe, layer_tokens, bool(values.get("moe_router_fusion")))
-            + permute_bytes(moe, layer_tokens, bool(values.get("moe_permute_fusion"))))
+            + permute_bytes(moe, layer_tokens, bool(values.get("moe_permute_fusion")), routed))
 
 
 # --- what stays allocated, and the largest allocation ----------------------------------------------
@@ -344,7 +349,8 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
     if moe.recompute in ("moe", "full"):  # the router's and the permutation's tensors are recomputed, not kept
         return 0.0
     if dest == "moe_permute_fusion":
-        change = permute_bytes(moe, layer_tokens, True) - permute_bytes(moe, layer_tokens, False)
+        routed = routed_tokens(moe, tokens, tp, sp)
+        change = permute_bytes(moe, layer_tokens, True, routed) - permute_bytes(moe, layer_tokens, False, routed)
     elif dest == "moe_router_fusion":
         change = router_bytes(moe, layer_tokens, True) - router_bytes(moe, layer_tokens, False)
     else:
