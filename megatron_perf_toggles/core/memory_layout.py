@@ -129,10 +129,11 @@ class Layout:
         """The linear layers' weights of the stage's layers (what FP8 keeps a 1-byte copy of)."""
         moe_n = self.moe_layers(last)
         dense = (self.stage_layers - moe_n) * sum(r * c for r, c in self.linear_shapes().values())
-        if not moe_n:
+        if self.moe is None or not moe_n:
             return dense
-        moe_dense, expert = self.moe_layer_params()
-        return dense + moe_n * (moe_dense - 2 * self.hidden - self.moe.experts * self.hidden + expert)  # type: ignore[union-attr]
+        shared = sum(r * c for r, c in memory_moe.shared_shapes(self.moe, self.hidden, self.swiglu, self.tp).values())
+        moe_layer = self.attention_params() + shared + memory_moe.expert_params(self.moe, self.hidden, self.swiglu)
+        return dense + moe_n * moe_layer  # the router stays in its own precision: no FP8 copy
 
     def embedding_params(self) -> int:
         return self.vocab_per_rank * self.hidden

@@ -279,3 +279,10 @@ def test_the_optimizer_steps_fp32_gradient_copies_can_set_the_peak():
     # sharded over 4 data-parallel ranks, the copies are a quarter: the backward peaks again
     sharded = decide({**MOE, "world_size": 4}, {}, read_env(only_bf16_grads), caps(143156.0)).memory
     assert sharded["planned_peak_mb"] == pytest.approx(sharded["stock_peak_mb"] - 2 * params / MB, abs=0.5)
+
+
+def test_fp8_copies_every_linear_weight_of_an_moe_layer_but_the_router():
+    lay = layout(fp8_format="hybrid", moe_shared_expert_intermediate_size=512)
+    shared = 2 * 512 * H + H * 512
+    expected = LAYERS * (ATTENTION + shared + E * EXPERT) / MB  # 1 B each
+    assert memory.stock_peak(lay, False, True).parts["fp8_weights"] == pytest.approx(expected, abs=0.1)
