@@ -238,14 +238,14 @@ def expert_activation_bytes(moe: Moe, hidden: int, routed: float, swiglu: bool) 
     return routed * (BF16 * (hidden + fc1 + activation) + FP32)
 
 
-def shared_activation_bytes(moe: Moe, layer_tokens: float, tp: int, sp: bool) -> float:
-    """The shared experts' MLP keeps fc1's output and the activation's (its input is the norm's
-    output, which the router keeps already), split over TP; without sequence parallelism each TP
-    rank holds every token."""
+def shared_activation_bytes(moe: Moe, layer_tokens: float, tp: int, sp: bool, swiglu: bool) -> float:
+    """The shared experts' MLP keeps fc1's output (twice as wide under SwiGLU) and the activation's
+    (its input is the norm's output, which the router keeps already), split over TP; the
+    column-parallel fc1 sees every token of the sequence-parallel group."""
     if not moe.shared_ffn:
         return 0.0
-    rows = layer_tokens * (tp if sp else 1)  # the column-parallel fc1 sees the gathered tokens
-    return rows * BF16 * 3 * moe.shared_ffn / tp
+    rows = layer_tokens * (tp if sp else 1)
+    return rows * BF16 * ((2 if swiglu else 1) + 1) * moe.shared_ffn / tp
 
 
 def router_bytes(moe: Moe, layer_tokens: float, fused: bool) -> float:
@@ -291,7 +291,7 @@ def moe_layer_bytes(moe: Moe, hidden: int, tokens: int, tp: int, sp: bool, swigl
     if moe.recompute in ("moe", "full"):  # only the MoE part's input is kept: the norm's output
         return BF16 * layer_tokens * hidden
     routed = routed_tokens(moe, tokens, tp, sp)
-    return (expert_activation_bytes(moe, hidden, routed, swiglu) + shared_activation_bytes(moe, layer_tokens, tp, sp)
+    return (expert_activation_bytes(moe, hidden, routed, swiglu) + shared_activation_bytes(moe, layer_tokens, tp, sp, swiglu)
             + router_bytes(moe, layer_tokens, bool(values.get("moe_router_fusion")))
             + permute_bytes(moe, layer_tokens, bool(values.get("moe_permute_fusion")), routed))
 

@@ -286,3 +286,12 @@ def test_fp8_copies_every_linear_weight_of_an_moe_layer_but_the_router():
     shared = 2 * 512 * H + H * 512
     expected = LAYERS * (ATTENTION + shared + E * EXPERT) / MB  # 1 B each
     assert memory.stock_peak(lay, False, True).parts["fp8_weights"] == pytest.approx(expected, abs=0.1)
+
+
+def test_shared_experts_keep_fc1s_output_and_the_activation():
+    plain, shared = layout(), layout(moe_shared_expert_intermediate_size=512)
+    extra = LAYERS * TOKENS * (2 * 512 + 512) * 2 / MB  # SwiGLU fc1 output (2 x 512 wide) and the activation, bf16
+    assert memory.stock_peak(shared, False, True).parts["activations"] - memory.stock_peak(
+        plain, False, True).parts["activations"] == pytest.approx(extra, abs=0.1)
+    gelu = layout(moe_shared_expert_intermediate_size=512, swiglu=False)
+    assert memory_moe.shared_activation_bytes(gelu.moe, TOKENS, 1, False, False) == TOKENS * 2 * 512 * 2
