@@ -145,13 +145,16 @@ def moe_from_args(args: Mapping[str, Any], layers: int, ffn: int, tp: int, pp: i
     (arguments.py and transformer_config.py: top-k 2, the allgather dispatcher, every layer an MoE
     layer, the expert FFN size the dense one, ETP = TP); None for a dense model. Raises MoeUnknown
     for what the model does not cover."""
-    experts = args.get("num_experts")
+    # Megatron's namespace says num_experts; a configuration object (Megatron-Bridge) carries
+    # TransformerConfig's num_moe_experts
+    experts = args.get("num_experts") or args.get("num_moe_experts")
     if not experts:  # Megatron turns --num-experts 0 into None: a dense model
         return None
     for dest, words in (("moe_latent_size", "MoE latent projections"), ("moe_use_upcycling", "upcycling")):
         if args.get(dest):
             raise MoeUnknown(f"{words} are not in the memory model")
-    experts = _positive(args, "num_experts", 1)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
+        raise MoeUnknown("--num-experts is not known")
     ep, etp = _positive(args, "expert_model_parallel_size", 1), _positive(args, "expert_tensor_parallel_size", tp)
     if experts % ep:
         raise MoeUnknown(f"--num-experts {experts} is not a multiple of --expert-model-parallel-size {ep}")

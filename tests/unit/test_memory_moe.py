@@ -295,3 +295,10 @@ def test_shared_experts_keep_fc1s_output_and_the_activation():
         plain, False, True).parts["activations"] == pytest.approx(extra, abs=0.1)
     gelu = layout(moe_shared_expert_intermediate_size=512, swiglu=False)
     assert memory_moe.shared_activation_bytes(gelu.moe, TOKENS, 1, False, False) == TOKENS * 2 * 512 * 2
+
+
+def test_a_configuration_objects_num_moe_experts_is_an_moe_model():
+    bridge_named = {k: v for k, v in MOE.items() if k != "num_experts"} | {"num_moe_experts": E}
+    assert memory.layout_from_args(bridge_named).moe == layout().moe
+    with pytest.raises(memory.Unknown, match="num-experts"):
+        layout(num_experts="eight")
