@@ -31,6 +31,7 @@ from typing import Any, Literal
 from ..errors import EnvValueError
 from .facts import Capabilities, version_tuple
 from .memory import BF16, FP32, MB, Layout
+from .memory_moe import largest_candidates
 
 Verdict = Literal["fits", "fits_with_expandable_segments", "does_not_fit"]
 VERDICTS: tuple[Verdict, ...] = ("fits", "fits_with_expandable_segments", "does_not_fit")
@@ -90,14 +91,20 @@ def largest_allocation(layout: Layout, values: Mapping[str, Any], last_stage: bo
 
     Candidates, each a tensor made and freed once per micro-batch: the logits' fp32 copy (stock's
     cross entropy and the native fusion upcast the bf16 logits), or with Transformer Engine's cross
-    entropy only the bf16 logits and their gradient; the first MLP projection's output; and with
-    attention outside a fused kernel (``--transformer-impl local``) the attention scores."""
+    entropy only the bf16 logits and their gradient; the first MLP projection's output (a dense
+    layer's; an MoE layer's experts': ``core.memory_moe.largest_candidates``, their permuted tokens
+    too); and with attention outside a fused kernel (``--transformer-impl local``) the attention scores."""
     tokens_vocab = layout.tokens * layout.vocab_per_rank
     te_ce = bool(values.get("cross_entropy_loss_fusion")) and values.get("cross_entropy_fusion_impl") == "te"
     logits = (BF16 * tokens_vocab / MB, "the bf16 logits (Transformer Engine's cross entropy)") if te_ce \
         else (FP32 * tokens_vocab / MB, "the fp32 copy of the logits in the cross entropy")
     fc1 = layout.ffn * (2 if layout.swiglu else 1) // layout.tp
-    candidates = [(BF16 * layout.tokens * fc1 / MB, "the first MLP projection's output")]
+    candidates = []
+    if layout.moe_layers(last_stage) < layout.stage_layers:  # a dense layer's MLP on this stage
+        candidates.append((BF16 * layout.tokens * fc1 / MB, "the first MLP projection's output"))
+    if layout.moe is not None and layout.moe_layers(last_stage):
+        candidates += largest_candidates(layout.moe, layout.hidden, layout.tokens, layout.tp,
+                                         layout.sequence_parallel, layout.swiglu, values)
     if last_stage:
         candidates.append(logits)
     if layout.unfused_attention:

@@ -12,149 +12,17 @@ it counts; docs/memory.md has the derivations and the H200 validation.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-MB = 2**20
-FP32, BF16 = 4, 2
+from . import memory_moe
+from .memory_layout import Layout, Unknown, layout_from_args, padded_vocab
+from .memory_moe import BF16, FP32, MB, MOE_DESTS, Moe
 
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """The few facts about a dense GPT job that peak memory depends on, per rank."""
-
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    query_groups: int
-    kv_channels: int
-    seq: int
-    micro_batch: int
-    padded_vocab: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    sequence_parallel: bool = False
-    untied: bool = True
-    swiglu: bool = True
-    distributed_optimizer: bool = False
-    recompute: str | None = None  # None | "selective" | "full"
-    bias: bool = False
-    fp8: bool = False  # TE keeps an fp8 copy of each transformer layer's linear weights
-    fp32_grad_buffer: bool = True  # stock's gradient buffer is fp32 (bf16 training with fp32 main grads)
-    unfused_attention: bool = False  # --transformer-impl local: attention scores are materialised
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of one micro-batch on one rank: the logits' rows (the output layer gathers the
-        sequence-parallel shards back, so SP does not divide them; CP does)."""
-        return self.seq // self.cp * self.micro_batch
-
-    @property
-    def vocab_per_rank(self) -> int:
-        return self.padded_vocab // self.tp
-
-    @property
-    def stage_layers(self) -> int:
-        return math.ceil(self.layers / self.pp)
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """Each distinct weight matrix of one transformer layer on this rank (rows, columns)."""
-        q = self.heads * self.kv_channels
-        kv = 2 * self.query_groups * self.kv_channels
-        fc1 = self.ffn * (2 if self.swiglu else 1)
-        return {"qkv": ((q + kv) // self.tp, self.hidden), "proj": (self.hidden, q // self.tp),
-                "fc1": (fc1 // self.tp, self.hidden), "fc2": (self.hidden, self.ffn // self.tp)}
-
-    def layer_params(self) -> int:
-        weights = sum(r * c for r, c in self.linear_shapes().values())
-        return weights + 2 * self.hidden  # two RMSNorm/LayerNorm weights (replicated across TP)
-
-    def embedding_params(self) -> int:
-        return self.vocab_per_rank * self.hidden
-
-    def last_stage_params(self) -> int:
-        """Parameters on one rank of the last stage: its layers, the final norm, the output layer
-        (its own weight when untied; a copy of the embedding when tied and PP > 1), and the input
-        embedding too when PP == 1."""
-        params = self.stage_layers * self.layer_params() + self.hidden + self.embedding_params()
-        if self.pp == 1 and self.untied:
-            params += self.embedding_params()
-        return params
-
-    def first_stage_params(self) -> int:
-        if self.pp == 1:
-            return self.last_stage_params()
-        return self.stage_layers * self.layer_params() + self.embedding_params()
-
-
-class Unknown(Exception):
-    """The arguments do not describe a layout the model covers; the message says why."""
-
-
-def _int(args: Mapping[str, Any], dest: str, default: int | None = None) -> int:
-    value = args.get(dest)
-    if value is None:
-        value = default
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise Unknown(f"--{dest.replace('_', '-')} is not known")
-    return value
-
-
-def padded_vocab(args: Mapping[str, Any]) -> int:
-    """Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP
-    (training/tokenizer: the padded size is computed where the tokenizer is built)."""
-    padded = args.get("padded_vocab_size")
-    if isinstance(padded, int) and padded > 0:
-        return padded
-    vocab = args.get("vocab_size")
-    if not isinstance(vocab, int) or vocab <= 0:
-        raise Unknown("the vocabulary size is not known before the tokenizer loads (pass --vocab-size)")
-    multiple = (args.get("make_vocab_size_divisible_by") or 128) * (args.get("tensor_model_parallel_size") or 1)
-    return -(-vocab // multiple) * multiple
-
-
-def layout_from_args(args: Mapping[str, Any]) -> Layout:
-    """The layout Megatron's parsed (and validated) namespace describes; raises Unknown for what the
-    model does not cover (MoE, MLA, hybrid models, a vocabulary not known yet)."""
-    for dest, words in (("num_experts", "mixture-of-experts layers"), ("multi_latent_attention", "multi-latent attention"),
-                        ("hybrid_override_pattern", "hybrid (Mamba) layers"), ("mtp_num_layers", "multi-token prediction")):
-        if args.get(dest):
-            raise Unknown(f"{words} are not in the memory model")
-    hidden = _int(args, "hidden_size")
-    heads = _int(args, "num_attention_heads")
-    groups = _int(args, "num_query_groups", heads) if args.get("group_query_attention") else heads
-    tp = _int(args, "tensor_model_parallel_size", 1)
-    pp, cp = _int(args, "pipeline_model_parallel_size", 1), _int(args, "context_parallel_size", 1)
-    world = args.get("world_size")
-    # validate_args sets data_parallel_size; before it, the world size (parse_args reads WORLD_SIZE) gives it
-    dp_default = world // (tp * pp * cp) if isinstance(world, int) and world >= tp * pp * cp else 1
-    recompute = args.get("recompute_granularity")
-    return Layout(
-        hidden=hidden, ffn=_int(args, "ffn_hidden_size", 4 * hidden), layers=_int(args, "num_layers"),
-        heads=heads, query_groups=groups, kv_channels=_int(args, "kv_channels", hidden // heads),
-        seq=_int(args, "seq_length"), micro_batch=_int(args, "micro_batch_size"), padded_vocab=padded_vocab(args),
-        tp=tp, pp=pp, cp=cp, dp=_int(args, "data_parallel_size", max(dp_default, 1)),
-        sequence_parallel=bool(args.get("sequence_parallel")) and tp > 1,
-        untied=bool(args.get("untie_embeddings_and_output_weights")), swiglu=bool(args.get("swiglu")),
-        distributed_optimizer=bool(args.get("use_distributed_optimizer")),
-        recompute=recompute if recompute in ("selective", "full") else None,
-        bias=bool(args.get("add_bias_linear", False)), fp8=bool(args.get("fp8") or args.get("fp8_format")),
-        fp32_grad_buffer=_fp32_grad_buffer(args), unfused_attention=args.get("transformer_impl") == "local",
-    )
-
-
-def _fp32_grad_buffer(args: Mapping[str, Any]) -> bool:
-    """Whether stock keeps the gradient buffer in fp32, which is what --grad-reduce-in-bf16 halves.
-    validate_args reads --grad-reduce-in-bf16 only under --bf16 (there it clears
-    accumulate_allreduce_grads_in_fp32); fp16 and fp32 training keep the buffer in the parameters'
-    dtype either way, and --main-grads-dtype bf16 has it in bf16 already."""
-    main_grads = str(args.get("main_grads_dtype") or "fp32").lower()
-    return bool(args.get("bf16")) and "bf16" not in main_grads and "bfloat16" not in main_grads
+__all__ = ["BF16", "FP32", "MB", "MOE_DESTS", "Estimate", "Layout", "Moe", "Unknown", "layout_from_args",
+           "padded_vocab", "stock_peak", "toggle_delta_mb"]
 
 
 # --- the toggles' terms: each one's change in peak allocated MB against its stock value ----------
@@ -207,7 +75,7 @@ def dummy_wgrads_mb(layout: Layout, last_stage: bool = True) -> float:
     8 KV groups, vocab 128256, TP 1): 2 B x (128256x4096 + 6144x4096 + 4096x4096 + 28672x4096 +
     4096x14336) = 1002 + 416 = 1418 MB.
     """
-    shapes = set(layout.linear_shapes().values())
+    shapes = layout.weight_shapes()  # experts too: TE's grouped linear asks the same one-per-shape cache
     if last_stage:  # tied too: the output layer then runs the shared embedding weight through the same path
         shapes.add((layout.vocab_per_rank, layout.hidden))
     return BF16 * sum(r * c for r, c in shapes) / MB
@@ -218,16 +86,36 @@ def grad_reduce_bf16_mb(layout: Layout, last_stage: bool = True) -> float:
     (distributed/param_and_grad_buffer.py) hold every parameter's gradient in bf16 instead of fp32
     (stock bf16 training sets accumulate_allreduce_grads_in_fp32). -2 B x parameters on the rank.
 
-    With the distributed optimizer, the optimizer step then upcasts its shard of the bf16 gradients
-    into fp32 main gradients (4 B x parameters / DP, transient); that step is not where a dense
-    model peaks, so the term is the buffer's saving alone."""
+    The optimizer step then upcasts the bf16 gradients into fp32 main gradients (``step_upcast_mb``);
+    that is a peak of its own, after the activations are gone, priced beside the training peak
+    (``step_peak``), so the term here is the buffer's saving alone."""
     if not layout.fp32_grad_buffer:  # fp16/fp32 training, or bf16 main grads: the flag changes nothing
         return 0.0
     params = layout.last_stage_params() if last_stage else layout.first_stage_params()
     return -BF16 * params / MB
 
 
+def step_upcast_mb(layout: Layout, values: Mapping[str, Any], last_stage: bool = True) -> float:
+    """The optimizer step's fp32 copies of bf16 gradients: with a bf16 gradient buffer, Megatron's
+    optimizers hand each main parameter ``grad.float()`` (optimizer/distrib_optimizer.py
+    ``_copy_model_grads_to_main_grads``: the rank's shard, over DP x CP for dense parameters and over
+    the expert data-parallel group for the experts'; optimizer.py: every parameter), alive together
+    until the step ends. With stock's fp32 buffer ``.float()`` is the buffer itself: nothing."""
+    if not layout.fp32_grad_buffer or not values.get("grad_reduce_in_bf16"):
+        return 0.0
+    dense, expert = layout.stage_param_split(last_stage)
+    if layout.distributed_optimizer:
+        shard = dense / (layout.dp * layout.cp) + (expert / layout.moe.edp if layout.moe is not None else 0)
+    else:
+        shard = dense + expert
+    return FP32 * shard / MB
+
+
 ZERO_TERMS = ("ddp_average_in_collective", "fused_single_qkv_rope")  # measured 0 MB on the H200
+# The toggles whose change persists through the optimizer step (buffers, cached placeholders,
+# workspaces); the others change what a micro-batch holds, gone by the step.
+PERSISTENT_TERMS = ("gradient_accumulation_fusion", "grad_reduce_in_bf16", "moe_grouped_gemm")
+PERSISTENT_PARTS = ("weights_and_optimizer", "fp8_weights", "placeholder_wgrads", "moe_buffers")
 
 
 def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Layout,
@@ -238,8 +126,8 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
     implementation) plus the implementation (where stock fuses too). None: not modelled."""
     if dest in ZERO_TERMS:
         return 0.0
-    if dest.startswith("moe_") and bool(values.get(dest)) == bool(stock.get(dest)):
-        return 0.0  # a MoE toggle at Megatron's own value (always so on a dense model) changes nothing
+    if dest in MOE_DESTS:
+        return moe_toggle_delta_mb(dest, values, stock, layout, te_installed, last_stage)
     if dest == "gradient_accumulation_fusion":
         now, before = bool(values.get(dest)), bool(stock.get(dest))
         if now == before:
@@ -262,6 +150,22 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
     return None
 
 
+def moe_toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Layout,
+                        te_installed: bool, last_stage: bool = True) -> float | None:
+    """An MoE toggle's change (``core.memory_moe.toggle_delta_mb``) on the stage's MoE layers, each
+    holding one micro-batch's activations on the last stage and PP of them on the first: 0 where the
+    stage has no MoE layer (a dense model included); None without Transformer Engine, whose kernels
+    all three toggles run (Megatron's own fallbacks are not modelled)."""
+    moe_layers = layout.moe_layers(last_stage)
+    if layout.moe is None or not moe_layers or bool(values.get(dest)) == bool(stock.get(dest)):
+        return 0.0
+    if not te_installed:
+        return None
+    in_flight = moe_layers * (1 if last_stage else layout.pp)
+    return memory_moe.toggle_delta_mb(dest, values, stock, layout.moe, layout.hidden, layout.tokens, layout.tp,
+                                      layout.sequence_parallel, in_flight)
+
+
 # --- stock's own peak ----------------------------------------------------------------------------
 
 
@@ -273,6 +177,20 @@ class Estimate:
     source: str
     parts: dict[str, float]
     stages: dict[str, float] = field(default_factory=dict)  # "last" (and "first" where PP > 1): each one's peak
+    kept: dict[str, float] = field(default_factory=dict)  # each stage's memory that outlives a step (PERSISTENT_PARTS)
+
+
+def step_peak(estimate: Estimate, deltas: Mapping[str, float | None], layout: Layout, values: Mapping[str, Any],
+              stage: str) -> float | None:
+    """A stage's peak in the optimizer step, under these toggle values (``deltas``: each toggle's
+    change on that stage): what outlives the step plus the persistent toggles' changes and the
+    step's fp32 gradient copies. Where the activations are small against the parameters (MoE
+    models often) this, not the backward, is the peak. None where the estimate has no such figure."""
+    kept = estimate.kept.get(stage)
+    if kept is None:
+        return None
+    persistent = sum(v for d, v in deltas.items() if v is not None and d in PERSISTENT_TERMS)
+    return kept + persistent + step_upcast_mb(layout, values, last_stage=stage == "last")
 
 
 MEGATRON_FORMULA = ("Megatron's theoretical memory formula (training/theoretical_memory_usage.py) for weights, "
@@ -305,30 +223,67 @@ def layer_activation_bytes(layout: Layout) -> tuple[float, bool]:
     return sbh * (10 + split / layout.tp), False
 
 
-def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool) -> Estimate:
-    """Stock's peak on the busier of the first and last pipeline stage: weights and optimizer state,
-    saved activations (PP micro-batches in flight on the first stage, one on the last), and on the
-    last stage the logits as stock's unfused cross entropy holds them (the bf16 output plus its
-    fp32 copy, 6 B x tokens x vocab / TP), and the placeholder gradients if fusion is on."""
-    per_layer, megatron_applies = layer_activation_bytes(layout)
+def moe_layer_activation_bytes(layout: Layout, values: Mapping[str, Any]) -> float:
+    """One MoE layer's saved activations for one micro-batch: the dense layer's without its MLP
+    (attention, the norms, residuals and masks: ``layer_activation_bytes`` with no FFN) plus the
+    MoE part under the MoE toggles' ``values`` (``core.memory_moe.moe_layer_bytes``). Full
+    recompute keeps the layer's input only, as for a dense layer."""
+    if layout.moe is None:
+        raise ValueError("a dense layout has no MoE layer")
+    if layout.recompute == "full":
+        return layer_activation_bytes(layout)[0]
+    attention = layer_activation_bytes(dataclasses.replace(layout, ffn=0))[0]
+    return attention + memory_moe.moe_layer_bytes(layout.moe, layout.hidden, layout.tokens, layout.tp,
+                                                  layout.sequence_parallel, layout.swiglu, values)
+
+
+def _stage_parts(layout: Layout, last: bool, in_flight: int, grad_accum_fusion: bool, te_installed: bool,
+                 moe_values: Mapping[str, Any]) -> dict[str, float]:
+    """One pipeline stage's parts of stock's peak (``stock_peak``)."""
+    per_layer = layer_activation_bytes(layout)[0]
     sbh = layout.tokens * layout.hidden
+    dense, expert = layout.stage_param_split(last)
+    moe_n = layout.moe_layers(last)
+    weights = dense * bytes_per_param(layout)
+    if layout.moe is not None:
+        weights += expert * memory_moe.expert_bytes_per_param(layout.moe, layout.distributed_optimizer)
+    activations = (layout.stage_layers - moe_n) * per_layer
+    if moe_n:
+        activations += moe_n * moe_layer_activation_bytes(layout, moe_values)
+    parts = {"weights_and_optimizer": weights / MB, "activations": in_flight * activations / MB}
+    if last:
+        parts["logits"] = (FP32 + BF16) * layout.tokens * layout.vocab_per_rank / MB + FP32 * sbh / MB
+    if not last or layout.pp == 1:
+        parts["embedding_output"] = in_flight * BF16 * sbh / MB
+    if layout.fp8:  # 1 B per linear weight of the stage's layers (the output layer stays bf16)
+        parts["fp8_weights"] = layout.stage_linear_weights(last) / MB
+    if grad_accum_fusion and te_installed:
+        parts["placeholder_wgrads"] = dummy_wgrads_mb(layout, last_stage=last)
+    if moe_n and layout.moe is not None:
+        buffers = memory_moe.persistent_mb(layout.moe, layout.hidden, layout.tokens, layout.tp,
+                                           layout.sequence_parallel, moe_values)
+        if buffers:
+            parts["moe_buffers"] = sum(buffers.values())
+    return parts
+
+
+def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool,
+               moe_values: Mapping[str, Any] | None = None) -> Estimate:
+    """Stock's peak on the busier of the first and last pipeline stage: weights and optimizer state,
+    saved activations (PP micro-batches in flight on the first stage, one on the last; MoE layers
+    priced under stock's MoE toggles, ``moe_values``, Megatron's defaults (all off) where not given),
+    on the last stage the logits as stock's unfused cross entropy holds them (the bf16 output plus
+    its fp32 copy, 6 B x tokens x vocab / TP), the placeholder gradients if fusion is on, and the
+    buffers MoE layers keep."""
+    megatron_applies = layer_activation_bytes(layout)[1] and layout.moe is None
     stages: list[dict[str, float]] = []
     for last, in_flight in ((True, 1), (False, layout.pp)):
-        params = layout.last_stage_params() if last else layout.first_stage_params()
-        parts = {"weights_and_optimizer": params * bytes_per_param(layout) / MB,
-                 "activations": in_flight * layout.stage_layers * per_layer / MB}
-        if last:
-            parts["logits"] = (FP32 + BF16) * layout.tokens * layout.vocab_per_rank / MB + FP32 * sbh / MB
-        if not last or layout.pp == 1:
-            parts["embedding_output"] = in_flight * BF16 * sbh / MB
-        if layout.fp8:  # 1 B per linear weight of the stage's layers (the output layer stays bf16)
-            parts["fp8_weights"] = layout.stage_layers * sum(r * c for r, c in layout.linear_shapes().values()) / MB
-        if grad_accum_fusion and te_installed:
-            parts["placeholder_wgrads"] = dummy_wgrads_mb(layout, last_stage=last)
-        stages.append(parts)
+        stages.append(_stage_parts(layout, last, in_flight, grad_accum_fusion, te_installed, moe_values or {}))
         if layout.pp == 1:
             break
     parts = max(stages, key=lambda p: sum(p.values()))
     source = MEGATRON_FORMULA if megatron_applies else PLUGIN_ESTIMATE
     totals = {name: round(sum(p.values()), 1) for name, p in zip(("last", "first"), stages, strict=False)}
-    return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()}, totals)
+    kept = {name: round(sum(v for k, v in p.items() if k in PERSISTENT_PARTS), 1)
+            for name, p in zip(("last", "first"), stages, strict=False)}
+    return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()}, totals, kept)

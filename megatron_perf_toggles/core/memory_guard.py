@@ -11,7 +11,7 @@ peak. Where the layout or the GPU's memory is unknown, the plan says so instead 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from .allocator import (
 from .env import EnvSettings
 from .facts import Capabilities
 from .guards import NEEDS
-from .memory import Estimate, Unknown, layout_from_args, stock_peak, toggle_delta_mb
+from .memory import MOE_DESTS, Estimate, Unknown, layout_from_args, step_peak, stock_peak, toggle_delta_mb
 from .plan import Context, Decision, Message
 from .registry import TOGGLES, format_value
 
@@ -96,10 +96,13 @@ def summary(memory: Mapping[str, Any]) -> str:
     return line + (f"; {note}" if note else "")
 
 
-def stock_values(stock: Mapping[str, Any], caps: Capabilities) -> dict[str, Any]:
+def stock_values(stock: Mapping[str, Any], caps: Capabilities, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What stock Megatron runs with: its own defaults, and gradient accumulation fusion only where
-    APEX's kernel is there (stock raises at model build otherwise, so such a job runs without it)."""
-    out = {t.dest: stock.get(t.dest, t.stock_default) for t in TOGGLES}
+    APEX's kernel is there (stock raises at model build otherwise, so such a job runs without it).
+    The MoE toggles the registry does not hold are what the command line gave (``args``): the
+    plugin does not move them, so stock and the plan both run with that."""
+    out = {d: bool((args or {}).get(d)) for d in MOE_DESTS}
+    out.update({t.dest: stock.get(t.dest, t.stock_default) for t in TOGGLES})
     out["gradient_accumulation_fusion"] = bool(out["gradient_accumulation_fusion"]) and caps.apex_fused_wgrad
     return out
 
@@ -158,21 +161,26 @@ def _deltas(values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any, te
 
 
 def stage_peaks(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
-                te: bool) -> dict[str, float]:
+                te: bool, dests: Iterable[str] | None = None) -> dict[str, float]:
     """Each pipeline stage's own stock peak plus the decisions' changes on that stage (the logits'
-    terms are the last stage's alone): ``last``, and ``first`` where PP > 1."""
+    terms are the last stage's alone), or its optimizer step's peak where that is larger
+    (``memory.step_peak``): ``last``, and ``first`` where PP > 1. ``dests``: the toggles priced
+    (default: the registry's)."""
     out = {}
     for name, stage_mb in (estimate.stages or {"last": estimate.peak_mb}).items():
-        deltas = (toggle_delta_mb(t.dest, values, stock, layout, te, last_stage=name == "last") for t in TOGGLES)
-        out[name] = stage_mb + sum(d for d in deltas if d is not None)
+        deltas = {d: toggle_delta_mb(d, values, stock, layout, te, last_stage=name == "last")
+                  for d in (dests if dests is not None else [t.dest for t in TOGGLES])}
+        training = stage_mb + sum(d for d in deltas.values() if d is not None)
+        step = step_peak(estimate, deltas, layout, values, name)
+        out[name] = training if step is None else max(training, step)
     return out
 
 
 def planned_peak(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
-                 te: bool) -> float:
+                 te: bool, dests: Iterable[str] | None = None) -> float:
     """The plan's peak: the larger of the stages' (``stage_peaks``). Adding the last stage's changes
     to stock's peak would price a first-stage peak with logits it does not hold."""
-    return max(stage_peaks(estimate, values, stock, layout, te).values())
+    return max(stage_peaks(estimate, values, stock, layout, te, dests).values())
 
 
 def allocator_stages(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
@@ -229,7 +237,7 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     (``decisions`` is changed in place). Returns the memory record and the messages for the table."""
     headroom_mb(env, 1.0)  # a bad setting is reported on every plan, not only where the guard gets to use it
     memory = MemoryPlan(gpu_memory_mb=caps.gpu_memory_mb, expandable_set=env.expandable_segments)
-    base = stock_values(stock, caps)
+    base = stock_values(stock, caps, args)
     te = caps.te_version is not None
     try:
         layout = layout_from_args(args)
@@ -238,9 +246,10 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
         memory.deltas = {t.dest: None for t in TOGGLES}
         memory.note = f"no memory estimate: {why}; each decision's memory change is unknown"
         return memory, []
-    values = {dest: d.value for dest, d in decisions.items()}
+    values = {**{d: base[d] for d in MOE_DESTS}, **{dest: d.value for dest, d in decisions.items()}}
     memory.deltas = _deltas(values, base, layout, te)
-    memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te)
+    memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te,
+                                         {d: base[d] for d in MOE_DESTS})
     memory.planned_mb = planned_peak(estimate, values, base, layout, te)
     _allocator_record(memory, allocator_stages(estimate, values, base, layout, te))
     memory.stock_largest = _neediest(allocator_stages(estimate, base, base, layout, te))[1]

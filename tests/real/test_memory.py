@@ -20,6 +20,7 @@ from megatron_perf_toggles.errors import EnvValueError
 
 sys.path.insert(0, str(REPO / "bench"))
 import memory_validation
+import moe_memory_validation
 
 RAW = REPO / "docs" / "benchmarks" / "raw"
 # The reference model as the H200 runs had it (docs/benchmarks/raw/ablate/one-at-a-time.json).
@@ -92,7 +93,8 @@ def test_layout_terms_follow_tp_cp_and_pipeline():
 
 
 def test_unknown_layouts_are_refused_with_a_reason():
-    for extra, words in (({"num_experts": 8}, "mixture-of-experts"), ({"vocab_size": None}, "vocabulary")):
+    for extra, words in (({"multi_latent_attention": True}, "multi-latent attention"), ({"vocab_size": None}, "vocabulary"),
+                         ({"num_experts": 8, "moe_latent_size": 256}, "MoE latent projections")):
         args = {**memory_validation.args_of(REFERENCE_ARGV), **extra}
         with pytest.raises(memory.Unknown, match=words):
             memory.layout_from_args(args)
@@ -379,3 +381,29 @@ def test_the_reason_states_the_headroom_with_its_unit():
         plan = plan_for(H100_MB, CROSS_ENTROPY_FUSION_IMPL="native", **{HEADROOM_VAR: setting})
         ce = plan.decisions["cross_entropy_loss_fusion"]
         assert ce.source == "guard" and words in ce.reason, ce.reason
+
+
+# --- mixture-of-experts jobs through each tree's parser --------------------------------------------
+
+MOE_ARGV = [*moe_memory_validation.COMMON, *moe_memory_validation.SHAPES["fine-b"], "--train-iters", "10",
+            "--moe-layer-freq", "([0]+[1]*3)"]
+
+
+@pytest.mark.real_megatron
+@pytest.mark.parametrize("tree", megatron_trees() or [None])
+def test_explain_prices_an_moe_job_as_the_bench_plans_it(tree):
+    """real_megatron: the tree's parsed namespace (its defaults, validate_args' expert FFN size and
+    ETP, the layer pattern parsed by Megatron) reaches the MoE model with the same result as the
+    validation bench's plan from the bare command line; each MoE toggle the registry holds has its
+    memory change."""
+    proc = runs.cli_on_worker(tree, ["explain", "--json", "--megatron", str(tree), "--gpu", "h200", "--", *MOE_ARGV])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(proc.stdout)
+    mem = record["memory"]
+    assert mem["note"] is None and mem["verdict"] == {"stock": "fits", "plan": "fits"}
+    bench = moe_memory_validation.plan_peak(MOE_ARGV, moe_memory_validation.megatron_values(False), True, False)
+    assert mem["stock_peak_mb"] == pytest.approx(bench["stock_planned_mb"], abs=0.2)
+    assert mem["stock_parts_mb"]["activations"] > 0
+    for dest in memory.MOE_DESTS:
+        if dest in record["decisions"]:
+            assert record["decisions"][dest]["peak_memory_delta_mb"] is not None
