@@ -57,7 +57,7 @@ COMMON = {
     "--position-embedding-type": "rope", "--normalization": "RMSNorm", "--swiglu": None,
     "--untie-embeddings-and-output-weights": None, "--disable-bias-linear": None, "--attention-dropout": "0.0",
     "--hidden-dropout": "0.0", "--transformer-impl": "transformer_engine", "--micro-batch-size": "1",
-    "--global-batch-size": "8", "--lr": "3e-4", "--min-lr": "3e-5", "--lr-decay-style": "cosine",
+    "--global-batch-size": "4", "--lr": "3e-4", "--min-lr": "3e-5", "--lr-decay-style": "cosine",
     "--lr-warmup-iters": "2", "--weight-decay": "0.1", "--clip-grad": "1.0", "--init-method-std": "0.02",
     "--bf16": None, "--use-distributed-optimizer": None, "--tokenizer-type": "NullTokenizer",
     "--vocab-size": "32000", "--mock-data": None, "--seed": "1234", "--log-interval": "1", "--eval-iters": "0",
@@ -88,8 +88,8 @@ class Part:
 
 
 PARTS = {"loss": Part("loss-small", 300, 8, 0.4, loss=True),
-         "speed-a": Part("mixtral-a", 20, 8, 0.75),
-         "speed-b": Part("fine-b", 20, 8, 0.9)}
+         "speed-a": Part("mixtral-a", 20, 8, 0.45),
+         "speed-b": Part("fine-b", 20, 8, 0.5)}
 DRY_RUNS_S = 75.0  # 5 arms and the single-change probes of the toggles the defaults arm adds
 LOSS_STARTUP_S = 90.0  # 15 runs starting at once share the CPU
 
@@ -99,10 +99,13 @@ def have_moe_toggles() -> bool:
     return all(d in BY_DEST for d in MOE_TOGGLES)
 
 
-def design_words() -> list[str]:
+def design_words(headline: bool = False) -> list[str]:
     """The ablate design: stock, each MoE toggle alone, the defaults (or, without the toggles in
-    the registry, stock against each MoE flag and all three added as candidates)."""
+    the registry, stock against each MoE flag and all three added as candidates); ``headline``:
+    stock against the defaults only (every toggle off against every toggle on)."""
     if have_moe_toggles():
+        if headline:
+            return ["--design", "headline"]
         return ["--design", "each-alone", "--toggles", ",".join(MOE_TOGGLES)]
     words = ["--design", "candidates"]
     for name, flag in MOE_FLAGS.items():
@@ -121,16 +124,17 @@ def model_args(shape: str, data: str | None) -> list[str]:
     return args
 
 
-def arms() -> int:
-    return 1 + len(MOE_TOGGLES) + 1
+def arms(headline: bool = False) -> int:
+    return 2 if headline else 1 + len(MOE_TOGGLES) + 1
 
 
-def estimate_s(part: str, repeats: int, iters: int | None = None) -> float:
+def estimate_s(part: str, repeats: int, iters: int | None = None, headline: bool = False,
+               warmup_run: bool = True) -> float:
     p = PARTS[part]
     iters_s = (iters or p.iters) * p.seconds_per_iter
     if p.loss:  # one batch of every run at once: about as long as one run, slowed by the sharing
         return DRY_RUNS_S + LOSS_STARTUP_S + iters_s
-    return DRY_RUNS_S + (1 + repeats * arms()) * (STARTUP_S + iters_s)
+    return DRY_RUNS_S + (int(warmup_run) + repeats * arms(headline)) * (STARTUP_S + iters_s)
 
 
 def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) -> tuple[list[str], dict[str, str]]:
@@ -147,12 +151,15 @@ def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) 
                            ("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
             env.setdefault(key, value)
     iters = ns.iters or p.iters
-    cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *design_words(), "--out", str(Path(ns.out) / part),
+    headline = ns.headline and not p.loss
+    cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *design_words(headline), "--out", str(Path(ns.out) / part),
            "--launch", launch, "--repeats", str(ns.repeats), "--iters", str(iters),
            "--warmup", str(min(p.warmup, iters - 1))]
     if p.loss:
         cmd += ["--block-seeds", str(ns.base_seed), "--loss-window", str(min(ns.loss_window, iters)),
                 "--concurrent", str(ns.repeats * arms()), "--no-warmup-run"]
+    elif ns.no_warmup_run:
+        cmd.append("--no-warmup-run")
     if budget_min is not None:  # ablate's clock starts after its dry runs; a speed part may stop mid-block
         cmd += ["--budget", f"{max(budget_min - DRY_RUNS_S / 60, 0.1):.2f}", *([] if p.loss else ["--split-blocks"])]
     data = corpus(ns) if p.loss else None
@@ -206,6 +213,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, metavar="MINUTES", help="time for all parts of this call together")
     ap.add_argument("--data", metavar="PREFIX", help="loss: a real-text indexed dataset (default: OUT/corpus/stdlib)")
     ap.add_argument("--port", type=int, default=29611, help="first MASTER_PORT (each part its own range)")
+    ap.add_argument("--headline", action="store_true",
+                    help="speed parts: stock against the defaults only (2 arms), not each toggle alone")
+    ap.add_argument("--no-warmup-run", action="store_true",
+                    help="speed parts: no unmeasured warm-up run (where a part ran just before on the same machine)")
     ap.add_argument("--smoke", action="store_true", help="CPU: stand-in runs (tests/support/fake_megatron_run.py)")
     ap.add_argument("--print-only", action="store_true", help="print the plan and the commands, run nothing")
     ap.add_argument("--collect", metavar="DIR", help="copy each part's results, each run's status and log to DIR; run nothing")
@@ -231,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                              else ""))
     total = 0.0
     for part in ns.part_list:
-        est = estimate_s(part, ns.repeats, ns.iters)
+        loss, headline = PARTS[part].loss, ns.headline and not PARTS[part].loss
+        warm = not (loss or ns.no_warmup_run)
+        est = estimate_s(part, ns.repeats, ns.iters, headline, warm)
         total += est
-        how = "all at once" if PARTS[part].loss else "1 warm-up run, then one at a time"
-        print(f"  {part:<8} {ns.repeats * arms() + (0 if PARTS[part].loss else 1):>3} runs ({how})  "
+        how = "all at once" if loss else ("1 warm-up run, then " if warm else "") + "one at a time"
+        print(f"  {part:<8} {ns.repeats * arms(headline) + int(warm):>3} runs ({how})  "
               f"~{est / 60:5.1f} min  -> {out / part}")
     print(f"expected: ~{total / 60:.1f} min on the H200" + (f" (budget {ns.budget:g} min)" if ns.budget else ""),
           flush=True)
