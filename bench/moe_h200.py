@@ -56,7 +56,7 @@ COMMON = {
     "--num-query-groups": "8", "--seq-length": "4096", "--max-position-embeddings": "4096",
     "--position-embedding-type": "rope", "--normalization": "RMSNorm", "--swiglu": None,
     "--untie-embeddings-and-output-weights": None, "--disable-bias-linear": None, "--attention-dropout": "0.0",
-    "--hidden-dropout": "0.0", "--transformer-impl": "transformer_engine", "--micro-batch-size": "1",
+    "--hidden-dropout": "0.0", "--transformer-impl": "transformer_engine", "--micro-batch-size": "4",
     "--global-batch-size": "4", "--lr": "3e-4", "--min-lr": "3e-5", "--lr-decay-style": "cosine",
     "--lr-warmup-iters": "2", "--weight-decay": "0.1", "--clip-grad": "1.0", "--init-method-std": "0.02",
     "--bf16": None, "--use-distributed-optimizer": None, "--tokenizer-type": "NullTokenizer",
