@@ -62,6 +62,8 @@ COMMON = {
     "--bf16": None, "--use-distributed-optimizer": None, "--tokenizer-type": "NullTokenizer",
     "--vocab-size": "32000", "--mock-data": None, "--seed": "1234", "--log-interval": "1", "--eval-iters": "0",
     "--eval-interval": "100000", "--log-throughput": None,
+    # the peak of the whole run, not only after iteration 2 (Megatron's own report; core 0.16 and later)
+    "--log-memory-interval": "10",
     "--num-experts": "8", "--moe-router-topk": "2", "--moe-ffn-hidden-size": "4096",
     "--moe-token-dispatcher-type": "alltoall", "--expert-model-parallel-size": "1",
     "--moe-router-load-balancing-type": "aux_loss", "--moe-aux-loss-coeff": "1e-2",
