@@ -91,3 +91,16 @@ def test_other_machine_paths_keep_their_last_part_and_bad_input_is_exit_2(tmp_pa
 def test_arm_labels():
     assert [report_moe.label(a) for a in ("all-off", "baseline", "defaults", "only:moe_router_fusion", "+all-moe")] == [
         "stock", "stock", "defaults (every toggle on)", "moe_router_fusion alone", "all-moe (flags added to stock)"]
+
+
+def test_the_plot_or_one_line_saying_why_not(tmp_path, capsys):
+    loss, speed = _loss_part(tmp_path), _speed_part(tmp_path)
+    assert report_moe.main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "docs"),
+                            "--add", f"loss={loss}", "--add", f"speed-a={speed}"]) == 0
+    png, out = tmp_path / "docs" / "moe_h200.png", capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not png.exists() and "matplotlib is not installed: the plot is not written" in out
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in out
