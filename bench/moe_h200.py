@@ -62,6 +62,8 @@ COMMON = {
     "--bf16": None, "--use-distributed-optimizer": None, "--tokenizer-type": "NullTokenizer",
     "--vocab-size": "32000", "--mock-data": None, "--seed": "1234", "--log-interval": "1", "--eval-iters": "0",
     "--eval-interval": "100000", "--log-throughput": None,
+    # the peak of the whole run, not only after iteration 2 (Megatron's own report; core 0.16 and later)
+    "--log-memory-interval": "10",
     "--num-experts": "8", "--moe-router-topk": "2", "--moe-ffn-hidden-size": "4096",
     "--moe-token-dispatcher-type": "alltoall", "--expert-model-parallel-size": "1",
     "--moe-router-load-balancing-type": "aux_loss", "--moe-aux-loss-coeff": "1e-2",
@@ -139,8 +141,10 @@ def estimate_s(part: str, repeats: int, iters: int | None = None, headline: bool
 
 def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) -> tuple[list[str], dict[str, str]]:
     p = PARTS[part]
-    megatron = Path(ns.megatron).resolve()
-    env = base_env(megatron, ns.smoke)
+    # paths as given (relative to where it runs): a later call on a fresh machine, its --out copied
+    # back, gets the same commands, so the runs done earlier count as done
+    megatron = Path(ns.megatron)
+    env = base_env(megatron.resolve(), ns.smoke)
     if not have_moe_toggles():  # stock: every plugin toggle off in the candidates' common run
         env.update({t.env: "0" for t in TOGGLES if t.kind == "bool"})
     if ns.smoke:
@@ -171,9 +175,9 @@ def corpus(ns: argparse.Namespace) -> str:
     """The real-text dataset's prefix: --data, else OUT/corpus/stdlib (written on first use)."""
     if ns.data:
         return str(ns.data)
-    prefix = Path(ns.out).resolve() / "corpus" / "stdlib"
+    prefix = Path(ns.out) / "corpus" / "stdlib"
     if not Path(f"{prefix}.idx").is_file() and not ns.print_only:
-        subprocess.run([sys.executable, "-m", "megatron_perf_toggles.tools.text_corpus", "--out", str(prefix),
+        subprocess.run([sys.executable, "-m", "megatron_perf_toggles.tools.text_corpus", "--out", str(prefix.resolve()),
                         "--max-mb", "32"], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     return str(prefix)
 

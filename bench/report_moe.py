@@ -13,8 +13,8 @@ hand) from the ablate results of bench/moe_h200.py's parts, kept in docs/benchma
     python bench/report_moe.py --check    # also fail where the committed files differ
 
 --add copies a part's results.json (a directory or the file) into raw/moe/PART.json with generic
-paths and only what the report reads (each iteration's loss and step time), refusing a file that
-still names a machine path.
+paths (the Megatron tree, python, the output directory; any other absolute path keeps its last part
+only, and is named) and only what the report reads (each iteration's loss and step time).
 """
 
 from __future__ import annotations
@@ -83,9 +83,12 @@ def import_results(name: str, path: Path, raw: Path = RAW) -> Path:
     if out_dir.startswith("/"):
         prefixes.append((out_dir.rsplit("/", 1)[0], "/path/to/out"))
     text = json.dumps(_generic(slim(data), prefixes), indent=1) + "\n"
-    left = sorted({m for m in re.findall(r'"(/[^"]*)"', text) if not m.startswith(GENERIC)})
+    # any other absolute path (an environment variable's, a library's): its last part only
+    left = sorted({m for m in re.findall(r'"(/[^"]*)"', text) if not m.startswith(GENERIC)}, key=len, reverse=True)
+    for path in left:
+        text = text.replace(f'"{path}', f'"/path/to/{path.rstrip("/").rsplit("/", 1)[-1]}')
     if left:
-        refuse(f"--add {name}: machine paths are left after making paths generic: {', '.join(left[:5])}")
+        print(f"--add {name}: {len(left)} other machine path(s) kept as /path/to/<last part>: {', '.join(left[:3])}")
     raw.mkdir(parents=True, exist_ok=True)
     target = raw / f"{name}.json"
     target.write_text(text)
@@ -205,8 +208,41 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _plot_losses(ax: Any, loss: dict[str, Any] | None, since: int, title: str) -> None:
+    """Every run's loss curve from iteration ``since`` on, one colour per arm."""
+    import matplotlib.pyplot as plt
+
+    names = [r["arm"] for r in loss["rows"]] if loss else []
+    for run in (loss or {}).get("runs", []):
+        pts = [(it["iteration"], it["lm_loss"]) for it in run.get("iterations", [])
+               if "lm_loss" in it and it["iteration"] >= since]
+        if pts and run["arm"] in names:
+            ax.plot(*zip(*pts, strict=True), lw=0.8, color=plt.get_cmap("tab10")(names.index(run["arm"]) % 10),
+                    label=label(run["arm"]) if run["block"] == 0 else None)
+    ax.set(xlabel="iteration", ylabel="lm loss", title=title)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
+def _plot_speed(ax: Any, summary: dict[str, Any]) -> None:
+    """Each shape's ratios against stock with their intervals."""
+    y = 0
+    for name, part in summary["speed"].items():
+        for a in part["arms"]:
+            if a["verdict"] != "baseline" and a["ratio"] is not None:
+                err = [[a["ratio"] - a["low"]], [a["high"] - a["ratio"]]] if a["low"] is not None else None
+                ax.errorbar([a["ratio"]], [y], xerr=err, fmt="o", capsize=4)
+                ax.annotate(f"{name}: {a['label']}", (a["ratio"], y), fontsize=7, xytext=(4, 4),
+                            textcoords="offset points")
+                y += 1
+    ax.axvline(1.0, color="#999", ls="--", lw=1)
+    ax.set(xlabel="ratio vs stock (stock ms / arm ms), with interval", yticks=[], title="speed")
+    ax.invert_yaxis()
+
+
 def plot(parts: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> str | None:
-    """Loss curves per arm and seed, and each shape's ratios with their intervals. A note where it cannot."""
+    """Loss curves per arm and seed (whole runs, and the compared window), and each shape's ratios
+    with their intervals. A note where it cannot plot."""
     try:
         import matplotlib
 
@@ -214,29 +250,13 @@ def plot(parts: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) 
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: the plot is not written"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    names = [r["arm"] for r in parts["loss"]["rows"]] if "loss" in parts else []
-    for run in (parts.get("loss") or {}).get("runs", []):
-        pts = [(it["iteration"], it["lm_loss"]) for it in run.get("iterations", []) if "lm_loss" in it]
-        if pts and run["arm"] in names:
-            i = names.index(run["arm"])
-            left.plot(*zip(*pts, strict=True), lw=0.8, color=plt.get_cmap("tab10")(i % 10),
-                      label=label(run["arm"]) if run["block"] == 0 else None)
-    left.set(xlabel="iteration", ylabel="lm loss", title="loss, every arm and seed")
-    if left.get_legend_handles_labels()[0]:
-        left.legend(fontsize=7)
-    y = 0
-    for name, part in summary["speed"].items():
-        for a in part["arms"]:
-            if a["verdict"] != "baseline" and a["ratio"] is not None:
-                err = [[a["ratio"] - a["low"]], [a["high"] - a["ratio"]]] if a["low"] is not None else None
-                right.errorbar([a["ratio"]], [y], xerr=err, fmt="o", capsize=4)
-                right.annotate(f"{name}: {a['label']}", (a["ratio"], y), fontsize=7, xytext=(4, 4),
-                               textcoords="offset points")
-                y += 1
-    right.axvline(1.0, color="#999", ls="--", lw=1)
-    right.set(xlabel="ratio vs stock (stock ms / arm ms), with interval", yticks=[], title="speed")
-    right.invert_yaxis()
+    fig, (whole, window, speed) = plt.subplots(1, 3, figsize=(18, 5))
+    loss = parts.get("loss")
+    _plot_losses(whole, loss, 0, "loss, every arm and seed")
+    n = (summary.get("loss") or {}).get("window") or 0
+    last = (summary.get("loss") or {}).get("iters") or 0
+    _plot_losses(window, loss, max(last - n + 1, 0), f"the last {n} iterations (compared)")
+    _plot_speed(speed, summary)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

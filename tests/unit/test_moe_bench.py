@@ -57,6 +57,7 @@ def test_the_speed_shapes_are_the_issue_s(tmp_path, capsys):
                             ("--transformer-impl", "transformer_engine"), ("--seed", "1234")):
             assert _value(args, flag) == value, flag
         assert {"--bf16", "--use-distributed-optimizer", "--mock-data"} <= set(args)
+        assert _value(args, "--log-memory-interval") == "10"  # the run's peak, not only after iteration 2
     assert (_value(a, "--num-experts"), _value(a, "--moe-router-topk"), _value(a, "--moe-ffn-hidden-size")) == (
         "8", "2", "4096")
     assert (_value(b, "--num-experts"), _value(b, "--moe-router-topk"), _value(b, "--moe-ffn-hidden-size")) == (
@@ -74,7 +75,7 @@ def test_the_loss_part_runs_seeds_at_once_on_real_text(tmp_path, capsys):
     assert _value(cmd, "--concurrent") == str(2 * moe_h200.arms()) and "--no-warmup-run" in cmd
     args = _megatron(cmd)
     assert "--mock-data" not in args and _value(args, "--vocab-size") == "257"
-    assert _value(args, "--data-path") == str((tmp_path / "out" / "corpus" / "stdlib").resolve())
+    assert _value(args, "--data-path") == str(tmp_path / "out" / "corpus" / "stdlib")
     assert "--log-throughput" not in args and _value(args, "--num-experts") == "8"
 
 

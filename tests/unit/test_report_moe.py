@@ -68,17 +68,20 @@ def test_the_page_has_the_loss_speed_and_memory_tables(tmp_path):
     assert report_moe.main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "docs"), "--check"]) == 1
 
 
-def test_a_machine_path_left_is_refused_and_no_results_say_so(tmp_path, capsys):
+def test_other_machine_paths_keep_their_last_part_and_bad_input_is_exit_2(tmp_path, capsys):
     part = _speed_part(tmp_path)
     data = json.loads((part / "results.json").read_text())
     data["environment"] = {"CUDA_HOME": "/somewhere/cuda"}
     (part / "results.json").write_text(json.dumps(data))
+    assert report_moe.main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "docs"),
+                            "--add", f"speed-a={part}"]) == 0
+    assert "1 other machine path(s) kept as /path/to/<last part>: /somewhere/cuda" in capsys.readouterr().out
+    raw = json.loads((tmp_path / "raw" / "speed-a.json").read_text())
+    assert raw["environment"] == {"CUDA_HOME": "/path/to/cuda"}
     with pytest.raises(SystemExit) as info:
-        report_moe.main(["--raw", str(tmp_path / "raw"), "--add", f"speed-a={part}"])
-    err = capsys.readouterr().err
-    assert info.value.code == 2 and "machine paths are left" in err and "/somewhere/cuda" in err
-    assert not (tmp_path / "raw" / "speed-a.json").exists()
-    assert report_moe.main(["--raw", str(tmp_path / "empty"), "--out", str(tmp_path / "docs")]) == 1
+        report_moe.main(["--raw", str(tmp_path / "raw"), "--add", f"loss={tmp_path / 'nothing'}"])
+    assert info.value.code == 2 and "no readable results.json" in capsys.readouterr().err
+    assert report_moe.main(["--raw", str(tmp_path / "empty"), "--out", str(tmp_path / "docs2")]) == 1
     assert "no MoE results" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         report_moe.main(["--raw", str(tmp_path / "raw"), "--add", "speed-z=x"])
@@ -88,3 +91,16 @@ def test_a_machine_path_left_is_refused_and_no_results_say_so(tmp_path, capsys):
 def test_arm_labels():
     assert [report_moe.label(a) for a in ("all-off", "baseline", "defaults", "only:moe_router_fusion", "+all-moe")] == [
         "stock", "stock", "defaults (every toggle on)", "moe_router_fusion alone", "all-moe (flags added to stock)"]
+
+
+def test_the_plot_or_one_line_saying_why_not(tmp_path, capsys):
+    loss, speed = _loss_part(tmp_path), _speed_part(tmp_path)
+    assert report_moe.main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "docs"),
+                            "--add", f"loss={loss}", "--add", f"speed-a={speed}"]) == 0
+    png, out = tmp_path / "docs" / "moe_h200.png", capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not png.exists() and "matplotlib is not installed: the plot is not written" in out
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in out
