@@ -302,3 +302,31 @@ def test_a_configuration_objects_num_moe_experts_is_an_moe_model():
     assert memory.layout_from_args(bridge_named).moe == layout().moe
     with pytest.raises(memory.Unknown, match="num-experts"):
         layout(num_experts="eight")
+
+
+def test_any_moe_layout_gets_an_estimate_or_a_reason_never_an_error():
+    import random
+
+    rng = random.Random(36)
+    for _ in range(300):
+        tp, pp, ep = rng.choice([1, 2, 4]), rng.choice([1, 2, 4]), rng.choice([1, 2, 4, 8])
+        args = {**MOE, "tensor_model_parallel_size": tp, "sequence_parallel": tp > 1, "pipeline_model_parallel_size": pp,
+                "expert_model_parallel_size": ep, "world_size": rng.choice([8, 16, 64]),
+                "expert_tensor_parallel_size": rng.choice([None, 1, tp]),
+                "num_experts": rng.choice([0, 4, 8, 64, 6]), "moe_router_topk": rng.choice([1, 2, 8]),
+                "moe_token_dispatcher_type": rng.choice(["allgather", "alltoall", "flex", "alltoall_seq"]),
+                "moe_layer_freq": rng.choice([1, 2, 3, "([0]+[1]*3)", [1, 0, 1, 0], "[1]*5"]),
+                "moe_expert_capacity_factor": rng.choice([None, 0.5, 1.25]),
+                "moe_pad_expert_input_to_capacity": rng.random() < 0.3,
+                "moe_shared_expert_intermediate_size": rng.choice([None, 512]),
+                "recompute_granularity": rng.choice([None, "selective", "full"]),
+                "recompute_modules": rng.choice([None, ["moe"], ["moe_act"], ["core_attn"]]),
+                "moe_aux_loss_coeff": rng.choice([0.0, 1e-2, [1e-2, 0.0]]),
+                "moe_router_load_balancing_type": rng.choice(["aux_loss", ["aux_loss", "seq_aux_loss"], "none"]),
+                "fp8_format": rng.choice([None, "hybrid"]), "use_distributed_optimizer": rng.random() < 0.7}
+        values = {d: rng.random() < 0.5 for d in memory_moe.MOE_DESTS}
+        plan = decide({**args, **values}, {}, read_env({}), caps(rng.choice([81920.0, 143156.0])))
+        mem = plan.memory
+        assert (mem["stock_peak_mb"] is None) == bool(mem["note"] and mem["note"].startswith("no memory estimate")), mem
+        if mem["stock_peak_mb"] is not None:
+            assert mem["stock_peak_mb"] > 0 and mem["planned_peak_mb"] > 0
