@@ -39,6 +39,8 @@ def validate(toggles: Iterable[Any], settings: Iterable[Any], groups: Mapping[st
             if not f.startswith("--") or f in seen_flags:
                 raise RegistryError(f"{where}: flag {f!r} is malformed or declared twice")
             seen_flags.add(f)
+        if t.scope not in ("all", "moe"):
+            raise RegistryError(f"{where}: scope must be all or moe")
         if not t.help or "\n" in t.help:
             raise RegistryError(f"{where}: help must be one line")
     _validate_capabilities(list(records))
