@@ -383,7 +383,9 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
         "torch": {"version": caps.torch_version, "device": caps.device},
         "gpu_arch": caps.gpu_arch,
         "transformer_engine": {"version": caps.te_version, "fused_qkv_rope_kernel": caps.te_fused_qkv_rope,
-                               "cross_entropy_kernel": caps.te_cross_entropy},
+                               "cross_entropy_kernel": caps.te_cross_entropy,
+                               "grouped_linear": caps.te_grouped_linear, "moe_permutation_kernels": caps.te_fused_permute,
+                               "moe_router_kernels": caps.te_fused_router},
         "apex_fused_wgrad": caps.apex_fused_wgrad,
         "aiter": caps.aiter_version,
         "notes": caps.notes,
@@ -409,7 +411,9 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     _say(f"GPU architecture:   {caps.gpu_arch or 'none visible'}", width)
     _say(f"Transformer Engine: {caps.te_version or 'not installed'}"
          + (f" (fused QKV RoPE kernel: {yes[caps.te_fused_qkv_rope]}, "
-            f"cross-entropy kernel: {yes[caps.te_cross_entropy]})" if caps.te_version else ""), width)
+            f"cross-entropy kernel: {yes[caps.te_cross_entropy]}; MoE: grouped linear {yes[caps.te_grouped_linear]}, "
+            f"permutation {yes[caps.te_fused_permute]}, router {yes[caps.te_fused_router]})" if caps.te_version else ""),
+         width)
     _say(f"APEX fused wgrad:   {yes[caps.apex_fused_wgrad]}", width)
     _say(f"aiter (AMD):        {caps.aiter_version or 'not installed'}", width)
     _say(f"fused wgrad path:   {WGRAD_WORDS[plan.wgrad_path]}", width)
@@ -423,7 +427,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     print()
     label = "Toggles on this machine" + (" (planned via MEGATRON_PERF_TOGGLES_ASSUME)" if env.assume else "")
     _say(f"{label}, for a Llama-style bf16 run:", width)
-    rows = [[dest, format_value(d.value), d.reason] for dest, d in plan.decisions.items()]
+    rows = [[dest, format_value(d.value), d.reason] for dest, d in plan.shown().items()]  # a dense run: no MoE rows
     print(_table(rows, ["toggle", "value", "why"], width))
     return 0
 
