@@ -367,6 +367,13 @@ def _machine_diagnosed() -> Capabilities:
     return caps
 
 
+def _te_report(caps: Capabilities) -> dict[str, Any]:
+    """Transformer Engine and its kernels the toggles use, for doctor's JSON."""
+    return {"version": caps.te_version, "fused_qkv_rope_kernel": caps.te_fused_qkv_rope,
+            "cross_entropy_kernel": caps.te_cross_entropy, "grouped_linear": caps.te_grouped_linear,
+            "moe_permutation_kernels": caps.te_fused_permute, "moe_router_kernels": caps.te_fused_router}
+
+
 def cmd_doctor(ns: argparse.Namespace) -> int:
     facts, why_not = _doctor_megatron(ns.megatron)  # a bad --megatron fails before torch is imported
     caps = _machine_diagnosed()
@@ -382,8 +389,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
         "megatron": asdict(facts) if facts is not None else {"error": why_not},
         "torch": {"version": caps.torch_version, "device": caps.device},
         "gpu_arch": caps.gpu_arch,
-        "transformer_engine": {"version": caps.te_version, "fused_qkv_rope_kernel": caps.te_fused_qkv_rope,
-                               "cross_entropy_kernel": caps.te_cross_entropy},
+        "transformer_engine": _te_report(caps),
         "apex_fused_wgrad": caps.apex_fused_wgrad,
         "aiter": caps.aiter_version,
         "notes": caps.notes,
@@ -408,8 +414,9 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     _say(f"torch:              {caps.torch_version or 'not installed'} {backend}".rstrip(), width)
     _say(f"GPU architecture:   {caps.gpu_arch or 'none visible'}", width)
     _say(f"Transformer Engine: {caps.te_version or 'not installed'}"
-         + (f" (fused QKV RoPE kernel: {yes[caps.te_fused_qkv_rope]}, "
-            f"cross-entropy kernel: {yes[caps.te_cross_entropy]})" if caps.te_version else ""), width)
+         + (f" (fused QKV RoPE kernel: {yes[caps.te_fused_qkv_rope]}, cross-entropy kernel: "
+            f"{yes[caps.te_cross_entropy]}; MoE: grouped linear {yes[caps.te_grouped_linear]}, permutation "
+            f"{yes[caps.te_fused_permute]}, router {yes[caps.te_fused_router]})" if caps.te_version else ""), width)
     _say(f"APEX fused wgrad:   {yes[caps.apex_fused_wgrad]}", width)
     _say(f"aiter (AMD):        {caps.aiter_version or 'not installed'}", width)
     _say(f"fused wgrad path:   {WGRAD_WORDS[plan.wgrad_path]}", width)
@@ -423,7 +430,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     print()
     label = "Toggles on this machine" + (" (planned via MEGATRON_PERF_TOGGLES_ASSUME)" if env.assume else "")
     _say(f"{label}, for a Llama-style bf16 run:", width)
-    rows = [[dest, format_value(d.value), d.reason] for dest, d in plan.decisions.items()]
+    rows = [[dest, format_value(d.value), d.reason] for dest, d in plan.shown().items()]  # a dense run: no MoE rows
     print(_table(rows, ["toggle", "value", "why"], width))
     return 0
 

@@ -68,9 +68,24 @@ def test_explain_with_no_arguments_works_without_megatron():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "built-in Llama-3-8B" in out and "precision tag: bf16" in out
-    for t in TOGGLES:
-        assert t.dest in out
+    for t in TOGGLES:  # a dense model: the MoE toggles are not in the table, and nothing says why
+        assert (t.dest in out) is (t.scope == "all"), t.dest
+    assert "mixture-of-experts" not in out
     assert "runs/llama3-8b/tensorboard/bf16" in out
+
+
+MOE_LINE = ["--num-experts", "8", "--moe-router-topk", "2", "--disable-bias-linear", "--bf16", "--num-layers", "4",
+            "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512", "--max-position-embeddings",
+            "512", "--micro-batch-size", "1", "--global-batch-size", "8"]
+
+
+def test_explain_lists_the_moe_toggles_for_a_moe_model_and_says_one_line_for_a_dense_one():
+    out = run_cli("explain", "--megatron-version", "main", "--", *MOE_LINE).stdout
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.startswith("moe_")}
+    assert rows == {d: ["on", "default"] for d in ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion")}
+    verbose = run_cli("explain", "--verbose").stdout
+    said = [line for line in verbose.splitlines() if "moe_" in line]
+    assert len(said) == 1 and said[0].startswith("MoE toggles: not a mixture-of-experts model"), said
 
 
 def test_explain_json_with_assumed_machine():

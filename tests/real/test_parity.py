@@ -57,7 +57,8 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is no
 def test_the_table_covers_what_the_parity_check_needs():
     envs = [{k: v for k, v in c["env"].items() if k != "TP"} for c in CASES]  # TP=1: see the table's "about"
     assert len(CASES) >= 40 and len({c["id"] for c in CASES}) == len(CASES)
-    for t in TOGGLES:  # every toggle at 0 and 1 (and unset: the precision cases)
+    for t in (t for t in TOGGLES if t.scope == "all"):  # every toggle at 0 and 1 (and unset: the precision cases);
+        # the originating script launches a dense Llama-3, where the MoE toggles leave Megatron's values
         for word in (("0", "1") if t.kind == "bool" else ("native", "te")):
             assert {t.env: word} in envs, (t.env, word)
     for env in ({}, {"TE_FP8": "1"}, {"TE_FP8": "1", "TE_FP8_RECIPE": "tensorwise"},
