@@ -129,7 +129,16 @@ def speed_summary(data: dict[str, Any]) -> dict[str, Any]:
                      "verdict": "baseline" if r["baseline"] else sp.get("verdict"),
                      "max_allocated_mb": r.get("max_allocated_mb"), "delta_mb": r.get("max_allocated_delta_mb")})
     return {"blocks": data.get("blocks_run"), "iters": data.get("iters"), "warmup": data.get("warmup"),
+            "warmup_run": data.get("warmup_run", True), "batch": batch_of(data),
             "confidence": data.get("confidence"), "arms": arms}
+
+
+def batch_of(data: dict[str, Any]) -> str:
+    """The runs' micro-batch and global batch, as their command lines gave them (the same in every arm)."""
+    argv = next(iter((data.get("commands") or {}).values()), {}).get("argv") or []
+    value = {flag: argv[argv.index(flag) + 1] for flag in ("--micro-batch-size", "--global-batch-size")
+             if flag in argv[:-1]}
+    return f"micro-batch {value.get('--micro-batch-size', '?')}, global batch {value.get('--global-batch-size', '?')}"
 
 
 def memory_summary(parts: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -172,7 +181,9 @@ def loss_lines(loss: dict[str, Any]) -> list[str]:
 def speed_lines(name: str, part: dict[str, Any]) -> list[str]:
     pct = f"{(part.get('confidence') or 0.95) * 100:g} %"
     lines = [f"## Speed: {name} ({part['shape']})", "",
-             f"{part['blocks']} interleaved blocks after a warm-up run, {part['iters']} iterations per run "
+             f"{part['blocks']} interleaved blocks" + (" after a warm-up run" if part.get("warmup_run", True) else
+                                                        ", no warm-up run") +
+             f", {part.get('batch', '')}, {part['iters']} iterations per run "
              f"({part['warmup']} left out). Ratio: stock ms / arm ms per block, geometric mean with its {pct} "
              "interval (above 1: faster).", "",
              "| arm | ms/iter | ratio vs stock [interval] | verdict | peak allocated MB | vs stock MB |",
