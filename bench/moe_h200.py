@@ -10,13 +10,17 @@ its own directory under --out):
            once on the one GPU (--concurrent: loss does not depend on timing); the losses over the
            last --loss-window iterations are compared seed by seed against the seed-to-seed band
   speed-a  Mixtral-style: 4 layers, hidden 2048, 16 heads (8 query groups), 8 experts, top-2,
-           expert FFN 4096; 3 interleaved blocks after a warm-up run, 20 iterations (8 left out)
+           expert FFN 4096; 3 interleaved blocks after a warm-up run, 40 iterations (20 left out:
+           MoE step times still fall while the aux loss balances the routing)
   speed-b  fine-grained (Qwen3-MoE-like): the same with 64 experts, top-8, expert FFN 768
 
-Both speed shapes: alltoall dispatcher, EP=1, seq 4096, micro-batch 1, global batch 8, mock data,
-bf16, distributed optimizer, aux-loss load balancing, Transformer Engine, one fixed --seed in every
-arm. Each run's peak memory (Megatron's max allocated) is kept with the arm's arguments and
-environment in results.json: the MoE memory model's validation data.
+Both speed shapes: alltoall dispatcher, EP=1, seq 4096, micro-batch 4, global batch 4 (one
+micro-batch a step: at micro-batch 1 the step was launch-bound and runs of one arm differed by a
+third), mock data, bf16, distributed optimizer, aux-loss load balancing, Transformer Engine, one
+fixed --seed in every arm. --headline narrows a speed part to stock against the defaults (2 arms);
+--no-warmup-run drops the warm-up run where a part ran just before on the same machine. Each run's
+peak memory (Megatron's max allocated) is kept with the arm's arguments and environment in
+results.json: the MoE memory model's validation data.
 
     python bench/moe_h200.py --megatron PATH --out DIR --parts loss --budget 6
     python bench/moe_h200.py --megatron PATH --out DIR --parts speed-a --budget 9   # again to resume
@@ -90,8 +94,8 @@ class Part:
 
 
 PARTS = {"loss": Part("loss-small", 300, 8, 0.4, loss=True),
-         "speed-a": Part("mixtral-a", 20, 8, 0.45),
-         "speed-b": Part("fine-b", 20, 8, 0.5)}
+         "speed-a": Part("mixtral-a", 40, 20, 0.3),
+         "speed-b": Part("fine-b", 40, 20, 0.35)}
 DRY_RUNS_S = 75.0  # 5 arms and the single-change probes of the toggles the defaults arm adds
 LOSS_STARTUP_S = 90.0  # 15 runs starting at once share the CPU
 
@@ -158,7 +162,7 @@ def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) 
     headline = ns.headline and not p.loss
     cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *design_words(headline), "--out", str(Path(ns.out) / part),
            "--launch", launch, "--repeats", str(ns.repeats), "--iters", str(iters),
-           "--warmup", str(min(p.warmup, iters - 1))]
+           "--warmup", str(min(p.warmup, iters // 2))]
     if p.loss:
         cmd += ["--block-seeds", str(ns.base_seed), "--loss-window", str(min(ns.loss_window, iters)),
                 "--concurrent", str(ns.repeats * arms()), "--no-warmup-run"]
@@ -211,7 +215,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="results directory; each part writes OUT/PART/results.*")
     ap.add_argument("--parts", default="loss,speed-a,speed-b", help=f"comma list of: {', '.join(PARTS)}")
     ap.add_argument("--repeats", type=int, default=3, help="blocks (for loss: seeds) per part (default 3)")
-    ap.add_argument("--iters", type=int, help="iterations per run (default: the part's: loss 300, speed 20)")
+    ap.add_argument("--iters", type=int, help="iterations per run (default: the part's: loss 300, speed 40)")
     ap.add_argument("--loss-window", type=int, default=50, help="loss: the last N iterations compared (default 50)")
     ap.add_argument("--base-seed", type=int, default=1234, help="loss: block i runs with --seed BASE+i")
     ap.add_argument("--budget", type=float, metavar="MINUTES", help="time for all parts of this call together")

@@ -51,7 +51,7 @@ def test_the_speed_shapes_are_the_issue_s(tmp_path, capsys):
     a, b = _megatron(cmds["speed-a"]), _megatron(cmds["speed-b"])
     for args in (a, b):
         for flag, value in (("--num-layers", "4"), ("--hidden-size", "2048"), ("--num-attention-heads", "16"),
-                            ("--seq-length", "4096"), ("--micro-batch-size", "1"),
+                            ("--seq-length", "4096"), ("--micro-batch-size", "4"),
                             ("--moe-token-dispatcher-type", "alltoall"), ("--expert-model-parallel-size", "1"),
                             ("--moe-router-load-balancing-type", "aux_loss"),
                             ("--transformer-impl", "transformer_engine"), ("--seed", "1234")):
@@ -64,7 +64,7 @@ def test_the_speed_shapes_are_the_issue_s(tmp_path, capsys):
         "64", "8", "768")
     for part in ("speed-a", "speed-b"):
         cmd = cmds[part]
-        assert (_value(cmd, "--iters"), _value(cmd, "--warmup"), _value(cmd, "--repeats")) == ("20", "8", "3")
+        assert (_value(cmd, "--iters"), _value(cmd, "--warmup"), _value(cmd, "--repeats")) == ("40", "20", "3")
         assert "--concurrent" not in cmd and "--block-seeds" not in cmd and "--no-warmup-run" not in cmd
 
 
@@ -91,7 +91,7 @@ def test_the_moe_arms_are_toggles_where_the_registry_has_them_else_candidates(mo
 
 def test_expected_time_grows_with_the_work():
     assert moe_h200.estimate_s("speed-a", 3) > moe_h200.estimate_s("speed-a", 2)
-    assert moe_h200.estimate_s("speed-b", 3, 40) > moe_h200.estimate_s("speed-b", 3)
+    assert moe_h200.estimate_s("speed-b", 3, 60) > moe_h200.estimate_s("speed-b", 3)
     # the loss part's runs run at once: more seeds cost no more time
     assert moe_h200.estimate_s("loss", 5) == moe_h200.estimate_s("loss", 3)
 
