@@ -14,12 +14,13 @@ from typing import Any
 
 from ..core.decide import Plan
 from ..core.facts import Capabilities, megatron_facts_from_surface
-from ..errors import PerfTogglesError
+from ..errors import PREFIX, PerfTogglesError
 from ..runtime import target as planned
 from ..runtime.capabilities import for_plan
 from .surfaces import replay
 
 DEFAULT_SURFACE = "main"
+OWN_ERROR = f"{PREFIX} error: "  # how the plugin's own refusals start (errors.report)
 
 
 def checkout_script(tree: str) -> Path:
@@ -31,6 +32,16 @@ def checkout_script(tree: str) -> Path:
         raise PerfTogglesError(f"{tree} is not a Megatron-LM checkout (no pretrain_gpt.py and "
                                "megatron/training/arguments.py there)", "pass --megatron /path/to/Megatron-LM")
     return script
+
+
+def parse_refusal(output: str, code: object) -> str:
+    """What a planning parse that stopped says: Megatron's argparse puts its message on the last
+    line; a refusal of the plugin's own (already one ``[perf-toggles] error:`` line) is said as is."""
+    said = [line for line in output.splitlines() if line.strip()]
+    last = said[-1] if said else f"exit {code}"
+    if last.startswith(OWN_ERROR):
+        return last.removeprefix(OWN_ERROR)
+    return f"Megatron's parser: {last}"
 
 
 def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None,
@@ -60,8 +71,7 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
             sys.path.insert(0, str(script.resolve().parent))
             runpy.run_path(str(script), run_name="__main__")
     except SystemExit as done:  # Megatron's argparse refused the command line (its message is the last line)
-        said = [line for line in chatter.getvalue().splitlines() if line.strip()]
-        raise PerfTogglesError(f"Megatron's parser: {said[-1] if said else f'exit {done.code}'}") from None
+        raise PerfTogglesError(parse_refusal(chatter.getvalue(), done.code)) from None
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
