@@ -9,8 +9,10 @@ arm's peak allocated memory with the package's own model (core.memory: the arm's
 GPU, the toggle values the arm ran with) and compares it with the arm's measured peak (Megatron's
 max allocated, ``max_allocated_mb`` of the arm's row). A plan passes within 15 % or 300 MB of the
 measured peak, the larger. Where the results have a baseline arm, each arm's planned change against
-it is compared with the measured change too. It prints a markdown table; ``--write`` writes
-docs/benchmarks/moe_memory_validation.{json,md} (``--out-dir`` elsewhere). Exits 1 on a miss.
+it is compared with the measured change too, within 25 % of the measured change or 16 MB, the
+larger (a change of the wrong sign beyond that says so). It prints a markdown table; ``--write``
+writes docs/benchmarks/moe_memory_validation.{json,md} (``--out-dir`` elsewhere). Exits 1 on a
+miss (a peak's, not a change's), 2 on input that is not ablate results (one line on stderr).
 
 The toggle values of an arm: the plugin's defaults where the arm runs through its launcher
 (``megatron_perf_toggles.run``), Megatron's where it does not, then the arm's environment (each
@@ -54,6 +56,12 @@ MOE_ENV = {"MOE_GROUPED_GEMM": "moe_grouped_gemm", "MOE_PERMUTE_FUSION": "moe_pe
 MOE_FLAGS = {"--" + d.replace("_", "-"): d for d in MOE_DESTS}
 REGISTRY = {t.dest for t in TOGGLES}
 PLUGIN_LAUNCH = "megatron_perf_toggles.run"
+# a toggle's change against the baseline is a few MB to a few hundred: a tolerance of its own size
+CHANGE_REL_TOL, CHANGE_ABS_TOL_MB = 0.25, 16.0
+
+
+class BadInput(ValueError):
+    """What ``report`` was given is not ablate results; the message says why (one line)."""
 
 
 # --- the values each arm ran with ------------------------------------------------------------------
@@ -117,8 +125,8 @@ def shape_words(argv: list[str]) -> str:
             f"seq {a.get('seq_length')}, mbs {a.get('micro_batch_size')}, vocab {a.get('vocab_size')}")
 
 
-def within(planned: float, measured: float) -> tuple[float, bool]:
-    tolerance = max(REL_TOL * abs(measured), ABS_TOL_MB)
+def within(planned: float, measured: float, rel: float = REL_TOL, absolute: float = ABS_TOL_MB) -> tuple[float, bool]:
+    tolerance = max(rel * abs(measured), absolute)
     return round(tolerance, 1), abs(planned - measured) <= tolerance
 
 
@@ -166,9 +174,9 @@ def _against_baseline(rows: list[dict[str, Any]]) -> None:
         if r is base or "planned_mb" not in r:
             continue
         planned, measured = round(r["planned_mb"] - base["planned_mb"], 1), round(r["measured_mb"] - base["measured_mb"], 1)
-        tolerance, ok = within(planned, measured)
+        tolerance, ok = within(planned, measured, CHANGE_REL_TOL, CHANGE_ABS_TOL_MB)
         r["change"] = {"against": base["arm"], "planned_mb": planned, "measured_mb": measured,
-                       "tolerance_mb": tolerance, "within": ok}
+                       "tolerance_mb": tolerance, "within": ok, "wrong_sign": not ok and planned * measured < 0}
 
 
 def results_files(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -177,14 +185,22 @@ def results_files(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for given in paths:
         path = Path(given)
+        if not path.exists():
+            raise BadInput(f"{given}: no such file or directory")
         found = sorted(path.rglob("results.json")) if path.is_dir() else [path]
         if not found:
-            raise SystemExit(f"{given}: no results.json there")
+            raise BadInput(f"{given}: no results.json there")
         for f in found:
             try:
-                out.append(("/".join(f.parts[-2:]), json.loads(f.read_text())))
+                data = json.loads(f.read_text())
             except (OSError, ValueError) as error:
-                raise SystemExit(f"{f}: not an ablate results file ({error})") from None
+                raise BadInput(f"{f}: not an ablate results file ({error})") from None
+            rows = data.get("rows") if isinstance(data, dict) else None
+            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                raise BadInput(f"{f}: not an ablate results file (not a JSON object with a list of rows)")
+            if not data["rows"]:
+                raise BadInput(f"{f}: an empty results set (no rows)")
+            out.append(("/".join(f.parts[-2:]), data))
     return out
 
 
@@ -192,7 +208,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     planned = [r for r in rows if "planned_mb" in r]
     ok = sum(r["within"] for r in planned)
     lines = [f"MoE memory model against measured peak allocated memory: {ok} of {len(planned)} arms within "
-             f"15 % or 300 MB of the measured peak. Written by bench/moe_memory_validation.py from ablate results.", "",
+             "15 % or 300 MB of the measured peak; each arm's change against the baseline within 25 % of the "
+             "measured change or 16 MB. Written by bench/moe_memory_validation.py from ablate results.", "",
              "| results | shape | arm | MoE toggles on | planned MB | measured MB | error MB | error | within "
              "| change vs baseline: planned / measured MB |", "|---|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
@@ -201,8 +218,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             continue
         on = ", ".join(d.removeprefix("moe_") for d, v in r["moe_values"].items() if v) or "none"
         change = r.get("change")
+        verdict = "yes" if change and change["within"] else "NO, wrong sign" if change and change["wrong_sign"] else "NO"
         words = "baseline" if r.get("baseline") else "-" if change is None else (
-            f"{change['planned_mb']:+.0f} / {change['measured_mb']:+.0f} ({'yes' if change['within'] else 'NO'})")
+            f"{change['planned_mb']:+.0f} / {change['measured_mb']:+.0f} ({verdict})")
         lines.append(f"| {r['results']} | {r['shape']} | {r['arm']} | {on} | {r['planned_mb']:.0f} | {r['measured_mb']:.0f} "
                      f"| {r['error_mb']:+.0f} | {r['error_pct']:+.1f} % | {'yes' if r['within'] else 'NO'} | {words} |")
     return "\n".join(lines) + "\n"
@@ -215,7 +233,8 @@ def cmd_report(ns: argparse.Namespace) -> int:
     if ns.write:
         out = Path(ns.out_dir) if ns.out_dir else OUT
         out.mkdir(parents=True, exist_ok=True)
-        payload = {"tolerance": {"relative": REL_TOL, "absolute_mb": ABS_TOL_MB}, "rows": rows}
+        payload = {"tolerance": {"relative": REL_TOL, "absolute_mb": ABS_TOL_MB},
+                   "change_tolerance": {"relative": CHANGE_REL_TOL, "absolute_mb": CHANGE_ABS_TOL_MB}, "rows": rows}
         (out / "moe_memory_validation.json").write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
         (out / "moe_memory_validation.md").write_text(text)
     missed = [r for r in rows if "planned_mb" in r and not r["within"]]
@@ -306,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "run" and not ns.smoke and not ns.megatron:
         parser.error("run needs --megatron PATH (or --smoke)")
-    return int(ns.func(ns))
+    try:
+        return int(ns.func(ns))
+    except BadInput as why:
+        print(f"moe_memory_validation: {' '.join(str(why).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

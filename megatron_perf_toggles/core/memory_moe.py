@@ -57,6 +57,7 @@ class Moe:
     aux_loss: bool = False  # a load-balancing loss with a coefficient above 0
     recompute: str = ""  # what is recomputed: "full" (every layer), "moe" (the MoE part), "moe_act" (its activation)
     legacy_grouped_gemm: bool = False  # --moe-use-legacy-grouped-gemm: the grouped_gemm package, not TE
+    probs_bytes: int = BF16  # the routing probabilities' dtype: the router's (--moe-router-dtype, else bf16)
 
     @property
     def local_experts(self) -> int:
@@ -140,6 +141,13 @@ def _recompute(args: Mapping[str, Any]) -> str:
     return "moe" if "moe" in modules else "moe_act" if "moe_act" in modules else ""
 
 
+def _probs_bytes(args: Mapping[str, Any]) -> int:
+    """The router's dtype, which its probabilities keep (router.py: the input's, bf16, unless
+    --moe-router-dtype is fp32 or fp64; ``topk_routing_with_score_function`` casts the probabilities
+    back to the logits' dtype)."""
+    return {"fp32": FP32, "fp64": INT64}.get(str(args.get("moe_router_dtype") or ""), BF16)
+
+
 def moe_from_args(args: Mapping[str, Any], layers: int, ffn: int, tp: int, pp: int, world: int) -> Moe | None:
     """The MoE layout of a parsed namespace, with Megatron's defaults where a value is not set
     (arguments.py and transformer_config.py: top-k 2, the allgather dispatcher, every layer an MoE
@@ -169,7 +177,7 @@ def moe_from_args(args: Mapping[str, Any], layers: int, ffn: int, tp: int, pp: i
         dispatcher=dispatcher, capacity_factor=None if capacity in (None, "") else float(capacity),
         pad_to_capacity=bool(args.get("moe_pad_expert_input_to_capacity")), aux_loss=_aux_loss(args),
         recompute="full" if args.get("recompute_granularity") == "full" else _recompute(args),
-        legacy_grouped_gemm=bool(args.get("moe_use_legacy_grouped_gemm")))
+        legacy_grouped_gemm=bool(args.get("moe_use_legacy_grouped_gemm")), probs_bytes=_probs_bytes(args))
 
 
 # --- weights -------------------------------------------------------------------------------------
@@ -217,28 +225,38 @@ def routed_tokens(moe: Moe, tokens: int, tp: int, sp: bool) -> float:
     """Tokens the rank's local experts compute for one micro-batch (``tokens``: the micro-batch's
     tokens on the rank before sequence parallelism splits them).
 
+    The MoE layer's input is the attention's sequence-parallel shard (tokens / TP, the attention's TP).
     alltoall / flex: each rank permutes its own tokens x top-k, the all-to-all exchanges them over
     EP (in balance each rank gets as many back), and with ETP > 1 they are gathered over ETP.
-    allgather: the tokens of the TP x EP ranks are gathered and the rank keeps those routed to its
-    E / EP experts: in balance tokens x top-k. A capacity factor caps each expert at
-    ``ceil(tokens x topk / E x factor)`` (moe_utils.py ``get_capacity``); padding to capacity makes
-    every expert take exactly that many."""
+    allgather: the tokens of the ETP x EP ranks are gathered (``gathered_rows``) and the rank keeps
+    those routed to its E / EP experts: in balance the same, tokens x top-k x ETP. A capacity factor
+    caps each expert at ``ceil(tokens x topk / E x factor)`` (moe_utils.py ``get_capacity``);
+    padding to capacity makes every expert take exactly that many."""
     layer_tokens = tokens / tp if sp else tokens
-    routed = layer_tokens * moe.topk * (moe.etp if moe.dispatcher != "allgather" else (tp if sp else 1))
+    routed = layer_tokens * moe.topk * moe.etp
     if moe.capacity_factor is None:
         return routed
     capped = math.ceil(routed / moe.experts * moe.capacity_factor) * moe.experts
     return capped if moe.pad_to_capacity else min(routed, capped)
 
 
+def gathered_rows(moe: Moe, layer_tokens: float) -> float:
+    """The rows the allgather dispatcher permutes: its tokens, routing map and probabilities gathered
+    over the expert tensor-and-model-parallel group, ETP x EP (token_dispatcher.py: ``tp_ep_group``,
+    only where ETP > 1 or EP > 1); the rank's own tokens otherwise (and for the other dispatchers)."""
+    if moe.dispatcher == "allgather" and (moe.etp > 1 or moe.ep > 1):
+        return layer_tokens * moe.etp * moe.ep
+    return layer_tokens
+
+
 def expert_activation_bytes(moe: Moe, hidden: int, routed: float, swiglu: bool) -> float:
     """What the experts save for the backward, the same with grouped GEMM and with SequentialMLP
     (experts.py: each keeps its fc1 input, the permuted tokens; the activation keeps fc1's output,
     ``2 x moe_ffn`` wide under SwiGLU; fc2 keeps the activation's output; the probability-weighted
-    activation keeps the permuted probabilities in fp32). All split over ETP but the input."""
+    activation keeps the permuted probabilities, in the router's dtype). All split over ETP but the input."""
     fc1 = moe.ffn * (2 if swiglu else 1) // moe.etp
     activation = 0 if moe.recompute == "moe_act" else moe.ffn // moe.etp
-    return routed * (BF16 * (hidden + fc1 + activation) + FP32)
+    return routed * (BF16 * (hidden + fc1 + activation) + moe.probs_bytes)
 
 
 def shared_activation_bytes(moe: Moe, layer_tokens: float, tp: int, sp: bool, swiglu: bool) -> float:
@@ -256,7 +274,7 @@ def router_bytes(moe: Moe, layer_tokens: float, fused: bool) -> float:
 
     Unfused (``topk_routing_with_score_function``): top-k on the logits keeps its int64 indices,
     the softmax over the k chosen keeps its fp32 output, and the scatter of the probabilities into
-    a tokens x experts tensor keeps the indices again: tokens x k x (8 + 4 + 8) B.
+    a tokens x experts tensor keeps the same indices tensor (no second copy): tokens x k x (8 + 4) B.
     Fused (Transformer Engine's ``fused_topk_with_score_function``): one fp32 intermediate of
     tokens x experts and the bool routing map: tokens x E x (4 + 1) B.
     An aux loss adds its fp32 scores over every expert either way (``compute_routing_scores_for_aux_loss``
@@ -264,26 +282,34 @@ def router_bytes(moe: Moe, layer_tokens: float, fused: bool) -> float:
     if fused:
         saved = layer_tokens * moe.experts * (FP32 + BOOL)
     else:
-        saved = layer_tokens * moe.topk * (INT64 + FP32 + INT64)
+        saved = layer_tokens * moe.topk * (INT64 + FP32)
     return saved + (layer_tokens * moe.experts * FP32 if moe.aux_loss else 0.0)
 
 
 def permute_bytes(moe: Moe, layer_tokens: float, fused: bool, routed: float = 0.0) -> float:
     """What the dispatcher's permutation keeps until the backward (moe_utils.py ``permute`` and
-    ``sort_chunks_by_idxs``; ``routed``: the tokens the rank's experts compute).
+    ``sort_chunks_by_idxs``, token_dispatcher.py; ``routed``: the tokens the rank's experts compute).
 
-    Unfused: the permuted tokens come from ``index_select`` (which keeps its int64 indices, also
-    the unpermute's scatter index) and, with alltoall, the permuted probabilities from indexing
-    with the flat sorted order (int64 again): tokens x k x 8 B each; sorting the received tokens by
-    local expert is a split and a cat, which keep nothing. Fused (Transformer Engine's
-    ``moe_permute_with_probs``): an int32 row-id map of tokens x (2 E + 1), and with alltoall and
-    more than one local expert the chunk sort's int32 map of the routed tokens, once for the
-    dispatch and once for the combine."""
+    alltoall / flex permute the rank's own tokens over every expert. Unfused: the permuted tokens
+    come from ``index_select`` (which keeps its int64 indices, also the unpermute's scatter index)
+    and the permuted probabilities from indexing with the flat sorted order (int64 again): tokens x
+    k x 8 B each; sorting the received tokens by local expert is a split and a cat, which keep
+    nothing. Fused (Transformer Engine's ``moe_permute_with_probs``): an int32 row-id map of tokens
+    x (2 E + 1), and with more than one local expert the chunk sort's int32 map of the routed
+    tokens, once for the dispatch and once for the combine.
+    allgather permutes the gathered rows (``gathered_rows``) over its E / EP local experts, without
+    the probabilities: unfused, ``index_select``'s int64 index of the routed tokens; fused, the
+    row-id map of rows x (2 E / EP + 1) int32. Either way ``dispatch_postprocess`` picks the local
+    probabilities with ``masked_select``, which keeps its input (rows x E / EP, the router's dtype)
+    and its bool mask."""
+    if moe.dispatcher == "allgather":
+        rows, local = gathered_rows(moe, layer_tokens), moe.local_experts
+        index = rows * (2 * local + 1) * INT32 if fused else routed * INT64
+        return index + rows * local * (moe.probs_bytes + BOOL)
     if fused:
-        chunk_sorts = 2 if moe.dispatcher != "allgather" and moe.local_experts > 1 else 0
+        chunk_sorts = 2 if moe.local_experts > 1 else 0
         return layer_tokens * (2 * moe.experts + 1) * INT32 + chunk_sorts * routed * INT32
-    copies = 2 if moe.dispatcher != "allgather" else 1
-    return copies * layer_tokens * moe.topk * INT64
+    return 2 * layer_tokens * moe.topk * INT64
 
 
 def moe_layer_bytes(moe: Moe, hidden: int, tokens: int, tp: int, sp: bool, swiglu: bool,
@@ -291,8 +317,10 @@ def moe_layer_bytes(moe: Moe, hidden: int, tokens: int, tp: int, sp: bool, swigl
     """One MoE layer's MLP part for one micro-batch: the experts, the shared experts, the router and
     the dispatcher (the attention part and the norms are the dense layer's, ``core.memory``)."""
     layer_tokens = tokens / tp if sp else tokens
-    if moe.recompute in ("moe", "full"):  # only the MoE part's input is kept: the norm's output
-        return BF16 * layer_tokens * hidden
+    # recomputed: only the MoE part's input is kept, the pre-MLP norm's output, which the attention
+    # part's 18 x s x b x h counts already (full recompute: core.memory keeps each layer's input)
+    if moe.recompute in ("moe", "full"):
+        return 0.0
     routed = routed_tokens(moe, tokens, tp, sp)
     return (expert_activation_bytes(moe, hidden, routed, swiglu) + shared_activation_bytes(moe, layer_tokens, tp, sp, swiglu)
             + router_bytes(moe, layer_tokens, bool(values.get("moe_router_fusion")))
@@ -305,13 +333,12 @@ def moe_layer_bytes(moe: Moe, hidden: int, tokens: int, tp: int, sp: bool, swigl
 def persistent_mb(moe: Moe, hidden: int, tokens: int, tp: int, sp: bool, values: Mapping[str, Any]) -> dict[str, float]:
     """Buffers made once and kept: grouped GEMM's cuBLAS workspaces, and the allgather dispatcher's
     gathered tokens, which live in Megatron's global memory buffer (``use_global_buffer=True``)
-    kept at its largest size, where TP x EP > 1."""
+    kept at its largest size, where ETP > 1 or EP > 1: ``gathered_rows`` x hidden in bf16."""
     out = {}
     if values.get("moe_grouped_gemm") and not moe.legacy_grouped_gemm:
         out["grouped_gemm_workspaces"] = CUBLAS_STREAMS * CUBLAS_WORKSPACE_MB
-    if moe.dispatcher == "allgather" and tp * moe.ep > 1:
-        layer_tokens = tokens / tp if sp else tokens
-        out["allgather_buffer"] = BF16 * layer_tokens * tp * moe.ep * hidden / MB
+    if moe.dispatcher == "allgather" and (moe.etp > 1 or moe.ep > 1):
+        out["allgather_buffer"] = BF16 * gathered_rows(moe, tokens / tp if sp else tokens) * hidden / MB
     return out
 
 
@@ -340,8 +367,8 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
     moe_grouped_gemm: + the cuBLAS workspaces Transformer Engine's grouped GEMM keeps (4 x 32 MiB);
     what the experts save for the backward is the same either way (``expert_activation_bytes``).
     moe_permute_fusion: the fused row-id map instead of the unfused int64 indices, per MoE layer.
-    moe_router_fusion: the fused kernel's fp32 tokens x experts intermediate instead of the unfused
-    top-k's tokens x k indices and probabilities, per MoE layer."""
+    moe_router_fusion: the fused kernel's fp32 tokens x experts intermediate and bool map instead of
+    the unfused top-k's tokens x k indices and probabilities, per MoE layer."""
     now, before = bool(values.get(dest)), bool(stock.get(dest))
     if now == before:
         return 0.0

@@ -59,11 +59,26 @@ def test_report_compares_planned_and_measured_peaks():
     assert stock["within"] and grouped["within"]
     assert stock["error_mb"] == pytest.approx(stock_planned - stock_planned * 1.05, abs=0.2)
     assert grouped["moe_values"]["moe_grouped_gemm"] and not stock["moe_values"]["moe_grouped_gemm"]
-    # grouped GEMM: four 32 MiB cuBLAS workspaces against the 117 MB measured
-    assert grouped["change"] == {"against": "stock", "planned_mb": 128.0, "measured_mb": 117.0, "tolerance_mb": 300.0,
-                                 "within": True}
+    # grouped GEMM: four 32 MiB cuBLAS workspaces against the 117 MB measured, within 25 % of 117
+    assert grouped["change"] == {"against": "stock", "planned_mb": 128.0, "measured_mb": 117.0, "tolerance_mb": 29.2,
+                                 "within": True, "wrong_sign": False}
     missed = mmv.report_file("x/results.json", results(stock_planned * 1.3, stock_planned * 1.3))
     assert not missed[0]["within"] and missed[0]["error_pct"] < -15
+
+
+@pytest.mark.parametrize(("measured_change", "within", "wrong_sign"), [
+    (-53.0, False, True),  # planned +128, measured -53: the wrong sign, far beyond 16 MB
+    (60.0, False, False),  # half the planned change: beyond 25 % of 60 (16 MB, the larger)
+    (140.0, True, False),  # 12 MB off, within 25 % of 140 (35 MB)
+    (300.0, False, False)])  # within the peaks' 300 MB, not within 25 % of the change (75 MB)
+def test_a_change_against_the_baseline_has_a_tolerance_of_its_own_size(measured_change, within, wrong_sign):
+    stock_planned = mmv.report_file("x/results.json", results(1.0, 1.0))[0]["planned_mb"]
+    rows = mmv.report_file("x/results.json", results(stock_planned, stock_planned + measured_change))
+    change = rows[1]["change"]
+    assert change["tolerance_mb"] == round(max(0.25 * abs(measured_change), 16), 1)
+    assert (change["within"], change["wrong_sign"]) == (within, wrong_sign)
+    text = mmv.markdown(rows)
+    assert ("(NO, wrong sign)" in text) == wrong_sign and ("(yes)" in text) == within
 
 
 def test_report_command_writes_json_and_markdown_without_machine_paths(tmp_path):
@@ -82,14 +97,23 @@ def test_report_command_writes_json_and_markdown_without_machine_paths(tmp_path)
     assert mmv.main(["report", str(run_dir / "results.json")]) == 1
 
 
-def test_report_refuses_what_is_not_results(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.raises(SystemExit, match=r"no results\.json"):
-        mmv.main(["report", str(empty)])
-    (tmp_path / "results.json").write_text("not json")
-    with pytest.raises(SystemExit, match="not an ablate results file"):
-        mmv.main(["report", str(tmp_path)])
+@pytest.mark.parametrize(("content", "words"), [
+    (None, "no such file"), ("not json", "not an ablate results file"), ("[1, 2]", "not an ablate results file"),
+    ('{"commands": {}}', "not an ablate results file"), ('{"rows": [3]}', "not an ablate results file"),
+    ('{"rows": []}', "empty results set")])
+def test_report_refuses_what_is_not_results_in_one_line_with_exit_2(tmp_path, capsys, content, words):
+    path = tmp_path / "run" / "results.json"
+    if content is not None:
+        path.parent.mkdir()
+        path.write_text(content)
+    assert mmv.main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and err.endswith("\n")
+
+
+def test_report_refuses_a_directory_without_results(tmp_path, capsys):
+    assert mmv.main(["report", str(tmp_path)]) == 2
+    assert "no results.json" in capsys.readouterr().err
 
 
 @pytest.mark.own_process
