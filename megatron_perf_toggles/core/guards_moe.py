@@ -28,6 +28,15 @@ GG_GROUPED_LINEAR = rule("moe_gg_te_grouped_linear")
 GG_LEGACY_PACKAGE = rule("moe_gg_legacy_package")
 GG_LEGACY_LOCAL = rule("moe_gg_legacy_local_spec")
 GG_OP_FUSER = rule("moe_gg_op_fuser")
+GG_OP_FUSER_CUTEDSL = rule("moe_gg_op_fuser_cutedsl")
+GG_OP_FUSER_SCALE_BIAS = rule("moe_gg_op_fuser_scale_bias")
+GG_OP_FUSER_CLAMP = rule("moe_gg_op_fuser_clamp")
+GG_SEQUENTIAL_FALLBACK = rule("moe_gg_te_sequential_fallback")
+GG_LEGACY_BF16 = rule("moe_gg_legacy_bf16")
+GG_LEGACY_GLU = rule("moe_gg_legacy_glu")
+GG_LEGACY_LATENT = rule("moe_gg_legacy_latent")
+GG_LEGACY_FP8_RECOMPUTE = rule("moe_gg_legacy_fp8_recompute")
+GG_BY_MODULE = rule("moe_gg_by_module_formats")
 PF_TE = rule("moe_pf_te")
 PF_BATCH_INVARIANT = rule("moe_pf_batch_invariant")
 RF_FIELD = rule("moe_rf_field")
@@ -39,6 +48,10 @@ RF_REPLAY = rule("moe_rf_routing_replay")
 
 GG_FP8_MIN_TE = (1, 11)
 OP_FUSER_MIN_TE = (2, 14)
+OP_FUSER_CLAMP_MIN_TE = (2, 17)
+# the formats that save the model by module name (state_dict_for_save_checkpoint); fsdp_dtensor exists
+# from core 0.14 (0.13's parser rejects it) and renumbers expert indices only, never the layout
+BY_MODULE_FORMATS = ("torch", "torch_dcp", "fsdp_dtensor")
 ROUTER_MIN_TE = (2, 7)  # Megatron imports TE's router kernels only from here (2.7.0.dev)
 SQRTSOFTPLUS_MIN_TE = (2, 13)
 NO_GG = "pass --no-moe-grouped-gemm"
@@ -77,12 +90,12 @@ def _legacy_path(ctx: Context) -> str:
     return ""
 
 
-@guard(moves=(GG,), answers=(GG_GROUPED_LINEAR, GG_LEGACY_PACKAGE, GG_LEGACY_LOCAL))
+@guard(moves=(GG,), answers=(GG_GROUPED_LINEAR, GG_LEGACY_PACKAGE, GG_LEGACY_LOCAL, GG_SEQUENTIAL_FALLBACK))
 def moe_grouped_gemm_kernel(ctx: Context) -> Iterator[Change]:
     """Grouped GEMM goes off where no grouped kernel can run: the legacy GroupedMLP (the local spec,
     `--moe-use-legacy-grouped-gemm`, or TE without GroupedLinear, up to core 0.16) without the
-    grouped_gemm package; from core 0.17, TE without GroupedLinear (the job would fail to build its
-    experts)."""
+    grouped_gemm package; from core 0.17, TE without GroupedLinear, where Megatron builds
+    SequentialMLP instead (no failure: an explicit `--moe-grouped-gemm` there is Megatron's to take)."""
     if not _on(ctx, GG):
         return
     legacy = _legacy_path(ctx)
@@ -94,7 +107,14 @@ def moe_grouped_gemm_kernel(ctx: Context) -> Iterator[Change]:
     need = lacking(ctx, GG)
     if need and not legacy and ctx.args.get("transformer_impl", "transformer_engine") != "local":
         why = ctx.caps.notes.get(need) or ctx.caps.notes.get("te") or "Transformer Engine's GroupedLinear is not available"
-        yield _off(GG, why, f"install Transformer Engine >= 1.9 or {NO_GG}", capability=need)
+        if not carries(ctx, GG_SEQUENTIAL_FALLBACK):
+            yield _off(GG, why, f"install Transformer Engine >= 1.9 or {NO_GG}", capability=need)
+            return
+        # from core 0.17 the TE spec falls back to SequentialMLP: nothing fails, nothing to refuse
+        change = _off(GG, f"{why}, so Megatron builds SequentialMLP", "install Transformer Engine >= 1.9",
+                      capability=need)
+        change.yields_to_cli = True
+        yield change
 
 
 @guard(moves=(GG,), answers=(GG_BF16, GG_CAPABILITY, GG_FP8_TE))
@@ -131,6 +151,50 @@ def moe_grouped_gemm_bias(ctx: Context) -> Iterator[Change]:
                    f"pass --disable-bias-linear or --no-bias-dropout-fusion, or {NO_GG}")
 
 
+def _legacy_blocker(ctx: Context) -> str:
+    """Why the legacy GroupedMLP cannot take this model ("" if it can), as far as the rules above say."""
+    a = ctx.args
+    if not a.get("bf16") and carries(ctx, GG_LEGACY_BF16):
+        return "asserts --bf16 at its first forward"
+    if a.get("quick_geglu") and carries(ctx, GG_LEGACY_GLU):
+        return "takes no gated activation but SwiGLU or GeGLU (--quick-geglu)"
+    if a.get("moe_latent_size") and carries(ctx, GG_LEGACY_LATENT):
+        return "takes no --moe-latent-size"
+    selective = a.get("recompute_granularity") == "selective" and "moe_act" in (a.get("recompute_modules") or ())
+    if selective and (a.get("fp8") or a.get("fp4")) and carries(ctx, GG_LEGACY_FP8_RECOMPUTE):
+        return "takes no moe_act recompute under FP8 or FP4"
+    return ""
+
+
+@guard(moves=(GG,), answers=(GG_LEGACY_BF16, GG_LEGACY_GLU, GG_LEGACY_LATENT, GG_LEGACY_FP8_RECOMPUTE))
+def moe_grouped_gemm_legacy(ctx: Context) -> Iterator[Change]:
+    """Grouped GEMM goes off where the legacy GroupedMLP would be built (up to core 0.16) and cannot
+    take the model: without `--bf16` (0.16), with `--quick-geglu`, with `--moe-latent-size` (0.16), and
+    with moe_act recompute under FP8/FP4 (0.14 to 0.16)."""
+    if not _on(ctx, GG):
+        return
+    legacy = _legacy_path(ctx)
+    blocker = _legacy_blocker(ctx) if legacy else ""
+    if blocker:
+        yield _off(GG, f"{legacy}, which {blocker}", NO_GG)
+
+
+def _op_fuser_activation(ctx: Context) -> str:
+    """Why the fused grouped MLP cannot take these experts' activation or bias ("" if it can)."""
+    a = ctx.args
+    gated = a.get("swiglu") or a.get("quick_geglu")
+    if not (gated or (a.get("squared_relu") and a.get("use_fused_weighted_squared_relu"))):
+        return "it takes only SwiGLU, quick GeGLU or fused weighted squared ReLU experts"
+    if a.get("swiglu") and a.get("activation_func_clamp_value") is not None \
+            and not te_at_least(ctx.caps, OP_FUSER_CLAMP_MIN_TE) and carries(ctx, GG_OP_FUSER_CLAMP):
+        return f"it takes a clamped SwiGLU only from Transformer Engine 2.17 ({_te_words(ctx)})"
+    if gated and carries(ctx, GG_OP_FUSER_CUTEDSL):  # the plan cannot see the launch's variable
+        return "it takes SwiGLU or quick GeGLU experts only with NVTE_CUTEDSL_FUSED_GROUPED_MLP set above 0"
+    if a.get("add_bias_linear", True) and carries(ctx, GG_OP_FUSER_SCALE_BIAS):
+        return "it takes biased experts only where TE's GroupedLinear op scales the bias (not known here)"
+    return ""
+
+
 def _op_fuser_blocker(ctx: Context) -> str:
     """Why TE's fused grouped MLP (``--use-transformer-engine-op-fuser``) cannot take this model ("" if it can)."""
     a = ctx.args
@@ -141,16 +205,19 @@ def _op_fuser_blocker(ctx: Context) -> str:
         return f"it takes no expert tensor parallelism (expert tensor-parallel size {expert_tp})"
     if a.get("moe_apply_probs_on_input"):
         return "it does not take --moe-apply-probs-on-input"
-    if not (a.get("swiglu") or a.get("quick_geglu") or (a.get("squared_relu") and a.get("use_fused_weighted_squared_relu"))):
-        return "it takes only SwiGLU, quick GeGLU or fused weighted squared ReLU experts"
-    return ""
+    offloaded = {"expert_fc1", "moe_act"} & set(a.get("offload_modules") or ())
+    if a.get("fine_grained_activation_offloading") and offloaded:
+        return f"it does not take fine-grained activation offloading of {', '.join(sorted(offloaded))}"
+    return _op_fuser_activation(ctx)
 
 
-@guard(moves=(GG,), answers=(GG_OP_FUSER,))
+@guard(moves=(GG,), answers=(GG_OP_FUSER, GG_OP_FUSER_CUTEDSL, GG_OP_FUSER_SCALE_BIAS, GG_OP_FUSER_CLAMP))
 def moe_grouped_gemm_op_fuser(ctx: Context) -> Iterator[Change]:
     """Grouped GEMM goes off under `--use-transformer-engine-op-fuser` where TE's fused grouped MLP,
     which Megatron then asserts, cannot take the model (TE older than 2.14, expert tensor parallelism,
-    probs applied on the input, an activation other than SwiGLU, quick GeGLU or weighted squared ReLU).
+    probs applied on the input, offloading of expert_fc1 or moe_act, an activation other than SwiGLU,
+    quick GeGLU or weighted squared ReLU; from core 0.19 SwiGLU/quick GeGLU, which need
+    NVTE_CUTEDSL_FUSED_GROUPED_MLP, and biased experts; on main a clamped SwiGLU before TE 2.17).
     An explicit `--moe-grouped-gemm` beside the op fuser is kept: Megatron judges that request."""
     if not _on(ctx, GG) or not ctx.args.get("use_transformer_engine_op_fuser") \
             or not carries(ctx, GG_OP_FUSER):
@@ -172,42 +239,60 @@ def _layout(ctx: Context, grouped: bool) -> str:
     return "legacy GroupedMLP" if _legacy_path(ctx) else "TEGroupedMLP"
 
 
-def _cannot_load(ctx: Context, saved: Any) -> str:
+def _ckpt_format(ctx: Context) -> str:
+    """The format of the checkpoint being resumed: `--ckpt-format`, or under `--auto-detect-ckpt-format`
+    the one resume found on disk ("" where it could not tell)."""
+    if ctx.args.get("auto_detect_ckpt_format"):
+        return str(ctx.checkpoint.get("format_on_disk") or "")
+    return ctx.args.get("ckpt_format") or "torch_dist"
+
+
+def _saved_grouped(ctx: Context) -> bool | None:
+    """Grouped GEMM as the checkpoint being resumed was saved: as its launch recorded it; where none
+    did, stock saved it as the command line or config gives it (None: nothing to guard), else as
+    Megatron's default (off)."""
+    recorded = ctx.checkpoint.get("decisions", {}).get(GG)
+    if recorded is not None:
+        return bool(recorded)
+    return None if ctx.sources.get(GG) in ("cli", "config") else False
+
+
+def _cannot_load(ctx: Context, saved: bool) -> str:
     """Why the checkpoint being resumed cannot load with grouped GEMM at its current value ("" if it can)."""
     a, now = ctx.args, is_on(ctx.values, GG)
-    fmt = a.get("ckpt_format") or "torch_dist"
-    if saved is None:  # no launch of the plugin recorded it, or one from before the MoE toggles (stock's: off)
-        if fmt == "torch" and not a.get("finetune"):
-            return (f"--ckpt-format torch keeps the experts' parameters by module, and the layout of the "
-                    f"checkpoint in {a.get('load')} was not recorded")
+    if saved == now:
         return ""
-    if bool(saved) == now:
-        return ""
-    was, will = _layout(ctx, bool(saved)), _layout(ctx, now)
-    if fmt == "torch":
-        return f"the checkpoint in {a.get('load')} was saved as {was} in the torch format, which {will} cannot load"
-    legacy = "legacy GroupedMLP" in (was, will)
-    if legacy and not (a.get("no_load_optim") or a.get("finetune")):
-        return (f"the checkpoint in {a.get('load')} was saved as {was}, and the distributed checkpoint moves "
-                f"only weights, not optimizer state, between the legacy GroupedMLP and {will}")
+    was, will = _layout(ctx, saved), _layout(ctx, now)
+    where = f"the checkpoint in {a.get('load')}"
+    if GG not in ctx.checkpoint.get("decisions", {}):
+        where += " (layout not recorded: stock saves it as Megatron's default)"
+    fmt = _ckpt_format(ctx)
+    if fmt in BY_MODULE_FORMATS and carries(ctx, GG_BY_MODULE):
+        return f"{where} holds {was} in the {fmt} format, which keeps parameters by module, so {will} cannot load it"
+    if not fmt:
+        return f"{where} holds {was} in a format --auto-detect-ckpt-format leaves unknown here, which {will} may not load"
+    if "legacy GroupedMLP" in (was, will) and not (a.get("no_load_optim") or a.get("finetune")):
+        return (f"{where} holds {was}, and the distributed checkpoint moves "
+                f"only weights, not optimizer state, between {was} and {will}")
     return ""
 
 
-@guard(moves=(GG,))  # no Megatron rule: the checkpoint being resumed
+@guard(moves=(GG,), answers=(GG_BY_MODULE,))  # the checkpoint being resumed
 def moe_grouped_gemm_checkpoint(ctx: Context) -> Iterator[Change]:
     """On resume, grouped GEMM keeps the value the checkpoint was saved with where its expert layout
-    cannot load the other: the torch format (by module names), and the legacy GroupedMLP's optimizer
-    state in a distributed checkpoint. A torch-format checkpoint whose layout was not recorded keeps
-    Megatron's default (off), as stock saved it. torch_dist moves weights and optimizer state between SequentialMLP and
-    TEGroupedMLP, so there the choice is free."""
+    cannot load the other: the torch, torch_dcp and fsdp_dtensor formats (by module names; an
+    auto-detected format the plan cannot see is treated alike), and the legacy GroupedMLP's optimizer
+    state in a distributed checkpoint. Where no launch recorded the layout, it is taken as stock saved
+    it: the command line's or config's value (then nothing is guarded), else Megatron's default (off).
+    torch_dist moves weights and optimizer state between SequentialMLP and TEGroupedMLP, so there the
+    choice is free."""
     if not ctx.checkpoint or not is_moe(ctx.args):  # no checkpoint to resume (or none known)
         return
-    saved = ctx.checkpoint.get("decisions", {}).get(GG)  # None: its launch recorded no value
-    reason = _cannot_load(ctx, saved)
-    value = bool(saved) if saved is not None else False
+    saved = _saved_grouped(ctx)
+    reason = _cannot_load(ctx, saved) if saved is not None else ""
     # Back on only where no guard above turned it off for a reason of its own (that one stands).
-    if reason and not (value and ctx.sources.get(GG) == "guard"):
-        yield Change(GG, value, reason, hint="resume with the saved value, or convert the checkpoint to torch_dist")
+    if reason and not (saved and ctx.sources.get(GG) == "guard"):
+        yield Change(GG, saved, reason, hint="resume with the saved value, or convert the checkpoint to torch_dist")
 
 
 @guard(moves=(PF,), answers=(PF_TE, PF_BATCH_INVARIANT))

@@ -16,6 +16,8 @@ from .megatron_rule import MegatronRule
 ALL = ('0.13.0', '0.14.0', '0.15.0', '0.16.0', '0.17.0', '0.18.0', '0.18.2', '0.19.0', 'main')
 FROM_014 = ALL[1:]
 UP_TO_016 = ALL[:4]
+FROM_017 = ALL[4:]
+FROM_019 = ALL[7:]
 GG = ('moe_grouped_gemm',)
 PF = ('moe_permute_fusion',)
 RF = ('moe_router_fusion',)
@@ -24,6 +26,8 @@ CONFIG = 'megatron/core/transformer/transformer_config.py'
 EXPERTS = 'megatron/core/transformer/moe/experts.py'
 MOE_UTILS = 'megatron/core/transformer/moe/moe_utils.py'
 TE_EXT = 'megatron/core/extensions/transformer_engine.py'
+TE_SPEC = 'megatron/core/extensions/transformer_engine_spec_provider.py'
+CKPT = 'megatron/training/checkpointing.py'
 
 MOE_RULES: tuple[MegatronRule, ...] = (
     # --- grouped GEMM ---------------------------------------------------------------------------
@@ -87,6 +91,60 @@ MOE_RULES: tuple[MegatronRule, ...] = (
         "--use-transformer-engine-op-fuser asserts TE's fused grouped MLP supports the model "
         "(TE 2.14, expert TP 1, SwiGLU/quick-GeGLU/weighted squared ReLU, probs not on the input)",
         'guard: grouped GEMM off with the op fuser where the fused grouped MLP cannot take the model',
+    ),
+    MegatronRule(
+        'moe_gg_te_sequential_fallback', GG, (TE_SPEC,),
+        'if moe_use_grouped_gemm and TEColumnParallelGroupedLinear is not None:', 'runtime', FROM_017,
+        'without GroupedLinear the TE spec builds SequentialMLP for grouped GEMM (no legacy path, no failure)',
+        'guard: the default goes off (nothing grouped to gain); an explicit --moe-grouped-gemm is Megatron\'s',
+    ),
+    MegatronRule(
+        'moe_gg_legacy_bf16', GG, (EXPERTS,),
+        'Currently GroupedMLP for MoE only supports bf16.', 'runtime', ('0.16.0',),
+        'the legacy GroupedMLP asserts --bf16 at its first forward',
+        'guard: grouped GEMM off without --bf16 on the legacy path',
+    ),
+    MegatronRule(
+        'moe_gg_legacy_glu', GG, (EXPERTS,),
+        'Activation function must be silu or gelu when using GroupedMLP.', 'runtime', UP_TO_016,
+        'the legacy GroupedMLP raises for a gated activation other than silu or gelu (--quick-geglu)',
+        'guard: grouped GEMM off with --quick-geglu on the legacy path',
+    ),
+    MegatronRule(
+        'moe_gg_legacy_latent', GG, (EXPERTS,),
+        'MoE latent projection not supported in GroupedMLP yet.', 'runtime', ('0.16.0',),
+        'the legacy GroupedMLP asserts no --moe-latent-size',
+        'guard: grouped GEMM off with --moe-latent-size on the legacy path',
+    ),
+    MegatronRule(
+        'moe_gg_legacy_fp8_recompute', GG, (EXPERTS,),
+        'cannot work with the legacy GroupedMLP.', 'runtime', ALL[1:4],
+        'the legacy GroupedMLP raises for moe_act recompute under FP8 (or FP4)',
+        'guard: grouped GEMM off with --recompute-modules moe_act under FP8/FP4 on the legacy path',
+    ),
+    MegatronRule(
+        'moe_gg_op_fuser_cutedsl', GG, (EXPERTS,),
+        'NVTE_CUTEDSL_FUSED_GROUPED_MLP', 'runtime', FROM_019,
+        "TE's fused grouped MLP takes SwiGLU/quick GeGLU only with NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0",
+        'guard: with the op fuser, gated experts count as unsupported (the plan does not see that variable)',
+    ),
+    MegatronRule(
+        'moe_gg_op_fuser_scale_bias', GG, (EXPERTS,),
+        '"scale_bias" not in inspect.signature(GroupedLinear.__init__)', 'runtime', FROM_019,
+        "TE's fused grouped MLP takes a biased fc2 only where TE's GroupedLinear op has scale_bias",
+        'guard: with the op fuser, biased experts count as unsupported (that TE signature is not known here)',
+    ),
+    MegatronRule(
+        'moe_gg_op_fuser_clamp', GG, (EXPERTS,),
+        'is_te_min_version("2.17.0.dev0")', 'runtime', ('main',),
+        "TE's fused grouped MLP takes a clamped SwiGLU (activation_func_clamp_value) only from TE 2.17",
+        'guard: with the op fuser, a clamp value before TE 2.17 counts as unsupported',
+    ),
+    MegatronRule(
+        'moe_gg_by_module_formats', GG, (CKPT,),
+        '# torch, torch_dcp', 'runtime', ALL,
+        'the torch and torch_dcp formats (and fsdp_dtensor, from 0.14) save the model by module names',
+        'guard: on resume in those formats grouped GEMM keeps the expert layout the checkpoint holds',
     ),
     MegatronRule(
         'moe_gg_moe_act_recompute', GG, (CONFIG,),

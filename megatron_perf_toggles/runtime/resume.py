@@ -68,6 +68,24 @@ def loaded_iteration(args: Mapping[str, Any]) -> int | None:
     return max(known) if known else None
 
 
+def format_on_disk(args: Mapping[str, Any], iteration: int) -> str | None:
+    """The format of the checkpoint at ``iteration`` in ``--load``, told as Megatron's
+    ``--auto-detect-ckpt-format`` tells it (a distributed checkpoint's metadata.json, the torch
+    format's mp_rank_0* folders, a torch_dcp .metadata, fsdp_dtensor under Megatron FSDP); None where
+    that folder cannot be read or holds none of them."""
+    try:
+        names = os.listdir(os.path.join(str(args["load"]), f"iter_{iteration:07d}"))
+    except OSError:
+        return None
+    if "metadata.json" in names:
+        return "torch_dist"
+    if any(n.startswith("mp_rank_0") for n in names):
+        return "torch"
+    if ".metadata" in names:
+        return "fsdp_dtensor" if args.get("use_megatron_fsdp") else "torch_dcp"
+    return None
+
+
 def checkpoint_writer(args: Mapping[str, Any]) -> dict[str, Any] | None:
     """What the launch that wrote the checkpoint this run resumes recorded, or None where there is
     no checkpoint to resume. The history lives beside ``--load`` (the run that saved there appended
@@ -77,9 +95,10 @@ def checkpoint_writer(args: Mapping[str, Any]) -> dict[str, Any] | None:
     if not loaded:
         return None
     writers = [e for e in _history(str(args["load"])) if int(e.get("start_iteration") or 0) < loaded]
+    found = {"format_on_disk": format_on_disk(args, loaded)} if args.get("auto_detect_ckpt_format") else {}
     if not writers:
-        return {"iteration": loaded, "load_dir": args["load"], "decisions": {}, "recorded": False}
-    return {**writers[-1], "iteration": loaded, "load_dir": args["load"]}
+        return {"iteration": loaded, "load_dir": args["load"], "decisions": {}, "recorded": False, **found}
+    return {**writers[-1], "iteration": loaded, "load_dir": args["load"], **found}
 
 
 def compare_with_checkpoint(writer: Mapping[str, Any] | None,

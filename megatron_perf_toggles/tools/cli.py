@@ -416,7 +416,8 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     _say(f"Transformer Engine: {caps.te_version or 'not installed'}"
          + (f" (fused QKV RoPE kernel: {yes[caps.te_fused_qkv_rope]}, cross-entropy kernel: "
             f"{yes[caps.te_cross_entropy]}; MoE: grouped linear {yes[caps.te_grouped_linear]}, permutation "
-            f"{yes[caps.te_fused_permute]}, router {yes[caps.te_fused_router]})" if caps.te_version else ""), width)
+            f"{yes[caps.te_fused_permute]}, router {yes[caps.te_fused_router]} (used from TE 2.7))"
+            if caps.te_version else ""), width)
     _say(f"APEX fused wgrad:   {yes[caps.apex_fused_wgrad]}", width)
     _say(f"aiter (AMD):        {caps.aiter_version or 'not installed'}", width)
     _say(f"fused wgrad path:   {WGRAD_WORDS[plan.wgrad_path]}", width)

@@ -121,9 +121,16 @@ def test_legacy_grouped_mlp_needs_the_grouped_gemm_package(release, args, packag
 
 
 def test_te_without_grouped_linear_takes_grouped_gemm_off_and_refuses_it_by_name():
-    assert got(plan(te_grouped_linear=False), "moe_grouped_gemm") == (False, "guard")
+    # up to 0.16 with no legacy package the job fails to build its experts: an explicit request is refused
     with pytest.raises(CannotHonourError, match="--moe-grouped-gemm"):
-        plan(explicit={"moe_grouped_gemm": True}, te_grouped_linear=False)
+        plan(explicit={"moe_grouped_gemm": True}, release="0.16.0", te_grouped_linear=False,
+             grouped_gemm_package=False)
+    # from 0.17 the TE spec falls back to SequentialMLP: the default goes off, an explicit flag is Megatron's
+    p = plan(te_grouped_linear=False)
+    assert got(p, "moe_grouped_gemm") == (False, "guard")
+    assert "Megatron builds SequentialMLP" in p.decisions["moe_grouped_gemm"].reason
+    assert got(plan(explicit={"moe_grouped_gemm": True}, release="0.17.0", te_grouped_linear=False),
+               "moe_grouped_gemm") == (True, "cli")
     # up to 0.16 it falls to the legacy GroupedMLP: on where the grouped_gemm package is there
     assert plan(release="0.16.0", te_grouped_linear=False, grouped_gemm_package=True).decisions[
         "moe_grouped_gemm"].value is True
@@ -135,19 +142,54 @@ def test_grouped_gemm_off_where_the_planned_stack_lacks_it_is_marked_assumed():
     assert got(p, "moe_grouped_gemm") == (False, "assumed")
 
 
-@pytest.mark.parametrize("args, te, on", [
-    ({"swiglu": True}, "2.20", True),
-    ({"swiglu": True}, "2.13", False),
-    ({"swiglu": True, "expert_tensor_parallel_size": 2}, "2.20", False),
-    ({"swiglu": True, "tensor_model_parallel_size": 2}, "2.20", False),  # expert TP follows TP when unset
-    ({"swiglu": True, "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1}, "2.20", True),
-    ({"swiglu": False}, "2.20", False),
-    ({"swiglu": False, "squared_relu": True, "use_fused_weighted_squared_relu": True}, "2.20", True),
-    ({"swiglu": True, "moe_apply_probs_on_input": True}, "2.20", False),
+SRELU = {"swiglu": False, "squared_relu": True, "use_fused_weighted_squared_relu": True}
+
+
+@pytest.mark.parametrize("release, args, te, on", [
+    ("0.18.0", {"swiglu": True}, "2.20", True),
+    ("0.18.0", {"swiglu": True}, "2.13", False),
+    ("0.18.0", {"swiglu": True, "expert_tensor_parallel_size": 2}, "2.20", False),
+    ("0.18.0", {"swiglu": True, "tensor_model_parallel_size": 2}, "2.20", False),  # expert TP follows TP when unset
+    ("0.18.0", {"swiglu": True, "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1}, "2.20", True),
+    ("main", {"swiglu": False}, "2.20", False),
+    ("main", SRELU, "2.20", True),
+    ("main", {"swiglu": True, "moe_apply_probs_on_input": True}, "2.20", False),
 ])
-def test_op_fuser_takes_grouped_gemm_only_where_the_fused_grouped_mlp_can(args, te, on):
-    p = plan({"use_transformer_engine_op_fuser": True, **args}, te_version=te)
+def test_op_fuser_takes_grouped_gemm_only_where_the_fused_grouped_mlp_can(release, args, te, on):
+    p = plan({"use_transformer_engine_op_fuser": True, **args}, release=release, te_version=te)
     assert p.decisions["moe_grouped_gemm"].value is on
+
+
+@pytest.mark.parametrize("release, args, on", [
+    # 0.19/main: gated experts go fused only with NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0, not seen by the plan
+    ("0.18.2", {"swiglu": True}, True), ("0.19.0", {"swiglu": True}, False), ("main", {"quick_geglu": True}, False),
+    # from 0.18: offloading expert_fc1 or moe_act
+    ("0.17.0", {**SRELU, "fine_grained_activation_offloading": True, "offload_modules": ["moe_act"]}, True),
+    ("0.18.0", {**SRELU, "fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"]}, False),
+    ("main", {**SRELU, "fine_grained_activation_offloading": True, "offload_modules": ["moe_act"]}, False),
+    ("main", {**SRELU, "fine_grained_activation_offloading": True, "offload_modules": ["attn_norm"]}, True),
+    # 0.19/main: a biased fc2 needs TE's scale_bias (unknown here)
+    ("0.18.0", {**SRELU, "add_bias_linear": True, "bias_dropout_fusion": False}, True),
+    ("0.19.0", {**SRELU, "add_bias_linear": True, "bias_dropout_fusion": False}, False),
+])
+def test_op_fuser_blockers_by_version(release, args, on):
+    p = plan({"use_transformer_engine_op_fuser": True, **args}, release=release, te_version="2.20")
+    assert p.decisions["moe_grouped_gemm"].value is on, p.decisions["moe_grouped_gemm"].reason
+    if not on:
+        assert p.decisions["moe_grouped_gemm"].source == "guard"
+
+
+def test_op_fuser_clamped_swiglu_needs_te_217_on_main():
+    from megatron_perf_toggles.core import guards_moe
+    from megatron_perf_toggles.core.plan import Context
+
+    def blocker(release, te):
+        caps = full_caps(megatron=megatron(release), te_version=te)
+        args = {**MOE_ARGS, "swiglu": True, "activation_func_clamp_value": 7.0}
+        return guards_moe._op_fuser_activation(Context(args, {}, caps, read_env({})))
+    assert "2.17" in blocker("main", "2.16")
+    assert "2.17" not in blocker("main", "2.17") and "NVTE_CUTEDSL" in blocker("main", "2.17")
+    assert "2.17" not in blocker("0.19.0", "2.16")
 
 
 def test_op_fuser_with_an_explicit_grouped_gemm_is_megatrons_to_judge():
@@ -186,7 +228,44 @@ def test_torch_format_checkpoint_keeps_the_saved_expert_layout():
 def test_unrecorded_torch_format_checkpoint_keeps_megatrons_default():
     p = _resume("torch")
     assert got(p, "moe_grouped_gemm") == (False, "guard") and "not recorded" in p.decisions["moe_grouped_gemm"].reason
-    assert _resume("torch", finetune=True).decisions["moe_grouped_gemm"].value is True
+    # torch-format weights load by module name whatever --finetune says
+    assert got(_resume("torch", finetune=True), "moe_grouped_gemm") == (False, "guard")
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dcp", "fsdp_dtensor"])
+def test_unrecorded_checkpoint_takes_the_command_lines_own_grouped_gemm_as_saved(fmt):
+    # stock saved with the flag the command line (or a config) gives: resuming with it is stock's own resume
+    ck = {"decisions": {}, "iteration": 100, "recorded": False}
+    p = plan({"load": "/ckpt", "ckpt_format": fmt}, explicit={"moe_grouped_gemm": True}, checkpoint=ck)
+    assert got(p, "moe_grouped_gemm") == (True, "cli")
+
+
+@pytest.mark.parametrize("fmt", ["torch_dcp", "fsdp_dtensor"])
+def test_every_format_that_saves_by_module_keeps_the_saved_layout(fmt):
+    assert got(_resume(fmt), "moe_grouped_gemm") == (False, "guard")
+    assert got(_resume(fmt, saved=False), "moe_grouped_gemm") == (False, "guard")
+    assert got(_resume(fmt, saved=True), "moe_grouped_gemm") == (True, "default")
+
+
+def test_auto_detected_format_is_read_from_disk_or_taken_as_unknown(tmp_path):
+    from megatron_perf_toggles.runtime import resume
+
+    args = {**MOE_ARGS, "load": str(tmp_path), "ckpt_format": "torch_dist", "auto_detect_ckpt_format": True}
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("40")
+    writer = resume.checkpoint_writer(args)  # no iter folder: unknown, so the stock layout is kept
+    assert writer["format_on_disk"] is None and got(plan(args, checkpoint=writer), "moe_grouped_gemm")[0] is False
+    (tmp_path / "iter_0000040" / "mp_rank_00").mkdir(parents=True)
+    writer = resume.checkpoint_writer(args)
+    assert writer["format_on_disk"] == "torch" and got(plan(args, checkpoint=writer), "moe_grouped_gemm")[0] is False
+    (tmp_path / "iter_0000040" / "metadata.json").write_text("{}")
+    writer = resume.checkpoint_writer(args)
+    assert writer["format_on_disk"] == "torch_dist" and got(plan(args, checkpoint=writer), "moe_grouped_gemm")[0]
+    for sub in ("mp_rank_00", "metadata.json"):
+        target = tmp_path / "iter_0000040" / sub
+        target.rmdir() if target.is_dir() else target.unlink()
+    (tmp_path / "iter_0000040" / ".metadata").write_text("")
+    assert resume.checkpoint_writer(args)["format_on_disk"] == "torch_dcp"
+    assert resume.checkpoint_writer({**args, "use_megatron_fsdp": True})["format_on_disk"] == "fsdp_dtensor"
 
 
 def test_distributed_checkpoint_moves_between_sequential_and_te_grouped_mlp():
@@ -201,6 +280,25 @@ def test_legacy_grouped_mlp_optimizer_state_does_not_move_in_a_distributed_check
     assert got(p, "moe_grouped_gemm") == (False, "guard")
     p = plan({**args, "no_load_optim": True}, release="0.16.0", grouped_gemm_package=True, checkpoint=ck)
     assert p.decisions["moe_grouped_gemm"].value is True
+    # a checkpoint no launch recorded holds stock's SequentialMLP: the same move, the same answer
+    p = plan(args, release="0.16.0", grouped_gemm_package=True, checkpoint={"decisions": {}, "iteration": 10})
+    assert got(p, "moe_grouped_gemm") == (False, "guard") and "optimizer state" in p.decisions["moe_grouped_gemm"].reason
+
+
+@pytest.mark.parametrize("release, args, on", [
+    ("0.16.0", {"bf16": False}, False), ("0.17.0", {"bf16": False}, True),  # 0.16's GroupedMLP.forward asserts bf16
+    ("0.16.0", {"quick_geglu": True}, False), ("0.15.0", {"quick_geglu": True}, False),
+    ("0.16.0", {"swiglu": True}, True),
+    ("0.16.0", {"moe_latent_size": 128}, False), ("0.15.0", {"moe_latent_size": 128}, True),
+    ("0.14.0", {"fp8": "hybrid", "recompute_granularity": "selective", "recompute_modules": ["moe_act"]}, False),
+    ("0.13.0", {"fp8": "hybrid", "recompute_granularity": "selective", "recompute_modules": ["moe_act"]}, True),
+])
+def test_legacy_grouped_mlp_refuses_what_it_cannot_build(release, args, on):
+    base = {"transformer_impl": "local", "bf16": True, "swiglu": False}
+    p = plan({**base, **args}, release=release, grouped_gemm_package=True, te_version="2.20", gpu_arch="sm_90")
+    assert p.decisions["moe_grouped_gemm"].value is on, p.decisions["moe_grouped_gemm"].reason
+    if not on:
+        assert "legacy GroupedMLP" in p.decisions["moe_grouped_gemm"].reason
 
 
 # --- permute fusion ---------------------------------------------------------------------------------
@@ -290,7 +388,7 @@ def test_ablate_default_toggles_add_the_moe_ones_only_for_moe_runs(words, moe):
 
 def test_memory_column_stays_working_for_moe_decisions():
     p = plan()
-    assert p.memory is not None and set(MOE) <= set(p.memory.get("peak_memory_delta_mb") or MOE)
+    assert p.memory is not None and set(MOE) <= set(p.memory.get("peak_memory_delta_mb") or ())
     dense = plan(model=LLAMA_ARGS)
     assert all((dense.memory.get("peak_memory_delta_mb") or {}).get(d) in (0, 0.0, None) for d in MOE)
     assert replace(dense, not_applicable=()).shown().keys() >= set(MOE)
@@ -324,3 +422,11 @@ def test_a_checkpoint_no_launch_recorded_is_told_from_no_checkpoint(tmp_path):
     writer = resume.checkpoint_writer(args)
     assert writer is not None and writer["iteration"] == 40 and writer["decisions"] == {}
     assert got(plan(args, checkpoint=writer), "moe_grouped_gemm") == (False, "guard")
+
+
+def test_doctor_says_from_which_te_megatron_uses_the_router_kernels(monkeypatch, capsys):
+    from megatron_perf_toggles.tools import cli
+
+    monkeypatch.setattr(cli, "_machine_diagnosed", lambda: full_caps(te_version="2.5", te_fused_router=True))
+    assert cli.main(["doctor"]) == 0
+    assert "router yes (used from TE 2.7)" in capsys.readouterr().out
