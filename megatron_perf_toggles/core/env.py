@@ -109,6 +109,9 @@ class EnvSettings:
     # PyTorch's own allocator setting, read (never set) for the memory plan: not one of ours, so no
     # registry entry; core.allocator says where torch reads it.
     alloc: AllocConf = field(default_factory=AllocConf)
+    # Transformer Engine's switch for its CuTe DSL fused grouped MLP, read (never set) by the MoE
+    # guards: Megatron's fused grouped MLP takes gated experts only where it is above 0.
+    cutedsl_grouped_mlp: bool = False
 
     @property
     def expandable_segments(self) -> bool:
@@ -167,4 +170,16 @@ def read_env(environ: Mapping[str, str]) -> EnvSettings:
     # The fields are named by the registry, so a checker cannot match values to them: check_settings
     # has matched each setting's kind to its field's type at import.
     return EnvSettings(toggles=toggles, rank=rank_of(environ), alloc=alloc_conf(environ),
+                       cutedsl_grouped_mlp=_above_zero(environ.get(CUTEDSL_GROUPED_MLP)),
                        **settings)  # type: ignore[arg-type]
+
+
+CUTEDSL_GROUPED_MLP = "NVTE_CUTEDSL_FUSED_GROUPED_MLP"
+
+
+def _above_zero(value: str | None) -> bool:
+    """As Megatron reads the variable (an integer above 0); anything else is off."""
+    try:
+        return int((value or "0").strip()) > 0
+    except ValueError:
+        return False

@@ -188,7 +188,7 @@ def _op_fuser_activation(ctx: Context) -> str:
     if a.get("swiglu") and a.get("activation_func_clamp_value") is not None \
             and not te_at_least(ctx.caps, OP_FUSER_CLAMP_MIN_TE) and carries(ctx, GG_OP_FUSER_CLAMP):
         return f"it takes a clamped SwiGLU only from Transformer Engine 2.17 ({_te_words(ctx)})"
-    if gated and carries(ctx, GG_OP_FUSER_CUTEDSL):  # the plan cannot see the launch's variable
+    if gated and not ctx.env.cutedsl_grouped_mlp and carries(ctx, GG_OP_FUSER_CUTEDSL):
         return "it takes SwiGLU or quick GeGLU experts only with NVTE_CUTEDSL_FUSED_GROUPED_MLP set above 0"
     if a.get("add_bias_linear", True) and carries(ctx, GG_OP_FUSER_SCALE_BIAS):
         return "it takes biased experts only where TE's GroupedLinear op scales the bias (not known here)"

@@ -126,7 +126,7 @@ MOE_RULES: tuple[MegatronRule, ...] = (
         'moe_gg_op_fuser_cutedsl', GG, (EXPERTS,),
         'NVTE_CUTEDSL_FUSED_GROUPED_MLP', 'runtime', FROM_019,
         "TE's fused grouped MLP takes SwiGLU/quick GeGLU only with NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0",
-        'guard: with the op fuser, gated experts count as unsupported (the plan does not see that variable)',
+        'guard: with the op fuser, gated experts keep grouped GEMM only where the launch sets the variable above 0',
     ),
     MegatronRule(
         'moe_gg_op_fuser_scale_bias', GG, (EXPERTS,),

@@ -161,7 +161,7 @@ def test_op_fuser_takes_grouped_gemm_only_where_the_fused_grouped_mlp_can(releas
 
 
 @pytest.mark.parametrize("release, args, on", [
-    # 0.19/main: gated experts go fused only with NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0, not seen by the plan
+    # 0.19/main: gated experts go fused only with NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0 (unset here)
     ("0.18.2", {"swiglu": True}, True), ("0.19.0", {"swiglu": True}, False), ("main", {"quick_geglu": True}, False),
     # from 0.18: offloading expert_fc1 or moe_act
     ("0.17.0", {**SRELU, "fine_grained_activation_offloading": True, "offload_modules": ["moe_act"]}, True),
@@ -177,6 +177,14 @@ def test_op_fuser_blockers_by_version(release, args, on):
     assert p.decisions["moe_grouped_gemm"].value is on, p.decisions["moe_grouped_gemm"].reason
     if not on:
         assert p.decisions["moe_grouped_gemm"].source == "guard"
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("2", True), ("0", False), ("", False), ("yes", False)])
+def test_op_fuser_gated_experts_follow_the_cutedsl_variable(value, on):
+    # Megatron reads it as an integer above 0 (anything else: not fused, so grouped GEMM would assert)
+    p = plan({"use_transformer_engine_op_fuser": True, "swiglu": True}, release="0.19.0", te_version="2.20",
+             environ={"NVTE_CUTEDSL_FUSED_GROUPED_MLP": value})
+    assert p.decisions["moe_grouped_gemm"].value is on, p.decisions["moe_grouped_gemm"].reason
 
 
 def test_op_fuser_clamped_swiglu_needs_te_217_on_main():
