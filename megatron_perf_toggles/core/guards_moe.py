@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from .ckpt_layout import GRAD_DTYPE_KEYED, loads_optimizer_state, optimizer_layout
 from .guard_base import carries, declared_in, guard, is_on, lacking, rule, te_at_least
 from .plan import Change, Context
 from .registry import is_moe
@@ -240,11 +241,14 @@ def _layout(ctx: Context, grouped: bool) -> str:
 
 
 def _ckpt_format(ctx: Context) -> str:
-    """The format of the checkpoint being resumed: `--ckpt-format`, or under `--auto-detect-ckpt-format`
-    the one resume found on disk ("" where it could not tell)."""
+    """The format Megatron will read the checkpoint in: `--ckpt-format`, except that under
+    `--auto-detect-ckpt-format` and for torch_dist (the default, which Megatron also checks on disk)
+    the one resume found on disk counts ("" where auto-detection would decide and resume could not)."""
+    fmt = ctx.args.get("ckpt_format") or "torch_dist"
+    on_disk = ctx.checkpoint.get("format_on_disk")
     if ctx.args.get("auto_detect_ckpt_format"):
-        return str(ctx.checkpoint.get("format_on_disk") or "")
-    return ctx.args.get("ckpt_format") or "torch_dist"
+        return str(on_disk or "")
+    return str(on_disk) if fmt == "torch_dist" and on_disk else fmt
 
 
 def _saved_grouped(ctx: Context) -> bool | None:
@@ -257,42 +261,60 @@ def _saved_grouped(ctx: Context) -> bool | None:
     return None if ctx.sources.get(GG) in ("cli", "config") else False
 
 
+def _optimizer_by_position(ctx: Context) -> str:
+    """The distributed optimizer's layout where it keeps state by position in the gradient buffers
+    (which SequentialMLP and the grouped experts fill in different orders), "" otherwise."""
+    if not loads_optimizer_state(ctx.args) or ctx.checkpoint.get("optimizer_state_saved") is False:
+        return ""
+    recorded = ctx.checkpoint.get("optimizer_layout")
+    kind, name = (recorded if isinstance(recorded, (list, tuple)) and len(recorded) == 2 else
+                  optimizer_layout(ctx.args, ctx.caps.megatron.version, ctx.caps.torch_version))
+    return str(name) if kind == GRAD_DTYPE_KEYED else ""
+
+
 def _cannot_load(ctx: Context, saved: bool) -> str:
     """Why the checkpoint being resumed cannot load with grouped GEMM at its current value ("" if it can)."""
-    a, now = ctx.args, is_on(ctx.values, GG)
+    now = is_on(ctx.values, GG)
     if saved == now:
         return ""
     was, will = _layout(ctx, saved), _layout(ctx, now)
-    where = f"the checkpoint in {a.get('load')}"
+    where = f"the checkpoint in {ctx.checkpoint.get('load_dir') or ctx.args.get('load')}"
     if GG not in ctx.checkpoint.get("decisions", {}):
-        where += " (layout not recorded: stock saves it as Megatron's default)"
+        # No launch of the plugin wrote it: stock did, with its own layout, in whatever format and
+        # optimizer layout it had then; the other layout is not assumed to load it.
+        return f"{where} was written without this plugin, so it holds stock's {was}, which {will} is not assumed to load"
     fmt = _ckpt_format(ctx)
     if fmt in BY_MODULE_FORMATS and carries(ctx, GG_BY_MODULE):
         return f"{where} holds {was} in the {fmt} format, which keeps parameters by module, so {will} cannot load it"
     if not fmt:
         return f"{where} holds {was} in a format --auto-detect-ckpt-format leaves unknown here, which {will} may not load"
-    if "legacy GroupedMLP" in (was, will) and not (a.get("no_load_optim") or a.get("finetune")):
+    if "legacy GroupedMLP" in (was, will) and loads_optimizer_state(ctx.args):
         return (f"{where} holds {was}, and the distributed checkpoint moves "
                 f"only weights, not optimizer state, between {was} and {will}")
+    by_position = _optimizer_by_position(ctx)
+    if by_position:
+        return (f"{where} holds {was} with the distributed optimizer's state in the {by_position} layout, kept "
+                f"by position in the gradient buffers, which {will} fills in another order")
     return ""
 
 
 @guard(moves=(GG,), answers=(GG_BY_MODULE,))  # the checkpoint being resumed
 def moe_grouped_gemm_checkpoint(ctx: Context) -> Iterator[Change]:
     """On resume, grouped GEMM keeps the value the checkpoint was saved with where its expert layout
-    cannot load the other: the torch, torch_dcp and fsdp_dtensor formats (by module names; an
-    auto-detected format the plan cannot see is treated alike), and the legacy GroupedMLP's optimizer
-    state in a distributed checkpoint. Where no launch recorded the layout, it is taken as stock saved
-    it: the command line's or config's value (then nothing is guarded), else Megatron's default (off).
-    torch_dist moves weights and optimizer state between SequentialMLP and TEGroupedMLP, so there the
-    choice is free."""
+    may not load the other: a checkpoint no launch of the plugin recorded (stock wrote it: the command
+    line's or config's value, then nothing is guarded, else Megatron's default, off); the torch,
+    torch_dcp and fsdp_dtensor formats (by module names; a format auto-detection would decide and the
+    plan cannot see is treated alike); the legacy GroupedMLP's optimizer state; and the distributed
+    optimizer's layouts that keep state by buffer position (dp_reshardable, dp_zero_gather_scatter).
+    Only a recorded torch_dist checkpoint with weights alone or model-space optimizer state leaves the
+    choice free."""
     if not ctx.checkpoint or not is_moe(ctx.args):  # no checkpoint to resume (or none known)
         return
     saved = _saved_grouped(ctx)
     reason = _cannot_load(ctx, saved) if saved is not None else ""
     # Back on only where no guard above turned it off for a reason of its own (that one stands).
     if reason and not (saved and ctx.sources.get(GG) == "guard"):
-        yield Change(GG, saved, reason, hint="resume with the saved value, or convert the checkpoint to torch_dist")
+        yield Change(GG, saved, reason, hint="resume with the saved value")
 
 
 @guard(moves=(PF,), answers=(PF_TE, PF_BATCH_INVARIANT))

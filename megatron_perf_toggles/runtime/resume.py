@@ -24,58 +24,85 @@ HISTORY_NAME = "perf_toggles_history.jsonl"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"  # written by Megatron next to its checkpoints
 
 
+RELEASE = 0  # a "release" tracker: Megatron loads the release/ folder, which carries no iteration
+
+
 def latest_iteration(directory: str | None) -> int | None:
+    """The iteration the tracker in ``directory`` names (RELEASE for a release checkpoint), None where
+    there is no readable tracker."""
     if not directory:
         return None
     try:
-        with open(os.path.join(directory, TRACKER_NAME)) as fh:
+        with open(os.path.join(directory, TRACKER_NAME), encoding="utf-8", errors="replace") as fh:
             text = fh.read().strip()
-    except OSError:
+    except (OSError, ValueError):
         return None
-    return int(text) if text.isdigit() else None  # "release" checkpoints carry no iteration
+    if text == "release":
+        return RELEASE
+    return int(text) if text.isdigit() else None
+
+
+def _start_iteration(entry: Mapping[str, Any]) -> int | None:
+    value = entry.get("start_iteration") or 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _history(directory: str) -> list[dict[str, Any]]:
     entries = []
     try:
-        with open(os.path.join(directory, HISTORY_NAME)) as fh:
+        with open(os.path.join(directory, HISTORY_NAME), encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 try:
                     entry = json.loads(line)
                 except ValueError:
                     continue  # a torn line from a killed launch
-                if isinstance(entry, dict) and isinstance(entry.get("decisions", {}), dict):
+                if isinstance(entry, dict) and isinstance(entry.get("decisions", {}), dict) \
+                        and _start_iteration(entry) is not None:
                     entries.append(entry)
-    except OSError:
+    except (OSError, ValueError):
         return []
     return entries
 
 
+def checkpoint_dir(args: Mapping[str, Any]) -> str | None:
+    """Where Megatron resumes from: ``--load`` where it holds a checkpoint, else
+    ``--pretrained-checkpoint`` where that does (Megatron falls back to it, as a finetune)."""
+    load_dir = args.get("load")
+    if load_dir and latest_iteration(load_dir) is not None:
+        return str(load_dir)
+    pretrained = args.get("pretrained_checkpoint")
+    if pretrained and latest_iteration(pretrained) is not None:
+        return str(pretrained)
+    return str(load_dir) if load_dir else None
+
+
 def loaded_iteration(args: Mapping[str, Any]) -> int | None:
     """The iteration Megatron will resume from: ``--ckpt-step`` if given, else the newer of the
-    persistent tracker in ``--load`` and a global non-persistent one. (A local non-persistent
-    checkpoint is found by Megatron's checkpoint manager at run time; it is not looked at here.)"""
-    load_dir = args.get("load")
+    persistent tracker in the checkpoint directory and a global non-persistent one (RELEASE for a
+    release checkpoint). (A local non-persistent checkpoint is found by Megatron's checkpoint manager
+    at run time; it is not looked at here.)"""
+    load_dir = checkpoint_dir(args)
     if not load_dir:
         return None
     if args.get("ckpt_step"):
         return int(args["ckpt_step"])
     found = [latest_iteration(load_dir)]
-    if args.get("non_persistent_ckpt_type") == "global":
+    if args.get("non_persistent_ckpt_type") == "global" and args.get("load"):
         found.append(latest_iteration(args.get("non_persistent_global_ckpt_dir")
-                                      or os.path.join(load_dir, "non_persistent")))
-    known = [i for i in found if i]
+                                      or os.path.join(str(args["load"]), "non_persistent")))
+    known = [i for i in found if i is not None]
     return max(known) if known else None
 
 
-def format_on_disk(args: Mapping[str, Any], iteration: int) -> str | None:
-    """The format of the checkpoint at ``iteration`` in ``--load``, told as Megatron's
-    ``--auto-detect-ckpt-format`` tells it (a distributed checkpoint's metadata.json, the torch
-    format's mp_rank_0* folders, a torch_dcp .metadata, fsdp_dtensor under Megatron FSDP); None where
-    that folder cannot be read or holds none of them."""
+def format_on_disk(args: Mapping[str, Any], iteration: int, directory: str | None = None) -> str | None:
+    """The format of the checkpoint at ``iteration`` (in ``directory``, default ``--load``), told as
+    Megatron tells it when it reads a torch_dist or auto-detected checkpoint (a distributed
+    checkpoint's metadata.json, the torch format's mp_rank_0* folders, a torch_dcp .metadata,
+    fsdp_dtensor under Megatron FSDP); None where that folder cannot be read or holds none of them."""
+    folder = "release" if iteration == RELEASE else f"iter_{iteration:07d}"
     try:
-        names = os.listdir(os.path.join(str(args["load"]), f"iter_{iteration:07d}"))
-    except OSError:
+        names = os.listdir(os.path.join(str(directory or args.get("load")), folder))
+    except (OSError, ValueError):
         return None
     if "metadata.json" in names:
         return "torch_dist"
@@ -88,17 +115,20 @@ def format_on_disk(args: Mapping[str, Any], iteration: int) -> str | None:
 
 def checkpoint_writer(args: Mapping[str, Any]) -> dict[str, Any] | None:
     """What the launch that wrote the checkpoint this run resumes recorded, or None where there is
-    no checkpoint to resume. The history lives beside ``--load`` (the run that saved there appended
-    to it); a checkpoint no launch of the plugin recorded is the iteration alone (``decisions``
-    empty), so a guard can tell "nothing recorded" from "nothing to resume"."""
+    no checkpoint to resume. The history lives beside the checkpoint (the run that saved there
+    appended to it); a checkpoint no launch of the plugin recorded is the iteration alone
+    (``decisions`` empty), so a guard can tell "nothing recorded" from "nothing to resume". The
+    format found on disk comes with it (Megatron reads a torch_dist or auto-detected checkpoint in
+    that one)."""
     loaded = loaded_iteration(args)
-    if not loaded:
+    directory = checkpoint_dir(args)
+    if loaded is None or not directory:
         return None
-    writers = [e for e in _history(str(args["load"])) if int(e.get("start_iteration") or 0) < loaded]
-    found = {"format_on_disk": format_on_disk(args, loaded)} if args.get("auto_detect_ckpt_format") else {}
+    writers = [e for e in _history(directory) if (_start_iteration(e) or 0) < loaded]
+    found = {"iteration": loaded, "load_dir": directory, "format_on_disk": format_on_disk(args, loaded, directory)}
     if not writers:
-        return {"iteration": loaded, "load_dir": args["load"], "decisions": {}, "recorded": False, **found}
-    return {**writers[-1], "iteration": loaded, "load_dir": args["load"], **found}
+        return {**found, "decisions": {}, "recorded": False}
+    return {**writers[-1], **found}
 
 
 def compare_with_checkpoint(writer: Mapping[str, Any] | None,

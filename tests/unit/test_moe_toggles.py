@@ -235,7 +235,7 @@ def test_torch_format_checkpoint_keeps_the_saved_expert_layout():
 
 def test_unrecorded_torch_format_checkpoint_keeps_megatrons_default():
     p = _resume("torch")
-    assert got(p, "moe_grouped_gemm") == (False, "guard") and "not recorded" in p.decisions["moe_grouped_gemm"].reason
+    assert got(p, "moe_grouped_gemm") == (False, "guard") and "without this plugin" in p.decisions["moe_grouped_gemm"].reason
     # torch-format weights load by module name whatever --finetune says
     assert got(_resume("torch", finetune=True), "moe_grouped_gemm") == (False, "guard")
 
@@ -266,8 +266,8 @@ def test_auto_detected_format_is_read_from_disk_or_taken_as_unknown(tmp_path):
     writer = resume.checkpoint_writer(args)
     assert writer["format_on_disk"] == "torch" and got(plan(args, checkpoint=writer), "moe_grouped_gemm")[0] is False
     (tmp_path / "iter_0000040" / "metadata.json").write_text("{}")
-    writer = resume.checkpoint_writer(args)
-    assert writer["format_on_disk"] == "torch_dist" and got(plan(args, checkpoint=writer), "moe_grouped_gemm")[0]
+    writer = resume.checkpoint_writer(args)  # stock wrote it (no history): its SequentialMLP is kept
+    assert writer["format_on_disk"] == "torch_dist" and got(plan(args, checkpoint=writer), "moe_grouped_gemm")[0] is False
     for sub in ("mp_rank_00", "metadata.json"):
         target = tmp_path / "iter_0000040" / sub
         target.rmdir() if target.is_dir() else target.unlink()
@@ -276,9 +276,58 @@ def test_auto_detected_format_is_read_from_disk_or_taken_as_unknown(tmp_path):
     assert resume.checkpoint_writer({**args, "use_megatron_fsdp": True})["format_on_disk"] == "fsdp_dtensor"
 
 
-def test_distributed_checkpoint_moves_between_sequential_and_te_grouped_mlp():
+def test_distributed_checkpoint_moves_between_sequential_and_te_grouped_mlp_only_by_name():
+    # weights (and a non-distributed optimizer's state) are kept by parameter name: free to move
     assert _resume("torch_dist", saved=False).decisions["moe_grouped_gemm"].value is True
-    assert _resume("torch_dist").decisions["moe_grouped_gemm"].value is True
+    # the distributed optimizer's default layouts keep state by position in the gradient buffers,
+    # which SequentialMLP and the grouped experts fill in different orders
+    p = _resume("torch_dist", saved=False, use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=False)
+    assert got(p, "moe_grouped_gemm") == (False, "guard") and "dp_reshardable" in p.decisions["moe_grouped_gemm"].reason
+    assert _resume("torch_dist", saved=False, use_distributed_optimizer=True,
+                   dist_ckpt_optim_fully_reshardable=True).decisions["moe_grouped_gemm"].value is True
+    assert _resume("torch_dist", saved=False, use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=False,
+                   no_load_optim=True).decisions["moe_grouped_gemm"].value is True
+    # a checkpoint stock wrote keeps stock's layout, whatever its format
+    assert got(_resume("torch_dist"), "moe_grouped_gemm") == (False, "guard")
+
+
+def test_a_default_torch_dist_resume_reads_the_format_on_disk(tmp_path):
+    # Megatron reads the format of a torch_dist (default) checkpoint from disk, not only under auto-detect
+    from megatron_perf_toggles.runtime import resume
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("40")
+    (tmp_path / "iter_0000040" / "mp_rank_00").mkdir(parents=True)
+    (tmp_path / resume.HISTORY_NAME).write_text('{"start_iteration": 0, "decisions": {"moe_grouped_gemm": false}}\n')
+    args = {**MOE_ARGS, "load": str(tmp_path)}
+    writer = resume.checkpoint_writer(args)
+    assert writer["format_on_disk"] == "torch" and writer["decisions"] == {"moe_grouped_gemm": False}
+    p = plan(args, checkpoint=writer)
+    assert got(p, "moe_grouped_gemm") == (False, "guard") and "torch format" in p.decisions["moe_grouped_gemm"].reason
+
+
+def test_release_and_pretrained_checkpoints_are_resumed_too(tmp_path):
+    from megatron_perf_toggles.runtime import resume
+
+    pre = tmp_path / "pre"
+    (pre / "release" / "mp_rank_00").mkdir(parents=True)
+    (pre / "latest_checkpointed_iteration.txt").write_text("release")
+    args = {**MOE_ARGS, "load": str(tmp_path / "empty"), "pretrained_checkpoint": str(pre)}
+    writer = resume.checkpoint_writer(args)  # no checkpoint in --load: Megatron finetunes from the pretrained one
+    assert writer["load_dir"] == str(pre) and writer["iteration"] == resume.RELEASE
+    assert writer["format_on_disk"] == "torch"
+    assert got(plan(args, checkpoint=writer), "moe_grouped_gemm") == (False, "guard")
+
+
+def test_unreadable_resume_files_never_stop_the_plan(tmp_path):
+    from megatron_perf_toggles.runtime import resume
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe40")
+    assert resume.checkpoint_writer({"load": str(tmp_path)}) is None  # no readable tracker: nothing known
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("40")
+    (tmp_path / resume.HISTORY_NAME).write_bytes(b'{"start_iteration": "x", "decisions": {}}\n\xff\n'
+                                                 b'{"start_iteration": 10, "decisions": {"moe_grouped_gemm": true}}\n')
+    writer = resume.checkpoint_writer({"load": str(tmp_path)})
+    assert writer["iteration"] == 40 and writer["decisions"] == {"moe_grouped_gemm": True}
 
 
 def test_legacy_grouped_mlp_optimizer_state_does_not_move_in_a_distributed_checkpoint():
@@ -290,7 +339,7 @@ def test_legacy_grouped_mlp_optimizer_state_does_not_move_in_a_distributed_check
     assert p.decisions["moe_grouped_gemm"].value is True
     # a checkpoint no launch recorded holds stock's SequentialMLP: the same move, the same answer
     p = plan(args, release="0.16.0", grouped_gemm_package=True, checkpoint={"decisions": {}, "iteration": 10})
-    assert got(p, "moe_grouped_gemm") == (False, "guard") and "optimizer state" in p.decisions["moe_grouped_gemm"].reason
+    assert got(p, "moe_grouped_gemm") == (False, "guard") and "without this plugin" in p.decisions["moe_grouped_gemm"].reason
 
 
 @pytest.mark.parametrize("release, args, on", [
