@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MB = 2**20
-FP32, BF16, INT64, INT32, BOOL = 4, 2, 8, 4, 1
+FP64, FP32, BF16, INT64, INT32, BOOL = 8, 4, 2, 8, 4, 1
 MOE_DESTS = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion")
 # Transformer Engine's grouped GEMM runs its GEMMs on several cuBLAS streams, each with a workspace
 # of its own, made once and kept (transformer_engine/pytorch/module/base.py:
@@ -145,7 +145,7 @@ def _probs_bytes(args: Mapping[str, Any]) -> int:
     """The router's dtype, which its probabilities keep (router.py: the input's, bf16, unless
     --moe-router-dtype is fp32 or fp64; ``topk_routing_with_score_function`` casts the probabilities
     back to the logits' dtype)."""
-    return {"fp32": FP32, "fp64": INT64}.get(str(args.get("moe_router_dtype") or ""), BF16)
+    return {"fp32": FP32, "fp64": FP64}.get(str(args.get("moe_router_dtype") or ""), BF16)
 
 
 def moe_from_args(args: Mapping[str, Any], layers: int, ffn: int, tp: int, pp: int, world: int) -> Moe | None:
