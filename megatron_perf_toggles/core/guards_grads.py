@@ -110,12 +110,19 @@ def _saved_layout(ctx: Context) -> tuple[str, str]:
 def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
     """On resume, `grad_reduce_in_bf16` keeps the value that gives the saved gradient buffer where the
     distributed optimizer's checkpoint is keyed by the gradient dtype (the other value cannot load); an
-    explicit flag against it is refused. `--no-load-optim`, `--finetune` and the model-space layouts
-    leave the choice free."""
+    explicit flag against it is refused. A checkpoint no launch of the plugin recorded holds what stock
+    saved (the command line's value, else off). `--no-load-optim`, `--finetune` and the model-space
+    layouts leave the choice free."""
     ck = ctx.checkpoint
     if not ck or not loads_optimizer_state(ctx.args) or ck.get("optimizer_state_saved") is False:
         return
     saved_value = ck.get("decisions", {}).get("grad_reduce_in_bf16")
+    if saved_value is None and not ck.get("grad_buffer_dtype"):
+        # No launch of the plugin recorded it: stock wrote it, with the command line's (or config's)
+        # value, else Megatron's default (off)
+        if ctx.sources.get("grad_reduce_in_bf16") in ("cli", "config"):
+            return
+        saved_value = False
     saved = ck.get("grad_buffer_dtype") or (
         grad_buffer_dtype(ctx.args, bool(saved_value)) if saved_value is not None else None)
     now = is_on(ctx.values, "grad_reduce_in_bf16")

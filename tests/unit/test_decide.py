@@ -546,6 +546,21 @@ def test_resume_guard_stays_out_when_the_change_can_load(args, checkpoint, env):
     assert plan.decisions["grad_reduce_in_bf16"].value is False
 
 
+def test_resume_guard_takes_an_unrecorded_checkpoint_as_stock_saved_it():
+    # stock wrote it with an fp32 gradient buffer (Megatron's default): the plugin's bf16 default
+    # could not load its dp_reshardable optimizer state
+    unrecorded = {"iteration": 4, "decisions": {}, "recorded": False}
+    args = {"ckpt_format": "torch_dist", "dist_ckpt_optim_fully_reshardable": False}
+    d = resume(args=args, checkpoint=unrecorded).decisions["grad_reduce_in_bf16"]
+    assert (d.value, d.source) == (False, "guard")
+    # stock saved what its command line asked for: resuming with the same flag is stock's own resume
+    d = resume(args=args, checkpoint=unrecorded, explicit={"grad_reduce_in_bf16": True}).decisions["grad_reduce_in_bf16"]
+    assert (d.value, d.source) == (True, "cli")
+    # model-space optimizer state moves between buffers: the default stays
+    args = {**args, "dist_ckpt_optim_fully_reshardable": True}
+    assert resume(args=args, checkpoint=unrecorded).decisions["grad_reduce_in_bf16"].value is True
+
+
 def test_resume_guard_without_a_recorded_layout_computes_it_from_the_args(env):
     saved = {"iteration": 4, "decisions": {"grad_reduce_in_bf16": True}}
     plan = resume(env_settings=env(GRAD_REDUCE_IN_BF16=0), checkpoint=saved,
