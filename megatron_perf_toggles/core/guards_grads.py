@@ -114,7 +114,8 @@ def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
     saved (the command line's value, else off). `--no-load-optim`, `--finetune` and the model-space
     layouts leave the choice free."""
     ck = ctx.checkpoint
-    if not ck or not loads_optimizer_state(ctx.args) or ck.get("optimizer_state_saved") is False:
+    if not ck or not loads_optimizer_state(ctx.args) or ck.get("optimizer_state_saved") is False \
+            or ck.get("weights_only"):
         return
     saved_value = ck.get("decisions", {}).get("grad_reduce_in_bf16")
     if saved_value is None and not ck.get("grad_buffer_dtype"):
@@ -131,7 +132,7 @@ def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
     kind, name = _saved_layout(ctx)
     if kind != GRAD_DTYPE_KEYED:
         return
-    reason = (f"the checkpoint in {ctx.args.get('load')} (iteration {ck.get('iteration')}) was saved with a "
+    reason = (f"the checkpoint in {ck.get('load_dir') or ctx.args.get('load')} (iteration {ck.get('iteration')}) was saved with a "
               f"{saved} gradient buffer, and its distributed-optimizer state ({name}) is keyed by the gradient "
               "dtype, so another buffer cannot load")
     hint = "resume with the saved value, or pass --no-load-optim to start the optimizer state fresh"

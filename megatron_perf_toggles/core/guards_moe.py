@@ -261,10 +261,17 @@ def _saved_grouped(ctx: Context) -> bool | None:
     return None if ctx.sources.get(GG) in ("cli", "config") else False
 
 
+def _loads_optimizer(ctx: Context) -> bool:
+    """Whether the resume loads optimizer state (not with --no-load-optim, --finetune and the like, a
+    release checkpoint, or Megatron's fallback to --pretrained-checkpoint, which finetunes)."""
+    return loads_optimizer_state(ctx.args) and ctx.checkpoint.get("optimizer_state_saved") is not False \
+        and not ctx.checkpoint.get("weights_only")
+
+
 def _optimizer_by_position(ctx: Context) -> str:
     """The distributed optimizer's layout where it keeps state by position in the gradient buffers
     (which SequentialMLP and the grouped experts fill in different orders), "" otherwise."""
-    if not loads_optimizer_state(ctx.args) or ctx.checkpoint.get("optimizer_state_saved") is False:
+    if not _loads_optimizer(ctx):
         return ""
     recorded = ctx.checkpoint.get("optimizer_layout")
     kind, name = (recorded if isinstance(recorded, (list, tuple)) and len(recorded) == 2 else
@@ -288,7 +295,7 @@ def _cannot_load(ctx: Context, saved: bool) -> str:
         return f"{where} holds {was} in the {fmt} format, which keeps parameters by module, so {will} cannot load it"
     if not fmt:
         return f"{where} holds {was} in a format --auto-detect-ckpt-format leaves unknown here, which {will} may not load"
-    if "legacy GroupedMLP" in (was, will) and loads_optimizer_state(ctx.args):
+    if "legacy GroupedMLP" in (was, will) and _loads_optimizer(ctx):
         return (f"{where} holds {was}, and the distributed checkpoint moves "
                 f"only weights, not optimizer state, between {was} and {will}")
     by_position = _optimizer_by_position(ctx)

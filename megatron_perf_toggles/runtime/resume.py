@@ -24,7 +24,7 @@ HISTORY_NAME = "perf_toggles_history.jsonl"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"  # written by Megatron next to its checkpoints
 
 
-RELEASE = 0  # a "release" tracker: Megatron loads the release/ folder, which carries no iteration
+RELEASE = -1  # a "release" tracker: Megatron loads the release/ folder (no iteration; weights only)
 
 
 def latest_iteration(directory: str | None) -> int | None:
@@ -87,9 +87,9 @@ def loaded_iteration(args: Mapping[str, Any]) -> int | None:
     if args.get("ckpt_step"):
         return int(args["ckpt_step"])
     found = [latest_iteration(load_dir)]
-    if args.get("non_persistent_ckpt_type") == "global" and args.get("load"):
+    if args.get("non_persistent_ckpt_type") == "global":  # beside the directory Megatron loads from
         found.append(latest_iteration(args.get("non_persistent_global_ckpt_dir")
-                                      or os.path.join(str(args["load"]), "non_persistent")))
+                                      or os.path.join(load_dir, "non_persistent")))
     known = [i for i in found if i is not None]
     return max(known) if known else None
 
@@ -125,7 +125,10 @@ def checkpoint_writer(args: Mapping[str, Any]) -> dict[str, Any] | None:
     if loaded is None or not directory:
         return None
     writers = [e for e in _history(directory) if (_start_iteration(e) or 0) < loaded]
-    found = {"iteration": loaded, "load_dir": directory, "format_on_disk": format_on_disk(args, loaded, directory)}
+    found = {"iteration": loaded, "load_dir": directory, "format_on_disk": format_on_disk(args, loaded, directory),
+             # Megatron loads weights alone from a release checkpoint and from --pretrained-checkpoint
+             # (it finetunes from there): no optimizer state
+             "weights_only": loaded == RELEASE or directory != str(args.get("load") or "")}
     if not writers:
         return {**found, "decisions": {}, "recorded": False}
     return {**writers[-1], **found}

@@ -179,6 +179,7 @@ def test_op_fuser_blockers_by_version(release, args, on):
         assert p.decisions["moe_grouped_gemm"].source == "guard"
 
 
+# ("" and "yes": Megatron's int() would raise where it reads them; the plan keeps grouped GEMM off there)
 @pytest.mark.parametrize("value, on", [("1", True), ("2", True), ("0", False), ("", False), ("yes", False)])
 def test_op_fuser_gated_experts_follow_the_cutedsl_variable(value, on):
     # Megatron reads it as an integer above 0 (anything else: not fused, so grouped GEMM would assert)
@@ -487,3 +488,34 @@ def test_doctor_says_from_which_te_megatron_uses_the_router_kernels(monkeypatch,
     monkeypatch.setattr(cli, "_machine_diagnosed", lambda: full_caps(te_version="2.5", te_fused_router=True))
     assert cli.main(["doctor"]) == 0
     assert "router yes (used from TE 2.7)" in capsys.readouterr().out
+
+
+def test_a_pretrained_fallback_loads_weights_alone(tmp_path):
+    # --load without a checkpoint: Megatron finetunes from --pretrained-checkpoint (no optimizer state),
+    # so neither the gradient buffer nor the optimizer layout binds the resume there
+    from megatron_perf_toggles.runtime import resume
+
+    pre = tmp_path / "pre"
+    (pre / "iter_0000100").mkdir(parents=True)
+    (pre / "iter_0000100" / "metadata.json").write_text("{}")
+    (pre / "latest_checkpointed_iteration.txt").write_text("100")
+    (pre / resume.HISTORY_NAME).write_text(
+        '{"start_iteration": 0, "decisions": {"grad_reduce_in_bf16": false, "moe_grouped_gemm": false},'
+        ' "grad_buffer_dtype": "fp32", "optimizer_layout": ["grad-dtype-keyed", "dp_reshardable"]}\n')
+    args = {**MOE_ARGS, "load": str(tmp_path / "empty"), "pretrained_checkpoint": str(pre),
+            "use_distributed_optimizer": True, "dist_ckpt_optim_fully_reshardable": False}
+    writer = resume.checkpoint_writer(args)
+    assert writer["load_dir"] == str(pre) and writer["weights_only"] is True
+    p = plan(args, checkpoint=writer, explicit={"grad_reduce_in_bf16": True})  # stock takes this: no refusal
+    assert got(p, "grad_reduce_in_bf16") == (True, "cli")
+    assert got(p, "moe_grouped_gemm") == (True, "default")  # weights move by name in torch_dist
+
+
+def test_a_real_iteration_zero_is_not_a_release(tmp_path):
+    from megatron_perf_toggles.runtime import resume
+
+    (tmp_path / "iter_0000000").mkdir()
+    (tmp_path / "iter_0000000" / "metadata.json").write_text("{}")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("0")
+    writer = resume.checkpoint_writer({"load": str(tmp_path)})
+    assert writer["iteration"] == 0 and writer["format_on_disk"] == "torch_dist" and not writer["weights_only"]
