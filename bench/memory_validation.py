@@ -42,14 +42,16 @@ GENERIC_PATHS = ("/path/to/", "/usr/local/cuda")  # what a committed result may 
 RUN_ONLY = ("--tensorboard-dir", "--wandb-save-dir", "--save", "--load", "--train-iters")  # not the shape
 
 
-def _generic(value: Any, prefixes: list[tuple[str, str]]) -> Any:
+def generic_paths(value: Any, prefixes: list[tuple[str, str]]) -> Any:
+    """``value`` (a JSON-like tree) with every string under one of the machine paths of ``prefixes``
+    rewritten under its generic stand-in (an empty prefix stands for nothing)."""
     if isinstance(value, dict):
-        return {k: _generic(v, prefixes) for k, v in value.items()}
+        return {k: generic_paths(v, prefixes) for k, v in value.items()}
     if isinstance(value, list):
-        return [_generic(v, prefixes) for v in value]
+        return [generic_paths(v, prefixes) for v in value]
     if isinstance(value, str):
         for prefix, generic in prefixes:
-            if value == prefix or value.startswith(prefix.rstrip("/") + "/"):
+            if prefix and (value == prefix or value.startswith(prefix.rstrip("/") + "/")):
                 return generic + value[len(prefix.rstrip("/")):]
     return value
 
@@ -68,7 +70,7 @@ def import_results(name: str, path: Path, raw: Path = RAW) -> Path:
     cxx = (data.get("environment") or {}).get("CUDAHOSTCXX")
     if cxx:
         prefixes.append((cxx, "/path/to/g++"))
-    text = json.dumps(_generic(data, prefixes), indent=1) + "\n"
+    text = json.dumps(generic_paths(data, prefixes), indent=1) + "\n"
     left = sorted({m for m in re.findall(r'"(/[^"]*)"', text) if not m.startswith(GENERIC_PATHS)})
     if left:
         raise SystemExit(f"{path}: machine paths are left after making paths generic: {', '.join(left[:5])}")

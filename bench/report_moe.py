@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from memory_validation import generic_paths  # bench/ is on the path (run as a script, or by the tests)
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "benchmarks"
 RAW = DOCS / "raw" / "moe"
@@ -39,18 +41,6 @@ NO_DIFFERENCE = "no detectable difference"
 
 
 # --- importing a part's results -----------------------------------------------------------------
-
-
-def _generic(value: Any, prefixes: list[tuple[str, str]]) -> Any:
-    if isinstance(value, dict):
-        return {k: _generic(v, prefixes) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_generic(v, prefixes) for v in value]
-    if isinstance(value, str):
-        for prefix, generic in prefixes:
-            if prefix and (value == prefix or value.startswith(prefix.rstrip("/") + "/")):
-                return generic + value[len(prefix.rstrip("/")):]
-    return value
 
 
 def slim(data: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +72,7 @@ def import_results(name: str, path: Path, raw: Path = RAW) -> Path:
     prefixes = [(megatron, "/path/to/Megatron-LM"), (python, "python3"), (str(REPO), "/path/to/megatron-perf-toggles")]
     if out_dir.startswith("/"):
         prefixes.append((out_dir.rsplit("/", 1)[0], "/path/to/out"))
-    text = json.dumps(_generic(slim(data), prefixes), indent=1) + "\n"
+    text = json.dumps(generic_paths(slim(data), prefixes), indent=1) + "\n"
     # any other absolute path (an environment variable's, a library's): its last part only
     left = sorted({m for m in re.findall(r'"(/[^"]*)"', text) if not m.startswith(GENERIC)}, key=len, reverse=True)
     for path in left:
