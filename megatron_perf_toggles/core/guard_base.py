@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RegistryError
+from .ckpt_layout import loads_optimizer_state
 from .facts import Capabilities, version_tuple
 from .megatron_rules import BY_ID, MegatronRule
 from .plan import Change, Check, Context
@@ -74,6 +75,25 @@ def carries(ctx: Context, megatron_rule: MegatronRule) -> bool:
 
 def is_on(values: Mapping[str, Any], dest: str) -> bool:
     return bool(values.get(dest))
+
+
+def resume_loads_optimizer(ctx: Context) -> bool:
+    """Whether the resume loads optimizer state: the arguments allow it (``loads_optimizer_state``),
+    the checkpoint holds some, and Megatron does not load weights alone (a release checkpoint, or its
+    fallback to --pretrained-checkpoint, which finetunes)."""
+    ck = ctx.checkpoint or {}
+    return loads_optimizer_state(ctx.args) and ck.get("optimizer_state_saved") is not False \
+        and not ck.get("weights_only")
+
+
+def as_saved(ctx: Context, dest: str) -> bool | None:
+    """A toggle as the checkpoint being resumed was saved with: as its launch recorded it; where none
+    did, stock saved it as the command line or config gives it (None: nothing to guard), else as
+    Megatron's default."""
+    recorded = (ctx.checkpoint or {}).get("decisions", {}).get(dest)
+    if recorded is not None:
+        return bool(recorded)
+    return None if ctx.sources.get(dest) in ("cli", "config") else bool(BY_DEST[dest].stock_default)
 
 
 def graph_modules(args: Mapping[str, Any]) -> set[str]:

@@ -9,8 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, loads_optimizer_state, optimizer_layout
-from .guard_base import Need, carries, declared_in, graph_modules, guard, is_on, lacking, rule, te_at_least
+from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, optimizer_layout
+from .guard_base import (
+    Need,
+    as_saved,
+    carries,
+    declared_in,
+    graph_modules,
+    guard,
+    is_on,
+    lacking,
+    resume_loads_optimizer,
+    rule,
+    te_at_least,
+)
 from .plan import Change, Context
 
 WGRAD_FALLBACK_WORDS = "torch.addmm with fp32 accumulation"
@@ -114,20 +126,16 @@ def grad_reduce_checkpoint_layout(ctx: Context) -> Iterator[Change]:
     saved (the command line's value, else off). `--no-load-optim`, `--finetune` and the model-space
     layouts leave the choice free."""
     ck = ctx.checkpoint
-    if not ck or not loads_optimizer_state(ctx.args) or ck.get("optimizer_state_saved") is False \
-            or ck.get("weights_only"):
+    if not ck or not resume_loads_optimizer(ctx):
         return
-    saved_value = ck.get("decisions", {}).get("grad_reduce_in_bf16")
-    if saved_value is None and not ck.get("grad_buffer_dtype"):
-        # No launch of the plugin recorded it: stock wrote it, with the command line's (or config's)
-        # value, else Megatron's default (off)
-        if ctx.sources.get("grad_reduce_in_bf16") in ("cli", "config"):
+    saved = ck.get("grad_buffer_dtype")
+    if not saved:
+        saved_value = as_saved(ctx, "grad_reduce_in_bf16")  # unrecorded: as stock saved it
+        if saved_value is None:
             return
-        saved_value = False
-    saved = ck.get("grad_buffer_dtype") or (
-        grad_buffer_dtype(ctx.args, bool(saved_value)) if saved_value is not None else None)
+        saved = grad_buffer_dtype(ctx.args, saved_value)
     now = is_on(ctx.values, "grad_reduce_in_bf16")
-    if saved is None or grad_buffer_dtype(ctx.args, now) == saved or grad_buffer_dtype(ctx.args, not now) != saved:
+    if grad_buffer_dtype(ctx.args, now) == saved or grad_buffer_dtype(ctx.args, not now) != saved:
         return  # same buffer, or one this toggle cannot bring back (the precision flags changed)
     kind, name = _saved_layout(ctx)
     if kind != GRAD_DTYPE_KEYED:

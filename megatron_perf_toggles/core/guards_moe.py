@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from .ckpt_layout import GRAD_DTYPE_KEYED, loads_optimizer_state, optimizer_layout
-from .guard_base import carries, declared_in, guard, is_on, lacking, rule, te_at_least
+from .ckpt_layout import GRAD_DTYPE_KEYED, optimizer_layout
+from .guard_base import as_saved, carries, declared_in, guard, is_on, lacking, resume_loads_optimizer, rule, te_at_least
 from .plan import Change, Context
 from .registry import is_moe
 
@@ -251,27 +251,10 @@ def _ckpt_format(ctx: Context) -> str:
     return str(on_disk) if fmt == "torch_dist" and on_disk else fmt
 
 
-def _saved_grouped(ctx: Context) -> bool | None:
-    """Grouped GEMM as the checkpoint being resumed was saved: as its launch recorded it; where none
-    did, stock saved it as the command line or config gives it (None: nothing to guard), else as
-    Megatron's default (off)."""
-    recorded = ctx.checkpoint.get("decisions", {}).get(GG)
-    if recorded is not None:
-        return bool(recorded)
-    return None if ctx.sources.get(GG) in ("cli", "config") else False
-
-
-def _loads_optimizer(ctx: Context) -> bool:
-    """Whether the resume loads optimizer state (not with --no-load-optim, --finetune and the like, a
-    release checkpoint, or Megatron's fallback to --pretrained-checkpoint, which finetunes)."""
-    return loads_optimizer_state(ctx.args) and ctx.checkpoint.get("optimizer_state_saved") is not False \
-        and not ctx.checkpoint.get("weights_only")
-
-
 def _optimizer_by_position(ctx: Context) -> str:
     """The distributed optimizer's layout where it keeps state by position in the gradient buffers
     (which SequentialMLP and the grouped experts fill in different orders), "" otherwise."""
-    if not _loads_optimizer(ctx):
+    if not resume_loads_optimizer(ctx):
         return ""
     recorded = ctx.checkpoint.get("optimizer_layout")
     kind, name = (recorded if isinstance(recorded, (list, tuple)) and len(recorded) == 2 else
@@ -295,7 +278,7 @@ def _cannot_load(ctx: Context, saved: bool) -> str:
         return f"{where} holds {was} in the {fmt} format, which keeps parameters by module, so {will} cannot load it"
     if not fmt:
         return f"{where} holds {was} in a format --auto-detect-ckpt-format leaves unknown here, which {will} may not load"
-    if "legacy GroupedMLP" in (was, will) and _loads_optimizer(ctx):
+    if "legacy GroupedMLP" in (was, will) and resume_loads_optimizer(ctx):
         return (f"{where} holds {was}, and the distributed checkpoint moves "
                 f"only weights, not optimizer state, between {was} and {will}")
     by_position = _optimizer_by_position(ctx)
@@ -317,7 +300,7 @@ def moe_grouped_gemm_checkpoint(ctx: Context) -> Iterator[Change]:
     choice free."""
     if not ctx.checkpoint or not is_moe(ctx.args):  # no checkpoint to resume (or none known)
         return
-    saved = _saved_grouped(ctx)
+    saved = as_saved(ctx, GG)
     reason = _cannot_load(ctx, saved) if saved is not None else ""
     # Back on only where no guard above turned it off for a reason of its own (that one stands).
     if reason and not (saved and ctx.sources.get(GG) == "guard"):
