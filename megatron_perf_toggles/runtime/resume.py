@@ -76,12 +76,12 @@ def checkpoint_dir(args: Mapping[str, Any]) -> str | None:
     return str(load_dir) if load_dir else None
 
 
-def loaded_iteration(args: Mapping[str, Any]) -> int | None:
-    """The iteration Megatron will resume from: ``--ckpt-step`` if given, else the newer of the
-    persistent tracker in the checkpoint directory and a global non-persistent one (RELEASE for a
-    release checkpoint). (A local non-persistent checkpoint is found by Megatron's checkpoint manager
-    at run time; it is not looked at here.)"""
-    load_dir = checkpoint_dir(args)
+def loaded_iteration(args: Mapping[str, Any], load_dir: str | None = None) -> int | None:
+    """The iteration Megatron will resume from (out of ``load_dir``, default ``checkpoint_dir``):
+    ``--ckpt-step`` if given, else the newer of the persistent tracker there and a global
+    non-persistent one (RELEASE for a release checkpoint). (A local non-persistent checkpoint is found
+    by Megatron's checkpoint manager at run time; it is not looked at here.)"""
+    load_dir = load_dir or checkpoint_dir(args)
     if not load_dir:
         return None
     if args.get("ckpt_step"):
@@ -120,8 +120,8 @@ def checkpoint_writer(args: Mapping[str, Any]) -> dict[str, Any] | None:
     (``decisions`` empty), so a guard can tell "nothing recorded" from "nothing to resume". The
     format found on disk comes with it (Megatron reads a torch_dist or auto-detected checkpoint in
     that one)."""
-    loaded = loaded_iteration(args)
     directory = checkpoint_dir(args)
+    loaded = loaded_iteration(args, directory) if directory else None
     if loaded is None or not directory:
         return None
     writers = [e for e in _history(directory) if (_start_iteration(e) or 0) < loaded]
