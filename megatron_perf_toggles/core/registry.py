@@ -155,6 +155,9 @@ class Toggle:
     anchors: tuple[str, ...] = ()  # Megatron flags whose group a new flag should join, in order
     bucket: Bucket | None = None  # launch-script bucket, where the originating scripts differ from the group's
     scope: Scope = "all"  # the models it applies to: "moe" only where --num-experts is set (is_moe)
+    # On, it draws the initial weights in another order than off under one seed (a loss test cannot
+    # pair its runs by seed: ablate compares them unpaired)
+    redraws_init: bool = False
 
     def __post_init__(self) -> None:
         if not self.flag:
@@ -274,6 +277,7 @@ TOGGLES: tuple[Toggle, ...] = (
         default=True,
         group="moe",
         scope="moe",
+        redraws_init=True,  # TE's grouped experts draw all first layers, then all second layers
         needs=("te_grouped_linear",),
         anchors=("--moe-grouped-gemm", "--moe-token-dispatcher-type"),
         help="Run a rank's local experts as one grouped GEMM (TE's GroupedLinear) instead of one GEMM "

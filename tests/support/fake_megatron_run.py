@@ -13,6 +13,18 @@ FAKE_EXTRA_MB=VAR=mb[,VAR=mb] adds mb to the max allocated memory of a run whose
 FAKE_SEED_LOSS=x adds x * (the --seed argument mod 10) to every loss (seed-to-seed spread).
 FAKE_LOSS_SHIFT=NAME=x[,NAME=x] adds x to every loss of a run whose variable NAME is 1, or, for a
 NAME that starts with --, whose arguments hold that flag (a toggle or a flag that moves the loss).
+Planted loss effects (the loss test's fake runs): the loss is scaled as a model's would be, by
+  (1 + seed part) x (1 + arm's effect) x (1 + run noise)
+FAKE_LOSS_SEED_SD=x: the seed part, drawn from N(0, x) by the --seed value alone, so every arm of a
+  seed shares it (initial weights and data order); seeds differ a lot, same-seed arms little.
+FAKE_LOSS_REDRAW=VAR: a run whose VAR is 1 draws its seed part from another stream (a toggle that
+  draws the initial weights another way: same-seed runs no longer share a start).
+FAKE_LOSS_NOISE=x: the run noise, drawn from N(0, x) by the seed and the arm's toggle variables
+  (not the run's paths: a test reruns the same draws).
+FAKE_LOSS_SCALE=VAR=f[,VAR=f]: the arm's effect, f - 1 where VAR is 1 (1.03: a 3 % harm).
+FAKE_VALIDATION=k: also print Megatron's validation loss line every k iterations, and after the last
+  one the "on validation set" and "on test set" lines (the validation loss is the training loss
+  plus 0.25, the test set's plus 5, so a test can tell which was read).
 Invoked as: python fake_megatron_run.py -m megatron_perf_toggles.run SCRIPT [args...]
 """
 
@@ -45,8 +57,29 @@ shift = float(os.environ.get("FAKE_SEED_LOSS", "0") or 0) * (
 for item in filter(None, os.environ.get("FAKE_LOSS_SHIFT", "").split(",")):
     name, _, by = item.partition("=")
     shift += float(by) if (name in argv if name.startswith("--") else os.environ.get(name) == "1") else 0.0
+ARM_VARS = ("GRAD_REDUCE_IN_BF16", "GRADIENT_ACCUMULATION_FUSION", "DDP_AVERAGE_IN_COLLECTIVE",
+            "CROSS_ENTROPY_LOSS_FUSION", "FUSED_SINGLE_QKV_ROPE", "MOE_GROUPED_GEMM", "MOE_PERMUTE_FUSION",
+            "MOE_ROUTER_FUSION")
+seed = argv[argv.index("--seed") + 1] if "--seed" in argv else "none"
+redraw = os.environ.get("FAKE_LOSS_REDRAW")
+stream = f"{seed}/redrawn" if redraw and os.environ.get(redraw) == "1" else seed
+scale = 1.0 + random.Random(f"seed/{stream}").gauss(0.0, float(os.environ.get("FAKE_LOSS_SEED_SD", "0") or 0))
+arm_key = ",".join(f"{v}={os.environ.get(v, '')}" for v in ARM_VARS)
+scale *= 1.0 + random.Random(f"run/{seed}/{arm_key}").gauss(0.0, float(os.environ.get("FAKE_LOSS_NOISE", "0") or 0))
+for item in filter(None, os.environ.get("FAKE_LOSS_SCALE", "").split(",")):
+    var, _, factor = item.partition("=")
+    scale *= float(factor) if os.environ.get(var) == "1" else 1.0
+every = int(os.environ.get("FAKE_VALIDATION", "0") or 0)
+
+
+def validation(i: int, where: str = "", add: float = 0.25) -> None:
+    value = (10.0 - 0.5 * i + shift) * scale + add
+    print("-" * 60 + f"\n validation loss at iteration {i}{where} | lm loss value: {value:.6E} | "
+          f"lm loss PPL: {min(value, 20.0):.6E} | \n" + "-" * 60, flush=True)
+
+
 for i in range(1, iters + 1):
-    loss = 10.0 - 0.5 * i + shift
+    loss = (10.0 - 0.5 * i + shift) * scale
     time.sleep(float(os.environ.get("FAKE_SLEEP", "0") or 0))
     print(f" [2026-11-30 01:00:00.000000] iteration {i:8d}/{iters:8d} | consumed samples: {16 * i:12d} | "
           f"elapsed time per iteration (ms): {ms + (5 if i % 2 else -5):.1f} | throughput per GPU (TFLOP/s/GPU): "
@@ -57,6 +90,11 @@ for i in range(1, iters + 1):
     if i == 3 and crash is not None and crash == os.environ.get("GRAD_REDUCE_IN_BF16", ""):
         print("Traceback (most recent call last):\nRuntimeError: CUDA error: an illegal memory access", flush=True)
         sys.exit(1)
+    if every and i % every == 0:
+        validation(i)
+if every:
+    validation(iters, " on validation set")
+    validation(iters, " on test set", add=5.0)
 peak = 200.5
 for item in filter(None, os.environ.get("FAKE_EXTRA_MB", "").split(",")):
     var, _, extra = item.partition("=")

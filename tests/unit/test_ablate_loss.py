@@ -1,9 +1,11 @@
-"""ablate's loss experiments: seeds as blocks, the loss window against the seed-to-seed band, runs at
-once, and the each-alone design (stock, each toggle alone and the defaults in the same blocks)."""
+"""ablate's loss experiments: seeds as blocks, the loss test (paired by seed, an equivalence margin,
+three verdicts) through the real command on stand-in runs with planted effects, runs at once, and
+the each-alone design (stock, each toggle alone and the defaults in the same blocks)."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 import pytest
@@ -11,9 +13,10 @@ from conftest import REPO
 from test_ablate import _fake_megatron, _record
 
 from megatron_perf_toggles.core.registry import BY_DEST
+from megatron_perf_toggles.core.registry import TOGGLES as REGISTRY_TOGGLES
 from megatron_perf_toggles.tools.ablate import command as ablate
 from megatron_perf_toggles.tools.ablate import confounds
-from megatron_perf_toggles.tools.ablate import loss_window as lw
+from megatron_perf_toggles.tools.ablate import loss_test as lt
 from megatron_perf_toggles.tools.ablate import runs as ablate_runs
 from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, Arm, DesignError, expand
 
@@ -61,40 +64,56 @@ def test_the_confound_check_accepts_each_alone_and_learns_what_the_defaults_arm_
         confounds.check_confounds(arms, bad, {})
 
 
-# --- the loss window ---------------------------------------------------------------------------
+# --- the loss measure --------------------------------------------------------------------------
 
 
-def _run(arm, block, losses, status="done"):
+def _run(arm, block, losses, status="done", validation=None):
     its = [{"iteration": i + 1, "lm_loss": v} for i, v in enumerate(losses)]
-    return {"arm": arm, "block": block, "status": status, "iterations": its}
+    out = {"arm": arm, "block": block, "status": status, "iterations": its}
+    if validation is not None:
+        out["validation"] = [{"iteration": len(losses), "lm_loss": validation}]
+    return out
 
 
-def test_windowed_mean_is_over_the_last_n_logged_iterations():
+def test_train_window_mean_is_over_the_last_n_logged_iterations():
     run = _run("a", 0, [9.0, 5.0, 3.0, 1.0])
-    assert lw.windowed_mean(run, 2) == 2.0 and lw.windowed_mean(run, 3) == 3.0 and lw.windowed_mean(run, 99) == 4.5
-    assert lw.windowed_mean(None, 2) is None and lw.windowed_mean({"iterations": [{"iteration": 1}]}, 2) is None
+    assert lt.train_window_mean(run, 2) == 2.0 and lt.train_window_mean(run, 3) == 3.0
+    assert lt.train_window_mean(run, 99) == 4.5 and lt.train_window_mean(run, None) == 1.0  # a tenth: 1 of 4
+    assert lt.train_window_mean(None, 2) is None and lt.train_window_mean({"iterations": [{"iteration": 1}]}, 2) is None
 
 
-def test_verdict_needs_a_band_and_every_seed_within_it():
-    assert lw.band_of([2.0, 2.3, 2.1]) == pytest.approx(0.3)
-    assert lw.band_of([2.0, None]) is None
-    assert lw.verdict([0.1, -0.29], 0.3) == lw.WITHIN
-    assert lw.verdict([0.1, -0.31], 0.3) == lw.OUTSIDE  # one seed outside is enough
-    assert lw.verdict([0.0], None) == lw.TOO_FEW and lw.verdict([None, None], 0.3) == lw.TOO_FEW
+def test_auto_takes_the_validation_loss_only_where_every_run_logged_one():
+    with_val = [_run("a", 0, [3.0, 2.0], validation=2.5), _run("b", 0, [3.0, 2.2], validation=2.6)]
+    assert lt.resolve_measure("auto", with_val) == lt.VALIDATION
+    assert lt.resolve_measure("auto", [*with_val, _run("c", 0, [3.0, 2.1])]) == lt.TRAIN_WINDOW
+    assert lt.resolve_measure("train-window", with_val) == lt.TRAIN_WINDOW
+    assert lt.measure_of(with_val[1], lt.VALIDATION, 1) == 2.6 and lt.measure_of(with_val[1], lt.TRAIN_WINDOW, 1) == 2.2
 
 
-def test_compare_windows_pairs_each_seed_with_the_baseline_s_own():
-    arms = [Arm("all-off", {TOGGLE: False}, baseline=True), Arm("on", {TOGGLE: True})]
-    runs = [_run("all-off", 0, [4.0, 2.0]), _run("all-off", 1, [4.0, 2.5]),
-            _run("on", 0, [4.0, 2.4]), _run("on", 1, [4.0, 2.6]), _run("on", 2, [0.0, 0.0])]
-    out = lw.compare_windows(arms, runs, 2, 1, [7, 8])
-    assert out["all-off"]["losses"] == [2.0, 2.5] and out["all-off"]["band"] == 0.5
-    assert "verdict" not in out["all-off"] and out["on"]["seeds"] == [7, 8]
-    assert out["on"]["differences"] == pytest.approx([0.4, 0.1]) and out["on"]["verdict"] == lw.WITHIN
-    runs[2] = _run("on", 0, [4.0, 2.6])  # seed 7 moved by 0.6, more than the band of 0.5
-    assert lw.compare_windows(arms, runs, 2, 1, [7, 8])["on"]["verdict"] == lw.OUTSIDE
-    one = lw.compare_windows(arms, runs, 1, 1, [7])["on"]  # one seed: the numbers, no verdict
-    assert one["verdict"] == lw.TOO_FEW and one["differences"] == pytest.approx([0.6])
+def test_the_table_names_each_arm_by_its_toggle():
+    arms = expand("each-alone", DEFAULT_TOGGLES[:2], [])
+    base = arms[0]
+    assert [lt.toggle_name(a, base) for a in arms] == ["baseline", *DEFAULT_TOGGLES[:2], "defaults"]
+    loo = expand("leave-one-out", DEFAULT_TOGGLES[:2], [])
+    assert lt.toggle_name(loo[1], loo[0]) == DEFAULT_TOGGLES[0]  # without:x names x
+
+
+def test_a_toggle_that_redraws_the_initial_weights_is_compared_unpaired():
+    assert [t.dest for t in REGISTRY_TOGGLES if t.redraws_init] == ["moe_grouped_gemm"]
+    base = Arm("all-off", {"moe_grouped_gemm": False, "moe_permute_fusion": False}, baseline=True)
+    gg = Arm("only:moe_grouped_gemm", {"moe_grouped_gemm": True, "moe_permute_fusion": False})
+    pf = Arm("only:moe_permute_fusion", {"moe_grouped_gemm": False, "moe_permute_fusion": True})
+    # each seed's shared part is large (2.0, 3.0, 4.0): paired it cancels, unpaired it does not
+    runs = [_run(a, b, [v]) for a, vals in (("all-off", (2.0, 3.0, 4.0)), ("only:moe_grouped_gemm", (2.0, 3.0, 4.0)),
+                                             ("only:moe_permute_fusion", (2.0, 3.0, 4.0))) for b, v in enumerate(vals)]
+    out = lt.compare_losses([base, gg, pf], runs, 3, measure="auto", window=1, margin=1.0, alpha=0.05,
+                            seeds=[1, 2, 3])
+    assert out["settings"]["measure"] == lt.TRAIN_WINDOW and out["settings"]["interval"] == pytest.approx(0.9)
+    paired, unpaired = out["arms"]["only:moe_permute_fusion"], out["arms"]["only:moe_grouped_gemm"]
+    assert paired["paired"] and paired["differences"] == [0.0, 0.0, 0.0] and paired["verdict"] == "equivalent within +-1 %"
+    assert not unpaired["paired"] and "moe_grouped_gemm draws the initial weights" in unpaired["unpaired_because"]
+    assert unpaired["verdict"] == "inconclusive" and unpaired["low"] < -1.0 < 1.0 < unpaired["high"]
+    assert out["arms"]["all-off"]["toggle"] == "baseline" and "verdict" not in out["arms"]["all-off"]
 
 
 # --- end to end with the stand-in Megatron -----------------------------------------------------
@@ -108,34 +127,67 @@ def _main(tmp_path, *extra, design=("--design", "one-at-a-time", "--toggles", TO
     return ablate.main(argv, resolver=_fake_megatron())
 
 
-def test_seeds_as_blocks_and_the_loss_window_in_the_results(tmp_path, monkeypatch):
-    # the stand-in's loss: + 0.01 x (seed mod 10), and + 0.005 with the toggle on
-    monkeypatch.setenv("FAKE_SEED_LOSS", "0.01")
-    monkeypatch.setenv("FAKE_LOSS_SHIFT", f"{TOGGLE.upper()}=0.005")
-    assert _main(tmp_path, "--repeats", "3", "--iters", "6", "--warmup", "2", "--block-seeds", "40",
-                 "--loss-window", "2") == 0
+HARMED, NULL = TOGGLE, "ddp_average_in_collective"  # the planted 3 % harm, and an arm that changes nothing
+PLANTED = {"FAKE_LOSS_SEED_SD": "0.05", "FAKE_LOSS_SCALE": f"{HARMED.upper()}=1.03"}
+
+
+def _planted(tmp_path, monkeypatch, seeds, noise, *extra):
+    for k, v in {**PLANTED, "FAKE_LOSS_NOISE": noise}.items():
+        monkeypatch.setenv(k, v)
+    assert _main(tmp_path, "--repeats", str(seeds), "--iters", "6", "--warmup", "2", "--block-seeds", "100",
+                 "--loss-window", "3", "--concurrent", "12", *extra,
+                 design=("--design", "one-at-a-time", "--toggles", f"{HARMED},{NULL}")) == 0
     data = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert data["block_seeds"] == [40, 41, 42] and data["loss_window"] == 2
-    for run in data["runs"]:
-        cmd = run["command"]
-        assert cmd.count("--seed") == 1 and cmd[cmd.index("--seed") + 1] == str(40 + max(run["block"], 0))
-    base, on = (r["loss_window"] for r in data["rows"])
-    # the last two iterations of 10 - 0.5 i at i = 5, 6: mean 7.25, plus the seed's and the toggle's shift
-    assert base["losses"] == pytest.approx([7.25, 7.26, 7.27]) and base["band"] == pytest.approx(0.02)
-    assert on["differences"] == pytest.approx([0.005] * 3) and on["verdict"] == lw.WITHIN
-    md = (tmp_path / "out" / "results.md").read_text()
-    assert "## Loss over the last 2 iterations" in md and "| seed 40 | seed 41 | seed 42 |" in md
-    assert f"| only:{TOGGLE} |" in md and lw.WITHIN in md
+    return data, {r["arm"]: r["loss_test"] for r in data["rows"]}
 
 
-def test_a_loss_shift_beyond_the_band_is_outside_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_SEED_LOSS", "0.01")
-    monkeypatch.setenv("FAKE_LOSS_SHIFT", f"{TOGGLE.upper()}=0.05")
-    assert _main(tmp_path, "--repeats", "2", "--iters", "6", "--warmup", "2", "--block-seeds", "0",
-                 "--loss-window", "3", "--no-warmup-run") == 0
-    row = json.loads((tmp_path / "out" / "results.json").read_text())["rows"][1]["loss_window"]
-    assert row["band"] == pytest.approx(0.01) and row["verdict"] == lw.OUTSIDE
-    assert row["largest_difference"] == pytest.approx(0.05)
+def _loss_table(md):
+    """The rows of results.md's loss table, by their first cell, with the header's cells."""
+    lines = md.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("## ") and "Loss" in ln)
+    table = [ln for ln in lines[at:] if ln.startswith("|")]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = [dict(zip(head, (c.strip() for c in ln.strip("|").split("|")), strict=True)) for ln in table[2:]]
+    return head, rows
+
+
+def test_sixteen_seeds_call_a_planted_3_pct_harm_worse_and_a_null_equivalent(tmp_path, monkeypatch, capsys):
+    data, loss = _planted(tmp_path, monkeypatch, 16, "0.004")
+    harm, null = loss[f"only:{HARMED}"], loss[f"only:{NULL}"]
+    assert harm["verdict"] == "different: worse" and harm["seeds_compared"] == 16 and harm["paired"]
+    assert harm["low"] < 3.0 < harm["high"]  # the planted +3 % lies in its interval
+    assert null["verdict"] == "equivalent within +-1 %" and null["seeds_compared"] == 16
+    # the seeds differ a lot (sd 5 %), same-seed arms little: the baseline's own values spread wide
+    base = loss["all-off"]["values"]
+    assert (max(base) - min(base)) / min(base) > 0.05
+    assert data["loss_test"]["seeds"] == list(range(100, 116)) and data["loss_test"]["measure"] == "train-window"
+    head, rows = _loss_table((tmp_path / "out" / "results.md").read_text())
+    assert "verdict" in head
+    assert {r[head[0]]: r["verdict"] for r in rows} == {HARMED: "different: worse", NULL: "equivalent within +-1 %"}
+    out = capsys.readouterr().out
+    assert f"loss: {HARMED} (only:{HARMED}): " in out and out.count("loss: ") == 2
+
+
+def test_three_noisy_seeds_are_inconclusive_and_say_what_a_margin_needs(tmp_path, monkeypatch, capsys):
+    _, loss = _planted(tmp_path, monkeypatch, 3, "0.03")
+    null = loss[f"only:{NULL}"]
+    assert null["verdict"] == "inconclusive" and null["seeds_compared"] == 3
+    assert null["smallest_margin_shown"] > 1.0 and null["seeds_needed"] > 3
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(f"loss: {NULL} "))
+    assert "inconclusive (smallest margin shown" in line and f"needs about {null['seeds_needed']} seeds" in line
+
+
+def test_the_validation_loss_is_the_measure_where_every_run_logged_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VALIDATION", "3")
+    data, loss = _planted(tmp_path, monkeypatch, 2, "0")
+    assert data["loss_test"]["measure"] == "validation" and data["loss_test"]["window"] is None
+    run = next(r for r in data["runs"] if r["arm"] == "all-off" and r["block"] == 0)
+    # the stand-in's validation loss: the training loss at the last iteration plus 0.25 (its test set's: plus 5)
+    assert loss["all-off"]["values"][0] == pytest.approx(run["iterations"][-1]["lm_loss"] + 0.25, abs=1e-5)
+    assert [v["iteration"] for v in run["validation"]] == [3, 6, 6]
+    _, asked = _planted(tmp_path, monkeypatch, 2, "0", "--loss-measure", "train-window")
+    assert asked["all-off"]["values"][0] == pytest.approx(statistics.fmean(
+        it["lm_loss"] for it in run["iterations"][-3:]), abs=1e-5)
 
 
 def test_runs_at_once_keep_losses_and_memory_but_no_speed(tmp_path, monkeypatch, capsys):
@@ -148,7 +200,7 @@ def test_runs_at_once_keep_losses_and_memory_but_no_speed(tmp_path, monkeypatch,
     assert data["warmup_run"] is False and data["blocks_run"] == 2
     for row in data["rows"]:
         assert not {"ms_per_iter", "speedup", "tflops_per_gpu", "tokens_per_s_per_gpu"} & set(row)
-        assert row["max_allocated_mb"] == 200.5 and row["loss_window"]["losses"]
+        assert row["max_allocated_mb"] == 200.5 and row["loss_test"]["values"]
     assert [r["arm"] for r in data["rows"]] == ["all-off", f"only:{TOGGLE}", "defaults"]
     assert "Speed: not measured" in (tmp_path / "out" / "results.md").read_text()
     assert "6 runs: 2 block(s)" in capsys.readouterr().err
@@ -189,6 +241,10 @@ def test_a_batch_that_would_not_fit_the_budget_is_not_started(tmp_path):
     (("--loss-window", "9", "--iters", "6"), "--loss-window 9 is more than --iters 6"),
     (("--block-seeds", "-1"), "--block-seeds -1"),
     (("--concurrent", "2", "--target-ci", "0.01"), "--target-ci needs timed runs"),
+    (("--loss-margin", "0"), "--loss-margin 0.0"),
+    (("--loss-margin", "-1"), "--loss-margin -1.0"),
+    (("--loss-alpha", "0.5"), "--loss-alpha 0.5"),
+    (("--loss-alpha", "0"), "--loss-alpha 0.0"),
 ])
 def test_bad_loss_options_are_one_line_and_exit_2(tmp_path, capsys, extra, words):
     script = tmp_path / "pretrain_gpt.py"
@@ -204,7 +260,8 @@ def test_the_options_are_in_help(capsys):
     with pytest.raises(SystemExit):
         ablate.main(["--help"])
     out = capsys.readouterr().out
-    for words in ("--block-seeds BASE", "--loss-window N", "--concurrent K", "each-alone"):
+    for words in ("--block-seeds BASE", "--loss-window N", "--concurrent K", "each-alone", "--loss-margin PCT",
+                  "--loss-alpha ALPHA", "--loss-measure"):
         assert words in out
 
 

@@ -112,48 +112,16 @@ def test_sizing_scales_with_the_noise():
         st.blocks_to_resolve(0.01, 0.0)
 
 
-def test_loss_band_and_flag():
+def test_loss_ratios_per_block():
     base = [2.000, 2.002, 1.998]
-    inside = st.loss_comparison(base, [2.001, 1.999, 2.0])
-    assert inside["noise_band"] == pytest.approx(0.001) and not inside["outside_noise_band"]
     moved = st.loss_comparison(base, [2.02, 2.03, 2.025])
     # per block: 2.02/2.000, 2.03/2.002, 2.025/1.998
-    assert moved["outside_noise_band"] and moved["ratio"] == pytest.approx(2.025 / 1.998)
+    assert moved["ratio"] == pytest.approx(2.025 / 1.998) and moved["blocks"] == 3
     assert moved["min"] == pytest.approx(2.02 / 2.0) and moved["max"] == pytest.approx(2.03 / 2.002)
+    assert set(moved) == {"ratio", "min", "max", "blocks"}  # a description: the verdict is the loss test's
     assert st.loss_comparison([None], [2.0]) is None
-
-
-def test_one_baseline_run_gives_no_band_rather_than_a_band_of_zero():
-    once = st.loss_comparison([2.0], [2.0004])
-    assert once["ratio"] == pytest.approx(1.0002)
-    assert once["noise_band"] is None and once["outside_noise_band"] is None  # unknown, not "outside"
-
-
-def test_report_says_when_the_band_is_unknown():
-    from megatron_perf_toggles.tools.ablate import report
-
-    def row(arm, baseline, loss):
-        return {"arm": arm, "baseline": baseline, "runs_done": 1, "ms_per_iter": {"median": 100.0, "min": 100.0,
-                "max": 100.0}, "speedup": {}, "loss": loss}
-    result = {"design": "headline", "confidence": 0.95, "blocks_run": 1, "seed": 0, "iters": 10, "warmup": 3, "runs": [],
-              "rows": [row("all-off", True, st.loss_comparison([2.0], [2.0])),
-                       row("all-on", False, st.loss_comparison([2.0], [2.0004]))]}
-    text = report.markdown(result)
-    assert "no band (see below)" in text and "outside noise band" not in text
-    assert "Loss noise band: unknown, fewer than two baseline runs" in text
 
 
 def test_relative_half_width():
     assert st.relative_half_width({"low": 1.0, "high": 1.0201}) == pytest.approx(0.01)
     assert st.relative_half_width({"low": None, "high": None}) is None
-
-
-def test_loss_comparison_takes_its_band_from_the_runs_given():
-    base, arm = [2.0, 2.0, 2.0], [2.001, 2.001, 2.001]
-    assert st.loss_comparison(base, arm)["outside_noise_band"] is True  # the baseline's band is 0
-    wide = st.loss_comparison(base, arm, band_from=[2.0, 2.004, 1.996])
-    assert wide["noise_band"] == pytest.approx(0.002) and wide["outside_noise_band"] is False
-    assert wide["ratio"] == pytest.approx(1.0005)
-    one = st.loss_comparison(base, arm, band_from=[2.0])  # one run: no band, still a ratio
-    assert one["noise_band"] is None and one["outside_noise_band"] is None and one["ratio"] == pytest.approx(1.0005)
-    assert st.loss_comparison(base, arm, band_from=[])["outside_noise_band"] is None

@@ -24,7 +24,7 @@ from . import runs
 from .argv import set_args
 from .confounds import dry_run_world, resolve_and_check, resolve_arm
 from .design import Arm, baseline_of
-from .loss_window import compare_windows
+from .loss_test import compare_losses
 from .report import compare, measure_run, sizing, widest_interval, without_speed, write_results
 from .spec import ExperimentSpec
 from .world import logged_world_size, world_size
@@ -269,25 +269,32 @@ class Experiment:
             say(f"warning: the runs had a world of {logged}, the dry runs planned for {planned}: "
                 f"say --world-size {logged}")
         rows = self._rows()
-        if spec.loss_window is not None:
-            windows = compare_windows(self.arms, [measure_run(s, spec.warmup) for s in self.statuses], self.blocks,
-                                      spec.loss_window, self.seeds())
-            rows = [{**r, "loss_window": windows[r["arm"]]} for r in rows]
+        measured = [measure_run(s, spec.warmup) for s in self.statuses]
+        loss = self.loss_test(measured) if spec.loss_test else None
+        if loss:
+            rows = [{**r, "loss_test": loss["arms"][r["arm"]]} for r in rows]
         speed: dict[str, Any] = {}
         if self.together:
             rows = without_speed(rows)
             speed = {"concurrent": spec.concurrent, "speed_note": f"not measured: {spec.concurrent} runs shared the "
                      "GPU at once, so their step times measure the sharing, not the arms"}
         return {"design": spec.design, "seed": spec.seed, "repeats": spec.repeats, "blocks_run": self.blocks,
-                "block_seeds": self.seeds(), "loss_window": spec.loss_window, **speed,
+                "block_seeds": self.seeds(), "loss_window": spec.loss_window,
+                "loss_test": None if loss is None else loss["settings"], **speed,
                 "blocks_across_calls": self.across_calls,
                 "block_order": self.orders, "world_size": self._gpus(), "planned_world_size": planned,
                 "warmup_run": spec.warmup_run and not self.together, "iters": self.iters, "warmup": spec.warmup,
                 "confidence": spec.confidence, "target_ci": spec.target_ci, "budget_min": spec.budget,
                 "stop_reason": stop_reason, "derived": {n: sorted(k) for n, k in self.derived.items()},
                 "rows": rows, "sizing": None if self.together else sizing(rows, spec.effect, spec.confidence),
-                "runs": [measure_run(s, spec.warmup) for s in self.statuses], "commands": self.commands(),
+                "runs": measured, "commands": self.commands(),
                 "seconds": seconds}
+
+    def loss_test(self, measured: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The loss test over the finished runs (loss_test.py), with the spec's measure, margin and level."""
+        spec = self.spec
+        return compare_losses(self.arms, measured, self.blocks, measure=spec.loss_measure, window=spec.loss_window,
+                              margin=spec.loss_margin, alpha=spec.loss_alpha, seeds=self.seeds())
 
     def write(self, result: dict[str, Any]) -> None:
         """results.json, results.md (and a plot where matplotlib is at hand) under ``out``."""

@@ -1,7 +1,10 @@
 """Parse Megatron-LM's own training log lines (every supported version) into numbers.
 
 Megatron prints one ``iteration N/M | key: value | ...`` line per log interval and a
-``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ...`` line once.
+``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ...`` line once, and
+with ``--eval-iters`` > 0 a `` validation loss at iteration N | lm loss value: X | lm loss PPL: Y |``
+line per evaluation (``... on validation set`` after the last iteration; ``... on test set`` is
+the test split, and ``validation-NAME`` one of several validation sets: neither is kept).
 The keys and number formats drifted between versions (timestamps with and without
 microseconds, ``1.0E+01`` vs plain floats, memory with and without 2 decimals), so parsing is by
 key name, not by position.
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|(?P<fields>.*)$")
+VALIDATION = re.compile(r"\bvalidation loss at iteration\s+(\d+)(?P<where>[^|]*)\|(?P<fields>.*)$")
 MEMORY = re.compile(r"memory \(MB\)(?P<fields>(\s*\|\s*[^|]+:\s*[-+0-9.eE]+)+)")
 KEYS = {
     "elapsed time per iteration (ms)": "ms_per_iter",
@@ -64,6 +68,7 @@ class MegatronLog:
     iterations: list[Iteration] = field(default_factory=list)
     memory_mb: dict[str, float] = field(default_factory=dict)  # the report with the highest max allocated
     errors: list[str] = field(default_factory=list)  # tail lines that look like a crash
+    validation: list[tuple[int, float]] = field(default_factory=list)  # (iteration, held-out lm loss)
 
     def series(self, name: str) -> list[tuple[int, float]]:
         return [(it.iteration, it.values[name]) for it in self.iterations if name in it.values]
@@ -88,6 +93,8 @@ class MegatronLog:
             out[f"{name}_iterations"] = int(sum(vals)) if vals else 0
         if self.memory_mb:
             out["memory_mb"] = dict(self.memory_mb)
+        if self.validation:
+            out["validation_loss_last"] = self.validation[-1][1]
         return out
 
 
@@ -99,6 +106,13 @@ def parse_lines(lines: Iterable[str]) -> MegatronLog:
         if m:
             values = {KEYS.get(k, k): v for k, v in _fields(m.group("fields")).items()}
             log.iterations.append(Iteration(int(m.group(1)), int(m.group(2)), values))
+            continue
+        m = VALIDATION.search(line)
+        if m:
+            if "test set" not in m.group("where"):
+                value = _fields(m.group("fields")).get("lm loss value")
+                if value is not None:
+                    log.validation.append((int(m.group(1)), value))
             continue
         m = MEMORY.search(line)
         if m:

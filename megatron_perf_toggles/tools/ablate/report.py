@@ -16,13 +16,12 @@ from typing import Any
 from ..._version import __version__
 from . import stats
 from .design import Arm, baseline_of
-from .loss_window import by_block as done_by_block  # the arm's finished run in each block: what comparisons pair
-from .loss_window import markdown_lines as loss_window_lines
+from .loss_test import by_block as done_by_block  # the arm's finished run in each block: what comparisons pair
+from .loss_test import markdown_lines as loss_test_lines
+from .loss_test import verdict_lines
 from .megatron_log import parse_file
 
 RAW_KEYS = ("ms_per_iter", "tflops_per_gpu", "lm_loss", "grad_norm", "global_batch_size")
-# A loss's outside_noise_band: None where there was no band to compare with.
-BAND_WORDS: dict[bool | None, str] = {True: "outside noise band", False: "within noise band"}
 
 
 def measure_run(status: dict[str, Any], warmup: int) -> dict[str, Any]:
@@ -35,6 +34,8 @@ def measure_run(status: dict[str, Any], warmup: int) -> dict[str, Any]:
     out["iterations"] = [{"iteration": it.iteration, **{k: it.values[k] for k in RAW_KEYS if k in it.values}}
                          for it in log.iterations]
     out["summary"] = log.summary(skip_first=warmup)
+    if log.validation:
+        out["validation"] = [{"iteration": i, "lm_loss": v} for i, v in log.validation]
     return out
 
 
@@ -60,7 +61,8 @@ def losses_at(runs: Sequence[Mapping[str, Any] | None], iteration: int) -> list[
 def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, seq_length: int | None, gpus: int | None,
             confidence: float = 0.95, effect: float = 0.01) -> list[dict[str, Any]]:
     """Per arm: the median of its runs' medians with their range; against the baseline, block by
-    block: the speedup with its interval and verdict, the loss ratio with its band, and sizing."""
+    block: the speedup with its interval and verdict, the loss ratio at the last common iteration
+    (the loss test, with its verdict, is loss_test.py's), and sizing."""
     # One row per arm, built in the order the report reads it; the statistics live in stats.py.
     measured = [r for r in runs if r.get("block", -1) >= 0]
     by: dict[tuple[str, int], dict[str, Any]] = {(r["arm"], r["block"]): r for r in measured}
@@ -147,18 +149,6 @@ def _signed(mb: Any) -> str:
     return "-" if not isinstance(mb, (int, float)) else ("0" if abs(mb) < 0.5 else f"{mb:+.0f}")
 
 
-def _loss_band(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The line under the table that says how wide the baseline's own loss band is, if known."""
-    losses = [r["loss"] for r in rows if r.get("loss")]
-    if not losses:
-        return []
-    if losses[0].get("noise_band") is None:
-        return ["", "Loss noise band: unknown, fewer than two baseline runs reached the compared iteration "
-                    "(a band needs two)."]
-    return ["", f"Loss noise band: the baseline's loss moved by up to {losses[0]['noise_band'] * 100:.3f} % "
-                "between its own repeats."]
-
-
 RECORDED_ENV = ("MEGATRON_PERF_TOGGLES", "CUDA", "NCCL", "NVTE", "PYTORCH_", "TORCH_NCCL")
 
 
@@ -173,8 +163,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['iters']} iterations per run; medians over iterations after the first {result['warmup']}. "
              f"Speedup: baseline ms / arm ms per block, geometric mean with a paired {pct} t-interval.", "",
              f"| arm | runs | ms/iter (median of run medians) | range of run medians | TFLOP/s/GPU | tokens/s/GPU "
-             f"| speedup [{pct} CI] | verdict | loss ratio [range] (it) | loss | max alloc MB | vs baseline MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| speedup [{pct} CI] | verdict | loss ratio [range] (it) | max alloc MB | vs baseline MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ms = r.get("ms_per_iter") or {}
         sp = r.get("speedup") or {}
@@ -187,15 +177,13 @@ def markdown(result: dict[str, Any]) -> str:
         runs = f"{r['runs_done']}" + (f" ({r['runs_failed']} failed)" if r.get("runs_failed") else "")
         loss_txt = (f"{_f(loss.get('ratio'), '.4f')} [{_f(loss.get('min'), '.4f')}, {_f(loss.get('max'), '.4f')}] "
                     f"(it {loss.get('iteration', '-')})") if loss else "-"
-        flag = "-" if not loss or r["baseline"] else BAND_WORDS.get(loss.get("outside_noise_band"), "no band (see below)")
         lines.append(f"| {r['arm']} | {runs} | {_f(ms.get('median'), '.1f')} | {_f(ms.get('min'), '.1f')}–"
                      f"{_f(ms.get('max'), '.1f')} | {_f((r.get('tflops_per_gpu') or {}).get('median'), '.1f')} "
-                     f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} | {flag} "
+                     f"| {_f(r.get('tokens_per_s_per_gpu'), '.0f')} | {speed} | {verdict} | {loss_txt} "
                      f"| {_f(r.get('max_allocated_mb'), '.0f')} | {_signed(r.get('max_allocated_delta_mb'))} |")
-    lines += _loss_band(rows)
     if result.get("speed_note"):
         lines += ["", f"Speed: {result['speed_note']}"]
-    lines += loss_window_lines(result)
+    lines += loss_test_lines(loss_of(result))
     adds = {name: c for name, c in result.get("commands", {}).items() if "candidate_args" in c}
     if adds:  # what each candidate arm adds, so that a reader can run it again
         lines += ["", "Candidates (added to the baseline's command):", ""]
@@ -291,6 +279,16 @@ def write_results(out: Path, result: dict[str, Any], records: Sequence[dict[str,
     if note:
         print(f"[ablate] note: {note}", file=sys.stderr)
     print(text)
+    for line in verdict_lines(loss_of(result)):
+        print(f"loss: {line}")
+
+
+def loss_of(result: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The loss test as loss_test.py builds it, from the results (None: the results carry none)."""
+    if not result.get("loss_test"):
+        return None
+    return {"settings": result["loss_test"],
+            "arms": {r["arm"]: r["loss_test"] for r in result["rows"] if r.get("loss_test")}}
 
 
 # --- command ----------------------------------------------------------------------------------

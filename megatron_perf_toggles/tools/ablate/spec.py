@@ -79,10 +79,20 @@ class ExperimentSpec:
         "--block-seeds", "blocks are seeds: block i runs every arm with Megatron's --seed BASE+i (i from 0; the "
         "warm-up run has BASE), so a loss comparison has one run per seed and arm", type=int, metavar="BASE"))
     loss_window: int | None = field(default=None, metadata=_opt(
-        "--loss-window", "compare losses over each run's last N iterations: per arm, each seed's (block's) mean "
-        "loss less the baseline's of the same seed, against the seed-to-seed band (the spread of the "
-        "baseline's own means); 'within the seed-to-seed band' only where every seed's difference is; "
-        "needs 2 or more blocks", type=int, metavar="N"))
+        "--loss-window", "the loss test's training-loss measure: each run's mean loss over its last N iterations "
+        "(default: the last tenth); the loss test runs with --block-seeds or with this option", type=int,
+        metavar="N"))
+    loss_measure: str = field(default="auto", metadata=_opt(
+        "--loss-measure", "what the loss test compares per run: validation (the last held-out validation loss, "
+        "logged with --eval-iters > 0), train-window (the mean training loss over --loss-window), or auto "
+        "(validation where every run logged one; default)", choices=("auto", "validation", "train-window")))
+    loss_margin: float = field(default=1.0, metadata=_opt(
+        "--loss-margin", "the loss test's equivalence margin, in %% of the baseline's loss (default %(default)s): "
+        "an arm is equivalent where the whole interval of its per-seed differences lies within +-PCT",
+        type=float, metavar="PCT"))
+    loss_alpha: float = field(default=0.05, metadata=_opt(
+        "--loss-alpha", "the level of each of the loss test's two one-sided tests (default %(default)s: a 90 %% "
+        "interval)", type=float, metavar="ALPHA"))
     concurrent: int = field(default=1, metadata=_opt(
         "--concurrent", "run K runs at once (for loss-only experiments: runs that share a GPU time the "
         "sharing, so the result then carries no speed figures; no warm-up run); each run gets its own "
@@ -155,12 +165,20 @@ class ExperimentSpec:
             (self.loss_window is not None and self.loss_window < 1, f"--loss-window {self.loss_window}: at least 1"),
             (self.loss_window is not None and self.iters is not None and self.loss_window > self.iters,
              f"--loss-window {self.loss_window} is more than --iters {self.iters}"),
+            (not self.loss_margin > 0, f"--loss-margin {self.loss_margin}: expected a margin in % above 0, e.g. 1"),
+            (not 0 < self.loss_alpha < 0.5, f"--loss-alpha {self.loss_alpha}: expected a level between 0 and 0.5, "
+             "e.g. 0.05"),
             (self.concurrent < 1, f"--concurrent {self.concurrent}: at least 1"),
             (self.split_blocks and self.budget is None, "--split-blocks needs --budget"),
             (self.concurrent > 1 and self.target_ci is not None,
              "--target-ci needs timed runs, and --concurrent runs share the GPU: choose one"),
         ]
         return [text for bad, text in rules if bad]
+
+    @property
+    def loss_test(self) -> bool:
+        """Whether the results carry the loss test: seeds as blocks, or a loss measure asked for."""
+        return self.block_seeds is not None or self.loss_window is not None or self.loss_measure != "auto"
 
     def check_measurable(self, iters: Any) -> None:
         """The iterations a run makes (``--iters`` or the arguments' own, as resolved) must leave

@@ -1,4 +1,4 @@
-"""Statistics for ``ablate``: paired intervals over blocks, verdicts, loss bands, and sizing.
+"""Statistics for ``ablate``: paired speed intervals over blocks, verdicts, and sizing.
 
 Each block runs every arm once, so an arm and the baseline of the same block share the drift of
 that moment (GPU clocks, a neighbour's job, the page cache). The unit of evidence is therefore the
@@ -178,28 +178,10 @@ def spread(values: Sequence[float]) -> dict[str, Any] | None:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
 
 
-def loss_comparison(baseline_loss: Sequence[float | None], arm_loss: Sequence[float | None],
-                    band_from: Sequence[float | None] | None = None) -> dict[str, Any] | None:
-    """Per-block loss ratios at the last common iteration, against the baseline's own noise band.
-
-    The band is how far the baseline's loss moved between its own repeats (relative to their
-    median): run-to-run nondeterminism with identical settings. The arm is flagged when every
-    block's ratio lies outside 1 +- band, i.e. its loss moved more than repeating the baseline does.
-    A toggle that changes numerics (bf16 reduction) is expected to leave the band of a deterministic
-    baseline; the size of the ratio says whether that matters. One baseline run gives no band: band
-    and flag are then ``None`` (unknown), not a band of zero that every arm would leave.
-    ``band_from``: the runs whose repeats set the band, where the pair compared does not include
-    the experiment's baseline (default: ``baseline_loss``).
-    """
+def loss_comparison(baseline_loss: Sequence[float | None], arm_loss: Sequence[float | None]) -> dict[str, Any] | None:
+    """Per-block loss ratios (arm / baseline) at one iteration: their median and range. A
+    description only: whether a change in loss matters is the loss test's (equivalence.py)."""
     ratios = [a / b for b, a in zip(baseline_loss, arm_loss, strict=True) if a is not None and b]
     if not ratios:
         return None
-    base = [b for b in (baseline_loss if band_from is None else band_from) if b]
-    band: float | None = None
-    outside: bool | None = None
-    if len(base) > 1:
-        mid = statistics.median(base)
-        band = max(abs(b / mid - 1.0) for b in base) if mid else 0.0
-        outside = all(abs(r - 1.0) > band for r in ratios)
-    return {"ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "blocks": len(ratios),
-            "noise_band": band, "outside_noise_band": outside}
+    return {"ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "blocks": len(ratios)}
