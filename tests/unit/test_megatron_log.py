@@ -85,3 +85,25 @@ def test_the_memory_report_of_the_rank_that_peaks_highest_is_kept():
     ]
     assert parse_lines(lines).memory_mb["max_allocated"] == 52000.5
     assert parse_lines(reversed(lines)).memory_mb["max_allocated"] == 52000.5
+
+
+# Megatron's evaluation lines (the format every supported version prints: " validation loss at
+# <prefix> | <key> value: %.6E | <key> PPL: %.6E | "), between dashed rules.
+VALIDATION_LINES = """\
+ [2026-12-01 10:00:00.000000] iteration      100/     300 | consumed samples:         1600 | lm loss: 2.100000E+00 |
+-----------------------------------------------------------------------------------------------
+ validation loss at iteration 100 | lm loss value: 2.250000E+00 | lm loss PPL: 9.487736E+00 |
+-----------------------------------------------------------------------------------------------
+ validation loss at iteration 300 | lm loss value: 1.875000E+00 | lm loss PPL: 6.520819E+00 |
+ validation loss at iteration 300 on validation set | lm loss value: 1.870000E+00 | lm loss PPL: 6.488296E+00 |
+ validation loss at iteration 300 on test set | lm loss value: 1.990000E+00 | lm loss PPL: 7.315533E+00 |
+ validation-books loss at iteration 300 | lm loss value: 3.000000E+00 | lm loss PPL: 2.008554E+01 |
+"""
+
+
+def test_validation_loss_lines_are_read_and_the_test_set_is_not():
+    log = parse_lines(VALIDATION_LINES.splitlines())
+    assert log.validation == [(100, 2.25), (300, 1.875), (300, 1.87)]
+    assert len(log.iterations) == 1 and log.iterations[0].get("lm_loss") == 2.1  # no evaluation line is an iteration
+    assert log.summary()["validation_loss_last"] == 1.87
+    assert "validation_loss_last" not in parse_lines(VALIDATION_LINES.splitlines()[:1]).summary()
