@@ -305,3 +305,34 @@ def test_split_blocks_stop_before_a_run_and_the_same_command_finishes_the_block(
         at = argv.index("--budget")
         ablate.main(argv[:at] + argv[at + 2:], resolver=_fake_megatron())
     assert info.value.code == 2 and "--split-blocks needs --budget" in capsys.readouterr().err
+
+
+def test_an_existing_out_directory_is_re_analysed_without_running_anything(tmp_path, monkeypatch, capsys):
+    from megatron_perf_toggles.tools.ablate import reanalyse
+
+    _planted(tmp_path, monkeypatch, 16, "0.004")
+    moved = tmp_path / "copied"  # as copied from the machine that ran it: the logs are not where they were
+    (tmp_path / "out").rename(moved)
+    data = json.loads((moved / "results.json").read_text())
+    # an earlier version's results: a band verdict per row, no loss test
+    del data["loss_test"]
+    for row in data["rows"]:
+        row["loss_window"] = {"window": 3, "band": 0.1, "verdict": "old"}
+        del row["loss_test"]
+    (moved / "results.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert reanalyse.main([str(moved), "--loss-margin", "5"]) == 0
+    again = json.loads((moved / "results.json").read_text())
+    loss = {r["arm"]: r["loss_test"] for r in again["rows"]}
+    assert all("loss_window" not in r for r in again["rows"]) and again["loss_test"]["margin"] == 5.0
+    assert loss[f"only:{HARMED}"]["verdict"] == "equivalent within +-5 %"  # +3 % lies well inside +-5 %
+    assert loss[f"only:{HARMED}"]["seeds_compared"] == 16 and again["loss_test"]["window"] == 3
+    assert "equivalent within +-5 %" in (moved / "results.md").read_text()
+    assert json.loads((moved / "results.before-reanalysis.json").read_text()) == data
+    assert capsys.readouterr().out.count("loss: ") == 2
+    with pytest.raises(SystemExit) as info:
+        reanalyse.main([str(moved), "--loss-alpha", "0.7"])
+    assert info.value.code == 2 and "--loss-alpha 0.7" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        reanalyse.main([str(tmp_path / "nothing-here")])
+    assert info.value.code == 2 and "no readable results.json" in capsys.readouterr().err

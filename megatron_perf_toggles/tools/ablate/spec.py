@@ -141,11 +141,15 @@ class ExperimentSpec:
 
     def check(self) -> None:
         """Every check of the options before the first dry run; the first bad value is one line."""
+        self.check_options()
+        if not Path(self.script).is_file():
+            raise DesignError(f"script not found: {self.script}")
+
+    def check_options(self) -> None:
+        """The options' values alone (no file is looked at): the first bad one is one line."""
         problems = self._problems()
         if problems:
             raise DesignError(problems[0])
-        if not Path(self.script).is_file():
-            raise DesignError(f"script not found: {self.script}")
 
     def _problems(self) -> Sequence[str]:
         rules = [
