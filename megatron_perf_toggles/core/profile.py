@@ -33,7 +33,9 @@ ENVIRONMENT_WORDS = {"megatron": "Megatron", "transformer_engine": "Transformer 
 TOP_KEYS = ("format", "schema", "created", "made_by", "command", "environment", "toggles", "confirmation", "notes")
 CHOICE_KEYS = ("value", "evidence", "note")
 EVIDENCE_NUMBERS = ("speedup", "low", "high", "confidence", "loss_ratio", "peak_memory_delta_mb")
-EVIDENCE_KEYS = ("against", *EVIDENCE_NUMBERS, "verdict", "blocks", "design", "loss_within_noise", "rule")
+EVIDENCE_KEYS = ("against", *EVIDENCE_NUMBERS, "verdict", "blocks", "design", "loss_verdict", "rule")
+# read and dropped: an earlier version's loss flag (a noise band), which the loss test's verdict replaced
+LEGACY_EVIDENCE_KEYS = ("loss_within_noise",)
 CONFIRMATION_NUMBERS = ("speedup", "low", "high", "confidence")
 CONFIRMATION_KEYS = (*CONFIRMATION_NUMBERS, "verdict", "blocks", "outcome")
 
@@ -52,7 +54,9 @@ class Evidence:
     blocks: int | None = None
     design: str = ""  # the ablate design the numbers come from, e.g. "leave-one-out"
     loss_ratio: float | None = None  # loss with the chosen value / loss with ``against``
-    loss_within_noise: bool | None = None
+    # the loss test of the chosen value against ``against`` over the blocks (equivalent, different or
+    # inconclusive, with its margin); "" where not measured
+    loss_verdict: str = ""
     rule: str = ""  # the decision rule that picked the value, in words
     # measured peak allocated MB with the chosen value minus with ``against`` (per GPU; None: not measured)
     peak_memory_delta_mb: float | None = None
@@ -169,7 +173,7 @@ def _evidence(source: str, dest: str, raw: Any) -> Evidence | None:
     if raw is None:
         return None
     where = f"toggles.{dest}.evidence"
-    data = _keys(source, where, raw, EVIDENCE_KEYS)
+    data = _keys(source, where, raw, (*EVIDENCE_KEYS, *LEGACY_EVIDENCE_KEYS))
     if "against" not in data:
         raise _fail(source, f"{where} has no 'against' (the value the chosen one was measured against)")
     numbers = {k: _typed(source, f"{where}.{k}", data.get(k), (int, float), "a number") for k in EVIDENCE_NUMBERS}
@@ -178,8 +182,7 @@ def _evidence(source: str, dest: str, raw: Any) -> Evidence | None:
         verdict=_typed(source, f"{where}.verdict", data.get("verdict"), (str,), "text") or "",
         blocks=_typed(source, f"{where}.blocks", data.get("blocks"), (int,), "a whole number"),
         design=_typed(source, f"{where}.design", data.get("design"), (str,), "text") or "",
-        loss_within_noise=_typed(source, f"{where}.loss_within_noise", data.get("loss_within_noise"), (bool,),
-                                 "true or false"),
+        loss_verdict=_typed(source, f"{where}.loss_verdict", data.get("loss_verdict"), (str,), "text") or "",
         rule=_typed(source, f"{where}.rule", data.get("rule"), (str,), "text") or "",
     )
 

@@ -41,7 +41,7 @@ def sample(**toggles) -> Profile:
     choices = {dest: Choice(value, Evidence(against=not value if isinstance(value, bool) else "native",
                                             speedup=1.036, low=1.025, high=1.047, verdict="faster", confidence=0.95,
                                             blocks=3, design="leave-one-out", loss_ratio=1.0001,
-                                            loss_within_noise=True, rule="kept: removing it is slower"))
+                                            loss_verdict="equivalent within +-1 %", rule="kept: removing it is slower"))
                for dest, value in chosen.items()}
     return Profile(toggles=choices, environment=MEASURED_ON, created="2026-01-02T03:04:05Z",
                    made_by="megatron-perf-toggles tune", command="torchrun --nproc-per-node 8 pretrain_gpt.py --bf16")
@@ -63,6 +63,19 @@ def test_render_then_parse_gives_the_same_profile():
     text = render_profile(profile)
     assert text.startswith("{\n  ") and text.endswith("}\n")  # indented: one fact per line for review
     assert parse_profile(text, "p.json") == replace(profile, source="p.json")
+
+
+def test_an_earlier_profile_s_loss_flag_is_read_and_dropped():
+    """Profiles written before the loss test carried a noise-band flag: they still load."""
+    data = json.loads(render_profile(sample(grad_reduce_in_bf16=False)))
+    evidence = data["toggles"]["grad_reduce_in_bf16"]["evidence"]
+    del evidence["loss_verdict"]
+    evidence["loss_within_noise"] = True
+    parsed = parse_profile(text_of(data), "old.json").toggles["grad_reduce_in_bf16"].evidence
+    assert parsed is not None and parsed.loss_verdict == "" and parsed.loss_ratio == 1.0001
+    evidence["loss_verdict"] = 1
+    with pytest.raises(ProfileError, match="loss_verdict"):
+        parse_profile(text_of(data), "bad.json")
 
 
 def test_the_confirmation_round_trips():

@@ -7,50 +7,46 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...core.profile import Choice, Environment, Evidence
-from ..ablate import report, stats
+from ..ablate import equivalence, report, stats
+from ..ablate.loss_test import train_window_mean
 from .rule import Decided, say, step_ms
 
+LOSS_MARGIN = 1.0  # % of the other value's loss: ablate's default margin
+LOSS_ALPHA = 0.05
 
-def _loss(decided: Decided, result: Mapping[str, Any], chosen: Sequence[Mapping[str, Any] | None],
-          against: Sequence[Mapping[str, Any] | None]) -> tuple[float | None, bool | None]:
-    """The loss with the chosen value over the loss with the other, and whether it left the phase's
-    one noise band, the baseline's (the band its results.md states). Where one of the two arms is
-    the baseline, both come from the other arm's row of the phase's table, so the profile says what
-    the table says; otherwise the pair is compared at its own last logged iteration against the
-    baseline's band. Without a baseline row there is no band."""
-    rows = {r["arm"]: r for r in result.get("rows", [])}
-    base = next((name for name, r in rows.items() if r.get("baseline")), None)
-    if base is not None and base in (decided.chosen, decided.against):
-        other = decided.against if base == decided.chosen else decided.chosen
-        row = (rows.get(other) or {}).get("loss")
-        if not row:
-            return None, None
-        if base == decided.against:
-            return row.get("ratio"), row.get("outside_noise_band")
-        # the chosen value is the baseline's: the median of its per-block ratios, the table's the other way up
-        flipped = stats.loss_comparison(row["arm_losses"], row["baseline_losses"])
-        return (flipped or {}).get("ratio"), row.get("outside_noise_band")
+
+def _loss(chosen: Sequence[Mapping[str, Any] | None], against: Sequence[Mapping[str, Any] | None]
+          ) -> tuple[float | None, str]:
+    """The loss with the chosen value over the loss with the other at the last iteration both
+    logged (the median of the per-block ratios), and ablate's loss test of the pair, block by block,
+    on each run's mean training loss over its last tenth ("" where no block has both). A phase's
+    blocks repeat one seed: the verdict says whether the value moves the loss on that seed by more
+    than the margin, not a claim across seeds (ablate --block-seeds makes that)."""
     common = report.loss_iterations(chosen) & report.loss_iterations(against)
-    if not common:
-        return None, None
-    last = max(common)
-    band = report.losses_at(report.done_by_block(result["runs"], base, result["blocks_run"]), last) if base else []
-    cmp_ = stats.loss_comparison(report.losses_at(against, last), report.losses_at(chosen, last), band_from=band)
-    return (cmp_["ratio"], cmp_["outside_noise_band"]) if cmp_ else (None, None)
+    ratio = None
+    if common:
+        last = max(common)
+        ratio = (stats.loss_comparison(report.losses_at(against, last), report.losses_at(chosen, last)) or {}).get(
+            "ratio")
+    mine = [train_window_mean(r, None) for r in chosen]
+    other = [train_window_mean(r, None) for r in against]
+    if not any(m is not None and o is not None for m, o in zip(mine, other, strict=True)):
+        return ratio, ""
+    return ratio, equivalence.paired(mine, other, LOSS_MARGIN, LOSS_ALPHA)["verdict"]
 
 
 def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
     """Step time with the other value over step time with the chosen one, paired by block; the
-    loss as :func:`_loss` compares it."""
+    loss as :func:`_loss` compares the same pair."""
     blocks = result["blocks_run"]
     chosen = report.done_by_block(result["runs"], decided.chosen, blocks)
     against = report.done_by_block(result["runs"], decided.against, blocks)
     sp = stats.paired_speedup([step_ms(r) for r in against], [step_ms(r) for r in chosen],
                               decided.confidence or result["confidence"])
-    ratio, outside = _loss(decided, result, chosen, against)
+    ratio, loss_verdict = _loss(chosen, against)
     return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
                     verdict=sp["verdict"], confidence=sp["confidence"], blocks=sp["blocks"],
-                    design=decided.phase, loss_ratio=ratio, loss_within_noise=None if outside is None else not outside,
+                    design=decided.phase, loss_ratio=ratio, loss_verdict=loss_verdict,
                     rule=decided.rule, peak_memory_delta_mb=memory_change(result, decided.chosen, decided.against))
 
 

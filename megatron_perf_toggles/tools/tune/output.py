@@ -27,14 +27,14 @@ def summary(profile: Profile, path: Path, excluded: Mapping[str, str], results: 
              f"Measured {profile.created} with {profile.made_by}: Megatron {env.megatron or '?'}, Transformer Engine "
              f"{env.transformer_engine or 'none'}, torch {env.torch or '?'}, GPU {env.gpu or 'not known'}, world size "
              f"{env.world_size or 'not recorded'}.", "", f"Command: `{profile.command}`", "",
-             "| toggle | value | speedup of the value over the other [CI] | verdict | loss ratio "
+             "| toggle | value | speedup of the value over the other [CI] | verdict | loss ratio (loss test) "
              "| peak memory vs the other (MB) | how |",
              "|---|---|---|---|---|---|---|"]
     for dest, choice in profile.toggles.items():
         ev = choice.evidence
         assert ev is not None  # tune records evidence for every toggle it decides
-        loss = "-" if ev.loss_ratio is None else f"{ev.loss_ratio:.4f}" + (
-            "" if ev.loss_within_noise in (None, True) else " (outside noise band)")
+        loss = "-" if ev.loss_ratio is None else f"{ev.loss_ratio:.4f}"
+        loss += f" ({ev.loss_verdict})" if ev.loss_verdict else ""
         memory = "-" if ev.peak_memory_delta_mb is None else f"{ev.peak_memory_delta_mb:+.0f}"
         lines.append(f"| {dest} | {format_value(choice.value)} | {_interval(ev)} | {ev.verdict} | {loss} | {memory} "
                      f"| {ev.rule} |")
