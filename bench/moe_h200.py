@@ -1,14 +1,18 @@
 """Mixture-of-experts presets over ``megatron-perf-toggles ablate`` on one H200: does each MoE
 toggle (grouped GEMM, permute fusion, router fusion) keep the loss, and how fast is it.
 
-Every part is one ``ablate`` experiment with the same five arms, in the same blocks: stock (every
-plugin toggle off), each MoE toggle alone, and the plugin defaults (every toggle on). Parts (each
-its own directory under --out):
+Every MoE part is one ``ablate`` experiment with the same five arms, in the same blocks: stock
+(every plugin toggle off), each MoE toggle alone, and the plugin defaults (every toggle on). Parts
+(each its own directory under --out):
 
   loss     a small MoE model on real text (the standard library's sources as bytes, vocab 257),
            300 iterations; blocks are seeds (--block-seeds), 3 of them, and all 15 runs run at
-           once on the one GPU (--concurrent: loss does not depend on timing); the losses over the
-           last --loss-window iterations are compared seed by seed against the seed-to-seed band
+           once on the one GPU (--concurrent: loss does not depend on timing); ablate's loss test
+           compares each arm with stock seed by seed (paired differences, a 90 % interval, a
+           three-way verdict against --loss-margin), on the mean loss over the last --loss-window
+           iterations, or with --eval-iters N on the held-out validation loss at the end
+  loss-dense  the same model without experts (a dense model: stock, each dense toggle alone and the
+           defaults, 7 arms), so the dense toggles get their own loss test at the same size
   speed-a  Mixtral-style: 4 layers, hidden 2048, 16 heads (8 query groups), 8 experts, top-2,
            expert FFN 4096; 3 interleaved blocks after a warm-up run, 40 iterations (20 left out:
            MoE step times still fall while the aux loss balances the routing)
@@ -50,6 +54,7 @@ from pathlib import Path
 from h200_ablate import REPO, STARTUP_S, base_env  # bench/ is on the path; this puts the repository there too
 
 from megatron_perf_toggles.core.registry import BY_DEST, TOGGLES
+from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES
 
 MOE_TOGGLES = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion")
 MOE_FLAGS = {"grouped-gemm": "--moe-grouped-gemm", "permute-fusion": "--moe-permute-fusion",
@@ -82,6 +87,8 @@ SHAPES: dict[str, dict[str, str | None]] = {
                    "--lr-warmup-iters": "20", "--vocab-size": "257", "--mock-data": "drop",
                    "--log-throughput": "drop"},
 }
+MOE_ONLY = ("--num-experts", "--expert-model-parallel-size")  # with every --moe-* flag: what a dense shape drops
+SHAPES["loss-dense"] = {**SHAPES["loss-small"], **{f: "drop" for f in COMMON if f.startswith(("--moe-", *MOE_ONLY))}}
 
 
 @dataclass(frozen=True)
@@ -90,10 +97,12 @@ class Part:
     iters: int
     warmup: int  # iterations left out of each run's medians
     seconds_per_iter: float  # the arms' mean on one H200 (stock is slower), for the estimate
-    loss: bool = False  # seeds as blocks, all runs at once, the loss window compared; no speed
+    loss: bool = False  # seeds as blocks, all runs at once, the loss test; no speed
+    dense: bool = False  # no experts: the dense toggles each alone
 
 
 PARTS = {"loss": Part("loss-small", 300, 8, 0.4, loss=True),
+         "loss-dense": Part("loss-dense", 300, 8, 0.3, loss=True, dense=True),
          "speed-a": Part("mixtral-a", 40, 20, 0.3),
          "speed-b": Part("fine-b", 40, 20, 0.35)}
 DRY_RUNS_S = 75.0  # 5 arms and the single-change probes of the toggles the defaults arm adds
@@ -105,10 +114,13 @@ def have_moe_toggles() -> bool:
     return all(d in BY_DEST for d in MOE_TOGGLES)
 
 
-def design_words(headline: bool = False) -> list[str]:
+def design_words(headline: bool = False, dense: bool = False) -> list[str]:
     """The ablate design: stock, each MoE toggle alone, the defaults (or, without the toggles in
     the registry, stock against each MoE flag and all three added as candidates); ``headline``:
-    stock against the defaults only (every toggle off against every toggle on)."""
+    stock against the defaults only (every toggle off against every toggle on); ``dense``: stock,
+    each dense toggle alone and the defaults."""
+    if dense:
+        return ["--design", "each-alone"]
     if have_moe_toggles():
         if headline:
             return ["--design", "headline"]
@@ -119,18 +131,25 @@ def design_words(headline: bool = False) -> list[str]:
     return [*words, "--candidate", "all-moe=" + " ".join(MOE_FLAGS.values())]
 
 
-def model_args(shape: str, data: str | None) -> list[str]:
+def model_args(shape: str, data: str | None, eval_iters: int = 0, iters: int = 0) -> list[str]:
+    """The shape's Megatron arguments; ``eval_iters`` > 0 (with ``data``): hold out 5 % of the text
+    and evaluate ``eval_iters`` batches of it once, after the last iteration (the loss test's
+    validation measure: the same held-out batches for every run)."""
     values = {**COMMON, **SHAPES[shape]}
+    if eval_iters and data:
+        values.update({"--eval-iters": str(eval_iters), "--eval-interval": str(max(iters, 1))})
     args: list[str] = []
     for flag, value in values.items():
         if value != "drop":
             args += [flag] if value is None else [flag, value]
     if data:
-        args += ["--data-path", data, "--split", "100,0,0"]
+        args += ["--data-path", data, "--split", "95,5,0" if eval_iters else "100,0,0"]
     return args
 
 
-def arms(headline: bool = False) -> int:
+def arms(headline: bool = False, dense: bool = False) -> int:
+    if dense:
+        return 1 + len(DEFAULT_TOGGLES) + 1
     return 2 if headline else 1 + len(MOE_TOGGLES) + 1
 
 
@@ -140,7 +159,7 @@ def estimate_s(part: str, repeats: int, iters: int | None = None, headline: bool
     iters_s = (iters or p.iters) * p.seconds_per_iter
     if p.loss:  # one batch of every run at once: about as long as one run, slowed by the sharing
         return DRY_RUNS_S + LOSS_STARTUP_S + iters_s
-    return DRY_RUNS_S + (int(warmup_run) + repeats * arms(headline)) * (STARTUP_S + iters_s)
+    return DRY_RUNS_S + (int(warmup_run) + repeats * arms(headline, p.dense)) * (STARTUP_S + iters_s)
 
 
 def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) -> tuple[list[str], dict[str, str]]:
@@ -160,18 +179,20 @@ def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) 
             env.setdefault(key, value)
     iters = ns.iters or p.iters
     headline = ns.headline and not p.loss
-    cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *design_words(headline), "--out", str(Path(ns.out) / part),
+    cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *design_words(headline, p.dense),
+           "--out", str(Path(ns.out) / part),
            "--launch", launch, "--repeats", str(ns.repeats), "--iters", str(iters),
            "--warmup", str(min(p.warmup, iters // 2))]
     if p.loss:
         cmd += ["--block-seeds", str(ns.base_seed), "--loss-window", str(min(ns.loss_window, iters)),
-                "--concurrent", str(ns.repeats * arms()), "--no-warmup-run"]
+                "--loss-margin", f"{ns.loss_margin:g}", "--concurrent", str(ns.repeats * arms(dense=p.dense)),
+                "--no-warmup-run"]
     elif ns.no_warmup_run:
         cmd.append("--no-warmup-run")
     if budget_min is not None:  # ablate's clock starts after its dry runs; a speed part may stop mid-block
         cmd += ["--budget", f"{max(budget_min - DRY_RUNS_S / 60, 0.1):.2f}", *([] if p.loss else ["--split-blocks"])]
     data = corpus(ns) if p.loss else None
-    cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(p.shape, data)]
+    cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(p.shape, data, ns.eval_iters if p.loss else 0, iters)]
     return cmd, env
 
 
@@ -218,6 +239,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, help="iterations per run (default: the part's: loss 300, speed 40)")
     ap.add_argument("--loss-window", type=int, default=50, help="loss: the last N iterations compared (default 50)")
     ap.add_argument("--base-seed", type=int, default=1234, help="loss: block i runs with --seed BASE+i")
+    ap.add_argument("--loss-margin", type=float, default=1.0, metavar="PCT",
+                    help="loss: the loss test's equivalence margin, in %% of stock's loss (default 1)")
+    ap.add_argument("--eval-iters", type=int, default=0, metavar="N",
+                    help="loss: hold out 5 %% of the text and compare the validation loss over N batches of it "
+                    "after the last iteration (default 0: the training loss over --loss-window)")
     ap.add_argument("--budget", type=float, metavar="MINUTES", help="time for all parts of this call together")
     ap.add_argument("--data", metavar="PREFIX", help="loss: a real-text indexed dataset (default: OUT/corpus/stdlib)")
     ap.add_argument("--port", type=int, default=29611, help="first MASTER_PORT (each part its own range)")
@@ -237,6 +263,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--megatron {ns.megatron}: no pretrain_gpt.py there")
     if ns.repeats < 1 or (ns.iters is not None and ns.iters < 2) or ns.loss_window < 1:
         ap.error("--repeats and --loss-window: at least 1; --iters: at least 2")
+    if not ns.loss_margin > 0 or ns.eval_iters < 0:
+        ap.error("--loss-margin: above 0; --eval-iters: 0 or more")
     return ns
 
 
@@ -255,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         est = estimate_s(part, ns.repeats, ns.iters, headline, warm)
         total += est
         how = "all at once" if loss else ("1 warm-up run, then " if warm else "") + "one at a time"
-        print(f"  {part:<8} {ns.repeats * arms(headline) + int(warm):>3} runs ({how})  "
+        print(f"  {part:<8} {ns.repeats * arms(headline, PARTS[part].dense) + int(warm):>3} runs ({how})  "
               f"~{est / 60:5.1f} min  -> {out / part}")
     print(f"expected: ~{total / 60:.1f} min on the H200" + (f" (budget {ns.budget:g} min)" if ns.budget else ""),
           flush=True)

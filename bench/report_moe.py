@@ -1,9 +1,11 @@
 """The MoE benchmark's report: docs/benchmarks/moe_h200.{json,md} (and .png where matplotlib is at
 hand) from the ablate results of bench/moe_h200.py's parts, kept in docs/benchmarks/raw/moe/.
 
-  loss     per arm, each seed's mean loss over the last N iterations, its difference from stock's
-           run of the same seed, the seed-to-seed band and the verdict ("within the seed-to-seed
-           band" or "outside the band"): whether a toggle may stay on by default
+  loss     per arm, ablate's loss test against stock, computed again from the part's runs (so a
+           part run by an earlier ablate gets today's test): each seed's loss measure, the paired
+           differences in % of stock's loss, their 90 % interval, the verdict against the margin
+           (equivalent, different or inconclusive), the smallest margin shown and the seeds a
+           margin needs at the spread measured
   speed-*  per arm, ms/iter and the ratio against stock (stock ms / arm ms: above 1 is faster) with
            its interval; "no detectable difference" where the interval holds 1.0
   memory   every part's peak allocated memory per arm, and its change from stock
@@ -27,6 +29,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from memory_validation import generic_paths  # bench/ is on the path (run as a script, or by the tests)
+
+from megatron_perf_toggles.errors import PerfTogglesError
+from megatron_perf_toggles.tools.ablate import loss_test
+from megatron_perf_toggles.tools.ablate.reanalyse import loss_test_of
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "benchmarks"
@@ -100,14 +106,15 @@ def label(arm: str) -> str:
 
 
 def loss_summary(data: dict[str, Any]) -> dict[str, Any]:
-    rows = [r for r in data["rows"] if r.get("loss_window")]
-    first = rows[0]["loss_window"] if rows else {}
-    arms = [{"arm": r["arm"], "label": label(r["arm"]), "losses": r["loss_window"]["losses"],
-             "differences": r["loss_window"].get("differences"), "verdict": r["loss_window"].get("verdict"),
-             "largest_difference": r["loss_window"].get("largest_difference"),
-             "max_allocated_mb": r.get("max_allocated_mb")} for r in rows]
-    return {"window": first.get("window"), "seeds": first.get("seeds"), "band": first.get("band"),
-            "iters": data.get("iters"), "concurrent": data.get("concurrent"), "arms": arms}
+    """ablate's loss test over the part's runs (reanalyse.loss_test_of), each arm with its label and peak."""
+    try:
+        loss = loss_test_of(data)
+    except PerfTogglesError as error:
+        refuse(f"the loss part: {error}")
+    peaks = {r["arm"]: r.get("max_allocated_mb") for r in data["rows"]}
+    arms = [{"arm": name, "label": label(name), **entry, "max_allocated_mb": peaks.get(name)}
+            for name, entry in loss["arms"].items()]
+    return {**loss["settings"], "iters": data.get("iters"), "concurrent": data.get("concurrent"), "arms": arms}
 
 
 def speed_summary(data: dict[str, Any]) -> dict[str, Any]:
@@ -155,16 +162,14 @@ def _n(v: Any, fmt: str) -> str:
 
 
 def loss_lines(loss: dict[str, Any]) -> list[str]:
+    """The loss test's table (first cell: the toggle's registry name), then each seed's measure per arm."""
     seeds = loss.get("seeds") or []
+    table = loss_test.markdown_lines({"settings": loss, "arms": {a["arm"]: a for a in loss["arms"]}})
     heads = " | ".join(f"seed {s}" for s in seeds) or "runs"
-    lines = ["## Loss", "", f"Mean loss over the last {loss['window']} of {loss['iters']} iterations per run "
-             f"({len(seeds)} seeds per arm, all {loss.get('concurrent') or '-'} runs at once on the one GPU). "
-             f"Seed-to-seed band (stock's spread across seeds): {_n(loss['band'], '.4f')}.", "",
-             f"| arm | {heads} | difference from stock, per seed | verdict |", f"|---|{'---|' * max(len(seeds), 1)}---|---|"]
-    for a in loss["arms"]:
-        diffs = ", ".join(_n(d, "+.4f") for d in a["differences"] or []) or "-"
-        lines.append(f"| {a['label']} | {' | '.join(_n(v, '.4f') for v in a['losses'])} | {diffs} "
-                     f"| {a['verdict'] or 'baseline'} |")
+    lines = [*table[1:], "", f"{len(seeds)} seeds per arm, {loss['iters']} iterations per run, all "
+             f"{loss.get('concurrent') or '-'} runs at once on the one GPU. Each seed's measure:", "",
+             f"| arm | {heads} |", f"|---|{'---|' * max(len(seeds), 1)}"]
+    lines += [f"| {a['label']} | {' | '.join(_n(v, '.4f') for v in a['values'])} |" for a in loss["arms"]]
     return [*lines, ""]
 
 
@@ -254,7 +259,7 @@ def plot(parts: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) 
     fig, (whole, window, speed) = plt.subplots(1, 3, figsize=(18, 5))
     loss = parts.get("loss")
     _plot_losses(whole, loss, 0, "loss, every arm and seed")
-    n = (summary.get("loss") or {}).get("window") or 0
+    n = (summary.get("loss") or {}).get("window") or 0  # a validation-loss measure has no window: whole runs
     last = (summary.get("loss") or {}).get("iters") or 0
     _plot_losses(window, loss, max(last - n + 1, 0), f"the last {n} iterations (compared)")
     _plot_speed(speed, summary)

@@ -79,6 +79,34 @@ def test_the_loss_part_runs_seeds_at_once_on_real_text(tmp_path, capsys):
     assert "--log-throughput" not in args and _value(args, "--num-experts") == "8"
 
 
+def test_the_dense_loss_part_is_the_same_model_without_experts_and_every_dense_toggle_alone(tmp_path, capsys):
+    _, cmds = _plan(tmp_path, capsys, "--parts", "loss,loss-dense", "--repeats", "4", "--loss-margin", "0.5")
+    moe, dense = cmds["loss"], cmds["loss-dense"]
+    assert _value(dense, "--design") == "each-alone" and "--toggles" not in dense[:dense.index("--")]
+    arms = 1 + 5 + 1  # stock, the five dense toggles each alone, the defaults
+    assert _value(dense, "--concurrent") == str(4 * arms) and _value(moe, "--concurrent") == str(4 * 5)
+    assert _value(dense, "--loss-margin") == "0.5" == _value(moe, "--loss-margin")
+    dense_args, moe_args = _megatron(dense), _megatron(moe)
+    assert not [w for w in dense_args if w.startswith(("--moe-", "--num-experts", "--expert-model"))]
+    # the same model otherwise: every other flag and value as the MoE loss model's
+    kept, skip = [], False
+    for word in moe_args:
+        if word.startswith("--"):
+            skip = word.startswith(("--moe-", "--num-experts", "--expert-model"))
+        if not skip:
+            kept.append(word)
+    assert kept == dense_args
+
+
+def test_eval_iters_holds_out_text_for_the_validation_measure(tmp_path, capsys):
+    _, cmds = _plan(tmp_path, capsys, "--parts", "loss", "--eval-iters", "20", "--iters", "200")
+    args = _megatron(cmds["loss"])
+    assert (_value(args, "--eval-iters"), _value(args, "--eval-interval"), _value(args, "--split")) == (
+        "20", "200", "95,5,0")
+    _, plain = _plan(tmp_path, capsys, "--parts", "loss")
+    assert _value(_megatron(plain["loss"]), "--eval-iters") == "0" and _value(_megatron(plain["loss"]), "--split") == "100,0,0"
+
+
 def test_the_moe_arms_are_toggles_where_the_registry_has_them_else_candidates(monkeypatch):
     monkeypatch.setattr(moe_h200, "have_moe_toggles", lambda: True)
     assert moe_h200.design_words() == ["--design", "each-alone", "--toggles",

@@ -13,18 +13,24 @@ sys.path.insert(0, str(REPO / "bench"))
 import report_moe
 
 
-def _loss_part(tmp_path):
+def _loss_part(tmp_path, fmt="today"):
+    """A loss part as ablate writes it: three seeds, stock and grouped GEMM alone (today's results
+    carry the loss test per row; an earlier ablate's carried a band verdict instead)."""
     out = tmp_path / "run" / "loss"
-    rows = [{"arm": "all-off", "baseline": True, "max_allocated_mb": 3000.0, "max_allocated_delta_mb": 0.0,
-             "loss_window": {"window": 50, "seeds": [1, 2], "losses": [2.10, 2.13], "band": 0.03}},
-            {"arm": "only:moe_grouped_gemm", "baseline": False, "max_allocated_mb": 3100.0, "max_allocated_delta_mb": 100.0,
-             "loss_window": {"window": 50, "seeds": [1, 2], "losses": [2.11, 2.12], "band": 0.03,
-                             "differences": [0.01, -0.01], "verdict": "within the seed-to-seed band"}}]
+    arms = {"all-off": [2.10, 2.13, 2.16], "only:moe_permute_fusion": [2.11, 2.14, 2.16]}
+    rows = [{"arm": "all-off", "baseline": True, "max_allocated_mb": 3000.0, "max_allocated_delta_mb": 0.0},
+            {"arm": "only:moe_permute_fusion", "baseline": False, "max_allocated_mb": 3100.0,
+             "max_allocated_delta_mb": 100.0}]
+    if fmt == "earlier":
+        rows[1]["loss_window"] = {"window": 1, "band": 0.06, "verdict": "old words"}
     runs = [{"arm": a, "block": b, "status": "done", "log": f"{out}/runs/block0{b + 1}/{a}/log.txt",
              "command": ["/opt/py/bin/python", "-m", "megatron_perf_toggles.run", "/trees/main/pretrain_gpt.py"],
-             "iterations": [{"iteration": 1, "lm_loss": 5.0, "grad_norm": 1.0}]}
-            for a in ("all-off", "only:moe_grouped_gemm") for b in (0, 1)]
-    data = {"rows": rows, "runs": runs, "iters": 300, "concurrent": 4, "versions": {"megatron": {"path": "/trees/main"}}}
+             "iterations": [{"iteration": 1, "lm_loss": 5.0, "grad_norm": 1.0}, {"iteration": 2, "lm_loss": v}]}
+            for a, vals in arms.items() for b, v in enumerate(vals)]
+    env = {"all-off": "0", "only:moe_permute_fusion": "1"}
+    commands = {a: {"env": {"MOE_PERMUTE_FUSION": v, "MOE_GROUPED_GEMM": "0"}, "argv": []} for a, v in env.items()}
+    data = {"rows": rows, "runs": runs, "iters": 2, "concurrent": 6, "blocks_run": 3, "block_seeds": [1, 2, 3],
+            "loss_window": 1, "commands": commands, "versions": {"megatron": {"path": "/trees/main"}}}
     out.mkdir(parents=True)
     (out / "results.json").write_text(json.dumps(data))
     return out
@@ -45,23 +51,30 @@ def _speed_part(tmp_path):
     return out
 
 
-def test_the_page_has_the_loss_speed_and_memory_tables(tmp_path):
-    loss, speed = _loss_part(tmp_path), _speed_part(tmp_path)
+@pytest.mark.parametrize("fmt", ["today", "earlier"])
+def test_the_page_has_the_loss_speed_and_memory_tables(tmp_path, fmt):
+    loss, speed = _loss_part(tmp_path, fmt), _speed_part(tmp_path)
     assert report_moe.main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "docs"),
                             "--add", f"loss={loss}", "--add", f"speed-a={speed / 'results.json'}"]) == 0
     md = (tmp_path / "docs" / "moe_h200.md").read_text()
-    assert "Seed-to-seed band (stock's spread across seeds): 0.0300" in md
-    assert "| moe_grouped_gemm alone | 2.1100 | 2.1200 | +0.0100, -0.0100 | within the seed-to-seed band |" in md
+    # per seed: +0.01, +0.01, 0.00 over stock's mean 2.13: +0.4695, +0.4695, 0 %; mean 0.3130, sd 0.2711,
+    # t(0.95, 2) = 2.92 (a table): [-0.144, +0.770], inside +-1 %; seeds for +-1 %: at n = 3,
+    # (t(0.95, 2) + t(0.9, 2)) x 0.2711 / sqrt(3) = (2.920 + 1.886) x 0.1565 = 0.75 <= 1 (at n = 2: 1.8)
+    assert "## Loss: equivalence within +-1 %" in md and "band" not in md
+    assert ("| moe_permute_fusion | only:moe_permute_fusion | 3 | +0.31 % [-0.14, +0.77] | +-0.77 % | "
+            "3 | paired | equivalent within +-1 % |") in md
+    assert "| moe_permute_fusion alone | 2.1100 | 2.1400 | 2.1600 |" in md
     assert "| moe_grouped_gemm alone | 611.0 | 1.440 [1.400, 1.480] | faster | 39000 | -1000 |" in md
     assert "| moe_router_fusion alone | 875.0 | 1.006 [0.990, 1.020] | no detectable difference |" in md
-    assert "| loss | moe_grouped_gemm alone | 3100 | +100 |" in md
+    assert "| loss | moe_permute_fusion alone | 3100 | +100 |" in md
     summary = json.loads((tmp_path / "docs" / "moe_h200.json").read_text())
-    assert summary["loss"]["band"] == 0.03 and summary["loss"]["seeds"] == [1, 2]
+    assert summary["loss"]["seeds"] == [1, 2, 3] and summary["loss"]["margin"] == 1.0
+    assert summary["loss"]["arms"][1]["verdict"] == "equivalent within +-1 %"
     assert summary["speed"]["speed-a"]["arms"][1]["ratio"] == 1.44
     # the raw copy: generic paths, and per iteration only what the report reads
     raw = (tmp_path / "raw" / "loss.json").read_text()
     assert "/trees/main" not in raw and "/path/to/Megatron-LM/pretrain_gpt.py" in raw and str(tmp_path) not in raw
-    assert json.loads(raw)["runs"][0]["iterations"] == [{"iteration": 1, "lm_loss": 5.0}]
+    assert json.loads(raw)["runs"][0]["iterations"] == [{"iteration": 1, "lm_loss": 5.0}, {"iteration": 2, "lm_loss": 2.1}]
     # rebuilt from raw alone, the same page; --check passes on it and fails on a changed one
     assert report_moe.main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "docs"), "--check"]) == 0
     (tmp_path / "docs" / "moe_h200.md").write_text("old\n")

@@ -54,6 +54,21 @@ def _log_of(out: Path, run: Mapping[str, Any], arms: Sequence[Arm]) -> str | Non
     return str(here) if here is not None and here.is_file() else None
 
 
+def loss_test_of(result: Mapping[str, Any], spec: ExperimentSpec | None = None,
+                 runs: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The loss test of recorded results, computed again from their runs (``runs``: the runs as
+    measured again; default: as recorded), with ``spec``'s loss options (default: ablate's; the
+    window, where not given, the one the results recorded)."""
+    spec = spec or ExperimentSpec()
+    arms = arms_of(result)
+    if not arms or not any(a.baseline for a in arms):
+        raise DesignError("the results record no arms or no baseline")
+    window = spec.loss_window if spec.loss_window is not None else result.get("loss_window")
+    return compare_losses(arms, result["runs"] if runs is None else runs, result["blocks_run"],
+                          measure=spec.loss_measure, window=window, margin=spec.loss_margin, alpha=spec.loss_alpha,
+                          seeds=result.get("block_seeds"))
+
+
 def reanalyse(out: Path, spec: ExperimentSpec) -> dict[str, Any]:
     """``out``'s results with today's loss test (and its runs' logs read again where they are)."""
     try:
@@ -62,15 +77,12 @@ def reanalyse(out: Path, spec: ExperimentSpec) -> dict[str, Any]:
         raise DesignError(f"{out}: no readable results.json ({error})",
                           "give the --out directory of an ablate run") from None
     arms = arms_of(result)
-    if not arms or not any(a.baseline for a in arms):
-        raise DesignError(f"{out / 'results.json'}: no arms or no baseline recorded")
     runs = []
     for run in result["runs"]:
         log = _log_of(out, run, arms)
         runs.append(measure_run({**run, "log": log}, result.get("warmup", 3)) if log else run)
+    loss = loss_test_of(result, spec, runs)
     window = spec.loss_window if spec.loss_window is not None else result.get("loss_window")
-    loss = compare_losses(arms, runs, result["blocks_run"], measure=spec.loss_measure, window=window,
-                          margin=spec.loss_margin, alpha=spec.loss_alpha, seeds=result.get("block_seeds"))
     rows = []
     for row in result["rows"]:
         kept = {k: v for k, v in row.items() if k != "loss_window"}  # an earlier version's band verdict
