@@ -26,7 +26,10 @@ File format (JSON)::
         "covers": str}}}
 
 Speed figures are speedups (baseline time / arm time: above 1 is faster); loss figures are in % of
-the baseline's loss, as ``ablate``'s loss test gives them.
+the baseline's loss, as ``ablate``'s loss test gives them. A toggle's "alone" is the toggle alone
+against stock (``ablate --design each-alone``'s ``only:`` arms); the defaults record's is every
+default together against stock, and it needs a paired loss test of its own, since the
+"numerics+defaults" records lean on it.
 """
 
 from __future__ import annotations
