@@ -13,6 +13,11 @@ Every MoE part is one ``ablate`` experiment with the same five arms, in the same
            iterations, or with --eval-iters N on the held-out validation loss at the end
   loss-dense  the same model without experts (a dense model: stock, each dense toggle alone and the
            defaults, 7 arms), so the dense toggles get their own loss test at the same size
+  loss-control  the loss test's positive controls on the loss model: the command as given (the
+           defaults) against a learning rate x0.3 and against Adam's epsilon at 1e-3, changes known
+           to harm; the test must call them different
+  loss-null  its null control: average in the collective alone against off, at one GPU, where it
+           divides by 1 (exact math, the same runs): the test must call it equivalent
   speed-a  Mixtral-style: 4 layers, hidden 2048, 16 heads (8 query groups), 8 experts, top-2,
            expert FFN 4096; 3 interleaved blocks after a warm-up run, 40 iterations (20 left out:
            MoE step times still fall while the aux loss balances the routing)
@@ -99,10 +104,17 @@ class Part:
     seconds_per_iter: float  # the arms' mean on one H200 (stock is slower), for the estimate
     loss: bool = False  # seeds as blocks, all runs at once, the loss test; no speed
     dense: bool = False  # no experts: the dense toggles each alone
+    design: tuple[str, ...] = ()  # the ablate design words, where not the MoE (or dense) each-alone
+    n_arms: int = 0  # the arms of ``design``
 
 
 PARTS = {"loss": Part("loss-small", 300, 8, 0.4, loss=True),
          "loss-dense": Part("loss-dense", 300, 8, 0.3, loss=True, dense=True),
+         "loss-control": Part("loss-small", 300, 8, 0.4, loss=True, n_arms=3, design=(
+             "--design", "candidates", "--candidate", "lr-x0.3=--lr 3e-4 --min-lr 3e-5",
+             "--candidate", "adam-eps-1e-3=--adam-eps 1e-3")),
+         "loss-null": Part("loss-small", 300, 8, 0.4, loss=True, n_arms=2, design=(
+             "--design", "one-at-a-time", "--toggles", "ddp_average_in_collective", "--others", "off")),
          "speed-a": Part("mixtral-a", 40, 20, 0.3),
          "speed-b": Part("fine-b", 40, 20, 0.35)}
 DRY_RUNS_S = 75.0  # 5 arms and the single-change probes of the toggles the defaults arm adds
@@ -147,7 +159,12 @@ def model_args(shape: str, data: str | None, eval_iters: int = 0, iters: int = 0
     return args
 
 
-def arms(headline: bool = False, dense: bool = False) -> int:
+def arms(headline: bool = False, dense: bool = False, part: str | None = None) -> int:
+    """The arms of a part (``part``), else of the MoE design (``headline``: 2) or the dense one."""
+    if part is not None and PARTS[part].n_arms:
+        return PARTS[part].n_arms
+    if part is not None:
+        dense = PARTS[part].dense
     if dense:
         return 1 + len(DEFAULT_TOGGLES) + 1
     return 2 if headline else 1 + len(MOE_TOGGLES) + 1
@@ -159,7 +176,7 @@ def estimate_s(part: str, repeats: int, iters: int | None = None, headline: bool
     iters_s = (iters or p.iters) * p.seconds_per_iter
     if p.loss:  # one batch of every run at once: about as long as one run, slowed by the sharing
         return DRY_RUNS_S + LOSS_STARTUP_S + iters_s
-    return DRY_RUNS_S + (int(warmup_run) + repeats * arms(headline, p.dense)) * (STARTUP_S + iters_s)
+    return DRY_RUNS_S + (int(warmup_run) + repeats * arms(headline, part=part)) * (STARTUP_S + iters_s)
 
 
 def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) -> tuple[list[str], dict[str, str]]:
@@ -179,13 +196,13 @@ def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) 
             env.setdefault(key, value)
     iters = ns.iters or p.iters
     headline = ns.headline and not p.loss
-    cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *design_words(headline, p.dense),
+    cmd = [sys.executable, "-m", "megatron_perf_toggles", "ablate", *(p.design or design_words(headline, p.dense)),
            "--out", str(Path(ns.out) / part),
            "--launch", launch, "--repeats", str(ns.repeats), "--iters", str(iters),
            "--warmup", str(min(p.warmup, iters // 2))]
     if p.loss:
         cmd += ["--block-seeds", str(ns.base_seed), "--loss-window", str(min(ns.loss_window, iters)),
-                "--loss-margin", f"{ns.loss_margin:g}", "--concurrent", str(ns.repeats * arms(dense=p.dense)),
+                "--loss-margin", f"{ns.loss_margin:g}", "--concurrent", str(ns.repeats * arms(part=part)),
                 "--no-warmup-run"]
     elif ns.no_warmup_run:
         cmd.append("--no-warmup-run")
@@ -283,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         est = estimate_s(part, ns.repeats, ns.iters, headline, warm)
         total += est
         how = "all at once" if loss else ("1 warm-up run, then " if warm else "") + "one at a time"
-        print(f"  {part:<8} {ns.repeats * arms(headline, PARTS[part].dense) + int(warm):>3} runs ({how})  "
+        print(f"  {part:<8} {ns.repeats * arms(headline, part=part) + int(warm):>3} runs ({how})  "
               f"~{est / 60:5.1f} min  -> {out / part}")
     print(f"expected: ~{total / 60:.1f} min on the H200" + (f" (budget {ns.budget:g} min)" if ns.budget else ""),
           flush=True)

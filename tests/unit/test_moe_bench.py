@@ -98,6 +98,18 @@ def test_the_dense_loss_part_is_the_same_model_without_experts_and_every_dense_t
     assert kept == dense_args
 
 
+def test_the_controls_run_the_loss_model_with_a_known_harm_and_a_known_null(tmp_path, capsys):
+    out, cmds = _plan(tmp_path, capsys, "--parts", "loss-control,loss-null", "--repeats", "8")
+    control, null = cmds["loss-control"], cmds["loss-null"]
+    line = next(ln for ln in out.splitlines() if ln.startswith("[loss-control]"))
+    assert ("--design candidates --candidate 'lr-x0.3=--lr 3e-4 --min-lr 3e-5' "
+            "--candidate 'adam-eps-1e-3=--adam-eps 1e-3'") in line
+    assert _value(control, "--concurrent") == str(8 * 3) and _value(null, "--concurrent") == str(8 * 2)
+    assert _value(null, "--toggles") == "ddp_average_in_collective" and _value(null, "--others") == "off"
+    assert _value(control, "--block-seeds") == "1234" and _megatron(control) == _megatron(cmds["loss-null"])
+    assert "loss-control  24 runs (all at once)" in out and "loss-null  16 runs (all at once)" in out
+
+
 def test_eval_iters_holds_out_text_for_the_validation_measure(tmp_path, capsys):
     _, cmds = _plan(tmp_path, capsys, "--parts", "loss", "--eval-iters", "20", "--iters", "200")
     args = _megatron(cmds["loss"])
