@@ -156,6 +156,8 @@ def test_sixteen_seeds_call_a_planted_3_pct_harm_worse_and_a_null_equivalent(tmp
     harm, null = loss[f"only:{HARMED}"], loss[f"only:{NULL}"]
     assert harm["verdict"] == "different: worse" and harm["seeds_compared"] == 16 and harm["paired"]
     assert harm["low"] < 3.0 < harm["high"]  # the planted +3 % lies in its interval
+    assert harm["measure"] == "train-window" and harm["seeds"] == list(range(100, 116))
+    assert len(harm["values"]) == len(harm["differences"]) == 16 and harm["seeds_needed"] >= 2
     assert null["verdict"] == "equivalent within +-1 %" and null["seeds_compared"] == 16
     # the seeds differ a lot (sd 5 %), same-seed arms little: the baseline's own values spread wide
     base = loss["all-off"]["values"]

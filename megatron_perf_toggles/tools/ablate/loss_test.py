@@ -104,7 +104,8 @@ def compare_losses(arms: Sequence[Arm], runs: Sequence[Mapping[str, Any]], block
                 "seeds": list(seeds) if seeds is not None else None, "seeded_blocks": seeds is not None}
     out: dict[str, dict[str, Any]] = {}
     for arm in arms:
-        entry: dict[str, Any] = {"toggle": toggle_name(arm, base), "values": values[arm.name]}
+        entry: dict[str, Any] = {"toggle": toggle_name(arm, base), "measure": used, "seeds": settings["seeds"],
+                                 "values": values[arm.name]}
         if arm is not base:
             redrawn = redrawn_by(arm, base)
             test = equivalence.welch if redrawn else equivalence.paired
