@@ -25,6 +25,10 @@ FAKE_LOSS_SCALE=VAR=f[,VAR=f]: the arm's effect, f - 1 where VAR is 1 (1.03: a 3
 FAKE_VALIDATION=k: also print Megatron's validation loss line every k iterations, and after the last
   one the "on validation set" and "on test set" lines (the validation loss is the training loss
   plus 0.25, the test set's plus 5, so a test can tell which was read).
+--save DIR: after the last iteration, writes DIR/latest_checkpointed_iteration.txt (a checkpoint).
+--load DIR: starts from that checkpoint, which must exist (else it fails as Megatron would); the
+  seed part then comes from the checkpoint's seed, never redrawn (every run that loads it starts
+  from the same weights).
 Invoked as: python fake_megatron_run.py -m megatron_perf_toggles.run SCRIPT [args...]
 """
 
@@ -63,6 +67,13 @@ ARM_VARS = ("GRAD_REDUCE_IN_BF16", "GRADIENT_ACCUMULATION_FUSION", "DDP_AVERAGE_
 seed = argv[argv.index("--seed") + 1] if "--seed" in argv else "none"
 redraw = os.environ.get("FAKE_LOSS_REDRAW")
 stream = f"{seed}/redrawn" if redraw and os.environ.get(redraw) == "1" else seed
+if "--load" in argv:
+    loaded = os.path.join(argv[argv.index("--load") + 1], "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(loaded):
+        print(f"RuntimeError: no checkpoint to load at {loaded}", flush=True)
+        sys.exit(1)
+    with open(loaded) as fh:
+        stream = fh.read().split()[1]  # the seed the checkpoint was made with
 scale = 1.0 + random.Random(f"seed/{stream}").gauss(0.0, float(os.environ.get("FAKE_LOSS_SEED_SD", "0") or 0))
 arm_key = ",".join(f"{v}={os.environ.get(v, '')}" for v in ARM_VARS)
 scale *= 1.0 + random.Random(f"run/{seed}/{arm_key}").gauss(0.0, float(os.environ.get("FAKE_LOSS_NOISE", "0") or 0))
@@ -95,6 +106,11 @@ for i in range(1, iters + 1):
 if every:
     validation(iters, " on validation set")
     validation(iters, " on test set", add=5.0)
+if "--save" in argv:
+    saved = argv[argv.index("--save") + 1]
+    os.makedirs(saved, exist_ok=True)
+    with open(os.path.join(saved, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(f"{iters} {stream}\n")
 peak = 200.5
 for item in filter(None, os.environ.get("FAKE_EXTRA_MB", "").split(",")):
     var, _, extra = item.partition("=")

@@ -338,3 +338,67 @@ def test_an_existing_out_directory_is_re_analysed_without_running_anything(tmp_p
     with pytest.raises(SystemExit) as info:
         reanalyse.main([str(tmp_path / "nothing-here")])
     assert info.value.code == 2 and "no readable results.json" in capsys.readouterr().err
+
+
+# --- a common start: one saved state per seed ---------------------------------------------------
+
+GG = "moe_grouped_gemm"  # the registry's toggle that draws the initial weights another way
+
+
+def _gg(tmp_path, monkeypatch, *extra, fmt="torch_dist", megatron=()):
+    """Stock against grouped GEMM alone on 8 seeds; the stand-in redraws a grouped-GEMM run's seed part
+    unless it loads a start (FAKE_LOSS_REDRAW), as Transformer Engine's grouped experts do."""
+    for k, v in {"FAKE_LOSS_SEED_SD": "0.05", "FAKE_LOSS_NOISE": "0.001", "FAKE_LOSS_REDRAW": GG.upper()}.items():
+        monkeypatch.setenv(k, v)
+    # no guard plan here: the stand-in has no Transformer Engine for the planner to find, and the
+    # test is about the runs, so grouped GEMM stays in
+    monkeypatch.setattr("megatron_perf_toggles.tools.ablate.guarded.leave_out", lambda toggles, *a, **k: toggles)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    argv = ["--design", "one-at-a-time", "--toggles", GG, "--out", str(tmp_path / "out"), "--launch", FAKE,
+            "--repeats", "8", "--iters", "6", "--warmup", "2", "--block-seeds", "100", "--loss-window", "3",
+            "--concurrent", "8", *extra, str(script), "--", "--num-experts", "8", *megatron]
+    resolver = lambda script, args, arm, environ, world=None: _record(arm, ckpt_format=fmt, num_experts=8)  # noqa: E731
+    return ablate.main(argv, resolver=resolver)
+
+
+def test_grouped_gemm_is_unpaired_without_a_common_start_and_paired_with_one(tmp_path, monkeypatch, capsys):
+    assert _gg(tmp_path / "a", monkeypatch) == 0
+    apart = json.loads((tmp_path / "a" / "out" / "results.json").read_text())["rows"][1]["loss_test"]
+    assert not apart["paired"] and apart["verdict"] == "inconclusive"  # the seeds' 5 % spread does not cancel
+    assert _gg(tmp_path / "b", monkeypatch, "--common-start") == 0
+    data = json.loads((tmp_path / "b" / "out" / "results.json").read_text())
+    same = data["rows"][1]["loss_test"]
+    assert same["paired"] and same["verdict"] == "equivalent within +-1 %" and data["loss_test"]["common_start"]
+    out = tmp_path / "b" / "out"
+    assert sorted(data["common_start"]) == [str(b) for b in range(8)]
+    assert all(s["status"] == "done" for s in data["common_start"].values())
+    for run in data["runs"]:  # every run of a seed loads that seed's start, weights alone
+        cmd = run["command"]
+        seed = int(cmd[cmd.index("--seed") + 1])
+        assert cmd[cmd.index("--load") + 1] == str(out / "runs" / "start" / f"seed{seed}" / "checkpoint")
+        assert {"--finetune", "--no-load-optim", "--no-load-rng"} <= set(cmd) and cmd.count("--load") == 1
+    start = data["common_start"]["3"]["command"]  # the baseline, one iteration, saved
+    assert start[start.index("--seed") + 1] == "103" and start[start.index("--train-iters") + 1] == "1"
+    assert "--load" not in start and start[start.index("--save") + 1].endswith("seed103/checkpoint")
+    assert "Unit: seeds (--block-seeds --common-start" in (out / "results.md").read_text()
+    capsys.readouterr()
+    assert _gg(tmp_path / "b", monkeypatch, "--common-start") == 0  # the same command: nothing runs again
+    assert capsys.readouterr().err.count("done earlier, skipped") == 8 + 16
+
+
+@pytest.mark.parametrize("extra, fmt, megatron, words", [
+    ((), "torch_dist", (), "--common-start needs --block-seeds"),
+    (("--block-seeds", "1"), "torch_dist", ("--load", "/ck"), "--common-start sets --load itself"),
+    (("--block-seeds", "1"), "torch", (), "resolve to --ckpt-format torch, not torch_dist"),
+])
+def test_a_common_start_that_cannot_work_is_refused_before_any_run(tmp_path, capsys, extra, fmt, megatron, words):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    resolver = lambda script, args, arm, environ, world=None: _record(arm, ckpt_format=fmt)  # noqa: E731
+    with pytest.raises(SystemExit) as info:
+        ablate.main(["--design", "headline", "--toggles", TOGGLE, "--out", str(tmp_path / "out"), "--launch", FAKE,
+                     "--common-start", *extra, str(script), "--", *megatron], resolver=resolver)
+    assert info.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "out" / "runs").exists()

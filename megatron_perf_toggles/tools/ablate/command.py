@@ -33,7 +33,7 @@ DESCRIPTION = (
 EPILOG = ("example: megatron-perf-toggles ablate --design factorial --toggles grad_reduce_in_bf16 "
           "--vary adam_eps=1e-8,1e-5 --out runs/2x2 -- pretrain_gpt.py <megatron args>")
 STOPPING = ("effect", "target_ci", "max_repeats")  # ablate's own fields of the spec
-LOSS = ("block_seeds", "loss_window", "loss_measure", "loss_margin", "loss_alpha", "concurrent",
+LOSS = ("block_seeds", "loss_window", "loss_measure", "loss_margin", "loss_alpha", "common_start", "concurrent",
         "split_blocks")  # ablate's loss and resume fields
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import runs
+from . import common_start, runs
 from .argv import set_args
 from .confounds import dry_run_world, resolve_and_check, resolve_arm
 from .design import Arm, baseline_of
@@ -54,6 +54,7 @@ class Experiment:
         self.orders: list[list[str]] = []
         self.blocks = 0
         self.across_calls: list[int] = []  # blocks (1-based) whose runs ran in two calls (--split-blocks)
+        self.starts: dict[int, dict[str, Any]] = {}  # --common-start: each seed's start run's status
 
     # --- before the first run ------------------------------------------------------------------
 
@@ -62,6 +63,8 @@ class Experiment:
         self.records, self.derived = resolve_and_check(self.resolver, self.spec.script, self.args, self.arms,
                                                        self.environ)
         self.spec.check_measurable(self.iters)
+        if self.spec.common_start:
+            common_start.check_record(self.record_of(self.baseline))
 
     @property
     def baseline(self) -> Arm:
@@ -92,7 +95,9 @@ class Experiment:
         has the base seed)."""
         if self.spec.block_seeds is None:
             return self.args
-        return set_args(self.args, {"--seed": str(self.spec.block_seeds + max(block, 0))})
+        seed = self.spec.block_seeds + max(block, 0)
+        args = set_args(self.args, {"--seed": str(seed)})
+        return common_start.loading(args, self.out, seed) if self.spec.common_start else args
 
     def seeds(self) -> list[int] | None:
         """The Megatron seed of each block run (None: every block has the arguments' own)."""
@@ -115,12 +120,18 @@ class Experiment:
         if self.together:
             return self._result(self._run_together(start), self.clock() - start)
         progress = runs.Progress(self.planned_runs())
+        failed = self._start(0, progress)
+        if failed:
+            return self._result(failed, self.clock() - start)
         if self.spec.warmup_run:
             self._warm_up(progress)
         stop_reason = None
         while True:
             stop, stop_reason = self._enough()
             if stop:
+                break
+            stop_reason = self._start(self.blocks, progress)
+            if stop_reason:
                 break
             block = self.runs_of_block(self.blocks)
             stop_reason = None if self.spec.split_blocks else self._over_budget(block, start)
@@ -160,6 +171,10 @@ class Experiment:
             "share the GPU, so the result keeps losses and memory but no speed figures")
         port = int(self.environ.get("MASTER_PORT", "29500")) + 1
         reason = None
+        reason = self._starts(range(spec.repeats), runs.Progress(spec.repeats, live=False))
+        if reason:
+            say(f"stopped: {reason}")
+            return reason
         for first in range(0, total, spec.concurrent):
             batch = todo[first:first + spec.concurrent]
             reason = self._batch_over_budget(batch, start)
@@ -184,6 +199,32 @@ class Experiment:
             return None
         return (f"--budget {budget:g} min: the next {len(to_run)} runs at once (about {max(seconds) / 60:.1f} min) "
                 f"would not fit after {used / 60:.1f} min")
+
+    def _start(self, block: int, progress: runs.Progress) -> str | None:
+        """--common-start: the seed's start run of ``block``, unless made already (None: made, or no
+        common start; else why the experiment stops: the block's runs could not load it)."""
+        return self._starts([block], progress)
+
+    def _starts(self, blocks: Sequence[int], progress: runs.Progress) -> str | None:
+        """The start runs of ``blocks`` not made yet: one at a time, or --concurrent K at a time."""
+        todo = [b for b in blocks if b not in self.starts] if self.spec.common_start else []
+        if not todo:
+            return None
+        seeds = {b: (self.spec.block_seeds or 0) + b for b in todo}
+        made = [common_start.start_run(self.out, self.baseline, seeds[b], self.spec.launch, self.spec.script,
+                                       set_args(self.args, {"--seed": str(seeds[b])})) for b in todo]
+        if self.together:
+            port = int(self.environ.get("MASTER_PORT", "29500")) + 1
+            k = self.spec.concurrent
+            statuses = [s for i in range(0, len(made), k)
+                        for s in runs.execute_together(made[i:i + k], self.environ, port, i, len(made))]
+        else:
+            statuses = [runs.execute(r, self.environ, progress, len(self.statuses) + 1, 0) for r in made]
+        self.starts.update(zip(todo, statuses, strict=True))
+        failed = [b for b, st in zip(todo, statuses, strict=True) if st.get("status") != "done"]
+        if failed:
+            return f"the common start of seed {seeds[failed[0]]} failed (log: {self.starts[failed[0]].get('log')})"
+        return None
 
     def _execute(self, run: runs.Run, progress: runs.Progress) -> None:
         index = len(self.statuses) + 1
@@ -280,6 +321,7 @@ class Experiment:
                      "GPU at once, so their step times measure the sharing, not the arms"}
         return {"design": spec.design, "seed": spec.seed, "repeats": spec.repeats, "blocks_run": self.blocks,
                 "block_seeds": self.seeds(), "loss_window": spec.loss_window,
+                "common_start": {str(b): s for b, s in self.starts.items()} if spec.common_start else None,
                 "loss_test": None if loss is None else loss["settings"], **speed,
                 "blocks_across_calls": self.across_calls,
                 "block_order": self.orders, "world_size": self._gpus(), "planned_world_size": planned,
@@ -294,7 +336,8 @@ class Experiment:
         """The loss test over the finished runs (loss_test.py), with the spec's measure, margin and level."""
         spec = self.spec
         return compare_losses(self.arms, measured, self.blocks, measure=spec.loss_measure, window=spec.loss_window,
-                              margin=spec.loss_margin, alpha=spec.loss_alpha, seeds=self.seeds())
+                              margin=spec.loss_margin, alpha=spec.loss_alpha, seeds=self.seeds(),
+                              common_start=spec.common_start)
 
     def write(self, result: dict[str, Any]) -> None:
         """results.json, results.md (and a plot where matplotlib is at hand) under ``out``."""

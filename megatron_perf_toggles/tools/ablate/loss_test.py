@@ -89,25 +89,28 @@ def toggle_name(arm: Arm, base: Arm) -> str:
 
 
 def compare_losses(arms: Sequence[Arm], runs: Sequence[Mapping[str, Any]], blocks: int, *, measure: str,
-                   window: int | None, margin: float, alpha: float, seeds: Sequence[int] | None
-                   ) -> dict[str, Any]:
+                   window: int | None, margin: float, alpha: float, seeds: Sequence[int] | None,
+                   common_start: bool = False) -> dict[str, Any]:
     """The loss test of every arm against the baseline: ``{"settings": ..., "arms": {name: entry}}``.
 
     Each entry: the toggle it names, the measure per seed (block), the differences, the interval,
-    the verdict, the smallest margin shown, the seeds the margin needs, paired or not (and why)."""
+    the verdict, the smallest margin shown, the seeds the margin needs, paired or not (and why).
+    ``common_start``: every arm of a seed loaded one saved start (common_start.py), so every
+    comparison is paired."""
     base = baseline_of(arms)
     done = {a.name: by_block(runs, a.name, blocks) for a in arms}
     used = resolve_measure(measure, [r for rs in done.values() for r in rs])
     values = {name: [measure_of(r, used, window) for r in rs] for name, rs in done.items()}
     settings = {"measure": used, "asked": measure, "window": window if used == TRAIN_WINDOW else None,
                 "margin": margin, "alpha": alpha, "interval": 1.0 - 2.0 * alpha,
-                "seeds": list(seeds) if seeds is not None else None, "seeded_blocks": seeds is not None}
+                "seeds": list(seeds) if seeds is not None else None, "seeded_blocks": seeds is not None,
+                "common_start": common_start}
     out: dict[str, dict[str, Any]] = {}
     for arm in arms:
         entry: dict[str, Any] = {"toggle": toggle_name(arm, base), "measure": used, "seeds": settings["seeds"],
                                  "values": values[arm.name]}
         if arm is not base:
-            redrawn = redrawn_by(arm, base)
+            redrawn = [] if common_start else redrawn_by(arm, base)
             test = equivalence.welch if redrawn else equivalence.paired
             entry.update(test(values[arm.name], values[base.name], margin, alpha),
                          baseline_values=values[base.name],
@@ -162,7 +165,9 @@ def markdown_lines(loss: Mapping[str, Any] | None) -> list[str]:
     s = loss["settings"]
     what = ("the last held-out validation loss" if s["measure"] == VALIDATION else
             f"the mean training loss over the last {s['window'] or 'tenth of the'} iterations")
-    unit = ("seeds (--block-seeds: every arm of a seed shares its initial weights and data order)"
+    unit = ("seeds (--block-seeds --common-start: every arm of a seed starts from one saved state and sees the "
+            "same data)" if s.get("common_start") else
+            "seeds (--block-seeds: every arm of a seed shares its initial weights and data order)"
             if s["seeded_blocks"] else "blocks that repeat one seed: the interval measures run-to-run "
             "nondeterminism on that seed alone, not the change across seeds")
     conf = f"{s['interval'] * 100:g} %"

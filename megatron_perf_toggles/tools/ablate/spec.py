@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .argv import after_separator, set_args
+from .common_start import check_options as common_start_problems
 from .design import DEFAULT_TOGGLES, DesignError
 
 WORLD_SIZE_HELP = ("the processes the runs will have: the dry runs that check every arm first plan for it, and "
@@ -93,6 +94,11 @@ class ExperimentSpec:
     loss_alpha: float = field(default=0.05, metadata=_opt(
         "--loss-alpha", "the level of each of the loss test's two one-sided tests (default %(default)s: a 90 %% "
         "interval)", type=float, metavar="ALPHA"))
+    common_start: bool = field(default=False, metadata=_opt(
+        "--common-start", "with --block-seeds: each seed first runs the baseline for one iteration and saves it "
+        "(torch_dist), and every arm of that seed starts from those weights (Megatron's --load --finetune "
+        "--no-load-optim --no-load-rng), so the loss test pairs even a toggle that draws the initial weights "
+        "another way", action="store_true"))
     concurrent: int = field(default=1, metadata=_opt(
         "--concurrent", "run K runs at once (for loss-only experiments: runs that share a GPU time the "
         "sharing, so the result then carries no speed figures; no warm-up run); each run gets its own "
@@ -177,7 +183,8 @@ class ExperimentSpec:
             (self.concurrent > 1 and self.target_ci is not None,
              "--target-ci needs timed runs, and --concurrent runs share the GPU: choose one"),
         ]
-        return [text for bad, text in rules if bad]
+        problems = [text for bad, text in rules if bad]
+        return problems + (common_start_problems(self.block_seeds, self.megatron_args) if self.common_start else [])
 
     @property
     def loss_test(self) -> bool:
