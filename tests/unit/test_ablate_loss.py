@@ -402,3 +402,22 @@ def test_a_common_start_that_cannot_work_is_refused_before_any_run(tmp_path, cap
                      "--common-start", *extra, str(script), "--", *megatron], resolver=resolver)
     assert info.value.code == 2 and words in capsys.readouterr().err
     assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_a_common_start_changes_no_decision_of_the_plugin_s_resume_guards():
+    """Every arm loads a start the baseline (every toggle off) saved: loaded as weights alone from a
+    recorded torch_dist checkpoint, no guard may hold an arm's toggle at the saved value."""
+    from test_moe_toggles import plan
+
+    from megatron_perf_toggles.core.registry import TOGGLES as ALL
+
+    start = {"load": "/out/runs/start/seed1/checkpoint", "finetune": True, "no_load_optim": True, "no_load_rng": True}
+    saved_off = {"decisions": {t.dest: False for t in ALL if t.kind == "bool"}, "iteration": 1}
+    fresh = plan({"ckpt_format": "torch_dist"}, checkpoint=None)
+    loaded = plan({"ckpt_format": "torch_dist", **start}, checkpoint=saved_off)
+    assert {d: v.value for d, v in loaded.decisions.items()} == {d: v.value for d, v in fresh.decisions.items()}
+    assert loaded.decisions[GG].value is True
+    # the same start in the torch format loads by module name: grouped GEMM is held at the saved layout,
+    # which is why ablate refuses a common start in any format but torch_dist
+    held = plan({"ckpt_format": "torch", **start}, checkpoint=saved_off)
+    assert (held.decisions[GG].value, held.decisions[GG].source) == (False, "guard")
