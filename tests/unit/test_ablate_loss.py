@@ -383,6 +383,9 @@ def test_grouped_gemm_is_unpaired_without_a_common_start_and_paired_with_one(tmp
     assert start[start.index("--seed") + 1] == "103" and start[start.index("--train-iters") + 1] == "1"
     assert "--load" not in start and start[start.index("--save") + 1].endswith("seed103/checkpoint")
     assert "Unit: seeds (--block-seeds --common-start" in (out / "results.md").read_text()
+    from megatron_perf_toggles.tools.ablate import reanalyse
+
+    assert reanalyse.loss_test_of(data)["arms"]["only:moe_grouped_gemm"]["paired"]  # re-analysed: still paired
     capsys.readouterr()
     assert _gg(tmp_path / "b", monkeypatch, "--common-start") == 0  # the same command: nothing runs again
     assert capsys.readouterr().err.count("done earlier, skipped") == 8 + 16

@@ -66,7 +66,7 @@ def loss_test_of(result: Mapping[str, Any], spec: ExperimentSpec | None = None,
     window = spec.loss_window if spec.loss_window is not None else result.get("loss_window")
     return compare_losses(arms, result["runs"] if runs is None else runs, result["blocks_run"],
                           measure=spec.loss_measure, window=window, margin=spec.loss_margin, alpha=spec.loss_alpha,
-                          seeds=result.get("block_seeds"))
+                          seeds=result.get("block_seeds"), common_start=bool(result.get("common_start")))
 
 
 def reanalyse(out: Path, spec: ExperimentSpec) -> dict[str, Any]:
