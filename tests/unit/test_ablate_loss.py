@@ -383,6 +383,11 @@ def test_grouped_gemm_is_unpaired_without_a_common_start_and_paired_with_one(tmp
     assert start[start.index("--seed") + 1] == "103" and start[start.index("--train-iters") + 1] == "1"
     assert "--load" not in start and start[start.index("--save") + 1].endswith("seed103/checkpoint")
     assert "Unit: seeds (--block-seeds --common-start" in (out / "results.md").read_text()
+    capsys.readouterr()
+    assert _gg(tmp_path / "c", monkeypatch, "--common-start", "--dry-run") == 0  # the start is shown, not run
+    shown = capsys.readouterr().out
+    assert "common start of block 1 (the baseline, one iteration, saved):\n  MOE_GROUPED_GEMM=0 " in shown
+    assert "seed100/checkpoint" in shown and not (tmp_path / "c" / "out").exists()
     from megatron_perf_toggles.tools.ablate import reanalyse
 
     assert reanalyse.loss_test_of(data)["arms"]["only:moe_grouped_gemm"]["paired"]  # re-analysed: still paired

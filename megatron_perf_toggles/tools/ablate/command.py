@@ -135,9 +135,14 @@ def checked_experiment(spec: ExperimentSpec, arms: list[Arm], resolver: Callable
 
 
 def print_dry_run(experiment: Experiment) -> None:
-    """--dry-run: each block's order, then each arm's environment and command."""
+    """--dry-run: each block's order, (with --common-start) the run that saves block 1's start, then
+    each arm's environment and command."""
     for b in range(experiment.spec.repeats):
         print(f"block {b + 1}: " + ", ".join(r.arm.name for r in experiment.runs_of_block(b)))
+    if experiment.spec.common_start:
+        start = experiment.start_run(0)
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in start.arm.env().items())
+        print(f"common start of block 1 (the baseline, one iteration, saved):\n  {env} {shlex.join(start.command)}")
     for run in experiment.runs_of_block(0):
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in run.arm.env().items())
         print(f"{run.arm.name}{' (baseline)' if run.arm.baseline else ''}:\n  {env} {shlex.join(run.command)}")

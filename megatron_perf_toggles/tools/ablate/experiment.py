@@ -205,14 +205,19 @@ class Experiment:
         common start; else why the experiment stops: the block's runs could not load it)."""
         return self._starts([block], progress)
 
+    def start_run(self, block: int) -> runs.Run:
+        """--common-start: the run that saves the start of ``block``'s seed (common_start.py)."""
+        seed = (self.spec.block_seeds or 0) + block
+        return common_start.start_run(self.out, self.baseline, seed, self.spec.launch, self.spec.script,
+                                      set_args(self.args, {"--seed": str(seed)}))
+
     def _starts(self, blocks: Sequence[int], progress: runs.Progress) -> str | None:
         """The start runs of ``blocks`` not made yet: one at a time, or --concurrent K at a time."""
         todo = [b for b in blocks if b not in self.starts] if self.spec.common_start else []
         if not todo:
             return None
         seeds = {b: (self.spec.block_seeds or 0) + b for b in todo}
-        made = [common_start.start_run(self.out, self.baseline, seeds[b], self.spec.launch, self.spec.script,
-                                       set_args(self.args, {"--seed": str(seeds[b])})) for b in todo]
+        made = [self.start_run(b) for b in todo]
         if self.together:
             port = int(self.environ.get("MASTER_PORT", "29500")) + 1
             k = self.spec.concurrent
