@@ -23,6 +23,7 @@ Megatron's data-parallel wrapper provides them; the output layer's fused wgrad u
 package's APEX-free fallback where APEX is absent.
 
     python bench/numerics_check.py --out DIR [--model dense|moe|both]
+    python bench/numerics_check.py --report docs/benchmarks/raw/numerics/numerics.json   # judge saved errors again
 
 Needs a CUDA GPU, Megatron-LM on PYTHONPATH and Transformer Engine. Writes DIR/numerics.json and
 prints one line per fusion.
@@ -55,6 +56,12 @@ FUSIONS: dict[str, dict[str, Any]] = {
 }
 MOE_ONLY = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion")
 FLOOR = 1e-6
+# What each fusion is judged against: the path stock Megatron takes without the toggle. Stock fuses
+# RoPE by default (apply_rope_fusion), so the single-QKV variant is held to the fused-RoPE path's
+# error; everything else to the path with every fusion off.
+BASE_PATH = {"fused_single_qkv_rope": "rope_fusion"}
+# Fusions that are stock's own defaults rather than this package's toggles: measured, not judged.
+STOCK_DEFAULTS = ("rope_fusion",)
 
 
 def verdict(fused_err: float, unfused_err: float, multiple: float) -> bool:
@@ -195,28 +202,51 @@ def check_model(model: str, multiple: float, tokens_per_batch: int) -> dict[str,
                                     "trace": traceback.format_exc()[-2000:]}
             print(f"{model:5s} {name:28s} could not run: {type(error).__name__}: {error}", flush=True)
             continue
-        errs = [errors(r) for r in runs]
-        loss_ok = verdict(errs[0]["loss_rel_err"], max(b["loss_rel_err"] for b in base), multiple)
-        grad_ok = verdict(errs[0]["grad_rel_l2"], max(b["grad_rel_l2"] for b in base), multiple)
-        entry = {"runs": errs, "repeat_grad_rel_l2": rel_l2(runs[1]["grads"], runs[0]["grads"])[0],
-                 "deterministic": runs[0]["loss"] == runs[1]["loss"] and rel_l2(runs[1]["grads"], runs[0]["grads"])[0] == 0,
-                 "passed": loss_ok and grad_ok, "multiple": multiple}
-        out["fusions"][name] = entry
-        print(f"{model:5s} {name:28s} loss err {errs[0]['loss_rel_err']:.2e} (unfused {base[0]['loss_rel_err']:.2e}) "
-              f"grad err {errs[0]['grad_rel_l2']:.2e} (unfused {base[0]['grad_rel_l2']:.2e}) "
-              f"repeat {entry['repeat_grad_rel_l2']:.1e} -> {'pass' if entry['passed'] else 'FAIL'}", flush=True)
+        repeat = rel_l2(runs[1]["grads"], runs[0]["grads"])[0]
+        out["fusions"][name] = {"runs": [errors(r) for r in runs], "repeat_grad_rel_l2": repeat,
+                                "deterministic": runs[0]["loss"] == runs[1]["loss"] and repeat == 0}
+    judge(out, multiple)
     return out
+
+
+def judge(model: dict[str, Any], multiple: float) -> list[str]:
+    """Each fusion's verdict from the errors a check saved (so a saved result can be judged again):
+    its loss and gradient errors against its base path's (BASE_PATH; else the unfused path's, the
+    worse of its two runs). Returns one line per fusion."""
+    lines = []
+    for name, entry in model["fusions"].items():
+        if "error" in entry:
+            lines.append(f"{model['model']:5s} {name:28s} could not run: {entry['error']}")
+            continue
+        base_name = BASE_PATH.get(name)
+        base_runs = model["fusions"].get(base_name, {}).get("runs") if base_name else None
+        base = base_runs or model["unfused"]
+        got = entry["runs"][0]
+        loss_ok = verdict(got["loss_rel_err"], max(b["loss_rel_err"] for b in base), multiple)
+        grad_ok = verdict(got["grad_rel_l2"], max(b["grad_rel_l2"] for b in base), multiple)
+        entry.update(base=base_name if base_runs else "unfused", multiple=multiple,
+                     passed=None if name in STOCK_DEFAULTS else loss_ok and grad_ok)
+        word = ("measured (stock's own default)" if entry["passed"] is None else "pass" if entry["passed"] else "FAIL")
+        lines.append(f"{model['model']:5s} {name:28s} loss err {got['loss_rel_err']:.2e} ({entry['base']} "
+                     f"{max(b['loss_rel_err'] for b in base):.2e})  grad err {got['grad_rel_l2']:.2e} ({entry['base']} "
+                     f"{max(b['grad_rel_l2'] for b in base):.2e})  repeat {entry['repeat_grad_rel_l2']:.1e} -> {word}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for numerics.json")
+    p.add_argument("--out", help="directory for numerics.json (required unless --report)")
+    p.add_argument("--report", metavar="JSON", help="judge a saved numerics.json again (no GPU) and print it")
     p.add_argument("--model", choices=("dense", "moe", "both"), default="both")
     p.add_argument("--multiple", type=float, default=2.0, help="a fused error may be this many times the unfused one")
     p.add_argument("--tokens", type=int, default=4096, help="tokens in the one batch (sequences of 1024)")
     ns = p.parse_args(argv)
     if ns.multiple < 1:
         p.error("--multiple must be at least 1")
+    if ns.report:
+        return report(Path(ns.report), ns.multiple)
+    if not ns.out:
+        p.error("--out is required (or --report JSON)")
     try:
         import torch
         if not torch.cuda.is_available():
@@ -240,14 +270,34 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         results["transformer_engine"] = None
     for model in (("dense", "moe") if ns.model == "both" else (ns.model,)):
-        results["models"].append(check_model(model, ns.multiple, ns.tokens))
+        results["models"].append({**check_model(model, ns.multiple, ns.tokens), "multiple": ns.multiple})
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     for m in results["models"]:  # gradients are not kept, only the errors
         m.pop("grads", None)
     (out / "numerics.json").write_text(json.dumps(results, indent=1, default=str))
-    failed = [f"{m['model']}:{n}" for m in results["models"] for n, e in m["fusions"].items() if not e.get("passed")]
-    print(f"numerics: {'all passed' if not failed else 'not passed: ' + ', '.join(failed)}")
+    return summarize(results)
+
+
+def report(path: Path, multiple: float) -> int:
+    """--report: the verdicts of a saved check, judged with ``multiple``."""
+    try:
+        results = json.loads(path.read_text())
+        for m in results["models"]:
+            m["multiple"] = multiple
+        return summarize(results)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"numerics_check: cannot read {path}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+
+
+def summarize(results: dict[str, Any]) -> int:
+    """Print one line per fusion and the overall line."""
+    for m in results["models"]:
+        print("\n".join(judge(m, m.get("multiple", 2.0))))
+    failed = [f"{m['model']}:{n}" for m in results["models"] for n, e in m["fusions"].items()
+              if e.get("passed") is False or "error" in e]
+    print(f"numerics: {'every toggle passed' if not failed else 'not passed: ' + ', '.join(failed)}")
     return 0
 
 

@@ -50,3 +50,32 @@ def test_without_a_gpu_it_says_so_in_one_line():
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
     assert "GPU" in proc.stderr or "Megatron" in proc.stderr
+
+
+def _model(fusions: dict, unfused=(1e-5, 1e-2)) -> dict:
+    def run(loss, grad):
+        return {"loss_rel_err": loss, "grad_rel_l2": grad}
+    return {"model": "moe", "unfused": [run(*unfused), run(*unfused)],
+            "fusions": {n: {"runs": [run(*e), run(*e)], "repeat_grad_rel_l2": 0.0} for n, e in fusions.items()}}
+
+
+def test_a_saved_check_is_judged_against_each_toggles_stock_path():
+    model = _model({"moe_permute_fusion": (1e-5, 1.5e-2), "moe_router_fusion": (1e-5, 5e-2),
+                    "rope_fusion": (9e-5, 1e-2), "fused_single_qkv_rope": (9e-5, 1e-2)})
+    lines = nc.judge(model, 2.0)
+    f = model["fusions"]
+    assert f["moe_permute_fusion"]["passed"] is True
+    assert f["moe_router_fusion"]["passed"] is False  # 5x the unfused gradient error
+    # stock fuses RoPE itself: measured, not judged; the single-QKV toggle is held to that path
+    assert f["rope_fusion"]["passed"] is None and f["fused_single_qkv_rope"]["base"] == "rope_fusion"
+    assert f["fused_single_qkv_rope"]["passed"] is True
+    assert len(lines) == 4 and any("FAIL" in line for line in lines)
+
+
+def test_the_committed_check_passes_every_toggle_it_covers():
+    proc = subprocess.run([sys.executable, "bench/numerics_check.py", "--report",
+                           "docs/benchmarks/raw/numerics/numerics.json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "numerics: every toggle passed"
+    assert "moe   moe_grouped_gemm" in proc.stdout and "dense gradient_accumulation_fusion" in proc.stdout
