@@ -13,9 +13,11 @@ loss as well as a window of training losses.
   dense     a small dense model: stock, bf16 gradient reduction alone, and the defaults
             (two micro-batches a step, so gradients are accumulated, the part of bf16 reduction
             one GPU can exercise)
-  controls  the same dense model: stock, a learning rate halved (the positive control: a change
-            known to harm the loss at this scale) and a null arm (stock again, with an unrelated
-            environment variable set: the negative control)
+  controls  the same dense model: stock, a learning rate halved (a known change: at 100 iterations it
+            lowers the loss) and a null arm (stock again, with an unrelated environment variable
+            set: the negative control)
+  harm      the same dense model: stock and a learning rate a tenth of stock's (the positive
+            control: a change known to harm the loss at this scale)
 
     python bench/evidence_h200.py --megatron PATH --out DIR [--seeds 10] [--budget MINUTES]
     python bench/evidence_h200.py --megatron PATH --out DIR --smoke   # CPU: stand-in runs
@@ -45,6 +47,8 @@ EXPERIMENTS: dict[str, tuple[list[str], str, int]] = {
     "dense": (["--design", "each-alone", "--toggles", "grad_reduce_in_bf16"], "dense", 3),
     "controls": (["--design", "candidates", "--others", "off", "--candidate", "lr-half=--lr 5e-4 --min-lr 5e-5",
                   "--candidate", "null=PYTHONHASHSEED=0"], "dense", 3),
+    "harm": (["--design", "candidates", "--others", "off", "--candidate", "lr-tenth=--lr 1e-4 --min-lr 1e-5"],
+             "dense", 2),
 }
 DENSE_DROP = ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-token-dispatcher-type",
               "--expert-model-parallel-size", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff")
@@ -98,7 +102,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--megatron", required=True, help="Megatron-LM checkout (pretrain_gpt.py)")
     ap.add_argument("--out", required=True, help="results directory; each experiment writes OUT/NAME/")
-    ap.add_argument("--parts", default=",".join(EXPERIMENTS), help=f"comma list of: {', '.join(EXPERIMENTS)}")
+    ap.add_argument("--parts", default="moe,dense,controls", help=f"comma list of: {', '.join(EXPERIMENTS)}")
     ap.add_argument("--seeds", type=int, default=10, help="seeds (blocks) per experiment (default 10)")
     ap.add_argument("--base-seed", type=int, default=1234)
     ap.add_argument("--iters", type=int, default=100, help="iterations per run (default 100)")
