@@ -160,17 +160,31 @@ def check(data: Mapping[str, Any], root: Path | None = None, margin: float = STA
     return out
 
 
+UNRESOLVED_SPAN = 1.10  # an interval whose high is over 1.10 x its low resolves no toggle's few-% effect
+
+
+def unresolved(alone: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The shapes whose speed alone is not resolved: the interval holds 1.0 and spans more than
+    UNRESOLVED_SPAN (a record may stand on it, since nothing shows the toggle slower, but the line
+    says it is provisional rather than admitted)."""
+    return [str(m.get("shape")) for m in alone
+            if m["low"] <= 1.0 <= m["high"] and m["low"] > 0 and m["high"] / m["low"] > UNRESOLVED_SPAN]
+
+
 def summary_line(name: str, record: Any, problems: Sequence[str]) -> str:
-    """One line: admitted with its headline numbers, or what keeps it out."""
+    """One line: admitted (or provisional, where speed alone is not resolved) with its headline
+    numbers, or what keeps it out."""
     if problems:
         return f"{name}: NOT ADMITTED: {'; '.join(problems)}"
     alone = _speed_entries(record["speed"], "alone")
+    open_shapes = unresolved(alone)
     speed = ", ".join(f"x{m['estimate']:.3f} [{m['low']:.3f}, {m['high']:.3f}] on {m['shape']}" for m in alone)
     loss = record["loss"]
     claim = (f"not measurable here ({loss['reason']})" if loss["kind"] == "not measurable here" else
              f"{loss['kind']}" + (f" {loss['difference_pct']:+.2f} % [{loss['low_pct']:+.2f}, {loss['high_pct']:+.2f}], "
                                   f"{loss['verdict']}, {loss['seeds']} seeds" if loss["kind"] == "paired" else ""))
-    return f"{name}: admitted: speed alone {speed}; loss {claim}"
+    status = f"PROVISIONAL (speed alone not resolved on {'; '.join(open_shapes)})" if open_shapes else "admitted"
+    return f"{name}: {status}: speed alone {speed}; loss {claim}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -139,3 +139,13 @@ def test_every_default_on_toggle_has_an_admission_record():
     found = admission.check(json.loads(path.read_text()), REPO)
     assert not {n: p for n, p in found.items() if p}, "\n".join(
         admission.summary_line(n, None, p) for n, p in found.items() if p)
+
+
+def test_a_speed_interval_that_resolves_nothing_is_provisional_not_admitted():
+    wide = {"shape": "s", "estimate": 1.4, "low": 0.15, "high": 14.9, "verdict": "no detectable difference", "blocks": 2}
+    tight = {"shape": "t", "estimate": 1.0, "low": 0.99, "high": 1.01, "verdict": "no detectable difference", "blocks": 3}
+    record = {"speed": {"alone": [tight, wide]}, "loss": {"kind": "not measurable here", "reason": "r"}}
+    line = admission.summary_line("x", record, [])
+    assert line.startswith("x: PROVISIONAL") and "on s" in line and "on t)" not in line
+    record["speed"]["alone"] = [tight]
+    assert admission.summary_line("x", record, []).startswith("x: admitted")
