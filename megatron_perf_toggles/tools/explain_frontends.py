@@ -103,6 +103,10 @@ def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
 
     kwargs = _keywords(list(ns.megatron_args))
     module, _ = bridge_recipe.split(ns.bridge_recipe)  # a misspelt name or a missing Bridge: one line, at once
+    if module.startswith("megatron.bridge") and not installed("megatron.bridge"):
+        from . import bridge_offline
+
+        return bridge_offline.plan(ns, target)  # the recorded catalog: no Bridge, torch or TE needed
     if not installed(module.partition(".")[0]) or (module.startswith("megatron.") and not installed("megatron.bridge")):
         raise PerfTogglesError(f"--bridge-recipe {ns.bridge_recipe}: {module} is not importable here",
                                "install Megatron-Bridge (pip install megatron-bridge) or run with its Python")
