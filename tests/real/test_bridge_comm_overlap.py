@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import tree_driver
 from conftest import REPO
+from sandbox import clean_environ
 
 from megatron_perf_toggles.runtime.capabilities import effective_assume
 from megatron_perf_toggles.runtime.target import make_target
@@ -37,7 +38,7 @@ def _env(environ: dict[str, str]) -> dict[str, str]:
     named = environ.get("BRIDGE_MEGATRON_TREE")
     trees = [Path(t) for t in tree_driver.trees()]
     tree = Path(named) if named else next((t for t in trees if t.name == "main"), trees[-1] if trees else None)
-    env = {k: v for k, v in environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "FP4_", "PYTHONPYCACHE"))}
+    env = clean_environ(environ, drop=("PYTHONPYCACHEPREFIX",))
     env.update(PYTHONPATH=os.pathsep.join(p for p in (str(tree) if tree else "", str(REPO)) if p),
                PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     return env

@@ -64,7 +64,7 @@ def _real() -> dict:
     python = environ.get("BRIDGE_PYTHON")
     if not python:
         pytest.skip(f"Megatron-Bridge catalog: {ENABLE}")
-    env = {k: v for k, v in environ.items() if not k.startswith(("MEGATRON_PERF_TOGGLES", "FP4_", "PYTHONPYCACHE"))}
+    env = clean_environ(environ, drop=("PYTHONPYCACHEPREFIX",))
     env.update(PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")  # Bridge's own megatron-core, as recorded
     with tempfile.TemporaryDirectory(prefix="bridge-catalog-") as scratch:
         proc = subprocess.run([python, "-c", DRIVER, str(REPO), json.dumps(_recorded())], capture_output=True,
