@@ -15,16 +15,21 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ..errors import PerfTogglesError, report
+from ..errors import PREFIX, PerfTogglesError, report
+
+OWN = f"{PREFIX} error: "  # how the plugin's own refusals start (errors.report)
 
 if TYPE_CHECKING:  # types only: the hooks call the dry run, which calls this
     from .parse_hooks import Hooks
 
 
 def argparse_message(held: str) -> str:
-    """Argparse's own message: the last line it printed (``prog: error: ...``), without the prog."""
+    """Argparse's own message: the last line it printed (``prog: error: ...``), without the prog;
+    a refusal of the plugin's own (``[perf-toggles] error: ...``) as it is."""
     said = [line.strip() for line in held.splitlines() if line.strip()]
     last = said[-1] if said else "the command line was refused"
+    if last.startswith(OWN):
+        return last
     return last.split(": error: ", 1)[1] if ": error: " in last else last
 
 
@@ -44,8 +49,11 @@ def said_in_one_line(hooks: Hooks, exit_type: type[SystemExit]) -> Iterator[None
         if done.code in (0, None):  # --help: its text, where it was going
             sys.stderr.write(held.getvalue())
             raise
-        refused = PerfTogglesError(f"Megatron's parser: {argparse_message(held.getvalue())}",
-                                   "the script's --help lists Megatron's flags")
+        said = argparse_message(held.getvalue())
         with contextlib.redirect_stderr(hooks.err or sys.__stderr__):
+            if said.startswith(OWN):  # the plugin's own refusal inside the parse: already its one line
+                print(said, file=sys.stderr, flush=True)
+                raise exit_type(done.code) from None
+            refused = PerfTogglesError(f"Megatron's parser: {said}", "the script's --help lists Megatron's flags")
             raise exit_type(report(refused)) from None
     sys.stderr.write(held.getvalue())

@@ -127,3 +127,18 @@ def test_the_memory_line_adds_up_with_pipeline_parallelism():
     assert "planned peak 18.8 GB (-1.8 GB" in line and "-342 MB in all" in line and "last stage" in line
     plain = summary({**record, "planned_peak_mb": 21054.8 - 342.1})
     assert "this plan -342 MB" in plain and "last stage" not in plain
+
+
+def test_a_refusal_of_the_plugins_own_inside_the_parse_is_said_once():
+    err = io.StringIO()
+
+    def refuse() -> None:
+        import sys
+
+        print("[perf-toggles] error: --x was requested, but it cannot run here", file=sys.stderr)
+        raise SystemExit(2)
+
+    with pytest.raises(SystemExit) as done, parse_refusal.said_in_one_line(_Hooks(capture=False, err=err), SystemExit):
+        refuse()
+    assert done.value.code == 2
+    assert err.getvalue().splitlines() == ["[perf-toggles] error: --x was requested, but it cannot run here"]
