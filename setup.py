@@ -30,7 +30,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["megatron_perf_toggles", "megatron_perf_toggles.*"]),
-    package_data={"megatron_perf_toggles": ["data/surfaces/*.json"]},
+    package_data={"megatron_perf_toggles": ["data/surfaces/*.json", "data/bridge_recipes/*.json"]},
     cmdclass={"build_py": BuildWithPatches},
     python_requires=">=3.10",
     install_requires=[],
@@ -42,6 +42,11 @@ setup(
         # plain "torch" from PyPI is a multi-GB CUDA build; install PyTorch's CPU build first (README).
         "megatron-cpu": ["numpy", "packaging", "six", "regex", "pyyaml", "pydantic"],
         "plot": ["matplotlib"],
+        # Planning a Megatron-Bridge recipe needs nothing beyond the package: its recorded catalog
+        # (package data) serves where Bridge is not installed (Bridge itself does not install on a
+        # CPU machine). Primus's loader logs through loguru and reads YAML.
+        "bridge": [],
+        "primus": ["loguru", "pyyaml"],
     },
     entry_points={"console_scripts": ["megatron-perf-toggles=megatron_perf_toggles.tools.cli:main"]},
     classifiers=[

@@ -30,7 +30,7 @@ FIELDS = ("model.fused_single_qkv_rope", "model.cross_entropy_loss_fusion", "mod
           "mixed_precision.first_last_layers_bf16", "mixed_precision.num_layers_at_start_in_bf16",
           "mixed_precision.num_layers_at_end_in_bf16", "model.first_last_layers_bf16",
           "model.num_layers_at_start_in_bf16", "model.num_layers_at_end_in_bf16")
-REPO_IDS = {"Qwen3-0.6B": "Qwen/Qwen3-0.6B"}
+REPO_IDS = {"Qwen3-0.6B": "Qwen/Qwen3-0.6B", "Meta-Llama-3-8B": "meta-llama/Meta-Llama-3-8B"}
 
 
 def _offline_hf_cache(root: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import stock_off
 from .env import EnvSettings
 from .facts import Capabilities
 from .fp4 import FP4_LAYER_DESTS, FP4_RECIPE_SELECTION, MEGATRON_FP4_LAYER_DEFAULTS, fp4_selection
@@ -129,8 +130,7 @@ def decide(
     log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}
     if env.tag_log_dir:
         messages.extend(Message("warning", text) for text in log_dir_warnings(args, tag))
-    fused = decisions["gradient_accumulation_fusion"].value
-    wgrad_path = "off" if not fused else ("apex" if caps.apex_fused_wgrad else (
-        "fallback" if caps.wgrad_fallback and env.wgrad_fallback else "missing"))
+    wgrad_path = stock_off.wgrad_path(bool(decisions["gradient_accumulation_fusion"].value), caps, env)
+    messages.extend(stock_off.notes(wgrad_path, env))
     return Plan(decisions=decisions, precision=tag, log_dirs=log_dirs, messages=messages, wgrad_path=wgrad_path,
                 profile=profile_record, memory=memory.to_record(), not_applicable=not_applicable)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from . import stock_off
 from .ckpt_layout import GRAD_DTYPE_KEYED, grad_buffer_dtype, optimizer_layout
 from .guard_base import (
     Need,
@@ -56,7 +57,7 @@ def _fsdp_blocks_fusion(ctx: Context) -> str | None:
 
 
 def _wgrad_kernel_available(ctx: Context) -> bool:
-    return ctx.caps.apex_fused_wgrad or (ctx.caps.wgrad_fallback and ctx.env.wgrad_fallback)
+    return stock_off.wgrad_path(True, ctx.caps, ctx.env) != "missing"  # the plugin off installs no fallback
 
 
 def _mxfp4_fusion_stays_on(ctx: Context) -> bool:
@@ -176,7 +177,9 @@ def gradient_accumulation_fusion_apex(ctx: Context) -> Iterator[Change]:
                      f"{missing}: the torch fallback ({WGRAD_FALLBACK_WORDS}) stands in",
                      capability="wgrad_fallback")
         return
-    if not ctx.env.wgrad_fallback:
+    if not ctx.env.plugin_enabled:
+        why_not = "MEGATRON_PERF_TOGGLES=0 installs none"
+    elif not ctx.env.wgrad_fallback:
         why_not = "MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK=0"
     else:
         why_not = ctx.caps.notes.get("wgrad_fallback") or "the torch fallback cannot run here"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EnvValueError
+from . import stock_off
 from .allocator import (
     EXPANDABLE,
     LAUNCH_VAR,
@@ -69,6 +70,24 @@ def delta_words(mb: float | None) -> str:
     return f"{'+' if mb > 0 else '-'}{size_words(abs(mb))} peak per GPU"
 
 
+def stage_words(memory: Mapping[str, Any], stock: float, total: float) -> str:
+    """The plan's change and peak, worded so that the screen adds up: with pipeline parallelism the
+    table's figures are the last stage's while the peak may be another stage's (or the optimizer
+    step's), so the peak's own change against stock's is said beside them."""
+    def signed(mb: float) -> str:
+        return f"{'+' if mb >= 0 else '-'}{size_words(abs(mb))}"
+
+    unknown = [d for d, mb in (memory.get("peak_memory_delta_mb") or {}).items() if mb is None]
+    counting = f" (not counting {', '.join(unknown)}: unknown)" if unknown else ""
+    planned = memory.get("planned_peak_mb")
+    if planned is None:
+        return f", this plan {signed(total)}{counting}"
+    if abs(stock + total - planned) < 1:
+        return f", this plan {signed(total)}{counting}, planned peak {size_words(planned)}"
+    return (f", planned peak {size_words(planned)} ({signed(planned - stock)} on the busier pipeline stage or "
+            f"the optimizer step; the table's changes, {signed(total)} in all{counting}, are the last stage's)")
+
+
 def summary(memory: Mapping[str, Any]) -> str:
     """One line for the tables: stock's estimated peak, the plan's change, its largest allocation,
     the limit and the verdicts, or why there is no estimate."""
@@ -77,13 +96,7 @@ def summary(memory: Mapping[str, Any]) -> str:
         return f"memory: {memory.get('note') or 'no estimate'}"
     line = f"memory: stock's estimated peak {size_words(stock)} per GPU ({memory.get('stock_estimate_source')})"
     if total is not None:
-        line += f", this plan {'+' if total >= 0 else '-'}{size_words(abs(total))}"
-        unknown = [d for d, mb in (memory.get("peak_memory_delta_mb") or {}).items() if mb is None]
-        if unknown:
-            line += f" (not counting {', '.join(unknown)}: unknown)"
-        planned = memory.get("planned_peak_mb")
-        if planned is not None:  # per pipeline stage: not always stock's peak plus the last stage's change
-            line += f", planned peak {size_words(planned)}"
+        line += stage_words(memory, stock, total)
     if memory.get("largest_allocation_mb") is not None:
         line += f"; largest allocation {size_words(memory['largest_allocation_mb'])}"
     limit = memory.get("limit_mb")
@@ -247,6 +260,7 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
         memory.note = f"no memory estimate: {why}; each decision's memory change is unknown"
         return memory, []
     values = {**{d: base[d] for d in MOE_DESTS}, **{dest: d.value for dest, d in decisions.items()}}
+    values = stock_off.priced(values, base, caps, env)  # a wgrad kernel nobody provides: priced as stock runs
     memory.deltas = _deltas(values, base, layout, te)
     memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te,
                                          {d: base[d] for d in MOE_DESTS})

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CannotHonourError, DependencyError
+from . import stock_off
 from .env import EnvSettings
 from .facts import Capabilities
 from .guards import NEEDS
@@ -90,6 +91,10 @@ class Resolution:
             self.decisions[change.dest] = Decision(current.value, current.source, f"{current.reason}; {change.reason}")
             return
         if current.source == "cli" and change.yields_to_cli:
+            return
+        if stock_off.keeps_cli(self.env, current.source):  # plugin off: Megatron's own checks judge it
+            self.decisions[change.dest] = Decision(current.value, current.source,
+                                                   f"{current.reason}; left as given although {change.reason}")
             return
         if current.source == "cli" and not change.over_cli:
             raise CannotHonourError(change.dest, flag_words(change.dest, current.value), change.reason, change.hint)

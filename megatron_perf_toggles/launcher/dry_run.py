@@ -28,7 +28,7 @@ from ..runtime import target as planned
 from ..runtime.capabilities import effective_assume, gpu_name_here
 from ..runtime.process_changes import ProcessChanges
 from ..runtime.provenance import jsonable
-from . import summary
+from . import parse_refusal, screen, summary
 
 if TYPE_CHECKING:  # types only: the hooks call the dry run, so it never imports them when it runs
     from .parse_hooks import Hooks, Provider
@@ -148,7 +148,8 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
         with contextlib.redirect_stdout(chatter if quiet else sys.stderr), \
                 contextlib.redirect_stderr(chatter) if quiet else contextlib.nullcontext(), \
                 planned.stand_ins(hooks.target, te_version):
-            args = _parsed(hooks, caller, ignore_unknown_args, parsed_args, via, notes)
+            with parse_refusal.said_in_one_line(hooks, ReportedExit):  # a refused parse: one line, exit 2
+                args = _parsed(hooks, caller, ignore_unknown_args, parsed_args, via, notes)
             if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args"):
                 notes.append("--use-checkpoint-args: a dry run does not load arguments from the checkpoint")
             launch = _launch_vars(args, hooks)
@@ -221,7 +222,7 @@ def _report(hooks: Hooks, payload: dict[str, Any], chatter: str | None, launch: 
         return
     record, log = _write_files(payload, chatter)
     caps = outcome.capabilities if outcome is not None else None
-    for line in summary.lines(payload, plan, caps, launch, set_here, record, log, hooks.output):
+    for line in summary.lines(payload, plan, caps, launch, set_here, record, log, hooks.output, screen.width(out)):
         print(line, file=out, flush=True)
     if hooks.output == "verbose":
         print(json.dumps(payload, indent=1, sort_keys=True, default=str), file=out, flush=True)

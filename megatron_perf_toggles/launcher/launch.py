@@ -83,7 +83,8 @@ def build_launcher_parser() -> argparse.ArgumentParser:
                              f"(also {hooks.DRY_RUN_ENV}=1)")
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_const", const="json", dest="output",
-                       help="a dry run prints its full JSON record on stdout (the table goes to stderr)")
+                       help="a dry run prints its full JSON record on stdout, and Megatron's own output and one "
+                            "line per decision on stderr")
     shown.add_argument("--verbose", action="store_const", const="verbose", dest="output",
                        help="a dry run prints Megatron's own output, the summary and the JSON record")
     planned.add_options(parser.add_argument_group("what a dry run plans for (dry runs only)"))

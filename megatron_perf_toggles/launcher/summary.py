@@ -17,6 +17,7 @@ from ..core.launch_env import LaunchVar
 from ..core.memory_guard import summary as memory_summary
 from ..core.registry import format_value
 from ..runtime import provenance
+from . import screen
 
 REASON_WIDTH = 100  # a reason longer than this is cut in the table; the record has it whole
 WGRAD_WORDS = {"apex": "APEX", "fallback": "torch fallback in place of APEX", "off": "off",
@@ -44,8 +45,10 @@ def _stack(caps: Capabilities | None) -> str:
 
 
 def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None, launch: list[LaunchVar],
-          set_here: list[LaunchVar], record: str | None, log: str | None, output: str) -> list[str]:
-    """The summary, line by line (about 20 lines for a plain job)."""
+          set_here: list[LaunchVar], record: str | None, log: str | None, output: str,
+          width: int | None = None) -> list[str]:
+    """The summary, line by line (about 20 lines for a plain job), fitted to ``width`` columns
+    where one is given (``screen.width``: COLUMNS, else the terminal's)."""
     megatron = payload.get("megatron") or {}
     out = [f"dry run: Megatron-LM {megatron.get('version') or '?'} at {megatron.get('path') or '?'} "
            f"(parse and validate_args passed)",
@@ -57,7 +60,9 @@ def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None,
         out.append("decisions (final, after Megatron's validate_args):")
         rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", _cut(d.reason)]
                 for dest, d in plan.shown().items()]
-        out.extend("  " + line for line in _table(rows, ["toggle", "value", "source", "peak memory", "reason"]))
+        header = ["toggle", "value", "source", "peak memory", "reason"]
+        shown = screen.table(rows, header, width - 2) if width is not None else _table(rows, header)
+        out.extend("  " + line for line in shown)
         out.append(f"  precision tag: {plan.precision}; fused wgrad: {WGRAD_WORDS.get(plan.wgrad_path, plan.wgrad_path)}")
         if plan.memory is not None:
             out.append(f"  {memory_summary(plan.memory)}")
@@ -89,4 +94,4 @@ def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None,
         out.append(f"Megatron's output (argument dump): {log}")
     if output == "summary":
         out.append("(--json prints the record on stdout, --verbose prints everything)")
-    return out
+    return screen.fit(out, width)

@@ -26,7 +26,7 @@ from typing import Any
 from ..core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_RUNTIME_FIELDS, BRIDGE_SECTIONS, Home, bridge_homes
 from ..core.decide import Plan
 from ..core.facts import Capabilities
-from . import frontend
+from . import bridge_comm_overlap, frontend
 from .context import FrontEnd, Mode, RunContext
 from .controller import Registration
 from .provenance import record_dir as record_dir_of
@@ -130,6 +130,7 @@ def read(cfg: Any, explicit: Iterable[str] = (), traced: Iterable[str] = ()) -> 
     assigned = set(traced)
     args, where = _args(cfg)
     found = frontend.Found(args=args, words=_words(cfg, where))
+    bridge_comm_overlap.overlay(cfg, args, found.words)  # what runtime_config_update will copy onto the model
     for dest, dest_homes in homes.items():
         home = next((h for h in dest_homes if _read(cfg, h.path) is not _MISSING), None)
         if home is None:

@@ -112,10 +112,12 @@ def apply_to_namespace(ns: Any, defaults: Mapping[str, Any] | None = None, *, ex
 
 
 def explain(ns: Any, defaults: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None,
-            target: Target | None = None) -> tuple[Plan, Capabilities, dict[str, Any]]:
+            target: Target | None = None, capabilities: Capabilities | None = None,
+            ) -> tuple[Plan, Capabilities, dict[str, Any]]:
     """What the patch decides for ``ns`` on the job ``target`` plans (``explain``): the same
-    pipeline in ``plan`` mode. Returns the plan, its capabilities and the arguments it read."""
-    ctx, plan, _ = _plan(ns, defaults, (), environ, "plan", None, target, False)
+    pipeline in ``plan`` mode (``capabilities``: given, e.g. with a recorded Megatron's facts).
+    Returns the plan, its capabilities and the arguments it read."""
+    ctx, plan, _ = _plan(ns, defaults, (), environ, "plan", capabilities, target, False)
     assert ctx.capabilities is not None
     return plan, ctx.capabilities, dict(vars(ns))
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from .._version import __version__
-from ..core import launch_env
+from ..core import launch_env, layout
 from ..core.decide import decide, requested
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, describe_stack, parse_assume
@@ -28,7 +28,7 @@ from ..runtime import profile_file, provenance
 from ..runtime import target as planned
 from ..runtime.capabilities import detect, megatron_facts, resolve
 from ..runtime.probe import installed, torch_module
-from . import explain_frontends
+from . import explain_frontends, megatron_usage
 from .llama3_8b import EXAMPLE_WORLD, LLAMA3_8B_EXAMPLE, llama3_8b_args
 from .planning import DEFAULT_SURFACE, checkout_script, plan_command_line
 from .surfaces import replay
@@ -192,17 +192,14 @@ def _explain_target(ns: argparse.Namespace) -> planned.Target:
     return target
 
 
-def _check_world(ns: argparse.Namespace, target: planned.Target, args: dict[str, Any]) -> None:
-    """On a recorded surface (no validate_args to ask), a world that the model-parallel size does not
-    divide is one line, as Megatron's check would be."""
-    if ns.megatron or target.world_size is None:
+def _check_world(ns: argparse.Namespace, target: planned.Target, args: dict[str, Any], front: bool) -> None:
+    """Where no validate_args was asked (a recorded surface, a Bridge recipe, a Primus file), a world
+    that the layout does not divide is one line, as Megatron's check would be (core.layout)."""
+    if ns.megatron and not front:
         return
-    sizes = [args.get(d) or 1 for d in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                        "context_parallel_size")]
-    model = sizes[0] * sizes[1] * sizes[2] if all(isinstance(n, int) for n in sizes) else 1
-    if target.world_size % model:
-        raise PerfTogglesError(f"world size {target.world_size} is not divisible by TP x PP x CP = {model}",
-                               "plan a world that is a multiple of the model-parallel size")
+    world = planned.planned_world(target, os.environ) or 1
+    layout.check(world, args, target.world_source or ("WORLD_SIZE" if target.world_size is None
+                                                      and "WORLD_SIZE" in os.environ else ""))
 
 
 def _explain_header(ns: argparse.Namespace, caps: Capabilities, label: str, target: planned.Target,
@@ -229,8 +226,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     target = target_from(ns) if front else _explain_target(ns)
     plan, caps, label, args = (explain_frontends.plan(ns, target) if front else plan_command_line(
         megatron_args, tree=ns.megatron, surface=ns.megatron_version, target=target))
-    if not front:
-        _check_world(ns, target, args)
+    _check_world(ns, target, args, bool(front))
     megatron_source = (f"Megatron {caps.megatron.version}, as the front end imports it" if front
                        else f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
@@ -482,7 +478,8 @@ def _add_explain(sub: Any) -> None:
                         "the toggles' variables, and MEGATRON_PERF_TOGGLES_PROFILE=FILE for a profile (its "
                         "values show with source 'profile', and a line says whether it was measured on a "
                         "setup like the one planned for).")
-    ex.add_argument("--json", action="store_true", help="print the provenance record as JSON")
+    ex.add_argument("--json", action="store_true", help="print the plan's full JSON record on stdout, and nothing "
+                    "else (no table)")
     ex.add_argument("--verbose", action="store_true", help="also say where each fact the plan rests on came from")
     explain_frontends.add_options(ex)
     _planning_options(ex, "a Megatron-LM checkout: use its real parser",
@@ -554,8 +551,9 @@ def _add_tools(sub: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, run the command; every PerfTogglesError, a usage error included, is one line and exit 2."""
     parser = build_cli_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
     try:
-        ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        ns = parser.parse_args(words)
         if ns.command is None:
             parser.print_help()
             return 2
@@ -563,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ns.megatron_args = ns.megatron_args[1:]
         return ns.func(ns)
     except PerfTogglesError as error:
-        fail(error)
+        fail(megatron_usage.dash_hint(error, words, parser))
     except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0

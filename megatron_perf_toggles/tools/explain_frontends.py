@@ -103,6 +103,10 @@ def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
 
     kwargs = _keywords(list(ns.megatron_args))
     module, _ = bridge_recipe.split(ns.bridge_recipe)  # a misspelt name or a missing Bridge: one line, at once
+    if module.startswith("megatron.bridge") and not installed("megatron.bridge"):
+        from . import bridge_offline
+
+        return bridge_offline.plan(ns, target)  # the recorded catalog: no Bridge, torch or TE needed
     if not installed(module.partition(".")[0]) or (module.startswith("megatron.") and not installed("megatron.bridge")):
         raise PerfTogglesError(f"--bridge-recipe {ns.bridge_recipe}: {module} is not importable here",
                                "install Megatron-Bridge (pip install megatron-bridge) or run with its Python")
@@ -187,10 +191,15 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
     if root is None and not installed("primus"):
         raise PerfTogglesError(f"--primus-config {config}: the file is in no Primus checkout and Primus is not "
                                "importable here", "pass a file inside a Primus checkout, or install Primus")
-    tree = _megatron_for(ns, root)
+    from . import primus_offline
+
+    try:
+        megatron: Any = megatron_importable(_megatron_for(ns, root))
+    except PerfTogglesError:  # no Megatron-LM here: Primus builds on a recorded surface's parser
+        megatron = primus_offline.recorded_megatron()
     if root is not None and str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    with megatron_importable(tree), planned.stand_ins(target), _elsewhere():
+    with megatron as surface, planned.stand_ins(target), _elsewhere():
         from primus.backends.megatron.argument_builder import MegatronArgBuilder
         from primus.core.config.primus_config import get_module_config, load_primus_config
 
@@ -199,6 +208,9 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
         namespace = MegatronArgBuilder().update(module.params).finalize()
         _primus_build_args(loaded, module, namespace)
         package = str(root / "primus") if root is not None else None
-        result, caps, args = primus.explain(namespace, primus.primus_defaults(package), target=target)
-    return result, caps, f"Primus, experiment {config.name}, Megatron-LM {caps.megatron.version}", args
+        recorded = primus_offline.capabilities(surface, target) if surface else None
+        result, caps, args = primus.explain(namespace, primus.primus_defaults(package), target=target,
+                                            capabilities=recorded)
+    where = f" (recorded surface {surface['name']!r}: no Megatron-LM here)" if surface else ""
+    return result, caps, f"Primus, experiment {config.name}, Megatron-LM {caps.megatron.version}{where}", args
 

@@ -17,6 +17,7 @@ from ..core.facts import Capabilities, megatron_facts_from_surface
 from ..errors import PREFIX, PerfTogglesError
 from ..runtime import target as planned
 from ..runtime.capabilities import for_plan
+from . import megatron_usage
 from .surfaces import replay
 
 DEFAULT_SURFACE = "main"
@@ -104,7 +105,7 @@ def plan_command_line(
         recorded = replay.load_surface(name)
     except KeyError as error:
         raise PerfTogglesError(str(error.args[0])) from None
-    parser = replay.parser_from_surface(recorded)
+    parser = replay.parser_from_surface(recorded, megatron_usage.named(name))  # a mistake is one line
     controller = Controller(environ, mode="plan", target=target)  # validates the environment first, as a run would
     label = f"recorded Megatron-LM surface {name!r} (--megatron PATH: a checkout's own parser)"
     # the planned world and GPU hold for the whole plan, as in a dry run: the capabilities follow

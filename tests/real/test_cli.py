@@ -43,8 +43,8 @@ def test_explain_fits_the_terminal_and_a_pipe_gets_whole_lines(columns):
 
 
 def test_a_wrapped_launch_environment_line_pastes_into_a_shell():
-    out = run_cli("explain", "--", "--num-layers", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                  env={"COLUMNS": "60"}).stdout.splitlines()
+    out = run_cli("explain", "--world-size", "2", "--", "--num-layers", "2", "--tensor-model-parallel-size", "2",
+                  "--sequence-parallel", env={"COLUMNS": "60"}).stdout.splitlines()
     at = next(i for i, line in enumerate(out) if line.startswith("launch environment: export"))
     assert out[at].endswith("=1") and out[at + 1].startswith("    # ") and len(out[at]) <= 60
     tail = [line for line in out[at + 1:] if not line.startswith("launch environment")]

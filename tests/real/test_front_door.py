@@ -348,13 +348,14 @@ def test_ablate_headline_dry_run_on_a_qk_layernorm_model(tree: str, tmp_path: Pa
 
 
 def test_explain_lists_the_launch_environment_as_the_dry_run_does() -> None:
-    tp8 = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "explain", "--json", "--", *_layout(8, 4)],
-                         capture_output=True, text=True, env=_env(), timeout=120)
+    tp8 = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "explain", "--json", "--world-size", "32", "--",
+                          *_layout(8, 4)], capture_output=True, text=True, env=_env(), timeout=120)
     assert tp8.returncode == 0, tp8.stderr
     names = [v["name"] for v in json.loads(tp8.stdout)["launch_environment"]]
     assert names == ["CUDA_DEVICE_MAX_CONNECTIONS"]
-    b200 = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "explain", "--json", "--gpu", "b200", "--",
-                           *_layout(8, 4)], capture_output=True, text=True, env=_env(), timeout=120)
+    b200 = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "explain", "--json", "--gpu", "b200",
+                           "--world-size", "32", "--", *_layout(8, 4)], capture_output=True, text=True, env=_env(),
+                          timeout=120)
     assert json.loads(b200.stdout)["launch_environment"] == []  # Blackwell dropped the requirement
 
 

@@ -219,3 +219,16 @@ def test_patched_pretrain_gpt_without_the_package_is_one_clear_line(tree: str) -
     assert "Traceback" not in result["stderr"]
     lines = [x for x in result["stderr"].splitlines() if "megatron-perf-toggles" in x]
     assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: --extra-args-provider needs")
+
+
+@pytest.mark.real_megatron
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_patched_dry_run_with_an_unknown_argument_is_one_line(tree: str) -> None:
+    """Megatron's parser refuses it: argparse's own message, in the plugin's one line, exit 2
+    (the dry run held the parser's output, and used to exit 2 saying nothing)."""
+    result = runs.results(tree)["patched-unknown-arg"]
+    assert result["code"] == 2, result
+    said = [x for x in result["stderr"].splitlines() if x.startswith("[perf-toggles]")]
+    assert said == ["[perf-toggles] error: Megatron's parser: unrecognized arguments: --no-such-flag 3 "
+                    "(the script's --help lists Megatron's flags)"], result["stderr"][-2000:]
+    assert "usage:" not in result["stderr"]

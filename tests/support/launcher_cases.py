@@ -166,6 +166,8 @@ def patched_cases(copy: str, fused: bool) -> list[dict[str, Any]]:
         {"name": "patched-package-missing", "mode": "script", "env": dry,
          "block": ["megatron_perf_toggles.hooks"],
          "argv": [script, *base, "--extra-args-provider", "megatron_perf_toggles"]},
+        {"name": "patched-unknown-arg", "mode": "script", "env": dry,
+         "argv": [script, *base, "--extra-args-provider", "megatron_perf_toggles", "--no-such-flag", "3"]},
     ]
 
 

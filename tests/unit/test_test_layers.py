@@ -17,7 +17,8 @@ from megatron_perf_toggles.core.registry import SETTINGS, TOGGLES
 
 TESTS = REPO / "tests"
 # The front ends' tests are the front-end redesign's (issue 34): real-layer by what they run.
-FRONT_ENDS = {"test_bridge.py", "test_primus.py", "test_frontends.py", "test_frontend_corpus.py"}
+FRONT_ENDS = {"test_bridge.py", "test_primus.py", "test_frontends.py", "test_frontend_corpus.py",
+              "test_bridge_comm_overlap.py", "test_bridge_recorded_catalog.py", "test_bare_venv.py"}
 
 
 def _names(path) -> set[str]:

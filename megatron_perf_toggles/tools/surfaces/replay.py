@@ -61,8 +61,9 @@ def load_surface(name: str) -> dict[str, Any]:
     return copy.deepcopy(_load(name))
 
 
-def parser_from_surface(surface: dict[str, Any]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=f"Megatron-LM arguments (recorded: {surface['name']})",
+def parser_from_surface(surface: dict[str, Any], parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
+                        ) -> argparse.ArgumentParser:
+    parser = parser_class(description=f"Megatron-LM arguments (recorded: {surface['name']})",
                                      allow_abbrev=False)
     groups: dict[str, argparse._ArgumentGroup] = {g.title: g for g in parser._action_groups if g.title}
     for a in surface["actions"]:

@@ -1,0 +1,63 @@
+"""Whether a planned world can hold the job's parallel layout, checked the same way on every path.
+
+Megatron refuses a world its model-parallel sizes do not divide (``validate_args`` and
+``parallel_state``), and its ``TransformerConfig`` refuses attention heads that tensor parallelism
+does not divide. A plan on a recorded surface, a Bridge recipe or a Primus file runs neither, so
+without this check a layout that cannot start would be planned (exit 0). One function, fed
+Megatron's argument names, says it in one line for every front end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import PerfTogglesError
+
+
+class LayoutError(PerfTogglesError):
+    """A world size, or a model shape, that the parallel layout does not divide."""
+
+
+def _size(args: Mapping[str, Any], dest: str, default: int = 1) -> int:
+    value = args.get(dest)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _world_words(world: int, source: str) -> str:
+    return source or f"no --world-size given, so a world of {world} was planned"
+
+
+def check(world: int, args: Mapping[str, Any], source: str = "") -> None:
+    """Refuse, in one line, a ``world`` that TP x PP x CP (or, for experts, EP x ETP x PP) does not
+    divide, or attention heads / query groups that TP does not divide. ``source`` says where the
+    world came from (``--world-size 8``); empty means nothing named it."""
+    tp, pp, cp = (_size(args, d) for d in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                            "context_parallel_size"))
+    model = tp * pp * cp
+    hint = f"{_world_words(world, source)}; plan a world that is a multiple of {{n}} (--world-size N)"
+    if world % model:
+        raise LayoutError(f"world size {world} is not divisible by TP x PP x CP = {model} ({tp} x {pp} x {cp})",
+                          hint.format(n=model))
+    ep = _size(args, "expert_model_parallel_size")
+    etp = _size(args, "expert_tensor_parallel_size", tp)
+    if ep * etp > 1 and world % (ep * etp * pp):
+        experts = ep * etp * pp
+        raise LayoutError(f"world size {world} is not divisible by EP x ETP x PP = {experts} ({ep} x {etp} x {pp})",
+                          hint.format(n=experts))
+    _check_shape(args, tp, ep)
+
+
+def _check_shape(args: Mapping[str, Any], tp: int, ep: int) -> None:
+    """The shape checks Megatron makes before any GPU work: heads and query groups over TP, experts over EP."""
+    for dest, words in (("num_attention_heads", "attention heads"), ("num_query_groups", "query groups")):
+        count = args.get(dest)
+        if dest == "num_query_groups" and not args.get("group_query_attention"):
+            continue
+        if isinstance(count, int) and count > 0 and count % tp:
+            raise LayoutError(f"{count} {words} ({dest}) are not divisible by tensor parallelism {tp}",
+                              "choose a TP that divides them")
+    experts = args.get("num_experts")
+    if isinstance(experts, int) and experts > 0 and experts % ep:
+        raise LayoutError(f"{experts} experts (num_experts) are not divisible by expert parallelism {ep}",
+                          "choose an EP that divides them")

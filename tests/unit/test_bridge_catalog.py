@@ -1,0 +1,97 @@
+"""explain --bridge-recipe without Megatron-Bridge: the recorded catalog plans it, every mistake one line.
+
+The catalog in the package (megatron_perf_toggles/data/bridge_recipes/) is recorded from the real
+Bridge by tools/bridge_catalog.py; tests/real/test_bridge_recorded_catalog.py records it again and compares,
+and compares these plans with the real Bridge's. Here: the plans it gives where Bridge is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from sandbox import clean_environ
+
+from megatron_perf_toggles.runtime import bridge_catalog
+from megatron_perf_toggles.runtime.probe import installed
+from megatron_perf_toggles.tools import cli
+
+LLAMA = "megatron.bridge.recipes.llama:llama3_8b_pretrain_config"
+GPT175 = "megatron.bridge.recipes.gpt.gpt3_175b:gpt3_175b_pretrain_config"
+pytestmark = pytest.mark.skipif(installed("megatron.bridge"), reason="Megatron-Bridge is installed here: explain "
+                                "uses it, not the catalog (tests/real/test_bridge_recorded_catalog.py compares both)")
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    for name, value in clean_environ().items():
+        monkeypatch.setenv(name, value)
+
+
+def _explain(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = cli.main(["explain", *argv])
+    except SystemExit as done:
+        code = int(done.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line(code: int, err: str) -> str:
+    said = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(said) == 1, err
+    return said[0]
+
+
+def test_the_catalog_is_a_recorded_bridge_with_its_core():
+    catalog = bridge_catalog.load()
+    assert catalog["bridge"] in bridge_catalog.versions() and catalog["megatron_core"]
+    assert bridge_catalog.key(LLAMA) in catalog["aliases"]  # the package's re-export names a recorded recipe
+
+
+def test_llama3_8b_plans_from_the_catalog(capsys):
+    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["target"]["world_size"] == 64 and "as recorded" in record["megatron"]
+    decisions = record["decisions"]
+    # What the recipe itself set stands as the recipe's (config), in Bridge's words.
+    assert decisions["grad_reduce_in_bf16"]["source"] == "config"
+    assert "cfg.mixed_precision.grad_reduce_in_fp32" in decisions["grad_reduce_in_bf16"]["reason"]
+    assert decisions["gradient_accumulation_fusion"]["value"] is True  # the H100's stack: the torch fallback
+    assert record["memory"]["stock_peak_mb"] > 0  # the recipe's shape is known: a memory plan
+
+
+def test_the_175b_recipe_is_refused_on_eight_gpus_and_plans_on_32(capsys):
+    line = _one_line(*_explain(capsys, "--bridge-recipe", GPT175, "--world-size", "8", "--gpu", "h100")[::2])
+    assert "world size 8 is not divisible by TP x PP x CP = 32" in line
+    code, out, err = _explain(capsys, "--bridge-recipe", GPT175, "--world-size", "32", "--gpu", "h100", "--json")
+    assert code == 0, err
+    assert json.loads(out)["decisions"]["gradient_accumulation_fusion"]["value"] is True  # deferral keeps it on
+
+
+def test_a_recipe_that_needs_a_hugging_face_config_says_which_and_how(capsys):
+    catalog = bridge_catalog.load()
+    name, entry = next((k, v) for k, v in sorted(catalog["recipes"].items()) if "needs" in v)
+    line = _one_line(*_explain(capsys, "--bridge-recipe", name, "--world-size", "8")[::2])
+    assert f"Hugging Face config of {entry['needs']}" in line and "HF_HOME" in line
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--bridge-recipe", "megatron.bridge.recipes.llama:llama3_8b_pretrain_confg"], "did you mean"),
+    (["--bridge-recipe", LLAMA, "--", "seq_length=4096"], "keyword arguments"),
+])
+def test_mistakes_without_bridge_are_one_line(capsys, argv, words):
+    assert words in _one_line(*_explain(capsys, *argv, )[::2])
+
+
+def test_off_means_stock_from_the_catalog_too(capsys, monkeypatch):
+    monkeypatch.setenv("MEGATRON_PERF_TOGGLES", "0")
+    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert all(mb in (0, None) for mb in record["memory"]["peak_memory_delta_mb"].values()), record["memory"]
+    assert all(d["source"] in ("default", "config") for d in record["decisions"].values())

@@ -1,0 +1,144 @@
+"""Every mistake a newcomer makes with explain and a dry run is one line and exit 2; a layout the
+planned world cannot hold is refused on every path; a dry run fits COLUMNS (issue: plan from a laptop)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+from sandbox import clean_environ
+
+from megatron_perf_toggles.core import layout
+from megatron_perf_toggles.core.memory_guard import summary
+from megatron_perf_toggles.launcher import parse_refusal, screen
+from megatron_perf_toggles.tools import cli
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for name in list(__import__("os").environ):
+        monkeypatch.delenv(name)
+    for name, value in clean_environ().items():
+        monkeypatch.setenv(name, value)
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as done:
+        code = int(done.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line(code: int, err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_misspelt_megatron_flag_on_the_recorded_surface_is_one_line_with_the_closest_flag(capsys):
+    code, out, err = _run(capsys, "explain", "--", "--tensor-model-paralel-size", "2")
+    line = _one_line(code, err)
+    assert "unrecognized arguments: --tensor-model-paralel-size" in line
+    assert "did you mean '--tensor-model-parallel-size'" in line and out == ""
+
+
+def test_megatron_flags_without_the_dashes_get_the_hint_where_they_go(capsys):
+    line = _one_line(*_run(capsys, "explain", "--tensor-model-parallel-size", "2")[::2])
+    assert "Megatron's arguments go after --" in line
+    near = _one_line(*_run(capsys, "explain", "--word-size", "8")[::2])  # a near miss of explain's own option
+    assert "did you mean '--world-size'" in near and "after --" not in near
+
+
+def test_without_a_world_size_explain_plans_a_world_of_one_and_refuses_tp3(capsys):
+    line = _one_line(*_run(capsys, "explain", "--", "--tensor-model-parallel-size", "3")[::2])
+    assert "world size 1 is not divisible by TP x PP x CP = 3" in line and "no --world-size given" in line
+    code, out, _ = _run(capsys, "explain", "--json", "--world-size", "3", "--", "--tensor-model-parallel-size", "3")
+    assert code == 0 and json.loads(out)["target"]["world_size"] == 3
+
+
+@pytest.mark.parametrize(("world", "args", "words"), [
+    (8, {"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 8}, "TP x PP x CP = 32"),
+    (16, {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 32}, "EP x ETP x PP = 64"),
+    (8, {"tensor_model_parallel_size": 8, "num_attention_heads": 12}, "12 attention heads"),
+    (8, {"tensor_model_parallel_size": 4, "group_query_attention": True, "num_query_groups": 2}, "2 query groups"),
+    (8, {"expert_model_parallel_size": 8, "num_experts": 12}, "12 experts"),
+])
+def test_a_layout_the_world_cannot_hold_is_refused(world, args, words):
+    with pytest.raises(layout.LayoutError, match=words):
+        layout.check(world, args, f"--world-size {world}")
+
+
+def test_a_layout_that_fits_is_not_refused():
+    layout.check(64, {"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 8, "num_attention_heads": 96,
+                      "expert_model_parallel_size": 2, "num_experts": 8})
+
+
+class _Hooks(SimpleNamespace):
+    pass
+
+
+def _refusing_parse() -> None:
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py")
+    parser.add_argument("--num-layers", type=int)
+    parser.parse_args(["--bogus-flag", "3"])
+
+
+def test_a_dry_runs_refused_parse_is_one_line_on_the_dry_runs_stderr():
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as done, parse_refusal.said_in_one_line(_Hooks(capture=False, err=err), SystemExit):
+        _refusing_parse()
+    assert done.value.code == 2
+    assert err.getvalue().splitlines() == [
+        "[perf-toggles] error: Megatron's parser: unrecognized arguments: --bogus-flag 3 "
+        "(the script's --help lists Megatron's flags)"]
+
+
+def test_a_planning_parse_is_left_to_its_caller():
+    with pytest.raises(SystemExit), parse_refusal.said_in_one_line(_Hooks(capture=True, err=None), SystemExit):
+        _refusing_parse()
+
+
+def test_a_dry_run_summary_fits_columns(monkeypatch):
+    rows = [["gradient_accumulation_fusion", "on", "default", "+709 MB peak per GPU", "reason " * 30]]
+    lines = ["decisions:", *screen.table(rows, ["toggle", "value", "source", "peak memory", "reason"], 78),
+             "  export CUDA_DEVICE_MAX_CONNECTIONS=1    # " + "why " * 30, "planned for: " + "word " * 40]
+    fitted = screen.fit(lines, 80)
+    assert all(len(line) <= 80 for line in fitted), fitted
+    assert "  export CUDA_DEVICE_MAX_CONNECTIONS=1" in fitted  # the command whole, its comment after
+    assert " ".join(fitted).split().count("reason") == 31  # the header and every word of the reason
+    assert screen.fit(lines, None) == lines
+    monkeypatch.setenv("COLUMNS", "91")
+    assert screen.width(io.StringIO()) == 91
+    monkeypatch.setenv("COLUMNS", "")
+    assert screen.width(io.StringIO()) is None  # a pipe or a file: lines whole
+
+
+def test_the_memory_line_adds_up_with_pipeline_parallelism():
+    """Stock's peak on the first stage, the table's changes on the last: the line says the peak's
+    own change, so stock plus it is the planned peak."""
+    record = {"stock_peak_mb": 21054.8, "total_peak_memory_delta_mb": -342.1, "planned_peak_mb": 19209.7,
+              "peak_memory_delta_mb": {"a": -342.1}, "stock_estimate_source": "estimate"}
+    line = summary(record)
+    assert "planned peak 18.8 GB (-1.8 GB" in line and "-342 MB in all" in line and "last stage" in line
+    plain = summary({**record, "planned_peak_mb": 21054.8 - 342.1})
+    assert "this plan -342 MB" in plain and "last stage" not in plain
+
+
+def test_a_refusal_of_the_plugins_own_inside_the_parse_is_said_once():
+    err = io.StringIO()
+
+    def refuse() -> None:
+        import sys
+
+        print("[perf-toggles] error: --x was requested, but it cannot run here", file=sys.stderr)
+        raise SystemExit(2)
+
+    with pytest.raises(SystemExit) as done, parse_refusal.said_in_one_line(_Hooks(capture=False, err=err), SystemExit):
+        refuse()
+    assert done.value.code == 2
+    assert err.getvalue().splitlines() == ["[perf-toggles] error: --x was requested, but it cannot run here"]
