@@ -22,6 +22,7 @@ import pytest
 import tree_driver
 from conftest import REPO
 
+from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.runtime.capabilities import effective_assume
 from megatron_perf_toggles.runtime.target import make_target
 
@@ -29,9 +30,8 @@ BF16 = "examples/megatron/configs/MI355X/llama3.1_8B-BF16-pretrain.yaml"
 MI355X_BF16 = BF16
 MI355X_8 = make_target(8, gpu="mi355x")
 MXFP4 = "examples/megatron/configs/MI355X/llama3.1_8B-MXFP4-pretrain.yaml"
-DESTS = ("gradient_accumulation_fusion", "grad_reduce_in_bf16", "ddp_average_in_collective",
-         "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "fused_single_qkv_rope",
-         "first_last_layers_bf16")
+# Every toggle of a dense model (the registry's), and the precision setting Primus's FP4 recipes read.
+DESTS = (*(t.dest for t in TOGGLES if t.scope == "all"), "first_last_layers_bf16")
 
 # Runs inside the subprocess, with the Primus tree and this repository on sys.path.
 DRIVER = r"""

@@ -131,15 +131,15 @@ def test_the_guard_table_lists_its_guard(with_example: None) -> None:
     assert "`fused_example_kernel`" in row and "none" in row
 
 
-def test_the_recipe_touches_at_most_four_hand_written_files() -> None:
+def test_the_recipe_touches_at_most_five_hand_written_files() -> None:
     """docs/contributing.md's recipe names the hand-written files a toggle with a new capability
-    touches, one numbered step each: at most four, each of them there; this test declares what
+    touches, one numbered step each: at most five, each of them there; this test declares what
     the first two hold (and is the third)."""
     text = (REPO / "docs" / "contributing.md").read_text()
     recipe = text.split("<!-- recipe: adding a toggle -->", 2)[1]
     steps = [line for line in recipe.splitlines() if line[:2] in {f"{n}." for n in range(1, 10)}]
     files = [line.split("`")[1] for line in steps]
-    assert 2 <= len(files) <= 4, files
+    assert 2 <= len(files) <= 5, files
     for path in files:
         assert "<" in path or (REPO / path).is_file(), path
     assert files[0] == "megatron_perf_toggles/core/registry.py"  # KERNEL and EXAMPLE above
