@@ -19,8 +19,8 @@ from pathlib import Path
 
 from ..core.registry import flag_of
 from ..errors import OneLineArgumentParser, PerfTogglesError, report
-from ..runtime import target as planned
 from ..runtime.context import RunContext
+from ..runtime.machine import target as planned
 from ..runtime.provider import extra_args_provider
 from . import parse_hooks as hooks
 from .import_shims import megatron_importable

@@ -35,9 +35,9 @@ from ..core.facts import parse_assume
 from ..errors import PerfTogglesError, fail
 from ..runtime import context as run_context
 from ..runtime import provider as plugin
-from ..runtime import target as planned
 from ..runtime.context import Mode, RunContext
 from ..runtime.controller import Controller, Outcome
+from ..runtime.machine import target as planned
 from ..runtime.provider import flatten
 from ..runtime.rebinding import ORIGINAL_ATTR, megatron_root, rebind
 from .import_shims import import_failure
@@ -133,7 +133,7 @@ class Hooks:
 
     @property
     def target(self) -> planned.Target | None:
-        """The world and GPU a dry run plans for (runtime/target.py): the context's."""
+        """The world and GPU a dry run plans for (runtime/machine/target.py): the context's."""
         return self.context.target
 
     def controller_for_parse(self) -> Controller:

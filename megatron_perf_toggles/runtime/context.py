@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # types only: the context imports nothing heavy when it loads
     from ..core.facts import Capabilities
     from ..core.profile import Profile
     from .controller import Controller
-    from .target import Target
+    from .machine.target import Target
 
 Mode = Literal["run", "dry-run", "plan"]
 MODES: tuple[Mode, ...] = ("run", "dry-run", "plan")

@@ -27,18 +27,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.ckpt_layout import checkpoint_facts
-from ..core.decide import Decision, Message, Plan, decide
+from ..core.decision.decide import Decision, Message, Plan, decide
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
 from ..errors import PerfTogglesError
 from . import provenance, resume
-from .capabilities import for_plan
 from .context import MODES, Mode, RunContext, current
-from .target import planned_world
+from .machine.capabilities import for_plan
+from .machine.target import planned_world
 
 if TYPE_CHECKING:  # loaded only when a profile is set: the import path stays short
     from ..core.profile import Profile
-    from .target import Target
+    from .machine.target import Target
 
 
 

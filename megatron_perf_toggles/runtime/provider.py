@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..core.decide import FP4_LAYER_DESTS, requested
+from ..core.decision.decide import FP4_LAYER_DESTS, requested
 from ..core.env import EnvSettings
 from ..core.facts import Capabilities
 from ..core.registry import GROUPS, TOGGLES, Toggle, format_value

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..core.decide import Plan
+from ..core.decision.decide import Plan
 from ..core.facts import Capabilities, megatron_facts_from_surface
 from ..errors import PREFIX, PerfTogglesError
-from ..runtime import target as planned
-from ..runtime.capabilities import for_plan
+from ..runtime.machine import target as planned
+from ..runtime.machine.capabilities import for_plan
 from .surfaces import replay
 
 DEFAULT_SURFACE = "main"

@@ -7,9 +7,9 @@ generated block in the pages that hold them (``PAGES``).
 
 from __future__ import annotations
 
-from ..core.guards import GUARDS, guards_table
-from ..core.megatron_rules import rules_table
 from ..core.registry import BY_CAPABILITY, SETTINGS, TOGGLES, format_value
+from ..core.rules.guards import GUARDS, guards_table
+from ..core.rules.megatron_rules import rules_table
 from .surfaces import replay
 
 BEGIN = "<!-- generated:{name} begin -->"

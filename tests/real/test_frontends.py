@@ -9,14 +9,15 @@ import pytest
 from conftest import full_caps
 
 from megatron_perf_toggles.core.config_fields import BRIDGE_OVERRIDES, PRIMUS_HOMES, Home, bridge_homes
-from megatron_perf_toggles.core.decide import FP4_LAYER_DESTS, Decision, decide
+from megatron_perf_toggles.core.decision.decide import FP4_LAYER_DESTS, Decision, decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import MegatronFacts, megatron_facts_from_surface, surface_release
-from megatron_perf_toggles.core.guard_base import rule
-from megatron_perf_toggles.core.megatron_rules import RULES, SUPPORTED
 from megatron_perf_toggles.core.registry import TOGGLES
-from megatron_perf_toggles.runtime import bridge_adapter as bridge  # the adapter behind megatron_perf_toggles.bridge
-from megatron_perf_toggles.runtime import frontend, probe
+from megatron_perf_toggles.core.rules.guard_base import rule
+from megatron_perf_toggles.core.rules.megatron_rules import RULES, SUPPORTED
+from megatron_perf_toggles.frontends import adapter as frontend
+from megatron_perf_toggles.frontends import bridge_adapter as bridge  # the adapter behind megatron_perf_toggles.bridge
+from megatron_perf_toggles.runtime.machine import probe
 from megatron_perf_toggles.tools import cli
 from megatron_perf_toggles.tools.surfaces import replay
 

@@ -23,8 +23,8 @@ import tree_driver
 from conftest import REPO
 
 from megatron_perf_toggles.core.registry import TOGGLES
-from megatron_perf_toggles.runtime.capabilities import effective_assume
-from megatron_perf_toggles.runtime.target import make_target
+from megatron_perf_toggles.runtime.machine.capabilities import effective_assume
+from megatron_perf_toggles.runtime.machine.target import make_target
 
 BF16 = "examples/megatron/configs/MI355X/llama3.1_8B-BF16-pretrain.yaml"
 MI355X_BF16 = BF16
@@ -42,7 +42,7 @@ from primus.core.config.primus_config import load_primus_config, get_module_conf
 from primus.core.patches import run_patches
 from megatron_perf_toggles import primus as plugin
 from megatron_perf_toggles.core.facts import Capabilities
-from megatron_perf_toggles.runtime import frontend
+from megatron_perf_toggles.frontends import adapter as frontend
 
 case = json.loads(sys.argv[1])
 cfg = load_primus_config(Path(case["config"]))

@@ -17,12 +17,15 @@ from collections.abc import Iterator
 import pytest
 from conftest import REPO, full_caps
 
-from megatron_perf_toggles.core import decide, guards, registry
+from megatron_perf_toggles.core import registry
+from megatron_perf_toggles.core.decision import decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import Capabilities, with_assumptions
+from megatron_perf_toggles.core.rules import guards
 from megatron_perf_toggles.errors import CannotHonourError, EnvValueError, RegistryError
-from megatron_perf_toggles.runtime import capabilities, provider
+from megatron_perf_toggles.runtime import provider
 from megatron_perf_toggles.runtime.controller import Controller
+from megatron_perf_toggles.runtime.machine import capabilities
 from megatron_perf_toggles.tools import readme_tables
 
 # 1. The registry: the capability, declared once (how this machine detects it, how a planned stack
@@ -92,7 +95,7 @@ def test_the_decision_comes_from_command_line_environment_or_default(with_exampl
     args, _ = _parse([], {"FUSED_EXAMPLE_KERNEL": "0"})
     assert args.perf_toggles["fused_example_kernel"] == {"value": False, "source": "env",
                                                          "reason": "FUSED_EXAMPLE_KERNEL=0",
-                                                         "peak_memory_delta_mb": None}  # no term in core/memory.py
+                                                         "peak_memory_delta_mb": None}  # no term in core/memory/model.py
     args, _ = _parse(["--no-fused-example-kernel"], {"FUSED_EXAMPLE_KERNEL": "1"})
     assert args.perf_toggles["fused_example_kernel"]["source"] == "cli"
 
@@ -143,5 +146,5 @@ def test_the_recipe_touches_at_most_five_hand_written_files() -> None:
     for path in files:
         assert "<" in path or (REPO / path).is_file(), path
     assert files[0] == "megatron_perf_toggles/core/registry.py"  # KERNEL and EXAMPLE above
-    assert files[1].startswith("megatron_perf_toggles/core/guards_")  # example_kernel_missing above
+    assert files[1].startswith("megatron_perf_toggles/core/rules/guards_")  # example_kernel_missing above
     assert any(f.startswith("tests/unit/test_") for f in files)  # this file

@@ -214,4 +214,4 @@ def test_the_walk_from_the_provider_to_the_decision_record_stays_in_two_wings() 
         sys.setprofile(None)
     assert args.perf_toggles  # the records are there
     assert {"runtime", "core"} <= wings <= {"runtime", "core", "errors", "_version"}, wings
-    assert descents == ["megatron_perf_toggles.core.decide:decide"], descents
+    assert descents == ["megatron_perf_toggles.core.decision.decide:decide"], descents

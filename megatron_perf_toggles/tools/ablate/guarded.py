@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ...core.registry import BY_DEST
 from ...errors import PerfTogglesError
-from ...runtime import target as planned
+from ...runtime.machine import target as planned
 
 
 def surface_for(script: str) -> str:
