@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, version_tuple
 from ..core.registry import BY_DEST
 from ..runtime.context import Mode, RunContext
-from ..runtime.controller import Controller, Registration
+from ..runtime.controller import Controller, Registration, new_context
 from ..runtime.machine.capabilities import for_plan
 
 __all__ = ["Found", "capabilities", "facts_for_version", "plan", "read_env", "speaker", "start"]
@@ -103,12 +102,11 @@ def start(entry: str, environ: Mapping[str, str] | None = None, *, mode: Mode = 
           caps: Capabilities | None = None, target: Any = None, announce: bool = True) -> RunContext:
     """The run context of one front-end entry point, with its controller: the environment and
     profile are read (a bad value is one line here), and the capabilities fixed for its plans."""
-    environ = os.environ if environ is None else environ
-    ctx = RunContext.create(entry, environ, mode=mode, target=target)
-    controller = Controller(environ, mode=mode, capabilities=caps, announce=announce, target=target)
+    ctx = new_context(entry, environ, mode=mode, target=target, capabilities=caps, announce=announce)
+    controller = ctx.controller
+    assert controller is not None, "new_context makes the controller"
     if controller.capabilities is None:
         controller.capabilities = capabilities(controller.env, target)
-    ctx.use_controller(controller)
     return ctx
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import PerfTogglesError
-from ..runtime.context import FrontEnd, RunContext
+from ..runtime.context import FrontEnd
+from ..runtime.controller import new_context
 from .primus_adapter import PATCH_ID, apply_to_namespace, explain, megatron_default, primus_defaults, read
 
 VALIDATE_ID = "megatron_perf_toggles.validate_args"
@@ -36,7 +37,7 @@ def build_args_patch(ctx: Any) -> None:
     try:
         apply_to_namespace(ns)
     except PerfTogglesError as error:  # its one line comes with the stop, from the process's context
-        RunContext.create("primus").install().front = FrontEnd(ns, refusal=error)
+        new_context("primus", controller=False).install().front = FrontEnd(ns, refusal=error)
 
 
 def before_train_patch(ctx: Any) -> None:
