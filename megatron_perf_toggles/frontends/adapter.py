@@ -30,11 +30,12 @@ from ..core.decision.decide import Decision, Plan
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, version_tuple
 from ..core.registry import BY_DEST
-from ..runtime.context import Mode, RunContext
+from ..runtime.context import FrontEnd, Mode, RunContext
 from ..runtime.controller import Controller, Registration, new_context
 from ..runtime.machine.capabilities import for_plan
 
-__all__ = ["Found", "capabilities", "facts_for_version", "plan", "read_env", "speaker", "start"]
+__all__ = ["Found", "capabilities", "explained", "facts_for_version", "plan", "planned", "read_env", "speaker", "start",
+           "take_over"]
 
 
 @dataclass(slots=True)
@@ -128,6 +129,41 @@ def plan(ctx: RunContext, found: Found, ns: argparse.Namespace | None = None) ->
     view = ns if ns is not None else argparse.Namespace(**found.args)
     reg = registration(controller, found)
     return controller.plan(view, reg), view, reg
+
+
+def planned(entry: str, found: Found, *, ns: argparse.Namespace | None = None,
+            write: Callable[[Plan], object] | None = None, environ: Mapping[str, str] | None = None,
+            mode: Mode = "run", caps: Capabilities | None = None, target: Any = None, announce: bool = True,
+            ) -> tuple[RunContext, Plan, argparse.Namespace, Registration]:
+    """The step every front end's ``apply`` and ``explain`` share: its context (:func:`start`), the
+    plan of what it found (:func:`plan`), written back into its configuration by ``write`` (where the
+    plan's namespace is not the configuration itself) and kept on the context."""
+    ctx = start(entry, environ, mode=mode, caps=caps, target=target, announce=announce)
+    decided, view, reg = plan(ctx, found, ns)
+    if write is not None:
+        write(decided)
+    ctx.plan = decided
+    return ctx, decided, view, reg
+
+
+def take_over(ctx: RunContext, config: Any, view: argparse.Namespace, reg: Registration,
+              before_apply: Callable[[Controller], object] | None = None) -> None:
+    """A run's step after planning: the context becomes the process's (``check_ranks()``, the
+    safety net and the front end's validation find it), keeps what the front end planned, and its
+    controller applies the plan (``before_apply`` first: where the record goes, a validation to watch)."""
+    ctx.install()
+    ctx.front = FrontEnd(config, view, reg)
+    controller = ctx.controller
+    assert controller is not None, "start() makes the controller"
+    if before_apply is not None:
+        before_apply(controller)
+    controller.apply(view, reg)
+
+
+def explained(ctx: RunContext, decided: Plan, args: dict[str, Any]) -> tuple[Plan, Capabilities, dict[str, Any]]:
+    """What ``explain`` returns for a front end: the plan, the capabilities it rests on, the arguments read."""
+    assert ctx.capabilities is not None
+    return decided, ctx.capabilities, args
 
 
 _FLAG = re.compile(r"(?<![\w-])--(no-)?([a-z0-9][a-z0-9-]*)")

@@ -26,8 +26,8 @@ from typing import Any
 from ..core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_RUNTIME_FIELDS, BRIDGE_SECTIONS, Home, bridge_homes
 from ..core.decision.decide import Plan
 from ..core.facts import Capabilities
-from ..runtime.context import FrontEnd, Mode, RunContext
-from ..runtime.controller import Registration
+from ..runtime.context import Mode, RunContext
+from ..runtime.controller import Controller, Registration
 from ..runtime.machine.target import Target
 from ..runtime.provenance import record_dir as record_dir_of
 from . import adapter as frontend
@@ -195,16 +195,14 @@ def apply(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str] 
     this one's. Returns the plan; a request that cannot be honoured raises a PerfTogglesError with
     one line."""
     ctx, plan, view, reg = _plan(cfg, explicit, environ, "run", capabilities, None, announce)
-    ctx.install()  # the process's context from here on: check_ranks() and the safety net find it
-    controller = ctx.controller
-    assert controller is not None
-    save = _read(cfg, "checkpoint.save")
-    controller.record_dir = record_dir or record_dir_of(plan, vars(view)) or (save if isinstance(save, str) else None)
     from .bridge_net import watch_validation
 
-    ctx.front = FrontEnd(cfg, view, reg)
-    watch_validation(cfg, ctx)
-    controller.apply(view, reg)
+    def before_apply(controller: Controller) -> None:
+        save = _read(cfg, "checkpoint.save")
+        controller.record_dir = record_dir or record_dir_of(plan, vars(view)) or (save if isinstance(save, str) else None)
+        watch_validation(cfg, ctx)
+
+    frontend.take_over(ctx, cfg, view, reg, before_apply)
     return plan
 
 
@@ -214,8 +212,7 @@ def explain(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str
     pipeline in ``plan`` mode, so nothing of this machine is consulted or changed but the fields.
     Returns the plan, its capabilities and the arguments it read (Megatron's dests)."""
     ctx, plan, view, _ = _plan(cfg, explicit, environ, "plan", None, target, False)
-    assert ctx.capabilities is not None
-    return plan, ctx.capabilities, vars(view)
+    return frontend.explained(ctx, plan, vars(view))
 
 
 def _plan(cfg: Any, explicit: Iterable[str], environ: Mapping[str, str] | None, mode: Mode,
@@ -225,8 +222,5 @@ def _plan(cfg: Any, explicit: Iterable[str], environ: Mapping[str, str] | None, 
 
     _resolve_mixed_precision(cfg)
     found = read(cfg, explicit, traced_fields(cfg))
-    ctx = frontend.start("bridge", environ, mode=mode, caps=capabilities, target=target, announce=announce)
-    plan, view, reg = frontend.plan(ctx, found)
-    write(cfg, plan)
-    ctx.plan = plan
-    return ctx, plan, view, reg
+    return frontend.planned("bridge", found, write=lambda plan: write(cfg, plan), environ=environ, mode=mode,
+                            caps=capabilities, target=target, announce=announce)

@@ -21,7 +21,7 @@ from ..core.config_fields import PRIMUS_DEFAULT_FILES, PRIMUS_HOMES
 from ..core.decision.decide import FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, Plan
 from ..core.facts import Capabilities
 from ..core.registry import BY_DEST
-from ..runtime.context import FrontEnd, Mode, RunContext
+from ..runtime.context import Mode, RunContext
 from ..runtime.controller import Registration
 from ..runtime.machine.target import Target
 from . import adapter as frontend
@@ -104,10 +104,7 @@ def apply_to_namespace(ns: Any, defaults: Mapping[str, Any] | None = None, *, ex
     record. ``defaults``: Primus's (read from the imported package when omitted). A request that
     cannot be honoured raises a PerfTogglesError with one line."""
     ctx, plan, reg = _plan(ns, defaults, explicit, environ, "run", capabilities, None, announce)
-    ctx.install()  # the process's context: check_ranks() and the validation patch find it
-    ctx.front = FrontEnd(ns, ns, reg)
-    assert ctx.controller is not None
-    ctx.controller.apply(ns, reg)
+    frontend.take_over(ctx, ns, ns, reg)  # the process's context: check_ranks() and the validation patch find it
     return plan
 
 
@@ -116,15 +113,13 @@ def explain(ns: Any, defaults: Mapping[str, Any] | None = None, *, environ: Mapp
     """What the patch decides for ``ns`` on the job ``target`` plans (``explain``): the same
     pipeline in ``plan`` mode. Returns the plan, its capabilities and the arguments it read."""
     ctx, plan, _ = _plan(ns, defaults, (), environ, "plan", None, target, False)
-    assert ctx.capabilities is not None
-    return plan, ctx.capabilities, dict(vars(ns))
+    return frontend.explained(ctx, plan, dict(vars(ns)))
 
 
 def _plan(ns: Any, defaults: Mapping[str, Any] | None, explicit: Iterable[str], environ: Mapping[str, str] | None,
           mode: Mode, capabilities: Capabilities | None, target: Target | None, announce: bool,
           ) -> tuple[RunContext, Plan, Registration]:
     found = read(ns, primus_defaults() if defaults is None else defaults, explicit)
-    ctx = frontend.start("primus", environ, mode=mode, caps=capabilities, target=target, announce=announce)
-    plan, _, reg = frontend.plan(ctx, found, ns)
-    ctx.plan = plan
+    ctx, plan, _, reg = frontend.planned("primus", found, ns=ns, environ=environ, mode=mode, caps=capabilities,
+                                         target=target, announce=announce)
     return ctx, plan, reg

@@ -147,7 +147,8 @@ def test_the_primus_pth_hook_loads_nothing_else():
                           env={"PYTHONPATH": str(REPO), "PATH": ""})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == ["megatron_perf_toggles._version", "megatron_perf_toggles.errors",
-                                 "megatron_perf_toggles.primus_hook"]
+                                 "megatron_perf_toggles.frontends", "megatron_perf_toggles.frontends.primus_hook",
+                                 "megatron_perf_toggles.primus_hook"]  # the name the .pth imports, and the hook
 
 
 def test_primus_explicit_names_a_toggle_or_refuses_in_one_line():
