@@ -2,11 +2,14 @@
 the plugin's patches with Primus (see docs/primus.md).
 
 The front end lives in ``frontends/`` (``frontends/primus.py``, its adapter and validation beside
-it); importing this module imports that one, which registers the patches, and re-exports its names.
+it); importing this module imports that one, which registers the patches, and makes it this name too.
 """
 
 from __future__ import annotations
 
+import sys
+
+from .frontends import primus as _module
 from .frontends.primus import (
     PATCH_ID,
     VALIDATE_ID,
@@ -22,3 +25,7 @@ from .frontends.primus import (
 
 __all__ = ["PATCH_ID", "VALIDATE_ID", "apply_to_namespace", "before_train_patch", "build_args_patch", "explain",
            "megatron_default", "primus_defaults", "read", "register"]
+
+# One module under both names: what users set on megatron_perf_toggles.primus (a patched function,
+# a replaced hook) is what the front end itself uses.
+sys.modules[__name__] = _module

@@ -8,6 +8,13 @@ the plugin's patches when (and if) Primus imports its patch registry; nothing el
 
 from __future__ import annotations
 
+import sys
+
+from .frontends import primus_hook as _module
 from .frontends.primus_hook import TARGET, install
 
 __all__ = ["TARGET", "install"]
+
+# One module under both names: what users set on megatron_perf_toggles.primus_hook (a patched function,
+# a replaced hook) is what the front end itself uses.
+sys.modules[__name__] = _module
