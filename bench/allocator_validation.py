@@ -112,7 +112,7 @@ def predict(tree: str, argv: list[str], arm: str, alloc: str) -> dict[str, Any]:
     """The plan for one run, as the plugin makes it: the tree's parser, the run's allocator setting
     and the H200's size from the package's GPU table; stock is planned with every toggle at
     Megatron's value (the plugin off)."""
-    from megatron_perf_toggles.runtime import target as planned
+    from megatron_perf_toggles.runtime.machine import target as planned
     from megatron_perf_toggles.tools.planning import plan_command_line
 
     env = _env(ALLOC[alloc])

@@ -1,4 +1,4 @@
-"""Check the memory model (megatron_perf_toggles/core/memory.py) against measured peak memory.
+"""Check the memory model (megatron_perf_toggles/core/memory/model.py) against measured peak memory.
 
 Reads every ``ablate`` / ``tune`` results file under docs/benchmarks/raw/ (ablate/, tune/, memory/):
 for each arm that differs from its part's baseline only in the plugin's toggles, the predicted change
@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_perf_toggles.core.memory import layout_from_args, stock_peak, toggle_delta_mb  # noqa: E402
+from megatron_perf_toggles.core.memory.model import layout_from_args, stock_peak, toggle_delta_mb  # noqa: E402
 from megatron_perf_toggles.core.registry import TOGGLES  # noqa: E402
 
 RAW = REPO / "docs" / "benchmarks" / "raw"

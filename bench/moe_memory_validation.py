@@ -43,9 +43,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from memory_validation import ABS_TOL_MB, REL_TOL, _toggle_flags, args_of  # noqa: E402
 
-from megatron_perf_toggles.core import memory  # noqa: E402
-from megatron_perf_toggles.core.memory_guard import stage_peaks  # noqa: E402
-from megatron_perf_toggles.core.memory_moe import MOE_DESTS  # noqa: E402
+from megatron_perf_toggles.core.memory import model as memory  # noqa: E402
+from megatron_perf_toggles.core.memory.memory_guard import stage_peaks  # noqa: E402
+from megatron_perf_toggles.core.memory.memory_moe import MOE_DESTS  # noqa: E402
 from megatron_perf_toggles.core.registry import TOGGLES  # noqa: E402
 
 OUT = REPO / "docs" / "benchmarks"

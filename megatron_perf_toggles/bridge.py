@@ -1,26 +1,27 @@
-"""Megatron-Bridge front end: the plugin's decisions on a ``ConfigContainer`` before ``pretrain``.
+"""Megatron-Bridge front end, under the name users import: ``from megatron_perf_toggles import bridge``.
 
-Bridge builds its configuration from recipes and never parses Megatron's flags nor runs its
-``validate_args``, so the argparse hooks never fire. Call :func:`apply` on the container, after
-the recipe and any overrides, before ``pretrain(cfg, ...)``::
-
-    from megatron_perf_toggles import bridge
-    cfg = bridge.build("megatron.bridge.recipes.llama:llama3_8b_pretrain_config")  # or your own call
-    bridge.apply(cfg)
-    pretrain(cfg, forward_step)
-
-``apply`` goes through the plugin's one pipeline (``runtime/frontend.py``): the decision with the
-argparse path's registry, environment, profile and guards, the start-up table and record, the
-resume check and history, the cross-rank check and the safety net around Bridge's own validation.
-Rules that Megatron enforces only in ``validate_args`` are applied here too, because Bridge skips
-them. ``build`` calls a recipe while watching which fields it sets, so that a value the recipe
-chose stays the recipe's even where it equals the dataclass default. The adapter itself is
-``runtime/bridge_adapter.py``.
+The front end lives in ``frontends/`` (``frontends/bridge.py``, its adapter and recipe tracing beside
+it); this module makes that one importable under the public name and holds nothing of its own.
 """
 
 from __future__ import annotations
 
-from .runtime.bridge_adapter import apply, declared_default, explain, generic_declaration, read, write
-from .runtime.bridge_recipe import build, traced_fields
+import sys
+
+from .frontends import bridge as _module
+from .frontends.bridge import (
+    apply,
+    build,
+    declared_default,
+    explain,
+    generic_declaration,
+    read,
+    traced_fields,
+    write,
+)
 
 __all__ = ["apply", "build", "declared_default", "explain", "generic_declaration", "read", "traced_fields", "write"]
+
+# One module under both names: what users set on megatron_perf_toggles.bridge (a patched function,
+# a replaced hook) is what the front end itself uses.
+sys.modules[__name__] = _module

@@ -57,7 +57,8 @@ def run_case(case: dict) -> dict:
     import importlib
 
     from megatron_perf_toggles import bridge
-    from megatron_perf_toggles.runtime import frontend, provenance
+    from megatron_perf_toggles.frontends import adapter as frontend
+    from megatron_perf_toggles.runtime import provenance
 
     if case.get("explain"):  # explain in this process, as the command runs it: its JSON record
         from megatron_perf_toggles.tools import cli
@@ -68,7 +69,7 @@ def run_case(case: dict) -> dict:
         return {"code": code, "explain": json.loads(out.getvalue())}
     module, _, func = case["recipe"].rpartition(".")
     if case.get("build"):  # as explain builds it: the fields the recipe sets are the recipe's
-        from megatron_perf_toggles.runtime import bridge_recipe
+        from megatron_perf_toggles.frontends import bridge_recipe
 
         cfg = bridge_recipe.build(getattr(importlib.import_module(module), func))
     else:

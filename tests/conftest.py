@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_perf_toggles.core import registry
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import Capabilities, MegatronFacts
 from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
@@ -30,14 +31,17 @@ def megatron_trees() -> list[Path]:
 
 
 def full_caps(**overrides) -> Capabilities:
-    """A machine that can honour every toggle (TE with both kernels, APEX), on a Megatron like main."""
+    """A machine that can honour every toggle, on a Megatron like main: every capability a toggle of
+    the registry needs is present (derived from ``registry.TOGGLES``, so a new toggle's capability is
+    here too), and TE 2.20.2 on CUDA."""
+    needed = {name for t in registry.TOGGLES for name in t.needs}
+    facts = {registry.BY_CAPABILITY[n].detected.removeprefix("megatron:"): True
+             for n in needed if not registry.BY_CAPABILITY[n].stored}
     megatron = overrides.pop("megatron", MegatronFacts(
-        version="0.20.0", fused_single_qkv_rope_field=True, asserts_te_cross_entropy=False,
-        asserts_ddp_average_with_gtp=True, moe_router_fusion_field=True,
+        version="0.20.0", asserts_te_cross_entropy=False, asserts_ddp_average_with_gtp=True, **facts,
     ))
-    base = dict(te_version="2.20.2", te_fused_qkv_rope=True, te_cross_entropy=True, apex_fused_wgrad=True,
-                te_grouped_linear=True, te_fused_permute=True, te_fused_router=True,
-                device="cuda", megatron=megatron)
+    base = {**dict.fromkeys(sorted(n for n in needed if registry.BY_CAPABILITY[n].stored), True),
+            "te_version": "2.20.2", "device": "cuda", "megatron": megatron}
     base.update(overrides)
     return Capabilities(**base)
 

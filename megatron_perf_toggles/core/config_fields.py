@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import RegistryError
-from .decide import FP4_LAYER_DESTS
+from .decision.decide import FP4_LAYER_DESTS
 from .registry import TOGGLES
 
 

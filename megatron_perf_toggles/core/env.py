@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import EnvValueError, RegistryError
-from .allocator import AllocConf, alloc_conf
+from .memory.allocator import AllocConf, alloc_conf
 from .registry import BOOL_ACCEPTED, BOOL_FALSE, BOOL_TRUE, SETTING_BY_ENV, SETTINGS, TOGGLES, Setting, Toggle
 
 
@@ -101,13 +101,13 @@ class EnvSettings:
     wgrad_fallback: bool = True
     rank_check: bool = True
     dry_run: bool = False
-    plan: str | None = None  # WORLD:GPU, parsed by runtime.target.parse_plan
+    plan: str | None = None  # WORLD:GPU, parsed by runtime.machine.target.parse_plan
     dry_run_output: str | None = None  # summary | json | verbose (checked by the dry run)
     patches_dir: str | None = None
     profile_path: str | None = None  # the file is read by the runtime, parsed by core.profile
-    memory_headroom: str | None = None  # parsed by core.memory_guard (a percentage or GB)
+    memory_headroom: str | None = None  # parsed by core.memory.memory_guard (a percentage or GB)
     # PyTorch's own allocator setting, read (never set) for the memory plan: not one of ours, so no
-    # registry entry; core.allocator says where torch reads it.
+    # registry entry; core.memory.allocator says where torch reads it.
     alloc: AllocConf = field(default_factory=AllocConf)
     # Transformer Engine's switch for its CuTe DSL fused grouped MLP, read (never set) by the MoE
     # guards: Megatron's fused grouped MLP takes gated experts only where it is above 0.

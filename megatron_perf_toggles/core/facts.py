@@ -1,6 +1,6 @@
 """What a machine and a Megatron can honour, as plain data: the facts the guards decide on.
 
-Probing lives in ``runtime.capabilities``; this module only holds the records, the version
+Probing lives in ``runtime.machine.capabilities``; this module only holds the records, the version
 helpers and the ``MEGATRON_PERF_TOGGLES_ASSUME`` overrides, so the pure policy (``decide``,
 ``ckpt_layout``) and planning for another machine need no probing at all.
 """
@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import AssumeError
-from .megatron_rules import BY_ID
 from .registry import BY_CAPABILITY, Capability
+from .rules.megatron_rules import BY_ID
 
 ASSUME_NAMES = ("apex", "aiter", "grouped_gemm", "rocm", "cuda", "te=VERSION", "none")
 
@@ -232,7 +232,7 @@ def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:
     if isinstance(facts.get("rules"), list | tuple):
         # The rules table says which releases carry each rule (found in real trees, documented
         # ones included): a rule the recorder could not detect by its phrase still binds there.
-        from .megatron_rules import rules_of
+        from .rules.megatron_rules import rules_of
 
         recorded = sorted({*facts["rules"], *rules_of(surface_release(surface))})
         rules = [r for r in recorded if r not in BY_ID or facts.get(BY_ID[r].fact) is not False]

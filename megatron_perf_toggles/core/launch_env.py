@@ -65,7 +65,7 @@ def needed(args: Mapping[str, Any], arch_major: int | None, te_version: str | No
 
 def from_memory(memory: Mapping[str, Any] | None) -> list[LaunchVar]:
     """What the memory plan asks of the launch (``Plan.memory``'s ``launch_environment``): the
-    allocator setting where only expandable segments make the job fit (core.memory_guard)."""
+    allocator setting where only expandable segments make the job fit (core.memory.memory_guard)."""
     return [LaunchVar(v["name"], v["value"], v["why"]) for v in (memory or {}).get("launch_environment") or ()]
 
 

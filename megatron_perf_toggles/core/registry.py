@@ -50,14 +50,14 @@ def is_moe(args: Mapping[str, Any]) -> bool:
 class Capability:
     """Something a toggle can need (``Toggle.needs``) or a guard can rest on (``plan.Change``),
     declared once: ``core.facts.Capabilities`` answers it by name (False: missing, None: unknown),
-    ``runtime.capabilities`` detects it, and a plan for another machine assumes it, all from here.
+    ``runtime.machine.capabilities`` detects it, and a plan for another machine assumes it, all from here.
 
     ``detected``, how this machine answers it:
       ``import:MODULE:ATTR``  the attribute is there once its package imports (where the package is
                               installed but not imported yet, Transformer Engine's version answers,
                               by ``assumed``'s bound, rather than pay for the import);
       ``installed:MODULE``    the module can be found (no import);
-      ``probe:NAME``          a probe of its own in ``runtime.capabilities.PROBES``;
+      ``probe:NAME``          a probe of its own in ``runtime.machine.capabilities.PROBES``;
       ``megatron:FIELD``      the ``MegatronFacts`` field of the Megatron at hand (not stored).
     ``assumed``, how ``MEGATRON_PERF_TOGGLES_ASSUME`` (and so a planned stack) sets it:
       ``apex`` (the ``apex`` entry), ``grouped_gemm`` (the ``grouped_gemm`` entry), ``gpu`` (a ``cuda``

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .decision.plan import Message
 from .env import EnvSettings
 from .facts import Capabilities
-from .plan import Message
 
 GAF = "gradient_accumulation_fusion"
 

@@ -3,7 +3,7 @@
 The hooks (``parse_hooks``) call :func:`dry_run` in place of Megatron's ``initialize_megatron`` /
 ``parse_and_validate_args`` when a dry run is asked for. Nothing after validation runs: no global
 state, no distributed init, no CUDA. Parse and validate see the planned world and GPU
-(``runtime.target``), and every stand-in is undone before the record is printed.
+(``runtime.machine.target``), and every stand-in is undone before the record is printed.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from ..core.facts import parse_assume
 from ..core.registry import TOGGLES
 from ..errors import PerfTogglesError, report
 from ..runtime import provenance
-from ..runtime import target as planned
-from ..runtime.capabilities import effective_assume, gpu_name_here
+from ..runtime.machine import target as planned
+from ..runtime.machine.capabilities import effective_assume, gpu_name_here
 from ..runtime.process_changes import ProcessChanges
 from ..runtime.provenance import jsonable
 from . import parse_refusal, screen, summary

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..runtime.probe import installed
+from ..runtime.machine.probe import installed
 from ..runtime.process_changes import PROCESS_CHANGES, ProcessChanges
 
 STAND_IN_PACKAGES = ("triton",)

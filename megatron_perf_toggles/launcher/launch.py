@@ -19,8 +19,8 @@ from pathlib import Path
 
 from ..core.registry import flag_of
 from ..errors import OneLineArgumentParser, PerfTogglesError, report
-from ..runtime import target as planned
-from ..runtime.context import RunContext
+from ..runtime.controller import new_context
+from ..runtime.machine import target as planned
 from ..runtime.provider import extra_args_provider
 from . import parse_hooks as hooks
 from .import_shims import megatron_importable
@@ -196,7 +196,7 @@ def _launch(ns: argparse.Namespace, state: _Launch) -> int:
             megatron_importable(stand_ins=dry_run, uncompiled=dry_run):
         providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
         # The launcher's entry point: one run context for the process, which the script runs in.
-        ctx = RunContext.create("launcher", mode="dry-run" if dry_run else "run", target=target).install()
+        ctx = new_context("launcher", mode="dry-run" if dry_run else "run", target=target, controller=False).install()
         hooks.hook_parse_path([*providers, extra_args_provider], dry_run=dry_run, target=target, output=output,
                               out=stdout, err=stderr, chatter=chatter, context=ctx)
         runpy.run_path(str(script), run_name="__main__")

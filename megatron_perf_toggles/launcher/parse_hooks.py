@@ -35,9 +35,9 @@ from ..core.facts import parse_assume
 from ..errors import PerfTogglesError, fail
 from ..runtime import context as run_context
 from ..runtime import provider as plugin
-from ..runtime import target as planned
 from ..runtime.context import Mode, RunContext
-from ..runtime.controller import Controller, Outcome
+from ..runtime.controller import Controller, Outcome, new_context
+from ..runtime.machine import target as planned
 from ..runtime.provider import flatten
 from ..runtime.rebinding import ORIGINAL_ATTR, megatron_root, rebind
 from .import_shims import import_failure
@@ -133,7 +133,7 @@ class Hooks:
 
     @property
     def target(self) -> planned.Target | None:
-        """The world and GPU a dry run plans for (runtime/target.py): the context's."""
+        """The world and GPU a dry run plans for (runtime/machine/target.py): the context's."""
         return self.context.target
 
     def controller_for_parse(self) -> Controller:
@@ -141,7 +141,7 @@ class Hooks:
         a provider that calls extra_args_provider itself joins it through the context."""
         ctx = self.context
         if ctx.controller is None:
-            ctx.use_controller(plugin.new_controller(mode="dry-run" if self.dry_run else "run", target=ctx.target))
+            plugin.new_controller(mode="dry-run" if self.dry_run else "run", target=ctx.target, context=ctx)
         assert ctx.controller is not None
         ctx.controller.target = ctx.target  # a later hook_parse_path may have named another job
         return ctx.controller
@@ -274,7 +274,7 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
     root = megatron_root(arguments)
     ctx = context or run_context.current()
     if ctx is None:
-        ctx = RunContext.create("launcher", mode=context_mode(dry_run, capture), target=target)
+        ctx = new_context("launcher", mode=context_mode(dry_run, capture), target=target, controller=False)
     ctx.install()
     undo = ctx.undo
     hooks = ctx.hooks
@@ -333,7 +333,7 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
 
             install_stand_ins()  # triton, which core 0.16+ import, on a machine without it
         # The patched script's entry point: its run context, installed for the process.
-        ctx = RunContext.create("script", environ, mode=context_mode(dry, False), target=target).install()
+        ctx = new_context("script", environ, mode=context_mode(dry, False), target=target, controller=False).install()
         hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry, target=target,
                         output=settings.dry_run_output or "summary", context=ctx)
     except PerfTogglesError as error:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..core.decide import Plan
+from ..core.decision.decide import Plan
 from ..core.facts import Capabilities
 from ..core.launch_env import LaunchVar
-from ..core.memory_guard import summary as memory_summary
+from ..core.memory.memory_guard import summary as memory_summary
 from ..core.registry import format_value
 from ..runtime import provenance
 from . import screen

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # types only: the context imports nothing heavy when it loads
     from ..core.facts import Capabilities
     from ..core.profile import Profile
     from .controller import Controller
-    from .target import Target
+    from .machine.target import Target
 
 Mode = Literal["run", "dry-run", "plan"]
 MODES: tuple[Mode, ...] = ("run", "dry-run", "plan")
@@ -141,3 +141,9 @@ class RunContext:
 def current() -> RunContext | None:
     """The installed context, if any."""
     return _CURRENT
+
+
+def for_process(entry: str) -> RunContext:
+    """The installed context, or, where none is (a controller used on its own, whose rank check
+    ``check_ranks()`` must still find), one for ``entry`` installed for the process."""
+    return _CURRENT or RunContext.create(entry).install()

@@ -27,19 +27,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.ckpt_layout import checkpoint_facts
-from ..core.decide import Decision, Message, Plan, decide
+from ..core.decision.decide import Decision, Message, Plan, decide
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities
 from ..errors import PerfTogglesError
 from . import provenance, resume
-from .capabilities import for_plan
 from .context import MODES, Mode, RunContext, current
-from .target import planned_world
+from .machine.capabilities import for_plan
+from .machine.target import planned_world
 
 if TYPE_CHECKING:  # loaded only when a profile is set: the import path stays short
     from ..core.profile import Profile
-    from .target import Target
-
+    from .machine.target import Target
 
 
 class _Unset:
@@ -269,6 +268,32 @@ class Controller:
             for line in provenance.lines(Plan(changed, plan.precision, {}, [warning], plan.wgrad_path)):
                 print(line, flush=True)
             self._persist(ns, outcome)
+
+
+def new_controller(environ: Mapping[str, str] | None = None, *, mode: Mode = "run",
+                   capabilities: Capabilities | None = None, announce: bool = True, target: Target | None = None,
+                   context: RunContext | None = None) -> Controller:
+    """The one place a :class:`Controller` is made: for ``environ`` (the process's by default), and
+    made ``context``'s where one is given (it reads the environment and the profile once, for both).
+    A bad variable or profile raises PerfTogglesError here, before any parse."""
+    controller = Controller(environ, mode=mode, capabilities=capabilities, announce=announce, target=target)
+    if context is not None:
+        context.use_controller(controller)
+    return controller
+
+
+def new_context(entry: str, environ: Mapping[str, str] | None = None, *, mode: Mode = "run",
+                target: Target | None = None, capabilities: Capabilities | None = None, announce: bool = True,
+                controller: bool = True) -> RunContext:
+    """The factory every entry point gets its run context from (the provider called bare, the
+    launcher, a patched script, planning, the config front ends): the context for ``entry`` and,
+    unless ``controller`` is False (the launcher's hooks make theirs at the first parse, once the
+    mode is settled), its controller. Not installed: the entry point decides when it owns the process."""
+    ctx = RunContext.create(entry, environ, mode=mode, target=target)
+    if controller:
+        new_controller(ctx.environ, mode=mode, capabilities=capabilities, announce=announce, target=target,
+                       context=ctx)
+    return ctx
 
 
 def in_words(plan: Plan, speak: Callable[[str], str]) -> None:

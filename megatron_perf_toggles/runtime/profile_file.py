@@ -15,8 +15,8 @@ from dataclasses import replace
 from ..core.facts import Capabilities
 from ..core.profile import PROFILE_ENV, Environment, Observed, Profile, parse_profile
 from ..errors import ProfileError
-from . import target as planned
-from .capabilities import gpu_name_here
+from .machine import target as planned
+from .machine.capabilities import gpu_name_here
 
 MAX_BYTES = 1 << 20  # a profile is a few kB; a larger file is the wrong file, not one to read whole
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._version import __version__
-from ..core.decide import Plan
+from ..core.decision.decide import Plan
 from ..core.facts import Capabilities
 from ..core.precision import LOG_DIR_DESTS
 from ..core.registry import format_value
@@ -35,7 +35,7 @@ def jsonable(value: Any, *, enum_name: bool = False, other: Callable[[Any], Any]
 
 def memory_words(plan: Plan, dest: str) -> str:
     """A decision's peak-memory change as the tables show it ('' where the plan has no memory record)."""
-    from ..core.memory_guard import delta_words
+    from ..core.memory.memory_guard import delta_words
 
     memory = plan.memory or {}
     if memory.get("stock_peak_mb") is None:  # no estimate for this layout: the summary line says why
@@ -50,7 +50,7 @@ def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
         memory = memory_words(plan, dest)
         out.append(f"{PREFIX} {dest}: {format_value(d.value)} ({d.source}; {d.reason}{'; ' + memory if memory else ''})")
     if plan.memory is not None:
-        from ..core.memory_guard import summary
+        from ..core.memory.memory_guard import summary
 
         out.append(f"{PREFIX} {summary(plan.memory)}")
     for dest, path in plan.log_dirs.items():

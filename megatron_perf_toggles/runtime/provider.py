@@ -15,13 +15,14 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..core.decide import FP4_LAYER_DESTS, requested
+from ..core.decision.decide import FP4_LAYER_DESTS, requested
 from ..core.env import EnvSettings
 from ..core.facts import Capabilities
 from ..core.registry import GROUPS, TOGGLES, Toggle, format_value
 from ..errors import PerfTogglesError, fail
-from .context import RunContext, current
-from .controller import UNSET, Controller, Registration
+from .context import current
+from .controller import UNSET, Controller, Registration, new_context
+from .controller import new_controller as controller_factory
 
 if TYPE_CHECKING:  # the profile modules load only when a profile is named (start-up time)
     from ..core.profile import Profile
@@ -120,9 +121,10 @@ def refuse_contradictions(words: Any) -> None:
 
 
 def new_controller(environ: Mapping[str, str] | None = None, **kwargs: Any) -> Controller:
-    """A controller for ``environ``; a bad environment variable ends the run with one line."""
+    """A controller for ``environ`` (``controller.new_controller``, the one place one is made); a bad
+    environment variable ends the run with one line."""
     try:
-        return Controller(environ, **kwargs)
+        return controller_factory(environ, **kwargs)
     except PerfTogglesError as error:
         fail(error)
 
@@ -191,8 +193,8 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     installed for the process, where ``check_ranks()`` finds the fingerprint later."""
     ctx = current()
     if ctx is None or ctx.entry == "provider":
-        ctx = RunContext.create("provider").install()
-        ctx.use_controller(new_controller(ctx.environ))
+        ctx = new_context("provider", controller=False).install()
+        new_controller(ctx.environ, context=ctx)
     return attach(parser, controller=ctx.controller)
 
 

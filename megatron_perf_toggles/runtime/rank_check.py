@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.registry import BY_DEST
-from .context import RunContext, current
+from .context import RunContext, current, for_process
 
 CAPABILITY_KEYS = ("te_version", "apex_fused_wgrad", "wgrad_fallback", "aiter_version", "device")
 
@@ -40,7 +40,7 @@ def arm(fp: dict[str, Any], enabled: bool = True, context: RunContext | None = N
     group exists. Without a context (a controller used on its own), the installed one holds it,
     or one is installed for the process: ``check_ranks()`` is called bare, after
     ``init_process_group``, and reads it from there."""
-    context = context or current() or RunContext.create("rank check").install()
+    context = context or for_process("rank check")
     context.rank_fingerprint = dict(fp)
     undo = context.undo
     dist = _dist()

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..core.decide import Message
+from ..core.decision.decide import Message
 from ..core.registry import format_value
 
 HISTORY_NAME = "perf_toggles_history.jsonl"

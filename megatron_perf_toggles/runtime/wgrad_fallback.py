@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any
 
-from .probe import gpu_question_without_torch, installed, torch_module
+from .machine.probe import gpu_question_without_torch, installed, torch_module
 from .process_changes import PROCESS_CHANGES
 
 MODULE_NAME = "fused_weight_gradient_mlp_cuda"

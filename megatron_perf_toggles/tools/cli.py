@@ -17,21 +17,22 @@ from typing import Any
 
 from .._version import __version__
 from ..core import launch_env, layout
-from ..core.decide import decide, requested
+from ..core.decision.decide import decide, requested
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, describe_stack, parse_assume
 from ..core.precision import LOG_DIR_DESTS
 from ..core.profile import ENVIRONMENT_WORDS, Profile
 from ..core.registry import SETTINGS, TOGGLES, format_value
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
+from ..frontends import explain as explain_frontends
 from ..runtime import profile_file, provenance
-from ..runtime import target as planned
-from ..runtime.capabilities import detect, megatron_facts, resolve
-from ..runtime.probe import installed, torch_module
-from . import explain_frontends, megatron_usage
+from ..runtime import surface_replay as replay
+from ..runtime.machine import target as planned
+from ..runtime.machine.capabilities import detect, megatron_facts, resolve
+from ..runtime.machine.probe import installed, torch_module
+from . import megatron_usage
 from .llama3_8b import EXAMPLE_WORLD, LLAMA3_8B_EXAMPLE, llama3_8b_args
 from .planning import DEFAULT_SURFACE, checkout_script, plan_command_line
-from .surfaces import replay
 
 WGRAD_WORDS = {
     "apex": "APEX fused_weight_gradient_mlp_cuda",
@@ -253,7 +254,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         _say(f"MoE toggles: not a mixture-of-experts model ({', '.join(plan.not_applicable)} left as Megatron's)",
              width)
     if plan.memory is not None:
-        from ..core.memory_guard import summary
+        from ..core.memory.memory_guard import summary
 
         _say(summary(plan.memory), width)
     _say(f"precision tag: {plan.precision}; fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}", width)

@@ -12,15 +12,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..core.decide import Plan
+from ..core.decision.decide import Plan
 from ..core.facts import Capabilities, megatron_facts_from_surface
 from ..errors import PREFIX, PerfTogglesError
-from ..runtime import target as planned
-from ..runtime.capabilities import for_plan
+from ..runtime import surface_replay as replay
+from ..runtime.machine import target as planned
+from ..runtime.machine.capabilities import for_plan
 from . import megatron_usage
-from .surfaces import replay
 
-DEFAULT_SURFACE = "main"
+DEFAULT_SURFACE = replay.DEFAULT_SURFACE
 OWN_ERROR = f"{PREFIX} error: "  # how the plugin's own refusals start (errors.report)
 
 
@@ -55,7 +55,7 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
 
     from ..launcher import parse_hooks as hooks
     from ..launcher.import_shims import megatron_importable
-    from ..runtime.context import RunContext
+    from ..runtime.controller import new_context
     from ..runtime.provider import extra_args_provider
 
     script = checkout_script(tree)
@@ -63,7 +63,7 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     chatter = io.StringIO()  # Megatron's own printing and warnings; the explanation is ours
     # This entry point's run context: a dry run that hands its record back. Leaving the block undoes
     # what the planning run changed (parse hooks, safety net, import shims) and restores the slot.
-    ctx = RunContext.create("planning", mode="plan", target=target)
+    ctx = new_context("planning", mode="plan", target=target, controller=False)
     try:
         with ctx, ctx.until_stopped(), megatron_importable(tree), contextlib.redirect_stdout(chatter), \
                 contextlib.redirect_stderr(chatter):
@@ -94,7 +94,7 @@ def plan_command_line(
     With ``tree``: the launcher's dry run of its pretrain_gpt.py. Without: the recorded surface,
     with the same capability detection as that dry run (torch and TE imported where installed; on a
     machine where no GPU can be visible, torch's build file answers instead of a 2 s import)."""
-    from ..runtime.controller import Controller
+    from ..runtime.controller import new_controller
     from ..runtime.provider import attach
 
     if tree:
@@ -106,7 +106,7 @@ def plan_command_line(
     except KeyError as error:
         raise PerfTogglesError(str(error.args[0])) from None
     parser = replay.parser_from_surface(recorded, megatron_usage.named(name))  # a mistake is one line
-    controller = Controller(environ, mode="plan", target=target)  # validates the environment first, as a run would
+    controller = new_controller(environ, mode="plan", target=target)  # validates the environment first, as a run would
     label = f"recorded Megatron-LM surface {name!r} (--megatron PATH: a checkout's own parser)"
     # the planned world and GPU hold for the whole plan, as in a dry run: the capabilities follow
     # the one rule the dry run follows (capabilities.for_plan), the memory guard sees the world

@@ -7,10 +7,10 @@ generated block in the pages that hold them (``PAGES``).
 
 from __future__ import annotations
 
-from ..core.guards import GUARDS, guards_table
-from ..core.megatron_rules import rules_table
 from ..core.registry import BY_CAPABILITY, SETTINGS, TOGGLES, format_value
-from .surfaces import replay
+from ..core.rules.guards import GUARDS, guards_table
+from ..core.rules.megatron_rules import rules_table
+from ..runtime import surface_replay as replay
 
 BEGIN = "<!-- generated:{name} begin -->"
 END = "<!-- generated:{name} end -->"

@@ -21,8 +21,8 @@ import pytest
 import tree_driver
 from conftest import REPO
 
-from megatron_perf_toggles.runtime.capabilities import effective_assume
-from megatron_perf_toggles.runtime.target import make_target
+from megatron_perf_toggles.runtime.machine.capabilities import effective_assume
+from megatron_perf_toggles.runtime.machine.target import make_target
 
 H100_64 = make_target(64, gpu="h100")
 QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"

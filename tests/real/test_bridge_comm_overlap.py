@@ -22,8 +22,8 @@ import tree_driver
 from conftest import REPO
 from sandbox import clean_environ
 
-from megatron_perf_toggles.runtime.capabilities import effective_assume
-from megatron_perf_toggles.runtime.target import make_target
+from megatron_perf_toggles.runtime.machine.capabilities import effective_assume
+from megatron_perf_toggles.runtime.machine.target import make_target
 
 GPT175 = "megatron.bridge.recipes.gpt.gpt3_175b.gpt3_175b_pretrain_config"
 H100_STACK = str(effective_assume(None, make_target(32, gpu="h100")))

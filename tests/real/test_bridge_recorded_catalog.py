@@ -1,6 +1,6 @@
 """The recorded Megatron-Bridge catalog against the real Bridge.
 
-``tools/bridge_catalog.py`` records again, under ``BRIDGE_PYTHON`` (Bridge's own megatron-core,
+``frontends/bridge_catalog.py`` records again, under ``BRIDGE_PYTHON`` (Bridge's own megatron-core,
 the fixture Hugging Face configs offline), and the result must equal the catalog the package ships
 for that Bridge version; then every recipe the catalog holds is planned twice, by
 ``explain --bridge-recipe --json`` with the real Bridge and from the catalog in this interpreter
@@ -21,8 +21,8 @@ import tree_driver
 from conftest import REPO
 from sandbox import clean_environ
 
-from megatron_perf_toggles.runtime import bridge_catalog
-from megatron_perf_toggles.runtime.probe import installed
+from megatron_perf_toggles.frontends import bridge_catalog
+from megatron_perf_toggles.runtime.machine.probe import installed
 from megatron_perf_toggles.tools import cli
 
 ENABLE = "set BRIDGE_PYTHON to a Python 3.12 with megatron-bridge installed (tests/bridge_env.sh builds one)"
@@ -31,7 +31,7 @@ import contextlib, io, json, os, sys, tempfile
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import bridge_driver
 bridge_driver._offline_hf_cache(tempfile.mkdtemp())
-from megatron_perf_toggles.tools import bridge_catalog, cli
+from megatron_perf_toggles.tools import cli
 out = os.path.join(tempfile.mkdtemp(), "catalog.json")
 with contextlib.redirect_stdout(io.StringIO()):
     bridge_catalog.main(["--out", out])

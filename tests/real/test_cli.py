@@ -172,7 +172,7 @@ def test_explain_reports_torch_where_it_is_installed_and_where_facts_came_from()
 IMPORT_PROBE = """import json, os, runpy, sys
 out = sys.argv.pop(1)
 if os.environ.pop("PROBE_AS_IF_GPU_NODES", ""):  # as on a GPU machine: torch is asked about the GPU
-    import megatron_perf_toggles.runtime.probe as probe
+    import megatron_perf_toggles.runtime.machine.probe as probe
     probe.no_gpu_here = lambda: False
 sys.argv[0] = "megatron-perf-toggles"
 code = 0
@@ -213,7 +213,7 @@ def test_bad_input_is_refused_before_torch_is_imported(tmp_path, argv, words, gp
 
 def test_planning_where_no_gpu_can_be_visible_reads_torch_without_importing_it(tmp_path):
     torch_version = pytest.importorskip("torch").__version__
-    from megatron_perf_toggles.runtime.probe import GPU_SIGNS
+    from megatron_perf_toggles.runtime.machine.probe import GPU_SIGNS
 
     if any(os.path.exists(sign) for sign in GPU_SIGNS):
         pytest.skip("a GPU driver is here: torch is asked")
@@ -329,7 +329,7 @@ def test_doctor_reports_every_section():
 def test_doctor_with_nothing_installed(monkeypatch, capsys):
     import importlib.util
 
-    from megatron_perf_toggles.runtime import capabilities
+    from megatron_perf_toggles.runtime.machine import capabilities
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
     monkeypatch.setattr(capabilities, "_dist_version", lambda *names: None)

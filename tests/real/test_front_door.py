@@ -19,8 +19,8 @@ from sandbox import clean_environ
 from megatron_perf_toggles.core import launch_env
 from megatron_perf_toggles.core.facts import PLANNED_STACKS, parse_assume
 from megatron_perf_toggles.launcher.dry_run import assertion_site
-from megatron_perf_toggles.runtime import target as planned
-from megatron_perf_toggles.runtime.capabilities import for_plan
+from megatron_perf_toggles.runtime.machine import target as planned
+from megatron_perf_toggles.runtime.machine.capabilities import for_plan
 from megatron_perf_toggles.tools.ablate.guarded import guarded_off
 from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_BF16
 

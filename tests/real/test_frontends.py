@@ -9,14 +9,15 @@ import pytest
 from conftest import full_caps
 
 from megatron_perf_toggles.core.config_fields import BRIDGE_OVERRIDES, PRIMUS_HOMES, Home, bridge_homes
-from megatron_perf_toggles.core.decide import FP4_LAYER_DESTS, Decision, decide
+from megatron_perf_toggles.core.decision.decide import FP4_LAYER_DESTS, Decision, decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import MegatronFacts, megatron_facts_from_surface, surface_release
-from megatron_perf_toggles.core.guard_base import rule
-from megatron_perf_toggles.core.megatron_rules import RULES, SUPPORTED
 from megatron_perf_toggles.core.registry import TOGGLES
-from megatron_perf_toggles.runtime import bridge_adapter as bridge  # the adapter behind megatron_perf_toggles.bridge
-from megatron_perf_toggles.runtime import frontend, probe
+from megatron_perf_toggles.core.rules.guard_base import rule
+from megatron_perf_toggles.core.rules.megatron_rules import RULES, SUPPORTED
+from megatron_perf_toggles.frontends import adapter as frontend
+from megatron_perf_toggles.frontends import bridge_adapter as bridge  # the adapter behind megatron_perf_toggles.bridge
+from megatron_perf_toggles.runtime.machine import probe
 from megatron_perf_toggles.tools import cli
 from megatron_perf_toggles.tools.surfaces import replay
 
@@ -146,7 +147,8 @@ def test_the_primus_pth_hook_loads_nothing_else():
                           env={"PYTHONPATH": str(REPO), "PATH": ""})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == ["megatron_perf_toggles._version", "megatron_perf_toggles.errors",
-                                 "megatron_perf_toggles.primus_hook"]
+                                 "megatron_perf_toggles.frontends", "megatron_perf_toggles.frontends.primus_hook",
+                                 "megatron_perf_toggles.primus_hook"]  # the name the .pth imports, and the hook
 
 
 def test_primus_explicit_names_a_toggle_or_refuses_in_one_line():

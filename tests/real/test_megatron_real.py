@@ -16,7 +16,7 @@ import tree_driver
 from conftest import megatron_trees
 
 from megatron_perf_toggles.core.registry import TOGGLES
-from megatron_perf_toggles.runtime.capabilities import detect_rules
+from megatron_perf_toggles.runtime.machine.capabilities import detect_rules
 
 TREES = megatron_trees()
 pytestmark = pytest.mark.real_megatron

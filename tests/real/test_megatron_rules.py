@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from conftest import megatron_trees
 
-from megatron_perf_toggles.core import megatron_rules
-from megatron_perf_toggles.core.guard_base import rule
-from megatron_perf_toggles.core.guards import GUARDS, NEEDS
 from megatron_perf_toggles.core.registry import BY_DEST
+from megatron_perf_toggles.core.rules import megatron_rules
+from megatron_perf_toggles.core.rules.guard_base import rule
+from megatron_perf_toggles.core.rules.guards import GUARDS, NEEDS
 from megatron_perf_toggles.errors import RegistryError
-from megatron_perf_toggles.runtime.capabilities import detect_rules
+from megatron_perf_toggles.runtime.machine.capabilities import detect_rules
 
 PLUGIN_DESTS = set(BY_DEST) | {"first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"}
 

@@ -12,10 +12,10 @@ import pytest
 from conftest import REPO, full_caps, megatron_trees
 from sandbox import clean_environ
 
-from megatron_perf_toggles.core import memory
-from megatron_perf_toggles.core.decide import decide
+from megatron_perf_toggles.core.decision.decide import decide
 from megatron_perf_toggles.core.env import read_env
-from megatron_perf_toggles.core.memory_guard import HEADROOM_VAR, headroom_mb
+from megatron_perf_toggles.core.memory import model as memory
+from megatron_perf_toggles.core.memory.memory_guard import HEADROOM_VAR, headroom_mb
 from megatron_perf_toggles.errors import EnvValueError
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -250,7 +250,7 @@ def test_the_start_up_and_dry_run_lines_give_each_decisions_memory():
 def test_a_live_gpu_reports_its_own_memory():
     from types import SimpleNamespace
 
-    from megatron_perf_toggles.runtime.capabilities import gpu_memory_here
+    from megatron_perf_toggles.runtime.machine.capabilities import gpu_memory_here
 
     props = SimpleNamespace(total_memory=143771 * 2**20)
     cuda = SimpleNamespace(is_available=lambda: True, get_device_properties=lambda index: props)
@@ -348,7 +348,7 @@ def test_pipeline_first_stage_peak_is_not_priced_with_the_last_stages_logits():
     ce = plan.decisions["cross_entropy_loss_fusion"]
     assert (ce.value, ce.source) == (True, "default"), ce.reason
     assert record["planned_peak_mb"] <= record["limit_mb"]
-    from megatron_perf_toggles.core.memory_guard import summary
+    from megatron_perf_toggles.core.memory.memory_guard import summary
 
     assert f"planned peak {record['planned_peak_mb'] / 1024:.1f} GB" in summary(record)
     # The last stage does carry the logits' copy: a smaller GPU tips it, and the guard backs it off.

@@ -33,7 +33,7 @@ import pytest
 import tree_driver
 from conftest import REPO
 
-from megatron_perf_toggles.core.decide import FP4_RECIPE_SELECTION
+from megatron_perf_toggles.core.decision.decide import FP4_RECIPE_SELECTION
 from megatron_perf_toggles.core.registry import SETTINGS, TOGGLES
 from megatron_perf_toggles.errors import PREFIX, PerfTogglesError
 

@@ -22,16 +22,16 @@ import pytest
 import tree_driver
 from conftest import REPO
 
-from megatron_perf_toggles.runtime.capabilities import effective_assume
-from megatron_perf_toggles.runtime.target import make_target
+from megatron_perf_toggles.core.registry import TOGGLES
+from megatron_perf_toggles.runtime.machine.capabilities import effective_assume
+from megatron_perf_toggles.runtime.machine.target import make_target
 
 BF16 = "examples/megatron/configs/MI355X/llama3.1_8B-BF16-pretrain.yaml"
 MI355X_BF16 = BF16
 MI355X_8 = make_target(8, gpu="mi355x")
 MXFP4 = "examples/megatron/configs/MI355X/llama3.1_8B-MXFP4-pretrain.yaml"
-DESTS = ("gradient_accumulation_fusion", "grad_reduce_in_bf16", "ddp_average_in_collective",
-         "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "fused_single_qkv_rope",
-         "first_last_layers_bf16")
+# Every toggle of a dense model (the registry's), and the precision setting Primus's FP4 recipes read.
+DESTS = (*(t.dest for t in TOGGLES if t.scope == "all"), "first_last_layers_bf16")
 
 # Runs inside the subprocess, with the Primus tree and this repository on sys.path.
 DRIVER = r"""
@@ -42,7 +42,7 @@ from primus.core.config.primus_config import load_primus_config, get_module_conf
 from primus.core.patches import run_patches
 from megatron_perf_toggles import primus as plugin
 from megatron_perf_toggles.core.facts import Capabilities
-from megatron_perf_toggles.runtime import frontend
+from megatron_perf_toggles.frontends import adapter as frontend
 
 case = json.loads(sys.argv[1])
 cfg = load_primus_config(Path(case["config"]))
@@ -145,6 +145,7 @@ def test_mxfp4_guard_keeps_the_bf16_gradient_buffer(tree):
 def test_pth_hook_registers_when_primus_imports_its_patches(tree):
     code = ("import sys, megatron_perf_toggles.primus_hook\n"
             "assert 'primus' not in sys.modules and 'megatron_perf_toggles.primus' not in sys.modules\n"
+            "assert 'megatron_perf_toggles.frontends.primus' not in sys.modules\n"
             "from primus.core.patches.patch_registry import PatchRegistry\n"
             "p = PatchRegistry.get('megatron_perf_toggles.decisions')\n"
             "import pkgutil, primus.core.patches as m\n"

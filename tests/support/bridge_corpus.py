@@ -115,8 +115,8 @@ def check(cfg, caps) -> list[str]:
 def _h100_stack() -> str:
     """The machine the recipes are written for, as MEGATRON_PERF_TOGGLES_ASSUME names it: an H100's
     planned stack (this CPU machine has no fused-wgrad path at all)."""
-    from megatron_perf_toggles.runtime.capabilities import effective_assume
-    from megatron_perf_toggles.runtime.target import make_target
+    from megatron_perf_toggles.runtime.machine.capabilities import effective_assume
+    from megatron_perf_toggles.runtime.machine.target import make_target
 
     return str(effective_assume(None, make_target(gpu="h100")))
 
@@ -126,7 +126,7 @@ H100_STACK = _h100_stack()
 
 def one(spec: str, fn) -> dict:
     from megatron_perf_toggles import bridge
-    from megatron_perf_toggles.runtime import frontend
+    from megatron_perf_toggles.frontends import adapter as frontend
     from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
 
     try:

@@ -347,7 +347,7 @@ def cache_megatron_facts(patches: Any) -> None:
     ``patches``: the batch's end puts the uncached function back)."""
     import functools
 
-    from megatron_perf_toggles.runtime import capabilities
+    from megatron_perf_toggles.runtime.machine import capabilities
 
     original = capabilities.megatron_facts
     if not getattr(original, "cache_info", None) and not inspect_params(original):

@@ -94,10 +94,11 @@ def one(path: Path, gpu: str, env: dict[str, str]) -> dict:
     from primus.core.patches.patch_registry import PatchRegistry
 
     from megatron_perf_toggles import primus as plugin
-    from megatron_perf_toggles.runtime import context, frontend
-    from megatron_perf_toggles.runtime.capabilities import effective_assume
+    from megatron_perf_toggles.frontends import adapter as frontend
+    from megatron_perf_toggles.runtime import context
+    from megatron_perf_toggles.runtime.machine.capabilities import effective_assume
+    from megatron_perf_toggles.runtime.machine.target import make_target
     from megatron_perf_toggles.runtime.process_changes import PROCESS_CHANGES
-    from megatron_perf_toggles.runtime.target import make_target
 
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

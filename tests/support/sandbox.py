@@ -1,7 +1,7 @@
 """One sandbox for what a test runs: the environment without any variable the plugin reads.
 
 The variables are the registry's (every toggle's and every plugin setting's) and PyTorch's allocator
-setting, which the memory plan reads (core.allocator), so a variable added
+setting, which the memory plan reads (core.memory.allocator), so a variable added
 there is kept out of every test's processes and of the trees' workers with no change here. Every
 test, driver and case that needs a clean environment asks this module; none keeps a list of its own.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
-from megatron_perf_toggles.core.allocator import ALLOC_CONF_VARS
+from megatron_perf_toggles.core.memory.allocator import ALLOC_CONF_VARS
 from megatron_perf_toggles.core.registry import SETTINGS, TOGGLES
 
 

@@ -29,7 +29,7 @@ from megatron_perf_toggles.tools.ablate.spec import ExperimentSpec
 
 def test_one_at_a_time():
     arms = expand("one-at-a-time", DEFAULT_TOGGLES, [])
-    assert len(arms) == len(DEFAULT_TOGGLES) + 1 == 6
+    assert len(arms) == len(DEFAULT_TOGGLES) + 1
     assert arms[0].baseline and not any(arms[0].toggles.values())
     for arm, dest in zip(arms[1:], DEFAULT_TOGGLES, strict=True):
         assert [d for d, v in arm.toggles.items() if v] == [dest]
@@ -37,7 +37,7 @@ def test_one_at_a_time():
 
 def test_leave_one_out():
     arms = expand("leave-one-out", DEFAULT_TOGGLES, [])
-    assert len(arms) == 6 and all(arms[0].toggles.values())
+    assert len(arms) == len(DEFAULT_TOGGLES) + 1 and all(arms[0].toggles.values())
     for arm, dest in zip(arms[1:], DEFAULT_TOGGLES, strict=True):
         assert [d for d, v in arm.toggles.items() if not v] == [dest]
 

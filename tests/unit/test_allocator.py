@@ -1,4 +1,4 @@
-"""The caching allocator in the memory plan (core/allocator.py, core/memory_guard.py): the largest
+"""The caching allocator in the memory plan (core/memory/allocator.py, core/memory/memory_guard.py): the largest
 allocation, the three verdicts, the guard that backs a default off only where that changes the
 outcome, the launch environment it asks for, Megatron's own rules about the setting, and the H200
 runs that check the verdicts (docs/benchmarks/allocator_validation.json)."""
@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 from conftest import full_caps
 
-from megatron_perf_toggles.core import allocator, megatron_rules, memory
-from megatron_perf_toggles.core.decide import decide
+from megatron_perf_toggles.core.decision.decide import decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import MegatronFacts
+from megatron_perf_toggles.core.memory import allocator
+from megatron_perf_toggles.core.memory import model as memory
+from megatron_perf_toggles.core.rules import megatron_rules
 from megatron_perf_toggles.errors import EnvValueError
 
 REPO = Path(__file__).resolve().parents[2]

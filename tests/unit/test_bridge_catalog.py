@@ -1,7 +1,7 @@
 """explain --bridge-recipe without Megatron-Bridge: the recorded catalog plans it, every mistake one line.
 
 The catalog in the package (megatron_perf_toggles/data/bridge_recipes/) is recorded from the real
-Bridge by tools/bridge_catalog.py; tests/real/test_bridge_recorded_catalog.py records it again and compares,
+Bridge by frontends/bridge_catalog.py; tests/real/test_bridge_recorded_catalog.py records it again and compares,
 and compares these plans with the real Bridge's. Here: the plans it gives where Bridge is absent.
 """
 
@@ -13,8 +13,8 @@ import os
 import pytest
 from sandbox import clean_environ
 
-from megatron_perf_toggles.runtime import bridge_catalog
-from megatron_perf_toggles.runtime.probe import installed
+from megatron_perf_toggles.frontends import bridge_catalog
+from megatron_perf_toggles.runtime.machine.probe import installed
 from megatron_perf_toggles.tools import cli
 
 LLAMA = "megatron.bridge.recipes.llama:llama3_8b_pretrain_config"

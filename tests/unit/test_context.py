@@ -214,4 +214,24 @@ def test_the_walk_from_the_provider_to_the_decision_record_stays_in_two_wings() 
         sys.setprofile(None)
     assert args.perf_toggles  # the records are there
     assert {"runtime", "core"} <= wings <= {"runtime", "core", "errors", "_version"}, wings
-    assert descents == ["megatron_perf_toggles.core.decide:decide"], descents
+    assert descents == ["megatron_perf_toggles.core.decision.decide:decide"], descents
+
+
+def test_the_run_context_and_its_controller_are_made_in_one_factory():
+    """Every entry point gets its run context (and controller) from ``controller.new_context``:
+    the package constructs a RunContext or a Controller in two places only, the factory module and
+    the context's own module (the process's context for a bare ``check_ranks``)."""
+    import ast
+
+    from conftest import REPO
+
+    package = REPO / "megatron_perf_toggles"
+    makers = {"RunContext.create", "RunContext", "Controller", "cls"}
+    places = {}
+    for path in sorted(package.rglob("*.py")):
+        calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+                 and ast.unparse(n.func) in makers and (ast.unparse(n.func) != "cls" or path.name == "context.py")]
+        if calls:
+            places[str(path.relative_to(package))] = [ast.unparse(c.func) for c in calls]
+    assert set(places) <= {"runtime/controller.py", "runtime/context.py"}, places
+    assert places["runtime/controller.py"] == ["Controller", "RunContext.create"]  # new_controller, new_context

@@ -78,10 +78,10 @@ def test_defaults_and_version_guards_follow_recorded_facts(name):
     assert args.cross_entropy_loss_fusion is True
     # Planning with recorded facts: the replayed parser has no Megatron behind it, so the
     # capabilities come from the record (as `explain --megatron-version` does).
-    from megatron_perf_toggles.core.decide import decide
+    from megatron_perf_toggles.core.decision.decide import decide
     from megatron_perf_toggles.core.env import read_env
     from megatron_perf_toggles.core.facts import megatron_facts_from_surface
-    from megatron_perf_toggles.runtime.capabilities import resolve
+    from megatron_perf_toggles.runtime.machine.capabilities import resolve
 
     caps = resolve("apex,te=2.20")
     caps = dataclasses.replace(caps, megatron=megatron_facts_from_surface(surface))

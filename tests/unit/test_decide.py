@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from conftest import LLAMA_ARGS, MOE_ARGS, full_caps
 
-from megatron_perf_toggles.core.decide import decide
+from megatron_perf_toggles.core.decision.decide import decide
 from megatron_perf_toggles.core.facts import MegatronFacts, with_assumptions
-from megatron_perf_toggles.core.megatron_rules import RULES
 from megatron_perf_toggles.core.registry import TOGGLES
+from megatron_perf_toggles.core.rules.megatron_rules import RULES
 from megatron_perf_toggles.errors import CannotHonourError, DependencyError
-from megatron_perf_toggles.runtime.capabilities import resolve
+from megatron_perf_toggles.runtime.machine.capabilities import resolve
 
 
 def run(args=None, explicit=None, env_settings=None, caps=None, stock=None):

@@ -15,7 +15,7 @@ def test_generated_tables_equal_the_code():
 
 
 def test_the_guard_list_follows_the_code_so_no_number_can_drift():
-    from megatron_perf_toggles.core.decide import GUARDS
+    from megatron_perf_toggles.core.decision.decide import GUARDS
 
     lines = docs.guards_list().splitlines()
     assert [line.split("`")[1] for line in lines] == [g.name for g in GUARDS]

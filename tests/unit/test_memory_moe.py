@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers in the memory model (core/memory_moe.py through core/memory.py) and the
+"""Mixture-of-experts layers in the memory model (core/memory/memory_moe.py through core/memory/model.py) and the
 memory guard on MoE jobs. Every expected number is worked out here from Megatron's shapes (experts.py,
 router.py, moe_utils.py, token_dispatcher.py), not taken from the model's output."""
 
@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 from conftest import full_caps
 
-from megatron_perf_toggles.core import allocator, memory, memory_guard, memory_moe
-from megatron_perf_toggles.core.decide import decide
+from megatron_perf_toggles.core.decision.decide import decide
+from megatron_perf_toggles.core.decision.plan import Decision
 from megatron_perf_toggles.core.env import read_env
-from megatron_perf_toggles.core.plan import Decision
+from megatron_perf_toggles.core.memory import allocator, memory_guard, memory_moe
+from megatron_perf_toggles.core.memory import model as memory
 from megatron_perf_toggles.core.registry import BY_DEST, TOGGLES
 
 MB = 2**20

@@ -1,5 +1,5 @@
 """The allgather dispatcher and the routing probabilities' dtype in the MoE memory model
-(core/memory_moe.py). Every expected number is worked out here from Megatron's shapes
+(core/memory/memory_moe.py). Every expected number is worked out here from Megatron's shapes
 (token_dispatcher.py ``MoEAllGatherTokenDispatcher``, moe_utils.py ``permute``, router.py), not taken
 from the model's output."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_perf_toggles.core import memory, memory_moe
+from megatron_perf_toggles.core.memory import memory_moe
+from megatron_perf_toggles.core.memory import model as memory
 
 MB = 2**20
 H, MOE_FFN, E, K, SEQ, MBS, LAYERS = 1024, 2048, 8, 2, 1024, 2, 4

@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 from conftest import LLAMA_ARGS, MOE_ARGS, full_caps
 
-from megatron_perf_toggles.core.decide import decide
+from megatron_perf_toggles.core.decision.decide import decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import MegatronFacts, with_assumptions
-from megatron_perf_toggles.core.megatron_rules import rules_of
+from megatron_perf_toggles.core.rules.megatron_rules import rules_of
 from megatron_perf_toggles.errors import CannotHonourError
 from megatron_perf_toggles.tools.ablate.design import default_toggles, parse_toggles
 
@@ -189,8 +189,8 @@ def test_op_fuser_gated_experts_follow_the_cutedsl_variable(value, on):
 
 
 def test_op_fuser_clamped_swiglu_needs_te_217_on_main():
-    from megatron_perf_toggles.core import guards_moe
-    from megatron_perf_toggles.core.plan import Context
+    from megatron_perf_toggles.core.decision.plan import Context
+    from megatron_perf_toggles.core.rules import guards_moe
 
     def blocker(release, te):
         caps = full_caps(megatron=megatron(release), te_version=te)

@@ -13,12 +13,14 @@ import pkgutil
 import pytest
 from conftest import REPO
 
-from megatron_perf_toggles.core import facts, guard_base, guards, memory_guard, registry
+from megatron_perf_toggles.core import facts, registry
+from megatron_perf_toggles.core.decision.plan import Context
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import Capabilities, MegatronFacts, megatron_facts_from_surface, parse_assume
-from megatron_perf_toggles.core.megatron_rules import RULES
-from megatron_perf_toggles.core.plan import Context
-from megatron_perf_toggles.runtime import capabilities as probing
+from megatron_perf_toggles.core.memory import memory_guard
+from megatron_perf_toggles.core.rules import guard_base, guards
+from megatron_perf_toggles.core.rules.megatron_rules import RULES
+from megatron_perf_toggles.runtime.machine import capabilities as probing
 
 CORE = REPO / "megatron_perf_toggles" / "core"
 EXAMPLE = registry.Capability("te_example_kernel", "import:transformer_engine.pytorch.example:kernel", "te>=2.9",
@@ -119,7 +121,7 @@ def test_read_rules_decide_their_facts() -> None:
 
 def test_no_guard_reads_a_rule_other_than_through_its_declaration() -> None:
     facts_of_rules = {r.fact for r in RULES if r.fact}
-    for path in [*CORE.glob("guards*.py"), CORE / "guard_base.py"]:
+    for path in [*(CORE / "rules").glob("guards*.py"), CORE / "rules" / "guard_base.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute):
                 assert node.attr not in facts_of_rules, f"{path.name}:{node.lineno} reads .{node.attr}: use carries(rule)"
@@ -149,10 +151,10 @@ def test_the_checkout_reader_finds_a_rule_by_its_phrase_alone(tmp_path) -> None:
 
 def test_every_declared_guard_runs_once_and_none_is_listed_by_hand() -> None:
     declared = {}
-    for info in pkgutil.iter_modules([str(CORE)]):
-        module = importlib.import_module(f"megatron_perf_toggles.core.{info.name}")
+    for info in pkgutil.walk_packages([str(CORE)], prefix="megatron_perf_toggles.core."):
+        module = importlib.import_module(info.name)
         declared.update({id(v): v for v in vars(module).values() if isinstance(v, guard_base.Guard)})
     assert len(guards.GUARDS) == len({id(g) for g in guards.GUARDS})
     assert {id(g) for g in guards.GUARDS} == set(declared), "a guard is declared but does not run"
-    source = (CORE / "guards.py").read_text()
+    source = (CORE / "rules" / "guards.py").read_text()
     assert not [g.name for g in guards.GUARDS if g.name in source], "guards.py names a guard: list none by hand"

@@ -12,7 +12,7 @@ import pytest
 from sandbox import clean_environ
 
 from megatron_perf_toggles.core import layout
-from megatron_perf_toggles.core.memory_guard import summary
+from megatron_perf_toggles.core.memory.memory_guard import summary
 from megatron_perf_toggles.launcher import parse_refusal, screen
 from megatron_perf_toggles.tools import cli
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import LLAMA_ARGS, MOE_ARGS, REPO, full_caps
 from sandbox import clean_environ
 
-from megatron_perf_toggles.core.decide import decide
+from megatron_perf_toggles.core.decision.decide import decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.profile import (
     FORMAT,

@@ -11,7 +11,7 @@ from conftest import REPO
 from sandbox import clean_environ
 
 from megatron_perf_toggles.errors import PerfTogglesError
-from megatron_perf_toggles.runtime import target
+from megatron_perf_toggles.runtime.machine import target
 
 torch = pytest.importorskip("torch", reason="torch is not installed: device stand-ins not testable")
 
@@ -124,7 +124,7 @@ def test_launcher_one_line_when_the_tree_breaks_at_import(tmp_path):
     ("darwin", [], False),  # another system: torch answers
 ])
 def test_no_gpu_here_only_where_no_sign_of_a_gpu_driver_is(monkeypatch, platform, nodes, expected):
-    from megatron_perf_toggles.runtime import probe
+    from megatron_perf_toggles.runtime.machine import probe
 
     asked = []
 
@@ -140,7 +140,7 @@ def test_no_gpu_here_only_where_no_sign_of_a_gpu_driver_is(monkeypatch, platform
 
 def test_no_gpu_driver_means_no_visible_gpu_without_importing_torch(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")
-    from megatron_perf_toggles.runtime import probe
+    from megatron_perf_toggles.runtime.machine import probe
 
     monkeypatch.setattr(probe, "no_gpu_here", lambda: True)
     monkeypatch.setattr(target, "torch_module", lambda import_it=True: pytest.fail("torch was asked"))
@@ -155,7 +155,7 @@ def test_no_gpu_driver_means_no_visible_gpu_without_importing_torch(monkeypatch)
 
 
 def test_the_build_file_says_what_an_import_of_torch_says():
-    from megatron_perf_toggles.runtime import probe
+    from megatron_perf_toggles.runtime.machine import probe
 
     build = probe.torch_build()
     assert build == {"__version__": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip}
@@ -164,7 +164,7 @@ def test_the_build_file_says_what_an_import_of_torch_says():
 def test_a_build_file_that_is_not_plain_assignments_is_no_answer(tmp_path, monkeypatch):
     from importlib.machinery import ModuleSpec
 
-    from megatron_perf_toggles.runtime import probe
+    from megatron_perf_toggles.runtime.machine import probe
 
     package = tmp_path / "torch"
     package.mkdir()

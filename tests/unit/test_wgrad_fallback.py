@@ -8,7 +8,7 @@ import types
 import pytest
 from conftest import LLAMA_ARGS, full_caps
 
-from megatron_perf_toggles.core.decide import decide
+from megatron_perf_toggles.core.decision.decide import decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.runtime import wgrad_fallback
 
@@ -133,7 +133,7 @@ def test_policy_no_fallback_possible():
 
 def test_usable_without_a_gpu_driver_is_no_without_importing_torch(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")
-    from megatron_perf_toggles.runtime import probe
+    from megatron_perf_toggles.runtime.machine import probe
 
     monkeypatch.setattr(probe, "no_gpu_here", lambda: True)
     monkeypatch.setattr(wgrad_fallback, "torch_module", lambda import_it=True: pytest.fail("torch was asked"))

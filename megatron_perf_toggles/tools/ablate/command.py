@@ -151,7 +151,7 @@ def print_dry_run(experiment: Experiment) -> None:
 def _known_args() -> tuple[set[str] | None, set[str] | None]:
     """Megatron's argument dests and flags (``--no-...`` switches store into a dest of another
     name), from the recorded main surface: catches typos before any run."""
-    from ..surfaces import replay
+    from ...runtime import surface_replay as replay
 
     try:
         actions = replay.load_surface("main")["actions"]

@@ -19,13 +19,13 @@ from pathlib import Path
 
 from ...core.registry import BY_DEST
 from ...errors import PerfTogglesError
-from ...runtime import target as planned
+from ...runtime.machine import target as planned
 
 
 def surface_for(script: str) -> str:
     """The recorded surface of the checkout that holds ``script`` (its version), else main's."""
+    from ...runtime import surface_replay as replay
     from ..patching import inspect_tree, patch_set_for
-    from ..surfaces import replay
 
     try:
         name = patch_set_for(inspect_tree(Path(script).resolve().parent))

@@ -110,7 +110,7 @@ def code_facts() -> dict[str, Any]:
     """The Megatron facts that decide guards (which asserts and hooks exist), as detected."""
     from dataclasses import asdict
 
-    from ...runtime.capabilities import megatron_facts
+    from ...runtime.machine.capabilities import megatron_facts
 
     facts = asdict(megatron_facts())
     facts.pop("path", None)

@@ -1,0 +1,139 @@
+"""Build a Megatron-Bridge recipe and remember which toggle fields the recipe itself set.
+
+A field still equal to its dataclass default cannot be told, on the finished ``ConfigContainer``,
+from one the recipe assigned that same value on purpose (``cfg.ddp.grad_reduce_in_fp32 = True``).
+:func:`build` calls the recipe function while watching Megatron's and Bridge's configuration
+classes: a keyword given to their constructors, and any assignment after construction, marks
+the field as set. :func:`~megatron_perf_toggles.bridge.apply` then treats every such toggle
+field as the recipe's choice (the ``config`` tier), whatever its value::
+
+    cfg = bridge_recipe.build("megatron.bridge.recipes.llama:llama3_8b_pretrain_config")
+    bridge.apply(cfg)
+
+The watch lasts only as long as the recipe call (the classes are put back through a scoped undo
+log) and records ids only; nothing of the recipe's behaviour changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..core.config_fields import BRIDGE_SECTIONS
+from ..errors import PerfTogglesError
+from ..runtime.process_changes import ProcessChanges
+
+# The configuration classes a recipe fills in, each with every subclass (model providers included).
+ROOTS = ("megatron.core.model_parallel_config:ModelParallelConfig",
+         "megatron.core.distributed.distributed_data_parallel_config:DistributedDataParallelConfig",
+         "megatron.bridge.training.mixed_precision:MixedPrecisionConfig")
+_TRACED: dict[int, tuple[weakref.ref[Any], frozenset[str]]] = {}
+
+
+def split(spec: str) -> tuple[str, str]:
+    """``MODULE:FUNCTION`` (or ``MODULE.FUNCTION``) into its two names; one line where it is neither
+    (checked before anything is imported)."""
+    module, sep, name = spec.partition(":")
+    if not sep:
+        module, _, name = spec.rpartition(".")
+    if not module or not name or not all(part.isidentifier() for part in (*module.split("."), name)):
+        raise PerfTogglesError(f"--bridge-recipe {spec!r}: name it MODULE:FUNCTION",
+                               "e.g. megatron.bridge.recipes.llama:llama3_8b_pretrain_config")
+    return module, name
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """``MODULE:FUNCTION`` (or ``MODULE.FUNCTION``) to the function; one line where it is none."""
+    module, name = split(spec)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except ImportError as error:
+        raise PerfTogglesError(f"--bridge-recipe {spec}: cannot import {module}: {error}") from None
+    except AttributeError:
+        raise PerfTogglesError(f"--bridge-recipe {spec}: {module} has no {name!r}") from None
+    if not callable(fn):
+        raise PerfTogglesError(f"--bridge-recipe {spec}: {name} is not a function")
+    return fn
+
+
+def _classes() -> Iterator[tuple[type, bool]]:
+    """Each watched class, and whether it is a root (its subclasses inherit its ``__setattr__``)."""
+    for spec in ROOTS:
+        module, _, name = spec.partition(":")
+        try:
+            root = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        todo, seen = [root], set()
+        while todo:
+            cls = todo.pop()
+            if cls not in seen:
+                seen.add(cls)
+                todo.extend(cls.__subclasses__())
+                yield cls, cls is root
+
+
+class _Watch:
+    """Records (object id, field name) for constructor keywords and later assignments."""
+
+    def __init__(self) -> None:
+        self.set: dict[int, set[str]] = {}
+        self.building: set[int] = set()
+
+    def init(self, original: Callable[..., None]) -> Callable[..., None]:
+        def __init__(obj: Any, *args: Any, **kwargs: Any) -> None:
+            key = id(obj)
+            fresh = key not in self.building
+            self.building.add(key)
+            try:
+                original(obj, *args, **kwargs)
+            finally:
+                if fresh:
+                    self.building.discard(key)
+            if fresh:
+                positional = [f.name for f in dataclasses.fields(obj) if f.init and not f.kw_only][:len(args)]
+                self.set.setdefault(key, set()).update(positional, kwargs)
+
+        return __init__
+
+    def setattr(self, original: Callable[[Any, str, Any], None]) -> Callable[[Any, str, Any], None]:
+        def __setattr__(obj: Any, name: str, value: Any) -> None:
+            if id(obj) not in self.building:
+                self.set.setdefault(id(obj), set()).add(name)
+            original(obj, name, value)
+
+        return __setattr__
+
+
+def build(recipe: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Call the recipe (a function, or ``MODULE:FUNCTION``) and return its configuration, with the
+    fields it set remembered for :func:`traced_fields`."""
+    fn = resolve(recipe) if isinstance(recipe, str) else recipe
+    watch, scope = _Watch(), ProcessChanges()
+    try:
+        for cls, root in _classes():
+            if "__init__" in vars(cls):
+                scope.set_attr(cls, "__init__", watch.init(vars(cls)["__init__"]))
+            if "__setattr__" in vars(cls) or root:
+                scope.set_attr(cls, "__setattr__", watch.setattr(vars(cls).get("__setattr__", object.__setattr__)))
+        cfg = fn(*args, **kwargs)
+    finally:
+        scope.uninstall()
+    paths: set[str] = set()
+    for section in BRIDGE_SECTIONS:
+        obj = getattr(cfg, section, None)
+        paths.update(f"{section}.{name}" for name in watch.set.get(id(obj), ()))
+    for key in [k for k, (ref, _) in _TRACED.items() if ref() is None]:
+        del _TRACED[key]
+    _TRACED[id(cfg)] = (weakref.ref(cfg), frozenset(paths))
+    return cfg
+
+
+def traced_fields(cfg: Any) -> frozenset[str]:
+    """The field paths (``ddp.grad_reduce_in_fp32``) the recipe that built ``cfg`` set; empty for a
+    configuration :func:`build` did not make."""
+    entry = _TRACED.get(id(cfg))
+    return entry[1] if entry is not None and entry[0]() is cfg else frozenset()

@@ -1,0 +1,93 @@
+"""A stand-in for Transformer Engine while a configuration front end is planned on a CPU machine.
+
+Megatron-Bridge (and the Megatron code its recipes import) imports Transformer Engine at module
+level, and TE needs a GPU build. Planning a recipe only builds configuration objects, so where TE
+is not installed, any ``transformer_engine.*`` module is made on demand for the length of the
+plan: lower-case names are submodules (also callable), capitalised ones placeholder classes. The
+launcher's dry run stands in for triton the same way (``import_shims``). Nothing of it reaches the
+decisions: the capabilities of a plan come from the planned stack (``capabilities.for_plan``), not
+from this stand-in; its version is ``VERSION`` only so that import-time version checks pass.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..runtime.machine.probe import installed
+
+VERSION = "2.8.0"
+PACKAGE = "transformer_engine"
+
+
+class _Meta(type):
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder()
+
+
+class _Placeholder(metaclass=_Meta):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __call__(self, *args: object, **kwargs: object) -> _Placeholder:
+        return _Placeholder()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder()
+
+
+class _Module(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name[:1].islower():  # a submodule (te.common.recipe) or a function: both work as a module
+            return importlib.import_module(f"{self.__name__}.{name}")
+        value = type(name, (_Placeholder,), {"__module__": self.__name__})
+        setattr(self, name, value)
+        return value
+
+    def __call__(self, *args: object, **kwargs: object) -> _Placeholder:
+        return _Placeholder()
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == PACKAGE or fullname.startswith(PACKAGE + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _Module(spec.name)
+        module.__path__ = []
+        module.__version__ = VERSION  # type: ignore[attr-defined]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+@contextmanager
+def transformer_engine() -> Iterator[bool]:
+    """Within the block, ``import transformer_engine...`` works where TE is not installed (yields
+    whether the stand-in is in place). Afterwards the finder is gone; modules imported meanwhile keep
+    the placeholders they bound, which is all a plan that then ends needs."""
+    if installed(PACKAGE):
+        yield False
+        return
+    finder = _Finder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield True
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
