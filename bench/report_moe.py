@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 from memory_validation import generic_paths  # bench/ is on the path (run as a script, or by the tests)
 
 from megatron_perf_toggles.errors import PerfTogglesError
-from megatron_perf_toggles.tools.ablate import loss_test
+from megatron_perf_toggles.tools.ablate.loss import loss_test
 from megatron_perf_toggles.tools.ablate.reanalyse import loss_test_of
 
 REPO = Path(__file__).resolve().parents[1]

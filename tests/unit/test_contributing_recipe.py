@@ -33,7 +33,7 @@ TOGGLE = '''    Toggle(
         env="FUSED_RECIPE_KERNEL",
         title="fused example kernel",
         kind="bool",
-        default=True,
+        default=False,
         group="transformer",
         needs=("te_recipe_kernel",),
         help="An example of a fused kernel from Transformer Engine.",
@@ -61,13 +61,13 @@ from megatron_perf_toggles.errors import CannotHonourError
 from {decide} import decide
 
 
-def test_on_where_the_kernel_is_present():
-    assert decide({{}}, {{}}, read_env({{}}), full_caps()).decisions["fused_recipe_kernel"].value is True
+def test_off_by_default_until_its_admission_record():
+    assert decide({{}}, {{}}, read_env({{}}), full_caps()).decisions["fused_recipe_kernel"].value is False
 
 
-def test_off_where_it_is_missing():
-    d = decide({{}}, {{}}, read_env({{}}), full_caps(te_recipe_kernel=False)).decisions["fused_recipe_kernel"]
-    assert (d.value, d.source) == (False, "guard") and "te_recipe_kernel" in d.reason
+def test_on_where_requested_and_the_kernel_is_present():
+    d = decide({{}}, {{"fused_recipe_kernel": True}}, read_env({{}}), full_caps()).decisions["fused_recipe_kernel"]
+    assert d.value is True
 
 
 def test_an_explicit_request_where_it_is_missing_is_refused():
@@ -75,10 +75,10 @@ def test_an_explicit_request_where_it_is_missing_is_refused():
         decide({{}}, {{"fused_recipe_kernel": True}}, read_env({{}}), full_caps(te_recipe_kernel=False))
 '''
 # Step 4: its row in the registry's contract.
-SPEC_ROW = '''    "FUSED_RECIPE_KERNEL": ("fused_recipe_kernel", True, ("--fused-recipe-kernel", "--no-fused-recipe-kernel")),
+SPEC_ROW = '''    "FUSED_RECIPE_KERNEL": ("fused_recipe_kernel", False, ("--fused-recipe-kernel", "--no-fused-recipe-kernel")),
 '''
 # Step 5: one line.
-CHANGELOG = "- **Fused recipe kernel.** `FUSED_RECIPE_KERNEL` (on by default where TE has the kernel).\n"
+CHANGELOG = "- **Fused recipe kernel.** `FUSED_RECIPE_KERNEL` (off by default until its admission record).\n"
 
 
 def recipe_files(page: str) -> list[str]:

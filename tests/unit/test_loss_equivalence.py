@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from megatron_perf_toggles.tools.ablate import equivalence as eq
+from megatron_perf_toggles.tools.ablate.loss import equivalence as eq
 from megatron_perf_toggles.tools.ablate.stats import t_quantile
 
 T95 = {2: 2.919986, 3: 2.353363, 4: 2.131847, 15: 1.753050}  # t(0.95, df), from a table

@@ -12,6 +12,8 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 import moe_h200
 
+from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES
+
 
 def _plan(tmp_path, capsys, *extra):
     tree = tmp_path / "Megatron-LM"
@@ -83,7 +85,7 @@ def test_the_dense_loss_part_is_the_same_model_without_experts_and_every_dense_t
     _, cmds = _plan(tmp_path, capsys, "--parts", "loss,loss-dense", "--repeats", "4", "--loss-margin", "0.5")
     moe, dense = cmds["loss"], cmds["loss-dense"]
     assert _value(dense, "--design") == "each-alone" and "--toggles" not in dense[:dense.index("--")]
-    arms = 1 + 5 + 1  # stock, the five dense toggles each alone, the defaults
+    arms = 1 + len(DEFAULT_TOGGLES) + 1  # stock, each dense toggle alone, the defaults
     assert _value(dense, "--concurrent") == str(4 * arms) and _value(moe, "--concurrent") == str(4 * 5)
     assert _value(dense, "--loss-margin") == "0.5" == _value(moe, "--loss-margin")
     dense_args, moe_args = _megatron(dense), _megatron(moe)

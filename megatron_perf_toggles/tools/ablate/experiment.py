@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import common_start, runs
+from . import runs
 from .argv import set_args
 from .confounds import dry_run_world, resolve_and_check, resolve_arm
 from .design import Arm, baseline_of
-from .loss_test import compare_losses
+from .loss import common_start
+from .loss.loss_test import compare_losses
 from .report import compare, measure_run, sizing, widest_interval, without_speed, write_results
 from .spec import ExperimentSpec
 from .world import logged_world_size, world_size

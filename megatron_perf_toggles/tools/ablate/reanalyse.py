@@ -23,7 +23,7 @@ from typing import Any
 from ...core.registry import TOGGLES
 from ...errors import PerfTogglesError, fail
 from .design import Arm, DesignError
-from .loss_test import compare_losses, verdict_lines
+from .loss.loss_test import compare_losses, verdict_lines
 from .report import markdown, measure_run
 from .runs import run_dir
 from .spec import ExperimentSpec

@@ -16,9 +16,9 @@ from typing import Any
 from ..._version import __version__
 from . import stats
 from .design import Arm, baseline_of
-from .loss_test import by_block as done_by_block  # the arm's finished run in each block: what comparisons pair
-from .loss_test import markdown_lines as loss_test_lines
-from .loss_test import verdict_lines
+from .loss.loss_test import by_block as done_by_block  # the arm's finished run in each block: what comparisons pair
+from .loss.loss_test import markdown_lines as loss_test_lines
+from .loss.loss_test import verdict_lines
 from .megatron_log import parse_file
 
 RAW_KEYS = ("ms_per_iter", "tflops_per_gpu", "lm_loss", "grad_norm", "global_batch_size")

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from .argv import after_separator, set_args
-from .common_start import check_options as common_start_problems
 from .design import DEFAULT_TOGGLES, DesignError
+from .loss.common_start import check_options as common_start_problems
 
 WORLD_SIZE_HELP = ("the processes the runs will have: the dry runs that check every arm first plan for it, and "
                    "per-GPU figures divide by it where the runs' logs do not say (default: what --launch plainly "

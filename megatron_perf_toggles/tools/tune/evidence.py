@@ -7,8 +7,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...core.profile import Choice, Environment, Evidence
-from ..ablate import equivalence, report, stats
-from ..ablate.loss_test import train_window_mean
+from ..ablate import report, stats
+from ..ablate.loss import equivalence
+from ..ablate.loss.loss_test import train_window_mean
 from .rule import Decided, say, step_ms
 
 LOSS_MARGIN = 1.0  # % of the other value's loss: ablate's default margin

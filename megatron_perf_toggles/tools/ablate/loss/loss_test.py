@@ -18,9 +18,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...core.registry import BY_DEST
+from ....core.registry import BY_DEST
+from ..design import Arm, baseline_of
 from . import equivalence
-from .design import Arm, baseline_of
 
 MEASURES = ("auto", "validation", "train-window")
 VALIDATION = "validation"

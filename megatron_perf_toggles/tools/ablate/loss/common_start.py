@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .argv import set_args, with_added
-from .design import Arm, DesignError
-from .runs import Run, arm_command
+from ..argv import set_args, with_added
+from ..design import Arm, DesignError
+from ..runs import Run, arm_command
 
 LOADS = ("--finetune", "--no-load-optim", "--no-load-rng")
 

@@ -29,7 +29,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from .stats import t_quantile
+from ..stats import t_quantile
 
 WORSE = "different: worse"
 BETTER = "different: better"
