@@ -98,7 +98,7 @@ def arm_values(argv: list[str], env: Mapping[str, str], intended: Mapping[str, A
 
 
 def plan_peak(argv: list[str], values: Mapping[str, Any], te: bool, apex: bool) -> dict[str, Any]:
-    """The arm's planned peak on one GPU, as the memory guard plans it (core.memory_guard.stage_peaks:
+    """The arm's planned peak on one GPU, as the memory guard plans it (core.memory.memory_guard.stage_peaks:
     stock's peak per stage plus every toggle's change against stock's value, or the optimizer
     step's peak where larger), over the registry's toggles and the MoE toggles alike."""
     args = {k: v for k, v in args_of(argv).items() if k not in ("world_size", "data_parallel_size")}

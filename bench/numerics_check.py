@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="directory for numerics.json (required unless --report)")
     p.add_argument("--report", metavar="JSON", help="judge a saved numerics.json again (no GPU) and print it")
+    p.add_argument("--write", action="store_true", help="with --report: save the verdicts back into the file")
     p.add_argument("--model", choices=("dense", "moe", "both"), default="both")
     p.add_argument("--multiple", type=float, default=2.0, help="a fused error may be this many times the unfused one")
     p.add_argument("--tokens", type=int, default=4096, help="tokens in the one batch (sequences of 1024)")
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.multiple < 1:
         p.error("--multiple must be at least 1")
     if ns.report:
-        return report(Path(ns.report), ns.multiple)
+        return report(Path(ns.report), ns.multiple, ns.write)
     if not ns.out:
         p.error("--out is required (or --report JSON)")
     try:
@@ -279,13 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     return summarize(results)
 
 
-def report(path: Path, multiple: float) -> int:
-    """--report: the verdicts of a saved check, judged with ``multiple``."""
+def report(path: Path, multiple: float, write: bool = False) -> int:
+    """--report: the verdicts of a saved check, judged with ``multiple`` (``write``: saved back)."""
     try:
         results = json.loads(path.read_text())
         for m in results["models"]:
             m["multiple"] = multiple
-        return summarize(results)
+        code = summarize(results)
+        if write:
+            path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        return code
     except (OSError, ValueError, KeyError, TypeError) as error:
         print(f"numerics_check: cannot read {path}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
@@ -298,7 +302,7 @@ def summarize(results: dict[str, Any]) -> int:
     failed = [f"{m['model']}:{n}" for m in results["models"] for n, e in m["fusions"].items()
               if e.get("passed") is False or "error" in e]
     print(f"numerics: {'every toggle passed' if not failed else 'not passed: ' + ', '.join(failed)}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

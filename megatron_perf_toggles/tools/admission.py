@@ -52,7 +52,9 @@ VERSION_KEYS = ("megatron", "transformer_engine", "torch", "gpu")
 
 
 def default_on() -> tuple[str, ...]:
-    """The toggles the plugin turns on by default (from the registry), then the defaults together."""
+    """The toggles the plugin turns on by default (from the registry), then the defaults together.
+    On/off toggles only: a choice between implementations (``cross_entropy_fusion_impl``) is part
+    of its toggle's record and of the defaults together, not a record of its own."""
     return (*(t.dest for t in TOGGLES if t.kind == "bool" and t.default is True), DEFAULTS)
 
 
@@ -178,12 +180,14 @@ def summary_line(name: str, record: Any, problems: Sequence[str]) -> str:
         return f"{name}: NOT ADMITTED: {'; '.join(problems)}"
     alone = _speed_entries(record["speed"], "alone")
     open_shapes = unresolved(alone)
+    if record["loss"]["kind"] == "not measurable here":  # kept on, but nothing here shows it earns its place
+        open_shapes = [*open_shapes, "loss: not measurable here"]
     speed = ", ".join(f"x{m['estimate']:.3f} [{m['low']:.3f}, {m['high']:.3f}] on {m['shape']}" for m in alone)
     loss = record["loss"]
     claim = (f"not measurable here ({loss['reason']})" if loss["kind"] == "not measurable here" else
              f"{loss['kind']}" + (f" {loss['difference_pct']:+.2f} % [{loss['low_pct']:+.2f}, {loss['high_pct']:+.2f}], "
                                   f"{loss['verdict']}, {loss['seeds']} seeds" if loss["kind"] == "paired" else ""))
-    status = f"PROVISIONAL (speed alone not resolved on {'; '.join(open_shapes)})" if open_shapes else "admitted"
+    status = f"PROVISIONAL (not resolved: {'; '.join(open_shapes)})" if open_shapes else "admitted"
     return f"{name}: {status}: speed alone {speed}; loss {claim}"
 
 

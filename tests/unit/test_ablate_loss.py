@@ -380,7 +380,7 @@ def test_grouped_gemm_is_unpaired_without_a_common_start_and_paired_with_one(tmp
         assert cmd[cmd.index("--load") + 1] == str(out / "runs" / "start" / f"seed{seed}" / "checkpoint")
         assert {"--finetune", "--no-load-optim", "--no-load-rng"} <= set(cmd) and cmd.count("--load") == 1
     start = data["common_start"]["3"]["command"]  # the baseline, one iteration, saved
-    assert start[start.index("--seed") + 1] == "103" and start[start.index("--train-iters") + 1] == "1"
+    assert start[start.index("--seed") + 1] == "103" and start[start.index("--exit-interval") + 1] == "1"
     assert "--load" not in start and start[start.index("--save") + 1].endswith("seed103/checkpoint")
     assert "Unit: seeds (--block-seeds --common-start" in (out / "results.md").read_text()
     capsys.readouterr()
@@ -429,3 +429,12 @@ def test_a_common_start_changes_no_decision_of_the_plugin_s_resume_guards():
     # which is why ablate refuses a common start in any format but torch_dist
     held = plan({"ckpt_format": "torch", **start}, checkpoint=saved_off)
     assert (held.decisions[GG].value, held.decisions[GG].source) == (False, "guard")
+
+
+def test_blocks_that_repeat_one_seed_are_not_called_seeds():
+    e = {"toggle": "t", "estimate": 0.1, "low": -0.2, "high": 0.4, "seeds_compared": 3, "paired": True,
+         "verdict": "equivalent within +-1 %"}
+    seeded = lt.verdict_line("a", e, {"measure": "train-window", "seeded_blocks": True})
+    one = lt.verdict_line("a", e, {"measure": "train-window", "seeded_blocks": False})
+    assert "3 seeds" in seeded and "one seed" not in seeded
+    assert "3 blocks of one seed" in one and "no claim across seeds" in one

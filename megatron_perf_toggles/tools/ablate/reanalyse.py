@@ -110,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / "results.md").write_text(markdown(result))
     except PerfTogglesError as error:
         fail(error)
+    except OSError as error:
+        fail(PerfTogglesError(f"{ns.out}: cannot write the re-analysis ({error.strerror or error})"))
+    except (KeyError, TypeError, AttributeError) as error:
+        fail(PerfTogglesError(f"{ns.out}/results.json is not an ablate result ({type(error).__name__}: {error})"))
     settings = result["loss_test"]
     print(f"re-analysed {out}: loss test on {settings['measure']}, margin +-{settings['margin']:g} %, "
           f"{settings['interval'] * 100:g} % intervals ({shlex.quote(str(out / 'results.md'))})")

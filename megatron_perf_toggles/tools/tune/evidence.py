@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...core.profile import Choice, Environment, Evidence
+from ...core.registry import BY_DEST
 from ..ablate import report, stats
 from ..ablate.loss import equivalence
 from ..ablate.loss.loss_test import train_window_mean
@@ -45,6 +46,9 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
     sp = stats.paired_speedup([step_ms(r) for r in against], [step_ms(r) for r in chosen],
                               decided.confidence or result["confidence"])
     ratio, loss_verdict = _loss(chosen, against)
+    toggle = BY_DEST.get(decided.dest)
+    if loss_verdict and toggle is not None and toggle.redraws_init:  # same seed, other initial weights
+        loss_verdict = f"not paired: {decided.dest} draws the initial weights another way"
     return Evidence(against=not decided.value, speedup=sp.get("estimate"), low=sp.get("low"), high=sp.get("high"),
                     verdict=sp["verdict"], confidence=sp["confidence"], blocks=sp["blocks"],
                     design=decided.phase, loss_ratio=ratio, loss_verdict=loss_verdict,

@@ -45,11 +45,13 @@ def loading(args: Sequence[str], out: Path, seed: int) -> list[str]:
 
 def start_run(out: Path, baseline: Arm, seed: int, launch: str | None, script: str, args: Sequence[str]) -> Run:
     """The run that saves the seed's start: the baseline, one iteration, saved after it (``args``:
-    the block's arguments, its --seed set)."""
+    the block's arguments, its --seed set). It keeps the arguments' --train-iters (Megatron sizes
+    the learning-rate schedule from it, and a warm-up longer than one iteration would fail its
+    check) and stops after the first iteration with --exit-interval, which saves."""
     arm = Arm("common-start", dict(baseline.toggles), dict(baseline.settings), fixed=dict(baseline.fixed),
               adds=dict(baseline.adds))
     here = start_dir(out, seed)
-    words = set_args(args, {"--train-iters": "1", "--save-interval": "1"})
+    words = set_args(args, {"--exit-interval": "1", "--save-interval": "1"})
     paths = {"--save": str(checkpoint(out, seed)), "--tensorboard-dir": str(here / "tensorboard")}
     return Run(arm, 0, here, arm_command(launch, script, words, arm, paths))
 

@@ -145,8 +145,11 @@ def advice(e: Mapping[str, Any]) -> str:
 def verdict_line(name: str, e: Mapping[str, Any], settings: Mapping[str, Any]) -> str:
     """One arm's verdict in a line, as ablate prints it."""
     how = "paired" if e.get("paired") else "unpaired"
-    words = f"{e['toggle']} ({name}): {interval_text(e)}, {e.get('seeds_compared', 0)} seeds, {how}, " \
+    unit = "seeds" if settings.get("seeded_blocks", True) else "blocks of one seed"
+    words = f"{e['toggle']} ({name}): {interval_text(e)}, {e.get('seeds_compared', 0)} {unit}, {how}, " \
             f"{settings['measure']}: {e['verdict']}"
+    if not settings.get("seeded_blocks", True):
+        words += " (one seed: run-to-run only, no claim across seeds)"
     if e["verdict"] == equivalence.INCONCLUSIVE and e.get("smallest_margin_shown") is not None:
         words += f" (smallest margin shown +-{e['smallest_margin_shown']:.2f} %; {advice(e)})"
     return words
