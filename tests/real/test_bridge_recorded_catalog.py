@@ -31,6 +31,7 @@ import contextlib, io, json, os, sys, tempfile
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import bridge_driver
 bridge_driver._offline_hf_cache(tempfile.mkdtemp())
+from megatron_perf_toggles.frontends import bridge_catalog
 from megatron_perf_toggles.tools import cli
 out = os.path.join(tempfile.mkdtemp(), "catalog.json")
 with contextlib.redirect_stdout(io.StringIO()):
