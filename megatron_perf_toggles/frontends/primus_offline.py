@@ -16,61 +16,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from ..core.facts import Capabilities, megatron_facts_from_surface
 from ..runtime import surface_replay as replay
 from ..runtime.machine import target as planned
-from ..runtime.machine.probe import installed
 from ..runtime.process_changes import ProcessChanges
 from ..runtime.surface_replay import DEFAULT_SURFACE
 from . import adapter as frontend
-from .te_standin import _Module
+from .te_standin import stand_in
 
 PACKAGE = "torch"
 VERSION = "0.0.0+planning-stand-in"
 
 
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname == PACKAGE or fullname.startswith(PACKAGE + "."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = _Module(spec.name)
-        module.__path__ = []
-        module.__version__ = VERSION  # type: ignore[attr-defined]
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-@contextmanager
-def torch_if_missing() -> Iterator[bool]:
+def torch_if_missing() -> AbstractContextManager[bool]:
     """Within the block, ``import torch...`` works where torch is not installed (yields whether the
     stand-in is in place); afterwards neither the finder nor any stand-in module is left."""
-    if installed(PACKAGE):
-        yield False
-        return
-    finder = _Finder()
-    sys.meta_path.insert(0, finder)
-    try:
-        yield True
-    finally:
-        if finder in sys.meta_path:
-            sys.meta_path.remove(finder)
-        for name in [n for n, m in sys.modules.items() if isinstance(m, _Module) and
-                     (n == PACKAGE or n.startswith(PACKAGE + "."))]:
-            del sys.modules[name]
+    return stand_in(PACKAGE, VERSION, forget=True)
 
 
 def _arguments_module(surface: dict[str, Any]) -> types.ModuleType:

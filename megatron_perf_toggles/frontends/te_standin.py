@@ -17,7 +17,7 @@ import importlib.machinery
 import sys
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from ..runtime.machine.probe import installed
@@ -61,15 +61,21 @@ class _Module(types.ModuleType):
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes ``package`` and any of its submodules a placeholder module reporting ``version``."""
+
+    def __init__(self, package: str, version: str) -> None:
+        self.package, self.version = package, version
+
+    def owns(self, fullname: str) -> bool:
+        return fullname == self.package or fullname.startswith(self.package + ".")
+
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname == PACKAGE or fullname.startswith(PACKAGE + "."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True) if self.owns(fullname) else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = _Module(spec.name)
         module.__path__ = []
-        module.__version__ = VERSION  # type: ignore[attr-defined]
+        module.__version__ = self.version  # type: ignore[attr-defined]
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -77,17 +83,27 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 @contextmanager
-def transformer_engine() -> Iterator[bool]:
-    """Within the block, ``import transformer_engine...`` works where TE is not installed (yields
-    whether the stand-in is in place). Afterwards the finder is gone; modules imported meanwhile keep
-    the placeholders they bound, which is all a plan that then ends needs."""
-    if installed(PACKAGE):
+def stand_in(package: str, version: str, *, forget: bool = False) -> Iterator[bool]:
+    """Within the block, ``import package...`` works where ``package`` is not installed (yields
+    whether the stand-in is in place). Afterwards the finder is gone; with ``forget``, so is every
+    stand-in module imported meanwhile (else modules that imported it keep their placeholders)."""
+    if installed(package):
         yield False
         return
-    finder = _Finder()
+    finder = _Finder(package, version)
     sys.meta_path.insert(0, finder)
     try:
         yield True
     finally:
         if finder in sys.meta_path:
             sys.meta_path.remove(finder)
+        if forget:
+            for name in [n for n, m in sys.modules.items() if isinstance(m, _Module) and finder.owns(n)]:
+                del sys.modules[name]
+
+
+def transformer_engine() -> AbstractContextManager[bool]:
+    """Within the block, ``import transformer_engine...`` works where TE is not installed (yields
+    whether the stand-in is in place). Afterwards the finder is gone; modules imported meanwhile keep
+    the placeholders they bound, which is all a plan that then ends needs."""
+    return stand_in(PACKAGE, VERSION)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from ..core.profile import ENVIRONMENT_WORDS, Profile
 from ..core.registry import SETTINGS, TOGGLES, format_value
 from ..errors import OneLineArgumentParser, PerfTogglesError, fail
 from ..frontends import explain as explain_frontends
+from ..launcher import screen
 from ..runtime import profile_file, provenance
 from ..runtime import surface_replay as replay
 from ..runtime.machine import target as planned
@@ -54,13 +54,7 @@ UNDER_INDENT = "    "
 def _width() -> int | None:
     """The columns to fit the text to: ``COLUMNS`` where set (a pipe too), else the terminal's.
     None when the output goes to a pipe or a file: tools and grep get each line whole."""
-    try:
-        columns = int(os.environ.get("COLUMNS", ""))
-    except ValueError:
-        columns = 0
-    if columns > 0:
-        return columns
-    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    return screen.width(sys.stdout)
 
 
 def _wrap(text: str, width: int) -> list[str]:
