@@ -1,7 +1,7 @@
 """explain --bridge-recipe without Megatron-Bridge: the recorded catalog plans it, every mistake one line.
 
 The catalog in the package (megatron_perf_toggles/data/bridge_recipes/) is recorded from the real
-Bridge by frontends/bridge_catalog.py; tests/real/test_bridge_recorded_catalog.py records it again and compares,
+Bridge by frontends/bridge/catalog.py; tests/real/test_bridge_recorded_catalog.py records it again and compares,
 and compares these plans with the real Bridge's. Here: the plans it gives where Bridge is absent.
 """
 
@@ -13,7 +13,7 @@ import os
 import pytest
 from sandbox import clean_environ
 
-from megatron_perf_toggles.frontends import bridge_catalog
+from megatron_perf_toggles.frontends.bridge import catalog as bridge_catalog
 from megatron_perf_toggles.runtime.machine.probe import installed
 from megatron_perf_toggles.tools import cli
 

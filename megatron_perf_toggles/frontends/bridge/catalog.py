@@ -39,13 +39,13 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from ..core.decision.decide import Plan
-from ..core.facts import Capabilities, version_tuple
-from ..errors import OneLineArgumentParser, PerfTogglesError, fail
-from ..runtime.machine import target as planned
-from ..runtime.provenance import jsonable
-from . import adapter as frontend
-from .adapter import Found
+from ...core.decision.decide import Plan
+from ...core.facts import Capabilities, version_tuple
+from ...errors import OneLineArgumentParser, PerfTogglesError, fail
+from ...runtime.machine import target as planned
+from ...runtime.provenance import jsonable
+from .. import adapter as frontend
+from ..adapter import Found
 
 
 def _folder() -> Any:
@@ -85,7 +85,7 @@ def entry(recipe: str, catalog: dict[str, Any]) -> dict[str, Any]:
     name = catalog.get("aliases", {}).get(name, name)  # a package's re-export: the recipe it names
     recipes = catalog["recipes"]
     if name not in recipes:
-        from ..errors import did_you_mean
+        from ...errors import did_you_mean
 
         raise PerfTogglesError(f"--bridge-recipe {recipe}: Megatron-Bridge {catalog['bridge']} has no recipe "
                                "of that name", f"{did_you_mean(name, list(recipes))}or install Megatron-Bridge")
@@ -166,7 +166,8 @@ def recipes() -> tuple[list[tuple[str, Callable[..., Any]]], dict[str, str]]:
 def read_one(fn: Callable[..., Any]) -> dict[str, Any] | None:
     """What the Bridge adapter reads of the recipe ``fn`` builds (None: not a whole configuration);
     where it cannot be built, why (``needs``: the Hugging Face repository it loads)."""
-    from . import bridge_adapter, bridge_recipe
+    from . import adapter as bridge_adapter
+    from . import recipe as bridge_recipe
 
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -241,8 +242,8 @@ def record() -> dict[str, Any]:
     """The catalog of the installed Bridge."""
     import tempfile
 
-    from ..launcher.import_shims import install_stand_ins
-    from .te_standin import transformer_engine
+    from ...launcher.import_shims import install_stand_ins
+    from ..te_standin import transformer_engine
 
     install_stand_ins()
     here = os.getcwd()
@@ -267,7 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..runtime.machine.probe import installed
+    from ...runtime.machine.probe import installed
 
     if not installed("megatron.bridge"):
         raise PerfTogglesError("Megatron-Bridge is not importable here", "run this with Bridge's Python")
