@@ -95,3 +95,22 @@ def test_off_means_stock_from_the_catalog_too(capsys, monkeypatch):
     record = json.loads(out)
     assert all(mb in (0, None) for mb in record["memory"]["peak_memory_delta_mb"].values()), record["memory"]
     assert all(d["source"] in ("default", "config") for d in record["decisions"].values())
+
+
+# The catalog is already imported in this process (a command starts without it): runpy says so.
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
+def test_the_documented_recorder_command_is_the_catalogs(capsys, monkeypatch):
+    """``python -m megatron_perf_toggles.frontends.bridge_catalog`` (docs/bridge.md) runs the
+    recorder in frontends/bridge/catalog.py, and the old import name is that module."""
+    import runpy
+    import sys
+
+    from megatron_perf_toggles.frontends import bridge_catalog as by_old_name
+
+    assert by_old_name is bridge_catalog
+    monkeypatch.delitem(sys.modules, "megatron_perf_toggles.frontends.bridge_catalog")  # as ``python -m`` finds it
+    monkeypatch.setattr(sys, "argv", ["bridge_catalog", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("megatron_perf_toggles.frontends.bridge_catalog", run_name="__main__", alter_sys=True)
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m megatron_perf_toggles.frontends.bridge_catalog")
