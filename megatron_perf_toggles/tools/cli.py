@@ -16,7 +16,7 @@ from typing import Any
 
 from .._version import __version__
 from ..core import launch_env, layout
-from ..core.decision.decide import decide, requested
+from ..core.decision.decide import Plan, requested
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, describe_stack, parse_assume
 from ..core.precision import LOG_DIR_DESTS
@@ -27,6 +27,7 @@ from ..frontends import explain as explain_frontends
 from ..launcher import screen
 from ..runtime import profile_file, provenance
 from ..runtime import surface_replay as replay
+from ..runtime.controller import Registration, new_context
 from ..runtime.machine import target as planned
 from ..runtime.machine.capabilities import detect, megatron_facts, resolve
 from ..runtime.machine.probe import installed, torch_module
@@ -365,17 +366,27 @@ def _te_report(caps: Capabilities) -> dict[str, Any]:
             "moe_permutation_kernels": caps.te_fused_permute, "moe_router_kernels": caps.te_fused_router}
 
 
+def _doctor_plan(caps: Capabilities) -> tuple[Plan, EnvSettings, Profile | None, Capabilities]:
+    """What the toggles decide on this machine (or the one MEGATRON_PERF_TOGGLES_ASSUME plans),
+    for a Llama-style bf16 run: doctor's process object comes from the factory like every entry
+    point's, reads the environment and profile once, and plans through its controller."""
+    ctx = new_context("doctor", os.environ, mode="plan", announce=False)
+    controller = ctx.controller
+    assert controller is not None, "new_context makes the controller"
+    env, profile = controller.env, controller.profile
+    assumed = resolve(env.assume) if env.assume else None
+    effective = replace(assumed, megatron=caps.megatron) if assumed else caps
+    controller.capabilities, controller.observing = effective, "doctor"
+    view = argparse.Namespace(**_llama_view())
+    return controller.plan(view, Registration(controller, {}, ())), env, profile, effective
+
+
 def cmd_doctor(ns: argparse.Namespace) -> int:
     facts, why_not = _doctor_megatron(ns.megatron)  # a bad --megatron fails before torch is imported
     caps = _machine_diagnosed()
     if facts is not None:
         caps = replace(caps, megatron=facts)
-    env = read_env(os.environ)
-    profile = profile_named(env)
-    planned = resolve(env.assume) if env.assume else None
-    effective = replace(planned, megatron=caps.megatron) if planned else caps
-    seen = profile_file.observed_for(profile, effective, os.environ, "doctor")
-    plan = decide(_llama_view(), {}, env, effective, profile=profile, observed=seen)
+    plan, env, profile, effective = _doctor_plan(caps)
     report = {
         "megatron": asdict(facts) if facts is not None else {"error": why_not},
         "torch": {"version": caps.torch_version, "device": caps.device},
