@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from .._version import __version__
-from ..core import launch_env, layout
+from ..core import layout
 from ..core.decision.decide import Plan, requested
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, describe_stack, parse_assume
@@ -33,7 +33,7 @@ from ..runtime.machine.capabilities import detect, megatron_facts, resolve
 from ..runtime.machine.probe import installed, torch_module
 from . import megatron_usage
 from .llama3_8b import EXAMPLE_WORLD, LLAMA3_8B_EXAMPLE, llama3_8b_args
-from .planning import DEFAULT_SURFACE, checkout_script, plan_command_line
+from .planning import DEFAULT_SURFACE, checkout_script, launch_environment, plan_command_line
 
 WGRAD_WORDS = {
     "apex": "APEX fused_weight_gradient_mlp_cuda",
@@ -220,16 +220,16 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     megatron_args = explain_frontends.command(ns) if front else _megatron_args(ns)
     profile = profile_named()
     target = target_from(ns) if front else _explain_target(ns)
-    plan, caps, label, args = (explain_frontends.plan(ns, target) if front else plan_command_line(
-        megatron_args, tree=ns.megatron, surface=ns.megatron_version, target=target))
+    if front:
+        plan, caps, label, args = explain_frontends.plan(ns, target)
+        launch = launch_environment(plan, caps, args)
+    else:
+        plan, caps, label, args, launch = plan_command_line(megatron_args, tree=ns.megatron,
+                                                            surface=ns.megatron_version, target=target)
     _check_world(ns, target, args, bool(front))
     megatron_source = (f"Megatron {caps.megatron.version}, as the front end imports it" if front
                        else f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
-    # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts,
-    # and what the memory plan asks for (the allocator setting where only it makes the job fit).
-    launch = launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version)
-    launch += launch_env.from_memory(plan.memory)
     if ns.json:
         payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
         payload["megatron"] = label
@@ -290,8 +290,8 @@ def cmd_flags(ns: argparse.Namespace) -> int:
     env = read_env(os.environ)
     profile = profile_named(env)
     megatron_args = _megatron_args(ns)
-    plan, _caps, _label, _args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
-                                                  target=_explain_target(ns))
+    plan = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
+                             target=_explain_target(ns))[0]
     stock, defaults = _stock_flags(ns.megatron, ns.megatron_version)
     words: list[str] = []
     why_not: list[str] = []
