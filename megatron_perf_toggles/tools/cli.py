@@ -231,12 +231,11 @@ def cmd_explain(ns: argparse.Namespace) -> int:
                        else f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
     if ns.json:
-        payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
-        payload["megatron"] = label
-        payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
-        payload["sources"] = fact_sources(caps, megatron_source)
-        payload["stack"] = caps.stack or None
-        payload["launch_environment"] = [v.to_record() for v in launch]
+        payload = provenance.build_record(
+            plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args, megatron=label,
+            target={**target.to_record(), "summary": planned.describe(target)},
+            sources=fact_sources(caps, megatron_source), stack=caps.stack or None,
+            launch_environment=[v.to_record() for v in launch])
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
     width = _width()
