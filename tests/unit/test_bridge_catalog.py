@@ -8,10 +8,8 @@ and compares these plans with the real Bridge's. Here: the plans it gives where 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from sandbox import clean_environ
 
 from megatron_perf_toggles.frontends.bridge import catalog as bridge_catalog
 from megatron_perf_toggles.runtime.machine.probe import installed
@@ -19,16 +17,11 @@ from megatron_perf_toggles.tools import cli
 
 LLAMA = "megatron.bridge.recipes.llama:llama3_8b_pretrain_config"
 GPT175 = "megatron.bridge.recipes.gpt.gpt3_175b:gpt3_175b_pretrain_config"
-pytestmark = pytest.mark.skipif(installed("megatron.bridge"), reason="Megatron-Bridge is installed here: explain "
-                                "uses it, not the catalog (tests/real/test_bridge_recorded_catalog.py compares both)")
+pytestmark = [pytest.mark.skipif(installed("megatron.bridge"), reason="Megatron-Bridge is installed here: explain "
+                                 "uses it, not the catalog (tests/real/test_bridge_recorded_catalog.py compares both)"),
+              pytest.mark.usefixtures("clean_environment")]
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for name in list(os.environ):
-        monkeypatch.delenv(name)
-    for name, value in clean_environ().items():
-        monkeypatch.setenv(name, value)
 
 
 def _explain(capsys, *argv: str) -> tuple[int, str, str]:
