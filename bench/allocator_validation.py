@@ -123,7 +123,7 @@ def predict(tree: str, argv: list[str], arm: str, alloc: str) -> dict[str, Any]:
     os.environ.clear()
     os.environ.update(env)
     try:
-        plan, _caps, _label, _args = plan_command_line(argv, tree=tree, target=planned.make_target(1, gpu="h200"))
+        plan = plan_command_line(argv, tree=tree, target=planned.make_target(1, gpu="h200"))[0]
     finally:
         os.environ.clear()
         os.environ.update(saved)

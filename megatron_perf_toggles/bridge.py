@@ -1,6 +1,6 @@
 """Megatron-Bridge front end, under the name users import: ``from megatron_perf_toggles import bridge``.
 
-The front end lives in ``frontends/`` (``frontends/bridge.py``, its adapter and recipe tracing beside
+The front end lives in ``frontends/bridge/`` (``public.py``, its adapter and recipe tracing beside
 it); this module makes that one importable under the public name and holds nothing of its own.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from .frontends import bridge as _module
-from .frontends.bridge import (
+from .frontends.bridge import public as _module
+from .frontends.bridge.public import (
     apply,
     build,
     declared_default,

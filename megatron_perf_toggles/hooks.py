@@ -4,11 +4,12 @@
 for a dry run, puts the import stand-ins in place, before anything of Megatron's is imported.
 
 The patches in ``patches/`` (and every checkout they were already applied to) import this name;
-the hooks themselves live in ``launcher.parse_hooks``.
+the hooks themselves live in ``launcher.parse_hooks``, named as a front end by
+``frontends.megatron_parser``.
 """
 
 from __future__ import annotations
 
-from .launcher.parse_hooks import install_from_argv, prepare_from_argv
+from .frontends.megatron_parser import install_from_argv, prepare_from_argv
 
 __all__ = ["install_from_argv", "prepare_from_argv"]

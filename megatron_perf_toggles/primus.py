@@ -1,7 +1,7 @@
 """Primus front end, under the name users import: ``import megatron_perf_toggles.primus`` registers
 the plugin's patches with Primus (see docs/primus.md).
 
-The front end lives in ``frontends/`` (``frontends/primus.py``, its adapter and validation beside
+The front end lives in ``frontends/primus/`` (``public.py``, its adapter and validation beside
 it); importing this module imports that one, which registers the patches, and makes it this name too.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from .frontends import primus as _module
-from .frontends.primus import (
+from .frontends.primus import public as _module
+from .frontends.primus.public import (
     PATCH_ID,
     VALIDATE_ID,
     apply_to_namespace,

@@ -2,7 +2,7 @@
 
     import megatron_perf_toggles.primus_hook
 
-The hook lives in ``frontends/primus_hook.py``: importing it installs an import hook that registers
+The hook lives in ``frontends/primus/hook.py``: importing it installs an import hook that registers
 the plugin's patches when (and if) Primus imports its patch registry; nothing else is imported.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from .frontends import primus_hook as _module
-from .frontends.primus_hook import TARGET, install
+from .frontends.primus import hook as _module
+from .frontends.primus.hook import TARGET, install
 
 __all__ = ["TARGET", "install"]
 

@@ -1,12 +1,13 @@
 """``python -m megatron_perf_toggles.run SCRIPT ...``: the launcher, under the name users type.
 
-The launcher itself lives in ``launcher.launch``; this module only keeps the documented command
-(and ``torchrun -m megatron_perf_toggles.run``) working.
+The launcher itself lives in ``launcher.launch``, named as a front end by
+``frontends.megatron_launcher``; this module only keeps the documented command (and
+``torchrun -m megatron_perf_toggles.run``) working.
 """
 
 from __future__ import annotations
 
-from .launcher.launch import main
+from .frontends.megatron_launcher import main
 
 __all__ = ["main"]
 

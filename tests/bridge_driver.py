@@ -69,7 +69,7 @@ def run_case(case: dict) -> dict:
         return {"code": code, "explain": json.loads(out.getvalue())}
     module, _, func = case["recipe"].rpartition(".")
     if case.get("build"):  # as explain builds it: the fields the recipe sets are the recipe's
-        from megatron_perf_toggles.frontends import bridge_recipe
+        from megatron_perf_toggles.frontends.bridge import recipe as bridge_recipe
 
         cfg = bridge_recipe.build(getattr(importlib.import_module(module), func))
     else:

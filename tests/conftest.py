@@ -67,6 +67,19 @@ def env():
     return lambda **kw: read_env({k: str(v) for k, v in kw.items()})
 
 
+@pytest.fixture
+def clean_environment(monkeypatch):
+    """The process environment emptied down to what a user's shell would hold without any of the
+    plugin's variables (support/sandbox.py's ``clean_environ``), for tests that run the command in
+    this process: what the session or the developer exported cannot change their answer."""
+    from sandbox import clean_environ
+
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    for name, value in clean_environ().items():
+        monkeypatch.setenv(name, value)
+
+
 REAL_MEGATRON = "real_megatron"
 NO_TREES = "MEGATRON_LM_TREES is not set: a real-Megatron test (run with ':'-separated Megatron-LM checkouts)"
 

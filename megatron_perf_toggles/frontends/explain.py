@@ -97,14 +97,14 @@ def _keywords(pairs: list[str]) -> dict[str, Any]:
 def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
     from ..launcher.import_shims import megatron_importable
     from ..runtime.machine.probe import installed
-    from . import bridge_adapter as bridge
-    from . import bridge_recipe
+    from .bridge import adapter as bridge
+    from .bridge import recipe as bridge_recipe
     from .te_standin import transformer_engine
 
     kwargs = _keywords(list(ns.megatron_args))
     module, _ = bridge_recipe.split(ns.bridge_recipe)  # a misspelt name or a missing Bridge: one line, at once
     if module.startswith("megatron.bridge") and not installed("megatron.bridge"):
-        from . import bridge_catalog
+        from .bridge import catalog as bridge_catalog
 
         return bridge_catalog.plan(ns, target)  # the recorded catalog: no Bridge, torch or TE needed
     if not installed(module.partition(".")[0]) or (module.startswith("megatron.") and not installed("megatron.bridge")):
@@ -148,7 +148,7 @@ def _primus_build_args(loaded: Any, module: Any, namespace: Any) -> None:
     from primus.core.patches.patch_registry import PatchRegistry
     from primus.core.runtime.logging import init_worker_logger
 
-    from .primus_adapter import PATCH_ID
+    from .primus.adapter import PATCH_ID
 
     scope = ProcessChanges()  # Primus's logger takes over print(): for this block only
     scope.set_attr(builtins, "print", builtins.print, "print (Primus's logger replaces it)")
@@ -180,7 +180,7 @@ def _elsewhere() -> Iterator[None]:
 
 def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
     from ..launcher.import_shims import megatron_importable
-    from . import primus_adapter as primus
+    from .primus import adapter as primus
 
     config = Path(ns.primus_config).resolve()
     if not config.is_file():
@@ -191,7 +191,7 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
     if root is None and not installed("primus"):
         raise PerfTogglesError(f"--primus-config {config}: the file is in no Primus checkout and Primus is not "
                                "importable here", "pass a file inside a Primus checkout, or install Primus")
-    from . import primus_offline
+    from .primus import offline as primus_offline
 
     try:
         megatron: Any = megatron_importable(_megatron_for(ns, root))

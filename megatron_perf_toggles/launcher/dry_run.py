@@ -56,33 +56,35 @@ def _megatron_version() -> str | None:
 
 
 def dry_run_record(hooks: Hooks, args: argparse.Namespace, args_defaults: Mapping[str, Any], via: str,
-                   notes: list[str]) -> dict[str, Any]:
-    """The decisions (provenance.record) plus where they were made and what Megatron kept."""
+                   notes: list[str], launch: list[launch_env.LaunchVar]) -> dict[str, Any]:
+    """The decisions (provenance.build_record) plus where they were made, what Megatron kept, the
+    planned target and the launch environment."""
     chain = hooks.last_chain
     outcome, controller = hooks.outcome(), hooks.controller
+    plan, caps, environ = None, None, None
     if outcome is not None and controller is not None:
-        payload = provenance.build_record(outcome.plan, outcome.capabilities,
-                                          controller.env.raw_for_record(controller.environ), list(sys.argv))
+        plan, caps, environ = outcome.plan, outcome.capabilities, controller.env.raw_for_record(controller.environ)
     else:
-        payload = {"precision": None, "decisions": {}, "log_dirs": {}, "messages": [], "command": list(sys.argv)}
         notes.append("megatron_perf_toggles.extra_args_provider is not in the provider chain: no decisions")
     names = vars(args)
-    payload.update({
-        "dry_run": True,
-        "megatron": {"version": _megatron_version(), "path": hooks.root, "parse_path": via},
-        "providers": [
+    return provenance.build_record(
+        plan, caps, environ, list(sys.argv),
+        dry_run=True,
+        megatron={"version": _megatron_version(), "path": hooks.root, "parse_path": via},
+        providers=[
             {"name": run.name, "added": {dest: jsonable(names.get(dest)) for dest in run.added}}
             for run in (chain.runs if chain is not None else [])
         ],
-        "args_defaults": {k: jsonable(v) for k, v in args_defaults.items()},
-        "after_validate": {t.dest: jsonable(names[t.dest]) for t in TOGGLES if t.dest in names},
+        args_defaults={k: jsonable(v) for k, v in args_defaults.items()},
+        after_validate={t.dest: jsonable(names[t.dest]) for t in TOGGLES if t.dest in names},
         # Every argument as validate_args left it: what `ablate` compares between arms.
-        "effective_args": {k: jsonable(v) for k, v in sorted(names.items()) if not k.startswith("_")},
-        "notes": notes,
+        effective_args={k: jsonable(v) for k, v in sorted(names.items()) if not k.startswith("_")},
+        notes=notes,
         # The GPU this process sees (not the planned one): what `tune` writes into a profile.
-        "gpu_visible": gpu_name_here(),
-    })
-    return payload
+        gpu_visible=gpu_name_here(),
+        target={**(hooks.target or planned.Target()).to_record(), "summary": planned.describe(hooks.target)},
+        launch_environment=[v.to_record() for v in launch],
+    )
 
 
 class ReportedExit(SystemExit):
@@ -159,13 +161,10 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
             args = _validated(hooks, args, args_defaults, chatter if quiet else None)
     finally:
         env_changes.uninstall()
-    payload = dry_run_record(hooks, args, args_defaults, via, notes)
-    payload["target"] = {**(hooks.target or planned.Target()).to_record(),
-                         "summary": planned.describe(hooks.target)}
     outcome = hooks.outcome()
     plan = outcome.plan if outcome is not None else None
     launch += launch_env.from_memory(plan.memory if plan is not None else None)
-    payload["launch_environment"] = [v.to_record() for v in launch]
+    payload = dry_run_record(hooks, args, args_defaults, via, notes, launch)
     if hooks.capture:
         hooks.context.stop(payload, plan)  # the planning entry point takes it
     if rank_of(os.environ) == 0:  # one report per job, from rank 0

@@ -112,6 +112,9 @@ class Controller:
         self.target = target  # the job planned for (None: this machine); capabilities are detected for it
         self.context: RunContext | None = None  # the run context this controller belongs to, if any
         self.record_dir: str | None = None  # where perf_toggles.json goes, where a front end names it
+        # How a profile's environment is compared with what is found (profile_file.observed): as the
+        # mode says, or "doctor", which plans without a target and checks this machine in full.
+        self.observing: str = mode
 
     @property
     def here(self) -> bool:
@@ -136,7 +139,7 @@ class Controller:
         if self.profile is not None:
             from . import profile_file
 
-            observed = profile_file.observed_for(self.profile, caps, self.environ, self.mode, self.target)
+            observed = profile_file.observed_for(self.profile, caps, self.environ, self.observing, self.target)
         args = vars(ns)
         if args.get("world_size") is None:  # Megatron's parse_args sets it after this step (memory_guard needs it)
             world = planned_world(self.target, os.environ) or planned_world(None, self.environ)

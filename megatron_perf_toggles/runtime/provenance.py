@@ -61,7 +61,15 @@ def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
     return out
 
 
-def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], command: list[str] | None = None) -> dict[str, Any]:
+def build_record(plan: Plan | None, caps: Capabilities | None, environ: dict[str, str] | None,
+                 command: list[str] | None = None, **fields: Any) -> dict[str, Any]:
+    """The one record of a plan (``perf_toggles.json``, the dry run's report, ``explain --json``):
+    the decisions and what they rest on, then ``fields``, what the caller knows besides (the dry
+    run's parse, the planned target, the launch environment), in the order given. Built whole here,
+    so that every record has the same core and no caller edits one afterwards. ``plan`` None: a dry
+    run whose provider chain left the plugin out, with no decisions to record."""
+    if plan is None or caps is None:
+        return {"precision": None, "decisions": {}, "log_dirs": {}, "messages": [], "command": command, **fields}
     record = {
         "package": "megatron-perf-toggles",
         "version": __version__,
@@ -78,6 +86,7 @@ def build_record(plan: Plan, caps: Capabilities, environ: dict[str, str], comman
         record["memory"] = plan.memory  # stock's estimated peak, the GPU, the limit and the total change
     if plan.profile is not None:
         record["profile"] = plan.profile  # the file, what it was measured on, and how this run differs
+    record.update(fields)
     return record
 
 

@@ -15,8 +15,8 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from .._version import __version__
-from ..core import launch_env, layout
-from ..core.decision.decide import decide, requested
+from ..core import layout
+from ..core.decision.decide import Plan, requested
 from ..core.env import EnvSettings, read_env
 from ..core.facts import Capabilities, MegatronFacts, describe_stack, parse_assume
 from ..core.precision import LOG_DIR_DESTS
@@ -27,12 +27,13 @@ from ..frontends import explain as explain_frontends
 from ..launcher import screen
 from ..runtime import profile_file, provenance
 from ..runtime import surface_replay as replay
+from ..runtime.controller import Registration, new_context
 from ..runtime.machine import target as planned
 from ..runtime.machine.capabilities import detect, megatron_facts, resolve
 from ..runtime.machine.probe import installed, torch_module
 from . import megatron_usage
 from .llama3_8b import EXAMPLE_WORLD, LLAMA3_8B_EXAMPLE, llama3_8b_args
-from .planning import DEFAULT_SURFACE, checkout_script, plan_command_line
+from .planning import DEFAULT_SURFACE, checkout_script, launch_environment, plan_command_line
 
 WGRAD_WORDS = {
     "apex": "APEX fused_weight_gradient_mlp_cuda",
@@ -219,23 +220,22 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     megatron_args = explain_frontends.command(ns) if front else _megatron_args(ns)
     profile = profile_named()
     target = target_from(ns) if front else _explain_target(ns)
-    plan, caps, label, args = (explain_frontends.plan(ns, target) if front else plan_command_line(
-        megatron_args, tree=ns.megatron, surface=ns.megatron_version, target=target))
+    if front:
+        plan, caps, label, args = explain_frontends.plan(ns, target)
+        launch = launch_environment(plan, caps, args)
+    else:
+        plan, caps, label, args, launch = plan_command_line(megatron_args, tree=ns.megatron,
+                                                            surface=ns.megatron_version, target=target)
     _check_world(ns, target, args, bool(front))
     megatron_source = (f"Megatron {caps.megatron.version}, as the front end imports it" if front
                        else f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
-    # What the launch must export for this layout: the dry run's rule (core.launch_env), on the same facts,
-    # and what the memory plan asks for (the allocator setting where only it makes the job fit).
-    launch = launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version)
-    launch += launch_env.from_memory(plan.memory)
     if ns.json:
-        payload = provenance.build_record(plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args)
-        payload["megatron"] = label
-        payload["target"] = {**target.to_record(), "summary": planned.describe(target)}
-        payload["sources"] = fact_sources(caps, megatron_source)
-        payload["stack"] = caps.stack or None
-        payload["launch_environment"] = [v.to_record() for v in launch]
+        payload = provenance.build_record(
+            plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args, megatron=label,
+            target={**target.to_record(), "summary": planned.describe(target)},
+            sources=fact_sources(caps, megatron_source), stack=caps.stack or None,
+            launch_environment=[v.to_record() for v in launch])
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return 0
     width = _width()
@@ -289,8 +289,8 @@ def cmd_flags(ns: argparse.Namespace) -> int:
     env = read_env(os.environ)
     profile = profile_named(env)
     megatron_args = _megatron_args(ns)
-    plan, _caps, _label, _args = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
-                                                  target=_explain_target(ns))
+    plan = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
+                             target=_explain_target(ns))[0]
     stock, defaults = _stock_flags(ns.megatron, ns.megatron_version)
     words: list[str] = []
     why_not: list[str] = []
@@ -365,17 +365,27 @@ def _te_report(caps: Capabilities) -> dict[str, Any]:
             "moe_permutation_kernels": caps.te_fused_permute, "moe_router_kernels": caps.te_fused_router}
 
 
+def _doctor_plan(caps: Capabilities) -> tuple[Plan, EnvSettings, Profile | None, Capabilities]:
+    """What the toggles decide on this machine (or the one MEGATRON_PERF_TOGGLES_ASSUME plans),
+    for a Llama-style bf16 run: doctor's process object comes from the factory like every entry
+    point's, reads the environment and profile once, and plans through its controller."""
+    ctx = new_context("doctor", os.environ, mode="plan", announce=False)
+    controller = ctx.controller
+    assert controller is not None, "new_context makes the controller"
+    env, profile = controller.env, controller.profile
+    assumed = resolve(env.assume) if env.assume else None
+    effective = replace(assumed, megatron=caps.megatron) if assumed else caps
+    controller.capabilities, controller.observing = effective, "doctor"
+    view = argparse.Namespace(**_llama_view())
+    return controller.plan(view, Registration(controller, {}, ())), env, profile, effective
+
+
 def cmd_doctor(ns: argparse.Namespace) -> int:
     facts, why_not = _doctor_megatron(ns.megatron)  # a bad --megatron fails before torch is imported
     caps = _machine_diagnosed()
     if facts is not None:
         caps = replace(caps, megatron=facts)
-    env = read_env(os.environ)
-    profile = profile_named(env)
-    planned = resolve(env.assume) if env.assume else None
-    effective = replace(planned, megatron=caps.megatron) if planned else caps
-    seen = profile_file.observed_for(profile, effective, os.environ, "doctor")
-    plan = decide(_llama_view(), {}, env, effective, profile=profile, observed=seen)
+    plan, env, profile, effective = _doctor_plan(caps)
     report = {
         "megatron": asdict(facts) if facts is not None else {"error": why_not},
         "torch": {"version": caps.torch_version, "device": caps.device},

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..core import launch_env
 from ..core.decision.decide import Plan
 from ..core.facts import Capabilities, megatron_facts_from_surface
+from ..core.launch_env import LaunchVar
 from ..errors import PREFIX, PerfTogglesError
 from ..runtime import surface_replay as replay
 from ..runtime.machine import target as planned
@@ -45,8 +47,19 @@ def parse_refusal(output: str, code: object) -> str:
     return f"Megatron's parser: {last}"
 
 
-def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None,
-                  ) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
+Planned = tuple[Plan, Capabilities, str, dict[str, Any], list[LaunchVar]]
+
+
+def launch_environment(plan: Plan, caps: Capabilities, args: dict[str, Any]) -> list[LaunchVar]:
+    """What the launch must export for this layout: the dry run's rule (``core.launch_env``) on the
+    plan's facts, and what the memory plan asks for (the allocator setting where only it makes the
+    job fit). A checkout's dry run computes it itself and records it; this is for the plans that
+    run no dry run (a recorded surface, a config front end)."""
+    return launch_env.needed(args, launch_env.arch_major_of(caps.gpu_arch), caps.te_version) + \
+        launch_env.from_memory(plan.memory)
+
+
+def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None) -> Planned:
     """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (launcher/parse_hooks.py): the same
     providers, parse, validate_args, planned world and GPU; the record is handed back, not printed."""
     import contextlib
@@ -82,14 +95,17 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     if ctx.plan is None or caps is None:
         raise PerfTogglesError(f"{script} did not reach the plugin", "is it Megatron's pretrain_gpt.py?")
     label = f"Megatron-LM {caps.megatron.version} at {caps.megatron.path} (its pretrain_gpt.py, parse and validate)"
-    return ctx.plan, caps, label, ctx.record["effective_args"]
+    launch = [LaunchVar(**var) for var in ctx.record["launch_environment"]]  # as the dry run worked it out
+    return ctx.plan, caps, label, ctx.record["effective_args"], launch
 
 
 def plan_command_line(
     megatron_args: Sequence[str], tree: str | None = None, surface: str | None = None,
     environ: dict[str, str] | None = None, target: planned.Target | None = None,
-) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
-    """Decide the toggles for ``megatron_args`` without announcing or writing anything.
+) -> Planned:
+    """Decide the toggles for ``megatron_args`` without announcing or writing anything: the plan,
+    the capabilities it rests on, where Megatron's parser came from, the parsed arguments and the
+    launch environment the layout needs (worked out once, here or by the dry run).
 
     With ``tree``: the launcher's dry run of its pretrain_gpt.py. Without: the recorded surface,
     with the same capability detection as that dry run (torch and TE imported where installed; on a
@@ -117,4 +133,5 @@ def plan_command_line(
         attach(parser, controller=controller)
         ns = parser.parse_args(list(megatron_args))
     assert controller.last is not None  # the parse went through the controller
-    return controller.last.plan, caps, label, vars(ns)
+    plan = controller.last.plan
+    return plan, caps, label, vars(ns), launch_environment(plan, caps, vars(ns))

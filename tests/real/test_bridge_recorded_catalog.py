@@ -1,6 +1,6 @@
 """The recorded Megatron-Bridge catalog against the real Bridge.
 
-``frontends/bridge_catalog.py`` records again, under ``BRIDGE_PYTHON`` (Bridge's own megatron-core,
+``frontends/bridge/catalog.py`` records again, under ``BRIDGE_PYTHON`` (Bridge's own megatron-core,
 the fixture Hugging Face configs offline), and the result must equal the catalog the package ships
 for that Bridge version; then every recipe the catalog holds is planned twice, by
 ``explain --bridge-recipe --json`` with the real Bridge and from the catalog in this interpreter
@@ -21,7 +21,7 @@ import tree_driver
 from conftest import REPO
 from sandbox import clean_environ
 
-from megatron_perf_toggles.frontends import bridge_catalog
+from megatron_perf_toggles.frontends.bridge import catalog as bridge_catalog
 from megatron_perf_toggles.runtime.machine.probe import installed
 from megatron_perf_toggles.tools import cli
 
@@ -31,7 +31,7 @@ import contextlib, io, json, os, sys, tempfile
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import bridge_driver
 bridge_driver._offline_hf_cache(tempfile.mkdtemp())
-from megatron_perf_toggles.frontends import bridge_catalog
+from megatron_perf_toggles.frontends.bridge import catalog as bridge_catalog
 from megatron_perf_toggles.tools import cli
 out = os.path.join(tempfile.mkdtemp(), "catalog.json")
 with contextlib.redirect_stdout(io.StringIO()):

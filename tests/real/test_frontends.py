@@ -16,7 +16,7 @@ from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.core.rules.guard_base import rule
 from megatron_perf_toggles.core.rules.megatron_rules import RULES, SUPPORTED
 from megatron_perf_toggles.frontends import adapter as frontend
-from megatron_perf_toggles.frontends import bridge_adapter as bridge  # the adapter behind megatron_perf_toggles.bridge
+from megatron_perf_toggles.frontends.bridge import adapter as bridge  # the adapter behind megatron_perf_toggles.bridge
 from megatron_perf_toggles.runtime.machine import probe
 from megatron_perf_toggles.tools import cli
 from megatron_perf_toggles.tools.surfaces import replay
@@ -147,7 +147,8 @@ def test_the_primus_pth_hook_loads_nothing_else():
                           env={"PYTHONPATH": str(REPO), "PATH": ""})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == ["megatron_perf_toggles._version", "megatron_perf_toggles.errors",
-                                 "megatron_perf_toggles.frontends", "megatron_perf_toggles.frontends.primus_hook",
+                                 "megatron_perf_toggles.frontends", "megatron_perf_toggles.frontends.primus",
+                                 "megatron_perf_toggles.frontends.primus.hook",
                                  "megatron_perf_toggles.primus_hook"]  # the name the .pth imports, and the hook
 
 

@@ -231,7 +231,7 @@ def test_parity_on_the_fork_surface(case, capsys):
         return
     code, args, messages = 0, None, []
     try:
-        plan, _caps, _label, args = cli.plan_command_line(argv, surface="rocm_fork", environ={**case["env"], **PLANNED})
+        plan, _caps, _label, args, _launch = cli.plan_command_line(argv, surface="rocm_fork", environ={**case["env"], **PLANNED})
         messages = [m.text for m in plan.messages]
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else 2

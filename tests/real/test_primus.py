@@ -145,7 +145,7 @@ def test_mxfp4_guard_keeps_the_bf16_gradient_buffer(tree):
 def test_pth_hook_registers_when_primus_imports_its_patches(tree):
     code = ("import sys, megatron_perf_toggles.primus_hook\n"
             "assert 'primus' not in sys.modules and 'megatron_perf_toggles.primus' not in sys.modules\n"
-            "assert 'megatron_perf_toggles.frontends.primus' not in sys.modules\n"
+            "assert 'megatron_perf_toggles.frontends.primus.public' not in sys.modules\n"
             "from primus.core.patches.patch_registry import PatchRegistry\n"
             "p = PatchRegistry.get('megatron_perf_toggles.decisions')\n"
             "import pkgutil, primus.core.patches as m\n"

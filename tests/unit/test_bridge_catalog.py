@@ -1,34 +1,27 @@
 """explain --bridge-recipe without Megatron-Bridge: the recorded catalog plans it, every mistake one line.
 
 The catalog in the package (megatron_perf_toggles/data/bridge_recipes/) is recorded from the real
-Bridge by frontends/bridge_catalog.py; tests/real/test_bridge_recorded_catalog.py records it again and compares,
+Bridge by frontends/bridge/catalog.py; tests/real/test_bridge_recorded_catalog.py records it again and compares,
 and compares these plans with the real Bridge's. Here: the plans it gives where Bridge is absent.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from sandbox import clean_environ
 
-from megatron_perf_toggles.frontends import bridge_catalog
+from megatron_perf_toggles.frontends.bridge import catalog as bridge_catalog
 from megatron_perf_toggles.runtime.machine.probe import installed
 from megatron_perf_toggles.tools import cli
 
 LLAMA = "megatron.bridge.recipes.llama:llama3_8b_pretrain_config"
 GPT175 = "megatron.bridge.recipes.gpt.gpt3_175b:gpt3_175b_pretrain_config"
-pytestmark = pytest.mark.skipif(installed("megatron.bridge"), reason="Megatron-Bridge is installed here: explain "
-                                "uses it, not the catalog (tests/real/test_bridge_recorded_catalog.py compares both)")
+pytestmark = [pytest.mark.skipif(installed("megatron.bridge"), reason="Megatron-Bridge is installed here: explain "
+                                 "uses it, not the catalog (tests/real/test_bridge_recorded_catalog.py compares both)"),
+              pytest.mark.usefixtures("clean_environment")]
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for name in list(os.environ):
-        monkeypatch.delenv(name)
-    for name, value in clean_environ().items():
-        monkeypatch.setenv(name, value)
 
 
 def _explain(capsys, *argv: str) -> tuple[int, str, str]:
@@ -95,3 +88,22 @@ def test_off_means_stock_from_the_catalog_too(capsys, monkeypatch):
     record = json.loads(out)
     assert all(mb in (0, None) for mb in record["memory"]["peak_memory_delta_mb"].values()), record["memory"]
     assert all(d["source"] in ("default", "config") for d in record["decisions"].values())
+
+
+# The catalog is already imported in this process (a command starts without it): runpy says so.
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
+def test_the_documented_recorder_command_is_the_catalogs(capsys, monkeypatch):
+    """``python -m megatron_perf_toggles.frontends.bridge_catalog`` (docs/bridge.md) runs the
+    recorder in frontends/bridge/catalog.py, and the old import name is that module."""
+    import runpy
+    import sys
+
+    from megatron_perf_toggles.frontends import bridge_catalog as by_old_name
+
+    assert by_old_name is bridge_catalog
+    monkeypatch.delitem(sys.modules, "megatron_perf_toggles.frontends.bridge_catalog")  # as ``python -m`` finds it
+    monkeypatch.setattr(sys, "argv", ["bridge_catalog", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("megatron_perf_toggles.frontends.bridge_catalog", run_name="__main__", alter_sys=True)
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m megatron_perf_toggles.frontends.bridge_catalog")

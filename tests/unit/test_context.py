@@ -235,3 +235,18 @@ def test_the_run_context_and_its_controller_are_made_in_one_factory():
             places[str(path.relative_to(package))] = [ast.unparse(c.func) for c in calls]
     assert set(places) <= {"runtime/controller.py", "runtime/context.py"}, places
     assert places["runtime/controller.py"] == ["Controller", "RunContext.create"]  # new_controller, new_context
+
+
+def test_only_the_controller_calls_the_decision():
+    """Every entry point plans through its context's controller (``doctor`` included): outside the
+    core, the package calls ``decide`` in one place, ``Controller.plan``."""
+    import ast
+
+    from conftest import REPO
+
+    package = REPO / "megatron_perf_toggles"
+    callers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                     if path.parts[-3:-1] != ("core", "decision") and any(
+                         isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == "decide"
+                         for n in ast.walk(ast.parse(path.read_text()))))
+    assert callers == ["runtime/controller.py"], callers

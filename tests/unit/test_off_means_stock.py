@@ -4,10 +4,8 @@ where stock itself would fail, a note says so and explain still exits 0."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from sandbox import clean_environ
 
 from megatron_perf_toggles.tools import cli
 
@@ -15,12 +13,7 @@ MOE = ["--num-experts", "8", "--moe-permute-fusion", "--num-layers", "2", "--hid
        "--num-attention-heads", "4"]
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for name in list(os.environ):
-        monkeypatch.delenv(name)
-    for name, value in clean_environ().items():
-        monkeypatch.setenv(name, value)
+pytestmark = pytest.mark.usefixtures("clean_environment")
 
 
 def _explain(capsys, *argv: str) -> tuple[int, dict, str]:

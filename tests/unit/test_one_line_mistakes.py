@@ -9,20 +9,13 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from sandbox import clean_environ
 
 from megatron_perf_toggles.core import layout
 from megatron_perf_toggles.core.memory.memory_guard import summary
 from megatron_perf_toggles.launcher import parse_refusal, screen
 from megatron_perf_toggles.tools import cli
 
-
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for name in list(__import__("os").environ):
-        monkeypatch.delenv(name)
-    for name, value in clean_environ().items():
-        monkeypatch.setenv(name, value)
+pytestmark = pytest.mark.usefixtures("clean_environment")
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -46,8 +46,8 @@ def guarded_off(toggles: Sequence[str], script: str, megatron_args: Sequence[str
     target = planned.make_target(world_size=world if world and world > 1 else None)
     try:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            plan, _caps, _label, _args = plan_command_line(list(megatron_args), surface=surface_for(script),
-                                                           environ=environ, target=target)
+            plan = plan_command_line(list(megatron_args), surface=surface_for(script),
+                                     environ=environ, target=target)[0]
     except (PerfTogglesError, SystemExit):
         return {}
     return {d: plan.decisions[d].reason for d in toggles if plan.decisions[d].value is not True}

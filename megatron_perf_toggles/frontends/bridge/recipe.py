@@ -22,9 +22,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..core.config_fields import BRIDGE_SECTIONS
-from ..errors import PerfTogglesError
-from ..runtime.process_changes import ProcessChanges
+from ...core.config_fields import BRIDGE_SECTIONS
+from ...errors import PerfTogglesError
+from ...runtime.process_changes import ProcessChanges
 
 # The configuration classes a recipe fills in, each with every subclass (model providers included).
 ROOTS = ("megatron.core.model_parallel_config:ModelParallelConfig",

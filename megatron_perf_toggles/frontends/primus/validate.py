@@ -22,10 +22,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import PREFIX, PerfTogglesError
-from ..runtime.context import current
-from ..runtime.process_changes import PROCESS_CHANGES
-from ..runtime.rebinding import ORIGINAL_ATTR, megatron_root, rebind
+from ...errors import PREFIX, PerfTogglesError
+from ...runtime.context import current
+from ...runtime.process_changes import PROCESS_CHANGES
+from ...runtime.rebinding import ORIGINAL_ATTR, megatron_root, rebind
 
 
 def _end(error: PerfTogglesError) -> None:
@@ -70,7 +70,7 @@ def install(ns: Any, end: Callable[[PerfTogglesError], None] = _end) -> str:
         return "refusal"
     if ctx is None or ctx.controller is None or front.registration is None:
         return "none"
-    from ..runtime.safety_net import NET
+    from ...runtime.safety_net import NET
 
     NET.install(arguments)
     ctx.controller.watch(ns, front.registration)

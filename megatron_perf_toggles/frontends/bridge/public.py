@@ -15,12 +15,12 @@ resume check and history, the cross-rank check and the safety net around Bridge'
 Rules that Megatron enforces only in ``validate_args`` are applied here too, because Bridge skips
 them. ``build`` calls a recipe while watching which fields it sets, so that a value the recipe
 chose stays the recipe's even where it equals the dataclass default. The adapter itself is
-``frontends/bridge_adapter.py``.
+``frontends/bridge/adapter.py``.
 """
 
 from __future__ import annotations
 
-from .bridge_adapter import apply, declared_default, explain, generic_declaration, read, write
-from .bridge_recipe import build, traced_fields
+from .adapter import apply, declared_default, explain, generic_declaration, read, write
+from .recipe import build, traced_fields
 
 __all__ = ["apply", "build", "declared_default", "explain", "generic_declaration", "read", "traced_fields", "write"]

@@ -23,15 +23,15 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_RUNTIME_FIELDS, BRIDGE_SECTIONS, Home, bridge_homes
-from ..core.decision.decide import Plan
-from ..core.facts import Capabilities
-from ..runtime.context import Mode, RunContext
-from ..runtime.controller import Controller, Registration
-from ..runtime.machine.target import Target
-from ..runtime.provenance import record_dir as record_dir_of
-from . import adapter as frontend
-from . import bridge_comm_overlap
+from ...core.config_fields import BRIDGE_DERIVED, BRIDGE_GENERIC_MODULES, BRIDGE_RUNTIME_FIELDS, BRIDGE_SECTIONS, Home, bridge_homes
+from ...core.decision.decide import Plan
+from ...core.facts import Capabilities
+from ...runtime.context import Mode, RunContext
+from ...runtime.controller import Controller, Registration
+from ...runtime.machine.target import Target
+from ...runtime.provenance import record_dir as record_dir_of
+from .. import adapter as frontend
+from . import comm_overlap as bridge_comm_overlap
 
 _MISSING = object()
 
@@ -116,7 +116,7 @@ def _named(explicit: Iterable[str], homes: Mapping[str, tuple[Home, ...]]) -> se
     names = set(explicit)
     unknown = names - set(homes) - {h.path for hs in homes.values() for h in hs}
     if unknown:
-        from ..errors import PerfTogglesError
+        from ...errors import PerfTogglesError
 
         raise PerfTogglesError(f"bridge.apply: explicit names no toggle or toggle field: {', '.join(sorted(unknown))}")
     return {dest for dest, hs in homes.items() if dest in names or any(h.path in names for h in hs)}
@@ -197,7 +197,7 @@ def apply(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str] 
     this one's. Returns the plan; a request that cannot be honoured raises a PerfTogglesError with
     one line."""
     ctx, plan, view, reg = _plan(cfg, explicit, environ, "run", capabilities, None, announce)
-    from .bridge_net import watch_validation
+    from .net import watch_validation
 
     def before_apply(controller: Controller) -> None:
         save = _read(cfg, "checkpoint.save")
@@ -220,7 +220,7 @@ def explain(cfg: Any, *, explicit: Iterable[str] = (), environ: Mapping[str, str
 def _plan(cfg: Any, explicit: Iterable[str], environ: Mapping[str, str] | None, mode: Mode,
           capabilities: Capabilities | None, target: Target | None, announce: bool,
           ) -> tuple[RunContext, Plan, Any, Registration]:
-    from .bridge_recipe import traced_fields
+    from .recipe import traced_fields
 
     _resolve_mixed_precision(cfg)
     found = read(cfg, explicit, traced_fields(cfg))

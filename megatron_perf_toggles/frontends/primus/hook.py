@@ -41,7 +41,7 @@ class _Loader(importlib.abc.Loader):
 
 def _register() -> None:
     """Importing the front end registers its patch; an already imported one registers again."""
-    name = f"{__package__}.primus"
+    name = f"{__package__}.public"
     if name in sys.modules:
         sys.modules[name].register()
     else:

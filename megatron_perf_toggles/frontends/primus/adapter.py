@@ -17,14 +17,14 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..core.config_fields import PRIMUS_DEFAULT_FILES, PRIMUS_HOMES
-from ..core.decision.decide import FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, Plan
-from ..core.facts import Capabilities
-from ..core.registry import BY_DEST
-from ..runtime.context import Mode, RunContext
-from ..runtime.controller import Registration
-from ..runtime.machine.target import Target
-from . import adapter as frontend
+from ...core.config_fields import PRIMUS_DEFAULT_FILES, PRIMUS_HOMES
+from ...core.decision.decide import FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, Plan
+from ...core.facts import Capabilities
+from ...core.registry import BY_DEST
+from ...runtime.context import Mode, RunContext
+from ...runtime.controller import Registration
+from ...runtime.machine.target import Target
+from .. import adapter as frontend
 
 PATCH_ID = "megatron_perf_toggles.decisions"  # the build_args patch, as Primus's registry knows it
 _MISSING = object()
@@ -47,7 +47,7 @@ def primus_defaults(package_dir: str | None = None) -> dict[str, Any]:
             package_dir = os.path.dirname(os.path.abspath(primus.__file__))
         import yaml  # Primus's own dependency
     except ImportError as error:
-        from ..errors import PerfTogglesError
+        from ...errors import PerfTogglesError
 
         raise PerfTogglesError(f"primus: Primus is not importable here ({error}); pass its defaults to "
                                "apply_to_namespace, or run inside Primus") from None
@@ -71,7 +71,7 @@ def read(ns: Any, defaults: Mapping[str, Any], explicit: Iterable[str] = ()) -> 
     args = dict(vars(ns))
     named = set(explicit)
     if named - set(PRIMUS_HOMES):
-        from ..errors import PerfTogglesError
+        from ...errors import PerfTogglesError
 
         raise PerfTogglesError(f"primus: explicit names no toggle: {', '.join(sorted(named - set(PRIMUS_HOMES)))}")
     found = frontend.Found(args=args, words={dest: f"YAML key {dest}" for dest in args})

@@ -20,9 +20,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ..core.config_fields import bridge_homes
-from ..runtime.context import RunContext, current
-from ..runtime.safety_net import FOUND_AT_RUN_TIME, first_line, quiet_and_undone, smallest_backoff
+from ...core.config_fields import bridge_homes
+from ...runtime.context import RunContext, current
+from ...runtime.safety_net import FOUND_AT_RUN_TIME, first_line, quiet_and_undone, smallest_backoff
 
 NET_ATTR = "_perf_toggles_net"
 

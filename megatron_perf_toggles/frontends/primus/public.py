@@ -8,20 +8,20 @@ namespace after Primus built it and before the trainer (and Megatron's ``validat
 
     import megatron_perf_toggles.primus  # e.g. from a .pth file: see docs/primus.md
 
-Two patches: ``build_args`` plans through the one pipeline (``frontends/primus_adapter.py``, the
+Two patches: ``build_args`` plans through the one pipeline (``frontends/primus/adapter.py``, the
 adapter; ``frontends/adapter.py``, the pipeline), and ``before_train``, after Primus wrapped
 Megatron's ``validate_args``, makes a refusal stop the job there and lets the safety net watch
-the validation (``frontends/primus_validate.py``).
+the validation (``frontends/primus/validate.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..errors import PerfTogglesError
-from ..runtime.context import FrontEnd
-from ..runtime.controller import new_context
-from .primus_adapter import PATCH_ID, apply_to_namespace, explain, megatron_default, primus_defaults, read
+from ...errors import PerfTogglesError
+from ...runtime.context import FrontEnd
+from ...runtime.controller import new_context
+from .adapter import PATCH_ID, apply_to_namespace, explain, megatron_default, primus_defaults, read
 
 VALIDATE_ID = "megatron_perf_toggles.validate_args"
 __all__ = ["PATCH_ID", "VALIDATE_ID", "apply_to_namespace", "build_args_patch", "explain", "megatron_default",
@@ -44,7 +44,7 @@ def before_train_patch(ctx: Any) -> None:
     """Primus's ``before_train`` phase, after its own ``megatron.validate_args`` patch: Megatron's
     ``validate_args`` (as Primus wrapped it) raises a refusal kept at ``build_args``, with one line
     and exit status 2 on every rank, and otherwise runs inside the safety net."""
-    from . import primus_validate
+    from . import validate as primus_validate
 
     primus_validate.install(ctx.extra.get("backend_args"))
 

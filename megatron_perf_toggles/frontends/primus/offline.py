@@ -23,13 +23,13 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from ..core.facts import Capabilities, megatron_facts_from_surface
-from ..runtime import surface_replay as replay
-from ..runtime.machine import target as planned
-from ..runtime.process_changes import ProcessChanges
-from ..runtime.surface_replay import DEFAULT_SURFACE
-from . import adapter as frontend
-from .te_standin import stand_in
+from ...core.facts import Capabilities, megatron_facts_from_surface
+from ...runtime import surface_replay as replay
+from ...runtime.machine import target as planned
+from ...runtime.process_changes import ProcessChanges
+from ...runtime.surface_replay import DEFAULT_SURFACE
+from .. import adapter as frontend
+from ..te_standin import stand_in
 
 PACKAGE = "torch"
 VERSION = "0.0.0+planning-stand-in"
