@@ -13,9 +13,9 @@ file is built, Transformer Engine and triton are stood in for where they are mis
 - ``--primus-config FILE.yaml``: loaded by Primus's own ``load_primus_config`` from the checkout
   the file is in (else the importable ``primus``), and Megatron's namespace built by Primus's
   ``MegatronArgBuilder`` against ``--megatron PATH`` or ``--megatron-version NAME`` (a recorded
-  surface; else the importable Megatron, else the
-  checkout's ``third_party/Megatron-LM``, else the recorded surface of the Megatron-LM the checkout
-  pins: ``primus_offline.served``). Primus's own ``build_args`` patches are not run.
+  surface; else the importable Megatron, else the checkout's ``third_party/Megatron-LM``, else the
+  recorded surface of the Megatron-LM the checkout pins: ``primus_offline.served``). Primus's own
+  ``build_args`` patches are not run.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import importlib.machinery
 import sys
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from ..runtime.machine.probe import installed
@@ -106,8 +106,8 @@ def stand_in(package: str, version: str, *, forget: bool = False) -> Iterator[bo
 @contextmanager
 def transformer_engine() -> Iterator[bool]:
     """Within the block, ``import transformer_engine...`` works where TE is not installed (yields
-    whether the stand-in is in place), and so does TE's compiled ``transformer_engine_torch`` (which
-    Megatron-Bridge 0.5 imports at module level). Afterwards the finders are gone; modules imported
+    whether the stand-in is in place), and then so does TE's compiled ``transformer_engine_torch``
+    (which Megatron-Bridge 0.5 imports at module level). Afterwards the finders are gone; modules imported
     meanwhile keep the placeholders they bound, which is all a plan that then ends needs."""
-    with stand_in(PACKAGE, VERSION) as placed, stand_in(EXTENSION, VERSION):
+    with stand_in(PACKAGE, VERSION) as placed, (stand_in(EXTENSION, VERSION) if placed else nullcontext()):
         yield placed
