@@ -30,7 +30,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["megatron_perf_toggles", "megatron_perf_toggles.*"]),
-    package_data={"megatron_perf_toggles": ["data/surfaces/*.json", "data/bridge_recipes/*.json"]},
+    package_data={"megatron_perf_toggles": ["data/*.json", "data/surfaces/*.json", "data/bridge_recipes/*.json"]},
     cmdclass={"build_py": BuildWithPatches},
     python_requires=">=3.10",
     install_requires=[],

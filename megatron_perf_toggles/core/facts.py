@@ -234,7 +234,10 @@ def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:
         # ones included): a rule the recorder could not detect by its phrase still binds there.
         from .rules.megatron_rules import rules_of
 
-        recorded = sorted({*facts["rules"], *rules_of(surface_release(surface))})
+        table = rules_of(surface_release(surface))
+        if surface.get("commit"):  # a commit between releases: what its tree showed stands; the table adds
+            table = tuple(r for r in table if r in BY_ID and not BY_ID[r].phrase)  # only what no phrase detects
+        recorded = sorted({*facts["rules"], *table})
         rules = [r for r in recorded if r not in BY_ID or facts.get(BY_ID[r].fact) is not False]
         rules += [r.id for r in BY_ID.values() if r.fact and facts.get(r.fact) is True and r.id not in rules]
         facts["rules"] = tuple(rules)

@@ -72,6 +72,8 @@ def facts_for_version(version: str) -> MegatronFacts:
     wanted = version_tuple(version)
     best: tuple[tuple[int, ...], dict[str, Any]] | None = None
     for surface in _surfaces():
+        if surface.get("commit"):  # a commit between releases (a framework's pin) stands for no release
+            continue
         recorded = str(surface.get("facts", {}).get("version") or "")
         vt = version_tuple(recorded)
         if vt and vt <= wanted and (best is None or vt > best[0]):

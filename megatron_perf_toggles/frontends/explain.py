@@ -12,8 +12,10 @@ file is built, Transformer Engine and triton are stood in for where they are mis
   given after ``--`` (values read as Python literals, else strings).
 - ``--primus-config FILE.yaml``: loaded by Primus's own ``load_primus_config`` from the checkout
   the file is in (else the importable ``primus``), and Megatron's namespace built by Primus's
-  ``MegatronArgBuilder`` against ``--megatron PATH`` (else the importable Megatron, else the
-  checkout's ``third_party/Megatron-LM``). Primus's own ``build_args`` patches are not run.
+  ``MegatronArgBuilder`` against ``--megatron PATH`` or ``--megatron-version NAME`` (a recorded
+  surface; else the importable Megatron, else the checkout's ``third_party/Megatron-LM``, else the
+  recorded surface of the Megatron-LM the checkout pins: ``primus_offline.served``). Primus's own
+  ``build_args`` patches are not run.
 """
 
 from __future__ import annotations
@@ -45,10 +47,15 @@ def add_options(parser: Any) -> None:
                        "llama3_8b_pretrain_config); its keyword arguments as KEY=VALUE after --")
     front.add_argument("--primus-config", metavar="FILE.yaml", help="a Primus experiment file (e.g. examples/megatron/"
                        "configs/MI355X/llama3.1_8B-BF16-pretrain.yaml); --megatron names the Megatron-LM it builds on")
+    group.add_argument("--bridge-version", metavar="VERSION", help="with --bridge-recipe: plan from the package's "
+                       "recorded catalog of this Megatron-Bridge version, installed or not (default, without Bridge: "
+                       "the installed version's catalog, else the newest)")
 
 
 def requested(ns: argparse.Namespace) -> str | None:
-    """Which front end explain plans for, if any."""
+    """Which front end explain plans for, if any (``--bridge-version`` alone: one line)."""
+    if getattr(ns, "bridge_version", None) and not getattr(ns, "bridge_recipe", None):
+        raise PerfTogglesError("--bridge-version goes with --bridge-recipe MODULE:FUNCTION")
     if getattr(ns, "bridge_recipe", None):
         return "bridge"
     if getattr(ns, "primus_config", None):
@@ -103,7 +110,10 @@ def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
 
     kwargs = _keywords(list(ns.megatron_args))
     module, _ = bridge_recipe.split(ns.bridge_recipe)  # a misspelt name or a missing Bridge: one line, at once
-    if module.startswith("megatron.bridge") and not installed("megatron.bridge"):
+    if ns.bridge_version and not module.startswith("megatron.bridge"):
+        raise PerfTogglesError(f"--bridge-version plans Megatron-Bridge's own recipes from its recorded catalog; "
+                               f"{module} is not one of them")
+    if module.startswith("megatron.bridge") and (ns.bridge_version or not installed("megatron.bridge")):
         from .bridge import catalog as bridge_catalog
 
         return bridge_catalog.plan(ns, target)  # the recorded catalog: no Bridge, torch or TE needed
@@ -178,8 +188,21 @@ def _elsewhere() -> Iterator[None]:
             os.chdir(here)
 
 
-def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
+def _primus_megatron(ns: argparse.Namespace, root: Path | None) -> tuple[Any, str]:
+    """The Megatron Primus builds on (a block to run the build in) and, for a recorded surface, why it."""
     from ..launcher.import_shims import megatron_importable
+    from .primus import offline as primus_offline
+
+    if getattr(ns, "megatron_version", None):
+        return primus_offline.recorded_megatron(ns.megatron_version), "as --megatron-version asks"
+    try:
+        return megatron_importable(_megatron_for(ns, root)), ""
+    except PerfTogglesError:  # no Megatron-LM here: Primus builds on a recorded surface's parser, its pin's
+        name, why = primus_offline.served(root)
+        return primus_offline.recorded_megatron(name), f"no Megatron-LM here; {why}"
+
+
+def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
     from .primus import adapter as primus
 
     config = Path(ns.primus_config).resolve()
@@ -193,10 +216,7 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
                                "importable here", "pass a file inside a Primus checkout, or install Primus")
     from .primus import offline as primus_offline
 
-    try:
-        megatron: Any = megatron_importable(_megatron_for(ns, root))
-    except PerfTogglesError:  # no Megatron-LM here: Primus builds on a recorded surface's parser
-        megatron = primus_offline.recorded_megatron()
+    megatron, why = _primus_megatron(ns, root)
     if root is not None and str(root) not in sys.path:
         sys.path.insert(0, str(root))
     with megatron as surface, planned.stand_ins(target), _elsewhere():
@@ -211,6 +231,6 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
         recorded = primus_offline.capabilities(surface, target) if surface else None
         result, caps, args = primus.explain(namespace, primus.primus_defaults(package), target=target,
                                             capabilities=recorded)
-    where = f" (recorded surface {surface['name']!r}: no Megatron-LM here)" if surface else ""
+    where = f" (recorded surface {surface['name']!r}: {why})" if surface else ""
     return result, caps, f"Primus, experiment {config.name}, Megatron-LM {caps.megatron.version}{where}", args
 

@@ -17,13 +17,14 @@ import importlib.machinery
 import sys
 import types
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from ..runtime.machine.probe import installed
 
 VERSION = "2.8.0"
 PACKAGE = "transformer_engine"
+EXTENSION = "transformer_engine_torch"  # TE's compiled extension, a top-level module of its own
 
 
 class _Meta(type):
@@ -102,8 +103,11 @@ def stand_in(package: str, version: str, *, forget: bool = False) -> Iterator[bo
                 del sys.modules[name]
 
 
-def transformer_engine() -> AbstractContextManager[bool]:
+@contextmanager
+def transformer_engine() -> Iterator[bool]:
     """Within the block, ``import transformer_engine...`` works where TE is not installed (yields
-    whether the stand-in is in place). Afterwards the finder is gone; modules imported meanwhile keep
-    the placeholders they bound, which is all a plan that then ends needs."""
-    return stand_in(PACKAGE, VERSION)
+    whether the stand-in is in place), and then so does TE's compiled ``transformer_engine_torch``
+    (which Megatron-Bridge 0.5 imports at module level). Afterwards the finders are gone; modules imported
+    meanwhile keep the placeholders they bound, which is all a plan that then ends needs."""
+    with stand_in(PACKAGE, VERSION) as placed, (stand_in(EXTENSION, VERSION) if placed else nullcontext()):
+        yield placed

@@ -57,6 +57,11 @@ def _load(name: str) -> dict[str, Any]:
     return base
 
 
+def commits() -> dict[str, str]:
+    """The surfaces recorded of a commit between releases (one a framework pins), by that commit."""
+    return {commit: name for name in available() if (commit := _load(name).get("commit"))}
+
+
 def load_surface(name: str) -> dict[str, Any]:
     """A recorded surface by name (``main``, ``core_v0.13.0``, ..., ``rocm_fork``); a fresh copy."""
     return copy.deepcopy(_load(name))

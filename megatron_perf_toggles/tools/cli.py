@@ -488,7 +488,8 @@ def _add_explain(sub: Any) -> None:
     ex.add_argument("--verbose", action="store_true", help="also say where each fact the plan rests on came from")
     explain_frontends.add_options(ex)
     _planning_options(ex, "a Megatron-LM checkout: use its real parser",
-                      "plan against a recorded Megatron surface instead (default: main)")
+                      "plan against a recorded Megatron surface instead (default: main; for --primus-config "
+                      "without a Megatron-LM, the surface of the commit Primus pins)")
     ex.set_defaults(func=cmd_explain)
 
 

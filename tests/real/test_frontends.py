@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from conftest import full_caps
+from conftest import REPO, full_caps
 
 from megatron_perf_toggles.core.config_fields import BRIDGE_OVERRIDES, PRIMUS_HOMES, Home, bridge_homes
 from megatron_perf_toggles.core.decision.decide import FP4_LAYER_DESTS, Decision, decide
@@ -195,8 +200,10 @@ def test_every_rule_the_table_records_for_a_release_binds_its_recorded_surface(n
     assert release in SUPPORTED, f"{name}: the rules table knows no release {release!r}"
     # (a fork's record that states it lacks a rule, through the rule's declared fact, decides that rule)
     stated = surface.get("facts", {})
+    # (a commit between releases, one a framework pins: its tree's phrases decide; the table adds the rest)
+    pinned = bool(surface.get("commit"))
     missing = [r.id for r in RULES if release in r.versions and not facts.has_rule(r.id)
-               and not (r.fact and stated.get(r.fact) is False)]
+               and not (r.fact and stated.get(r.fact) is False) and not (pinned and r.phrase)]
     assert not missing, f"{name} lacks {missing}"
     # and what a guard answers, it does there: packed sequences turn fused single-QKV RoPE off
     if release in rule("fqr_packed_sequences").versions:
@@ -204,6 +211,33 @@ def test_every_rule_the_table_records_for_a_release_binds_its_recorded_surface(n
                       full_caps(megatron=facts))
         assert (plan.decisions["fused_single_qkv_rope"].value, plan.decisions["fused_single_qkv_rope"].source) \
             == (False, "guard")
+
+
+PINNED_TREES = "MEGATRON_PINNED_TREES"
+
+
+def _pinned_tree(name: str) -> Path | None:
+    """A checkout of a pinned commit: a folder named as its surface in MEGATRON_PINNED_TREES (':'-separated;
+    kept apart from MEGATRON_LM_TREES, whose every tree each real suite runs on) or MEGATRON_LM_TREES."""
+    raw = os.pathsep.join(os.environ.get(v, "") for v in (PINNED_TREES, "MEGATRON_LM_TREES"))
+    return next((Path(p) for p in raw.split(os.pathsep) if p.strip() and Path(p).name == name), None)
+
+
+@pytest.mark.parametrize("name", sorted(replay.commits().values()))
+def test_a_pinned_commits_surface_is_what_its_tree_records(name, tmp_path):
+    surface = replay.load_surface(name)
+    tree = _pinned_tree(name)
+    if tree is None:
+        pytest.skip(f"no checkout of Megatron-LM {surface['commit'][:8]} given: export one with `git -C MEGATRON_GIT "
+                    f"archive {surface['commit'][:8]} | tar x -C DIR/{name}` and set {PINNED_TREES}=DIR/{name}")
+    out = tmp_path / "surface.json"
+    proc = subprocess.run([sys.executable, "-m", "megatron_perf_toggles", "surface", str(tree), "--commit",
+                           surface["commit"], "--release", surface["release"], "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fresh = json.loads(out.read_text())
+    assert fresh["actions"] == surface["actions"] and fresh["facts"] == surface["facts"]
+    assert (fresh["name"], fresh["commit"]) == (name, surface["commit"])
 
 
 def test_bridge_on_a_megatron_core_wheel_gets_the_tables_rules():

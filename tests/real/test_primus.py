@@ -240,6 +240,44 @@ def test_explain_primus_config_plans_what_the_patch_decides(tree):
     assert "YAML key gradient_accumulation_fusion: false" in record["decisions"]["gradient_accumulation_fusion"]["reason"]
 
 
+# Primus 26.4 and 26.5 (main and the v26.3-v26.5.1 tags) pin Megatron-LM main of 2026-03-06 (facts of Primus's history).
+PINNED = {"26.4": "d3528a21301db2d12e92912b3ec025dc8a2ed4d6", "26.5": "d3528a21301db2d12e92912b3ec025dc8a2ed4d6"}
+
+
+def _offline(tree: Path) -> list[subprocess.CompletedProcess]:
+    """explain --primus-config with no Megatron-LM anywhere (the checkout has no third_party/), on the
+    surface of Primus's pin and, in a second process, on main's (``--megatron-version main``)."""
+    env = {k: v for k, v in tree_driver.SESSION.environ.items() if not k.startswith("MEGATRON_PERF_TOGGLES")}
+    env.update(PYTHONPATH=os.pathsep.join((str(tree), str(REPO))))
+    argv = [sys.executable, "-m", "megatron_perf_toggles", "explain", "--primus-config", str(tree / MI355X_BF16),
+            "--world-size", "8", "--gpu", "mi355x", "--json"]
+    with tempfile.TemporaryDirectory(prefix="primus-offline-") as scratch:
+        return [subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=600, cwd=scratch, env=env)
+                for extra in ([], ["--megatron-version", "main"])]
+
+
+def test_without_megatron_primus_plans_on_the_surface_of_the_megatron_it_pins(tree):
+    from megatron_perf_toggles.tools.surfaces import replay
+
+    text = (tree / "primus" / "__init__.py").read_text()
+    version = next((v for v in PINNED if f'__version__ = "{v}"' in text), None)
+    if version is None or (tree / "third_party" / "Megatron-LM" / "megatron").is_dir():
+        pytest.skip(f"{tree.name}: a Primus whose pin is no fixture here, or a checkout with its Megatron-LM")
+    pinned, on_main = tree_driver.SESSION.outcome(JOBS[tree]["offline"])
+    assert pinned.returncode == 0 and on_main.returncode == 0, (pinned.stderr + on_main.stderr)[-3000:]
+    name = next(n for n in replay.available() if replay.load_surface(n).get("commit") == PINNED[version])
+    record, main = json.loads(pinned.stdout), json.loads(on_main.stdout)
+    assert f"recorded surface {name!r}" in record["megatron"] and "the commit Primus pins" in record["megatron"]
+    assert "recorded surface 'main'" in main["megatron"]
+    # The difference matters: main asserts that TE's cross-entropy fusion is off (stability), the pin
+    # does not, so the experiment's own `cross_entropy_fusion_impl: te` stands on the pin only.
+    facts = {n: replay.load_surface(n)["facts"]["asserts_te_cross_entropy"] for n in (name, "main")}
+    assert facts == {name: False, "main": True}
+    ours, theirs = record["decisions"]["cross_entropy_fusion_impl"], main["decisions"]["cross_entropy_fusion_impl"]
+    assert (ours["value"], ours["source"]) == ("te", "config") and "YAML key cross_entropy_fusion_impl" in ours["reason"]
+    assert (theirs["value"], theirs["source"]) == ("native", "guard")
+
+
 def job_results(tree: Path) -> tuple[subprocess.CompletedProcess, tuple]:
     return tree_driver.SESSION.outcome(JOBS[tree]["jobs"])
 
@@ -279,5 +317,5 @@ def test_primus_job_resume_history_rank_check_and_safety_net(tree):
 # The three processes start with the session's workers, beside the unit tests (tests/tree_driver.py).
 JOBS = {tree: {name: tree_driver.SESSION.background(f"primus-{name}-{tree.name}", functools.partial(job, tree),
                                                     real=False)
-               for name, job in (("jobs", _jobs), ("refusal", _refusal), ("explain", _explain))}
+               for name, job in (("jobs", _jobs), ("refusal", _refusal), ("explain", _explain), ("offline", _offline))}
         for tree in TREES}

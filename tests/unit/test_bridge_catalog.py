@@ -107,3 +107,47 @@ def test_the_documented_recorder_command_is_the_catalogs(capsys, monkeypatch):
         runpy.run_module("megatron_perf_toggles.frontends.bridge_catalog", run_name="__main__", alter_sys=True)
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith("usage: python -m megatron_perf_toggles.frontends.bridge_catalog")
+
+
+@pytest.mark.parametrize("version", bridge_catalog.versions())
+def test_each_shipped_catalog_is_well_formed_and_plans_offline(capsys, version):
+    catalog = bridge_catalog.load(version)
+    assert catalog["bridge"] == version and catalog["megatron_core"]
+    recipes = catalog["recipes"]
+    assert set(catalog["aliases"].values()) <= set(recipes)
+    built = [name for name, one in recipes.items() if "needs" not in one and "why" not in one]
+    assert built and all(bridge_catalog.found(name, catalog).args for name in built)
+    name = bridge_catalog.key(LLAMA)
+    assert catalog["aliases"].get(name, name) in built  # the recipe the issue plans, in every version
+    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--bridge-version", version, "--world-size", "64",
+                              "--gpu", "h100", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert f"Megatron-Bridge {version} as recorded (as --bridge-version asks" in record["megatron"]
+    assert record["memory"]["stock_peak_mb"] > 0 and record["target"]["world_size"] == 64
+
+
+def test_the_catalog_of_the_installed_bridge_serves_else_the_newest(monkeypatch):
+    from importlib import metadata
+
+    known = bridge_catalog.versions()
+    installed: dict[str, str] = {}
+
+    def version(dist: str) -> str:
+        if dist in installed:
+            return installed[dist]
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert bridge_catalog.chosen()[0]["bridge"] == known[-1]
+    installed["megatron-bridge"] = known[0]
+    catalog, why = bridge_catalog.chosen()
+    assert catalog["bridge"] == known[0] and "installed" in why
+    installed["megatron-bridge"] = "0.0.1"
+    catalog, why = bridge_catalog.chosen()
+    assert catalog["bridge"] == known[-1] and "0.0.1 has none" in why
+
+
+def test_a_catalog_not_recorded_is_one_line(capsys):
+    line = _one_line(*_explain(capsys, "--bridge-recipe", LLAMA, "--bridge-version", "0.0.1")[::2])
+    assert "no recorded catalog for Megatron-Bridge 0.0.1" in line and ", ".join(bridge_catalog.versions()) in line

@@ -70,6 +70,24 @@ def load(version: str | None = None) -> dict[str, Any]:
     return json.loads((_folder() / f"{name}.json").read_text(encoding="utf-8"))
 
 
+def chosen(asked: str | None = None) -> tuple[dict[str, Any], str]:
+    """The catalog to plan from, and why that one: ``asked`` (``--bridge-version``), else the
+    installed Megatron-Bridge's (its distribution's version, where it is recorded), else the newest."""
+    if asked:
+        return load(asked), "as --bridge-version asks"
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("megatron-bridge")
+    except metadata.PackageNotFoundError:
+        installed = None
+    if installed in versions():
+        return load(installed), "the installed Megatron-Bridge's version"
+    newest = load()
+    why = f"Megatron-Bridge {installed} has none" if installed else "Megatron-Bridge is not installed here"
+    return newest, f"{why}: the newest recorded catalog"
+
+
 def key(recipe: str) -> str:
     """``MODULE:FUNCTION`` however it was written (``MODULE.FUNCTION`` too)."""
     if ":" in recipe:
@@ -112,12 +130,12 @@ def found(recipe: str, catalog: dict[str, Any]) -> Found:
 
 
 def plan(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
-    """The plan of ``ns.bridge_recipe`` from the newest recorded catalog, as ``explain_frontends`` returns it."""
+    """The plan of ``ns.bridge_recipe`` from a recorded catalog (:func:`chosen`), as ``explain_frontends`` returns it."""
     if ns.megatron_args:
         raise PerfTogglesError("--bridge-recipe keyword arguments (KEY=VALUE after --) need Megatron-Bridge "
                                "installed: the recorded catalog holds each recipe as its defaults build it",
                                "install Megatron-Bridge, or plan the recipe without them")
-    catalog = load()
+    catalog, why = chosen(getattr(ns, "bridge_version", None))
     recipe = found(ns.bridge_recipe, catalog)
     env = frontend.read_env(os.environ)
     caps = dataclasses.replace(frontend.capabilities(env, target),
@@ -126,7 +144,7 @@ def plan(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capabili
         ctx = frontend.start("bridge", mode="plan", caps=caps, target=target, announce=False)
         result, view, _ = frontend.plan(ctx, recipe)
     name = key(ns.bridge_recipe).rpartition(":")[2]
-    label = (f"Megatron-Bridge {catalog['bridge']} as recorded (not installed here; megatron-core "
+    label = (f"Megatron-Bridge {catalog['bridge']} as recorded ({why}; megatron-core "
              f"{catalog['megatron_core']}), recipe {name}")
     return result, ctx.capabilities or caps, label, vars(view)
 
@@ -238,6 +256,14 @@ def compress(read: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"common": common, "recipes": recipes}
 
 
+def _modelopt_without_te() -> None:
+    """NVIDIA ModelOpt (which Bridge 0.4 and 0.5 import at module level) registers Transformer
+    Engine's layers as torch modules where TE imports, which the stand-in's are not: imported first,
+    before the stand-in, it finds no TE and registers none. Nothing the catalog records comes of it."""
+    with contextlib.suppress(Exception), contextlib.redirect_stderr(io.StringIO()):
+        importlib.import_module("modelopt.torch.quantization")
+
+
 def record() -> dict[str, Any]:
     """The catalog of the installed Bridge."""
     import tempfile
@@ -246,6 +272,7 @@ def record() -> dict[str, Any]:
     from ..te_standin import transformer_engine
 
     install_stand_ins()
+    _modelopt_without_te()
     here = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="bridge-catalog-") as scratch, transformer_engine():
         os.chdir(scratch)  # recipes make their output paths under the working directory

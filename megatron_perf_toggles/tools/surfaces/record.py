@@ -143,6 +143,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("tree", help="a Megatron-LM checkout (holds megatron/training/arguments.py)")
     parser.add_argument("--name", help="the version label stored in the record (default: the tree's folder name)")
     parser.add_argument("--out", help="write here instead of standard output")
+    parser.add_argument("--commit", metavar="SHA", help="the tree is this commit between releases (e.g. the one a "
+                        "framework pins): its detected rules stand, and --release names the release whose rules "
+                        "no phrase detects it carries")
+    parser.add_argument("--release", metavar="NAME", help="with --commit: that release (e.g. core_v0.17.0)")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -151,8 +155,12 @@ def run(ns: argparse.Namespace) -> int:
 
     if not (Path(ns.tree) / "megatron" / "training" / "arguments.py").is_file():
         raise PerfTogglesError(f"{ns.tree} is not a Megatron-LM checkout (no megatron/training/arguments.py)")
+    if bool(ns.commit) != bool(ns.release):
+        raise PerfTogglesError("--commit and --release go together: a commit's surface names the release "
+                               "whose undetectable rules it carries")
+    pinned = {"commit": ns.commit, "release": ns.release} if ns.commit else {}
     try:
-        rec = {"name": ns.name or Path(ns.tree).resolve().name, **record_surface(ns.tree)}
+        rec = {"name": ns.name or Path(ns.tree).resolve().name, **pinned, **record_surface(ns.tree)}
     except Exception as error:  # noqa: BLE001 - a tree that does not import is one line
         what, hint = import_failure(error)
         raise PerfTogglesError(f"cannot record {ns.tree}: {what}", hint) from None
