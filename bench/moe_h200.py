@@ -27,7 +27,12 @@ Both speed shapes: alltoall dispatcher, EP=1, seq 4096, micro-batch 4, global ba
 micro-batch a step: at micro-batch 1 the step was launch-bound and runs of one arm differed by a
 third), mock data, bf16, distributed optimizer, aux-loss load balancing, Transformer Engine, one
 fixed --seed in every arm. --headline narrows a speed part to stock against the defaults (2 arms);
---no-warmup-run drops the warm-up run where a part ran just before on the same machine. Each run's
+--no-warmup-run drops the warm-up run where a part ran just before on the same machine.
+--force-balance gives every speed arm random, on-average balanced routing: with learnt routing the
+step time follows how balanced the routing happens to be, which changes within a run and differs
+between arms (their numerics differ, so their routing does); on speed-a at micro-batch 4 the same
+arm's step time fell from about 200 to 140 ms within one 32-iteration run, and runs of one arm
+differed by up to 25 % (a block-to-block spread of 14 %). Each run's
 peak memory (Megatron's max allocated) is kept with the arm's arguments and environment in
 results.json: the MoE memory model's validation data.
 
@@ -210,6 +215,8 @@ def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) 
         cmd += ["--budget", f"{max(budget_min - DRY_RUNS_S / 60, 0.1):.2f}", *([] if p.loss else ["--split-blocks"])]
     data = corpus(ns) if p.loss else None
     cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(p.shape, data, ns.eval_iters if p.loss else 0, iters)]
+    if ns.force_balance and not p.loss:  # the step time of the kernels, not of the routing learnt so far
+        cmd.append("--moe-router-force-load-balancing")
     return cmd, env
 
 
@@ -266,6 +273,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=29611, help="first MASTER_PORT (each part its own range)")
     ap.add_argument("--headline", action="store_true",
                     help="speed parts: stock against the defaults only (2 arms), not each toggle alone")
+    ap.add_argument("--force-balance", action="store_true",
+                    help="speed parts: Megatron's --moe-router-force-load-balancing (random routing, balanced on "
+                    "average) in every arm, so that step times do not follow the routing each run has learnt")
     ap.add_argument("--no-warmup-run", action="store_true",
                     help="speed parts: no unmeasured warm-up run (where a part ran just before on the same machine)")
     ap.add_argument("--smoke", action="store_true", help="CPU: stand-in runs (tests/support/fake_megatron_run.py)")

@@ -24,6 +24,7 @@ from megatron_perf_toggles.tools.ablate.design import (
     parse_toggles,
     parse_vary,
 )
+from megatron_perf_toggles.tools.ablate.experiment import Experiment
 from megatron_perf_toggles.tools.ablate.spec import ExperimentSpec
 
 
@@ -614,6 +615,30 @@ def test_gpu_count_is_the_runs_logged_world_size_else_the_launchers(tmp_path):
     assert world.world_size(runs, "all-on", "torchrun --nnodes=2 --nproc_per_node=4") == 8  # not this arm's log
     assert world.world_size([], "all-off", None) == 1
     assert world.world_size([], "all-off", "deepspeed --num_gpus 8") is None  # unknown, not guessed
+
+
+def test_a_plain_python_launch_gets_what_torchrun_would_set():
+    """Megatron initialises torch.distributed from the environment even for one process: a
+    ``--launch python`` run without MASTER_ADDR fails at start-up, so ablate supplies it."""
+    given = world.single_process_env("python3", None, {"PATH": "/bin"})
+    assert given["MASTER_ADDR"] == "127.0.0.1" and given["RANK"] == "0" and given["WORLD_SIZE"] == "1"
+    assert given["MASTER_PORT"].isdigit() and given["LOCAL_RANK"] == "0"
+    assert world.single_process_env(None, None, {}).keys() == given.keys()  # this python
+    kept = world.single_process_env("env FOO=1 python", None, {"MASTER_PORT": "29611"})
+    assert "MASTER_PORT" not in kept and kept["MASTER_ADDR"] == "127.0.0.1"  # the caller's value stands
+    for launcher in ("torchrun --nproc-per-node 1", "python -m torch.distributed.run --nproc-per-node 1",
+                     "srun -n 1", "bash wrapper.sh"):
+        assert world.single_process_env(launcher, None, {}) == {}, launcher  # they set their own, or may
+    assert world.single_process_env("python", 8, {}) == {}  # a stated world of 8 is not one process
+
+
+def test_the_experiments_runs_get_the_single_process_variables(tmp_path):
+    spec = ExperimentSpec(launch="python3")
+    arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
+    environ = Experiment(spec, arms, tmp_path, {"PATH": "/bin", "RANK": "0"}).environ
+    assert environ["MASTER_ADDR"] == "127.0.0.1" and environ["PATH"] == "/bin"
+    assert "MASTER_ADDR" not in Experiment(ExperimentSpec(launch="torchrun --nproc-per-node 1"), arms, tmp_path,
+                                           {"PATH": "/bin"}).environ
 
 
 def test_each_run_gets_its_own_logs_and_checkpoints(tmp_path):

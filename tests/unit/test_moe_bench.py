@@ -70,6 +70,15 @@ def test_the_speed_shapes_are_the_issue_s(tmp_path, capsys):
         assert "--concurrent" not in cmd and "--block-seeds" not in cmd and "--no-warmup-run" not in cmd
 
 
+def test_force_balance_routes_every_speed_arm_at_random_and_leaves_the_loss_parts_alone(tmp_path, capsys):
+    _, plain = _plan(tmp_path, capsys, "--parts", "speed-a,loss")
+    assert all("--moe-router-force-load-balancing" not in cmd for cmd in plain.values())
+    _, forced = _plan(tmp_path, capsys, "--parts", "speed-a,speed-b,loss", "--force-balance")
+    for part in ("speed-a", "speed-b"):
+        assert _megatron(forced[part]).count("--moe-router-force-load-balancing") == 1
+    assert "--moe-router-force-load-balancing" not in forced["loss"]  # learnt routing is what the loss test keeps
+
+
 def test_the_loss_part_runs_seeds_at_once_on_real_text(tmp_path, capsys):
     _, cmds = _plan(tmp_path, capsys, "--parts", "loss", "--repeats", "2", "--loss-window", "40")
     cmd = cmds["loss"]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import runs
+from . import runs, world
 from .argv import set_args
 from .confounds import dry_run_world, resolve_and_check, resolve_arm
 from .design import Arm, baseline_of
@@ -46,6 +46,8 @@ class Experiment:
     def __init__(self, spec: ExperimentSpec, arms: Sequence[Arm], out: Path, environ: dict[str, str],
                  resolver: Resolver = resolve_arm, clock: Callable[[], float] = time.monotonic,
                  prior_seconds: Sequence[float] = ()) -> None:
+        # a plain `python` launch gets what torchrun would set (world.single_process_env)
+        environ = {**world.single_process_env(spec.launch, spec.world_size, environ), **environ}
         self.spec, self.arms, self.out, self.environ = spec, list(arms), out, environ
         self.resolver, self.clock, self.prior_seconds = resolver, clock, list(prior_seconds)
         self.args = spec.run_args()

@@ -88,3 +88,22 @@ def world_size(runs: Sequence[Mapping[str, Any]], arm: str, launch: str | None,
 def stated_or_launched(launch: str | None, stated: int | None) -> int | None:
     """The world the user said (``--world-size``), else what ``launch`` plainly starts, else None."""
     return stated if stated is not None else launch_world_size(launch)
+
+
+# What torchrun sets for each process and a plain ``python`` launch does not: Megatron initialises
+# torch.distributed from the environment even for one process, so without these every run of a
+# ``--launch python`` experiment fails at start-up ("MASTER_ADDR expected, but not set").
+SINGLE_PROCESS = (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                  ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"))
+
+
+def single_process_env(launch: str | None, stated: int | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The rendezvous variables a one-process run needs and ``environ`` lacks, where the launch is
+    this python or a python script (no torchrun to set them) and the world is one process; nothing
+    otherwise (a launcher sets its own, and a value the caller set is kept)."""
+    _, words = env_prefix(shlex.split(launch) if launch else [])
+    plain_python = not words or (Path(words[0]).name.startswith("python") and not any(
+        w in _INNER or Path(w).name in _INNER for w in words[1:]))
+    if not plain_python or stated_or_launched(launch, stated) != 1:
+        return {}
+    return {name: value for name, value in SINGLE_PROCESS if name not in environ}
