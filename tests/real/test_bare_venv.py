@@ -95,4 +95,5 @@ def test_a_bare_venv_plans_a_primus_experiment(tmp_path):
     assert time.monotonic() - started < 60
     record = json.loads(proc.stdout)
     assert "recorded surface" in record["megatron"] and record["target"]["gpu"]["arch"] == "gfx950"
+    assert "the commit Primus pins" in record["megatron"]  # its pin's surface, not the newest recorded one
     assert record["decisions"]["grad_reduce_in_bf16"]["value"] is True  # the plugin's default, as Primus leaves it
