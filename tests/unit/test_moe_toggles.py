@@ -485,7 +485,7 @@ def test_a_checkpoint_no_launch_recorded_is_told_from_no_checkpoint(tmp_path):
 def test_doctor_says_from_which_te_megatron_uses_the_router_kernels(monkeypatch, capsys):
     from megatron_perf_toggles.tools import cli
 
-    monkeypatch.setattr(cli, "_machine_diagnosed", lambda: full_caps(te_version="2.5", te_fused_router=True))
+    monkeypatch.setattr(cli.doctor, "_machine_diagnosed", lambda: full_caps(te_version="2.5", te_fused_router=True))
     assert cli.main(["doctor"]) == 0
     assert "router yes (used from TE 2.7)" in capsys.readouterr().out
 
