@@ -38,24 +38,45 @@ def _wrap(text: str, size: int) -> list[str]:
     return textwrap.wrap(text, max(size, 1), break_long_words=False, break_on_hyphens=False) or [""]
 
 
-def table(rows: list[list[str]], header: list[str], size: int | None) -> list[str]:
-    """Columns padded to their widest cell; with ``size``, the last column wrapped to fit."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1])
-    if size is not None and size - indent < min(widths[-1], MIN_LAST_COLUMN):
-        out = [fmt.format(*header[:-1]).rstrip(), UNDER + header[-1]]
-        for row in rows:
-            out.append(fmt.format(*row[:-1]).rstrip())
-            out += [UNDER + part for part in _wrap(row[-1], size - len(UNDER))]
-        return out
-    last = widths[-1] if size is None else max(min(widths[-1], size - indent), 1)
-    out = []
-    for row in [header, *rows]:
-        parts = [row[-1]] if size is None else _wrap(row[-1], last)
-        out.append(f"{fmt.format(*row[:-1])}  {parts[0]}".rstrip())
-        out += [" " * (indent + 2) + more for more in parts[1:]]
+def table(rows: list[list[str]], header: list[str], size: int | None = None, *, rule: bool = False,
+          narrowest: int = MIN_LAST_COLUMN) -> list[str]:
+    """The one table renderer (the dry run's summary, ``explain``, ``doctor``): columns padded to
+    their widest cell, a rule of dashes under the header where ``rule``. With ``size``, the last
+    column (the reason, the longest) wraps beside the others, or, where that would leave it narrower
+    than ``narrowest`` (or its widest cell), on lines of its own under each row (``_under``)."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
+    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)  # where the last column starts
+    if size is not None and size - indent < min(widths[-1], narrowest):
+        return _under(cells, header, widths, size, rule)
+    widths[-1] = widths[-1] if size is None else max(min(widths[-1], size - indent), 1)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header).rstrip()]
+    if rule:
+        out.append(fmt.format(*("-" * w for w in widths)))
+    for row in cells:
+        parts = [row[-1]] if size is None else _wrap(row[-1], widths[-1])
+        out.append(fmt.format(*row[:-1], parts[0]).rstrip())
+        out += [" " * indent + more for more in parts[1:]]
     return out
+
+
+def _under(cells: list[list[str]], header: list[str], widths: list[int], size: int, rule: bool) -> list[str]:
+    """The table with its last column on lines of its own under each row; the other columns stay
+    on one line where they fit ``size``, else wrap."""
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1])
+
+    def head(row: list[str]) -> list[str]:
+        line = fmt.format(*row).rstrip()
+        return [line] if len(line) <= size else _wrap("  ".join(row), size)
+
+    out = [*head(header[:-1]), UNDER + header[-1]]
+    if rule:
+        out.append("-" * min(sum(widths[:-1]) + 2 * (len(widths) - 1), size))
+    for row in cells:
+        out += head(row[:-1])
+        out += [UNDER + part for part in _wrap(row[-1], size - len(UNDER))]
+    return [line.rstrip() for line in out]
 
 
 def fit(lines: list[str], size: int | None) -> list[str]:

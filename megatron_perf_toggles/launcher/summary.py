@@ -24,12 +24,6 @@ WGRAD_WORDS = {"apex": "APEX", "fallback": "torch fallback in place of APEX", "o
                "missing": "none (Megatron will need APEX at the first backward)"}
 
 
-def _table(rows: list[list[str]], header: list[str]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header).rstrip(), *(fmt.format(*r).rstrip() for r in rows)]
-
-
 def _cut(text: str) -> str:
     return text if len(text) <= REASON_WIDTH else text[:REASON_WIDTH - 3] + "..."
 
@@ -61,7 +55,7 @@ def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None,
         rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", _cut(d.reason)]
                 for dest, d in plan.shown().items()]
         header = ["toggle", "value", "source", "peak memory", "reason"]
-        shown = screen.table(rows, header, width - 2) if width is not None else _table(rows, header)
+        shown = screen.table(rows, header, width - 2 if width is not None else None)
         out.extend("  " + line for line in shown)
         out.append(f"  precision tag: {plan.precision}; fused wgrad: {WGRAD_WORDS.get(plan.wgrad_path, plan.wgrad_path)}")
         if plan.memory is not None:

@@ -24,7 +24,7 @@ WGRAD_WORDS = {
 
 # The narrowest the last column of a table may be beside the others; narrower, it goes under them.
 MIN_LAST_COLUMN = 50
-UNDER_INDENT = "    "
+UNDER_INDENT = screen.UNDER
 
 
 def _width() -> int | None:
@@ -33,37 +33,11 @@ def _width() -> int | None:
     return screen.width(sys.stdout)
 
 
-def _wrap(text: str, width: int) -> list[str]:
-    return textwrap.wrap(text, max(width, 1), break_long_words=False, break_on_hyphens=False) or [""]
-
-
 def _table(rows: list[list[str]], header: list[str], width: int | None = None) -> str:
-    """Columns padded to their widest cell. With ``width``, the last column (the reason, the
-    longest) is wrapped to fit beside the others, or, where that would leave it narrower than
-    MIN_LAST_COLUMN, wrapped on lines of its own under each row."""
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
-    if width is not None and width - indent < min(widths[-1], MIN_LAST_COLUMN):
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1])
-
-        def head(cells: list[str]) -> list[str]:  # the other columns, on one line where it fits
-            line = fmt.format(*cells).rstrip()
-            return [line] if len(line) <= width else _wrap("  ".join(cells), width)
-
-        lines = [*head(header[:-1]), UNDER_INDENT + header[-1], "-" * min(indent, width)]
-        for row in rows:
-            lines += head([str(cell) for cell in row[:-1]])
-            lines += [UNDER_INDENT + part for part in _wrap(str(row[-1]), width - len(UNDER_INDENT))]
-        return "\n".join(line.rstrip() for line in lines)
-    if width is not None:
-        widths[-1] = min(widths[-1], width - indent)
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    for row in rows:
-        last = _wrap(str(row[-1]), widths[-1])
-        lines.append(fmt.format(*row[:-1], last[0]))
-        lines += [" " * indent + more for more in last[1:]]
-    return "\n".join(line.rstrip() for line in lines)
+    """The table ``explain`` and ``doctor`` print: the dry run's renderer (``screen.table``) with a
+    rule under the header; the reason goes under each row where it would be narrower than
+    MIN_LAST_COLUMN beside the others."""
+    return "\n".join(screen.table(rows, header, width, rule=True, narrowest=MIN_LAST_COLUMN))
 
 
 def _say(text: str, width: int | None, more: str = UNDER_INDENT) -> None:
