@@ -583,6 +583,18 @@ def test_without_a_warm_up_run_a_resumed_first_block_is_priced_by_its_runs_done_
                                    "fit after 0.0 min")
 
 
+def test_a_resumed_call_without_a_warm_up_run_says_an_earlier_call_had_one(tmp_path):
+    assert _run_main(tmp_path, "--repeats", "1") == 0
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["warmup_run"] is True
+    assert _run_main(tmp_path, "--repeats", "2", "--no-warmup-run") == 0  # resumes: block 2 only
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["blocks_run"] == 2 and data["warmup_run"] is True  # the first call's warm-up run came first
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert _run_main(fresh, "--repeats", "1", "--no-warmup-run") == 0
+    assert json.loads((fresh / "out" / "results.json").read_text())["warmup_run"] is False
+
+
 def test_a_failed_warm_up_run_prices_nothing(tmp_path, monkeypatch, capsys):
     """A crash takes a second or two: as a price it would start a block of real runs that cannot
     fit. The first block then starts unpriced, and its failures are reported as any others."""

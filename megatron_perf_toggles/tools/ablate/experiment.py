@@ -333,12 +333,22 @@ class Experiment:
                 "loss_test": None if loss is None else loss["settings"], **speed,
                 "blocks_across_calls": self.across_calls,
                 "block_order": self.orders, "world_size": self._gpus(), "planned_world_size": planned,
-                "warmup_run": spec.warmup_run and not self.together, "iters": self.iters, "warmup": spec.warmup,
+                "warmup_run": self._warmed(), "iters": self.iters, "warmup": spec.warmup,
                 "confidence": spec.confidence, "target_ci": spec.target_ci, "budget_min": spec.budget,
                 "stop_reason": stop_reason, "derived": {n: sorted(k) for n, k in self.derived.items()},
                 "rows": rows, "sizing": None if self.together else sizing(rows, spec.effect, spec.confidence),
                 "runs": measured, "commands": self.commands(),
                 "seconds": seconds}
+
+    def _warmed(self) -> bool:
+        """Whether an unmeasured warm-up run came before the blocks: this call's, or one an earlier
+        call of the same ``--out`` finished (a resumed call with ``--no-warmup-run``)."""
+        if self.together:
+            return False
+        if self.spec.warmup_run:
+            return True
+        warm = self.runs_of_block(-1)[0]
+        return runs.finished_earlier(warm.directory, warm.arm, warm.command) is not None
 
     def loss_test(self, measured: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The loss test over the finished runs (loss_test.py), with the spec's measure, margin and level."""
