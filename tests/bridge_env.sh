@@ -24,4 +24,6 @@ pip() { "$venv/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" 
 if [ -n "${TORCH_INDEX_URL:-}" ]; then pip torch --index-url "$TORCH_INDEX_URL"; else pip "torch==${TORCH_PIN:-2.13.0}"; fi
 pip --no-deps "megatron-bridge==${BRIDGE_PIN:-0.6.2}" "megatron-core==${MCORE_PIN:-0.19.2}"
 pip --no-deps -r tests/bridge-requirements.txt
+# Bridge 0.4 and 0.5 import NVIDIA ModelOpt at module level, whose import needs scipy (0.6 does not).
+[ "${BRIDGE_PIN:-0.6.2}" = 0.6.2 ] || pip --no-deps "scipy==1.18.1"
 echo "$venv/bin/python"

@@ -11,9 +11,11 @@ from this stand-in; its version is ``VERSION`` only so that import-time version 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
+import io
 import sys
 import types
 from collections.abc import Iterator
@@ -103,11 +105,25 @@ def stand_in(package: str, version: str, *, forget: bool = False) -> Iterator[bo
                 del sys.modules[name]
 
 
+def modelopt_first() -> None:
+    """NVIDIA ModelOpt (which Megatron-Bridge 0.4 and 0.5 import at module level) registers Transformer
+    Engine's layers as torch modules where TE imports, which the stand-in's placeholders are not (it
+    fails there). Imported before the stand-in is placed, it finds no TE and registers none; nothing a
+    plan reads comes of it. Where ModelOpt is not installed, or fails on its own, nothing happens."""
+    if "modelopt" in sys.modules or not installed("modelopt"):
+        return
+    with contextlib.suppress(Exception), contextlib.redirect_stderr(io.StringIO()):
+        importlib.import_module("modelopt.torch.quantization")
+
+
 @contextmanager
 def transformer_engine() -> Iterator[bool]:
     """Within the block, ``import transformer_engine...`` works where TE is not installed (yields
     whether the stand-in is in place), and then so does TE's compiled ``transformer_engine_torch``
-    (which Megatron-Bridge 0.5 imports at module level). Afterwards the finders are gone; modules imported
-    meanwhile keep the placeholders they bound, which is all a plan that then ends needs."""
+    (which Megatron-Bridge 0.5 imports at module level); ModelOpt, where installed, is imported first
+    (``modelopt_first``). Afterwards the finders are gone; modules imported meanwhile keep the
+    placeholders they bound, which is all a plan that then ends needs."""
+    if not installed(PACKAGE):
+        modelopt_first()
     with stand_in(PACKAGE, VERSION) as placed, (stand_in(EXTENSION, VERSION) if placed else nullcontext()):
         yield placed

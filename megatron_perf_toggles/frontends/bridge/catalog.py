@@ -256,14 +256,6 @@ def compress(read: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"common": common, "recipes": recipes}
 
 
-def _modelopt_without_te() -> None:
-    """NVIDIA ModelOpt (which Bridge 0.4 and 0.5 import at module level) registers Transformer
-    Engine's layers as torch modules where TE imports, which the stand-in's are not: imported first,
-    before the stand-in, it finds no TE and registers none. Nothing the catalog records comes of it."""
-    with contextlib.suppress(Exception), contextlib.redirect_stderr(io.StringIO()):
-        importlib.import_module("modelopt.torch.quantization")
-
-
 def record() -> dict[str, Any]:
     """The catalog of the installed Bridge."""
     import tempfile
@@ -272,7 +264,6 @@ def record() -> dict[str, Any]:
     from ..te_standin import transformer_engine
 
     install_stand_ins()
-    _modelopt_without_te()
     here = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="bridge-catalog-") as scratch, transformer_engine():
         os.chdir(scratch)  # recipes make their output paths under the working directory
