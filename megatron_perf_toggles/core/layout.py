@@ -28,10 +28,12 @@ def _world_words(world: int, source: str) -> str:
     return source or f"no --world-size given, so a world of {world} was planned"
 
 
-def check(world: int, args: Mapping[str, Any], source: str = "") -> None:
+def check(world: int, args: Mapping[str, Any], source: str = "", groups_may_divide_tp: bool = True) -> None:
     """Refuse, in one line, a ``world`` that TP x PP x CP (or, for experts, EP x ETP x PP) does not
     divide, or attention heads / query groups that TP does not divide. ``source`` says where the
-    world came from (``--world-size 8``); empty means nothing named it."""
+    world came from (``--world-size 8``); empty means nothing named it. ``groups_may_divide_tp``:
+    the Megatron planned for also takes query groups that divide TP (rule ``gqa_groups_divide_tp``,
+    core 0.16 on: each rank then holds one group)."""
     tp, pp, cp = (_size(args, d) for d in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                             "context_parallel_size"))
     model = tp * pp * cp
@@ -45,18 +47,24 @@ def check(world: int, args: Mapping[str, Any], source: str = "") -> None:
         experts = ep * etp * pp
         raise LayoutError(f"world size {world} is not divisible by EP x ETP x PP = {experts} ({ep} x {etp} x {pp})",
                           hint.format(n=experts))
-    _check_shape(args, tp, ep)
+    _check_shape(args, tp, ep, groups_may_divide_tp)
 
 
-def _check_shape(args: Mapping[str, Any], tp: int, ep: int) -> None:
+def _check_shape(args: Mapping[str, Any], tp: int, ep: int, groups_may_divide_tp: bool) -> None:
     """The shape checks Megatron makes before any GPU work: heads and query groups over TP, experts over EP."""
     for dest, words in (("num_attention_heads", "attention heads"), ("num_query_groups", "query groups")):
         count = args.get(dest)
         if dest == "num_query_groups" and not args.get("group_query_attention"):
             continue
-        if isinstance(count, int) and count > 0 and count % tp:
-            raise LayoutError(f"{count} {words} ({dest}) are not divisible by tensor parallelism {tp}",
-                              "choose a TP that divides them")
+        if not isinstance(count, int) or count <= 0 or not count % tp:
+            continue
+        if dest == "num_query_groups" and groups_may_divide_tp:
+            if tp % count:
+                raise LayoutError(f"{count} {words} ({dest}) neither divide nor are divisible by tensor "
+                                  f"parallelism {tp}", "choose a TP that divides them or that they divide")
+            continue
+        raise LayoutError(f"{count} {words} ({dest}) are not divisible by tensor parallelism {tp}",
+                          "choose a TP that divides them")
     experts = args.get("num_experts")
     if isinstance(experts, int) and experts > 0 and experts % ep:
         raise LayoutError(f"{experts} experts (num_experts) are not divisible by expert parallelism {ep}",

@@ -63,7 +63,34 @@ def test_without_a_world_size_explain_plans_a_world_of_one_and_refuses_tp3(capsy
 ])
 def test_a_layout_the_world_cannot_hold_is_refused(world, args, words):
     with pytest.raises(layout.LayoutError, match=words):
-        layout.check(world, args, f"--world-size {world}")
+        layout.check(world, args, f"--world-size {world}", groups_may_divide_tp=False)
+
+
+GQA = {"tensor_model_parallel_size": 4, "group_query_attention": True, "num_attention_heads": 32}
+
+
+def test_query_groups_that_divide_tp_are_taken_where_megatron_takes_them():
+    """Core 0.16 on (rule gqa_groups_divide_tp) each rank holds one whole group where TP is a
+    multiple of the groups; earlier cores want the groups a multiple of TP. Groups that neither
+    divide TP nor are divisible by it are refused either way."""
+    layout.check(8, {**GQA, "num_query_groups": 2})
+    with pytest.raises(layout.LayoutError, match="2 query groups .* not divisible by tensor parallelism 4"):
+        layout.check(8, {**GQA, "num_query_groups": 2}, groups_may_divide_tp=False)
+    with pytest.raises(layout.LayoutError, match="3 query groups .* neither divide nor are divisible"):
+        layout.check(8, {**GQA, "num_attention_heads": 24, "num_query_groups": 3})
+
+
+@pytest.mark.parametrize(("surface", "code"), [("core_v0.15.0", 2), ("core_v0.16.0", 0), ("main", 0)])
+def test_explain_checks_query_groups_by_the_planned_megatrons_rules(surface, code, capsys):
+    words = ["explain", "--megatron-version", surface, "--world-size", "4", "--", "--num-layers", "2",
+             "--hidden-size", "512", "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups",
+             "2", "--tensor-model-parallel-size", "4", "--seq-length", "512", "--max-position-embeddings", "512"]
+    if code:
+        with pytest.raises(SystemExit) as stop:
+            cli.main(words)
+        assert stop.value.code == code and "2 query groups" in capsys.readouterr().err
+    else:
+        assert cli.main(words) == 0, capsys.readouterr().err
 
 
 def test_a_layout_that_fits_is_not_refused():

@@ -347,7 +347,15 @@ TOGGLE_RULES: tuple[MegatronRule, ...] = (
         'FP8 bounds the bf16 layer counts by the layers of a pipeline stage',
         'none needed: FP8 only; FP4 counts are global layer numbers',
     ),
-
+    MegatronRule(
+        'gqa_groups_divide_tp', (),
+        ('megatron/core/transformer/transformer_config.py',),
+        'tensor_model_parallel_size % self.num_query_groups != 0', 'config',
+        ('0.16.0', '0.17.0', '0.18.0', '0.18.2', '0.19.0', 'main'),
+        'query groups may divide TP instead of being a multiple of it (each rank then holds one group)',
+        'layout check: from the versions carrying it, a TP that the query groups divide is accepted '
+        '(earlier ones refuse it, as TransformerConfig does)',
+    ),
 )
 
 # With the MoE toggles' rules (their own module), and the rules about the allocator setting, which the
@@ -361,7 +369,7 @@ def rules_table() -> str:
     rows = ["| rule | toggles | Megatron | checked at | when and what | handling |", "|---|---|---|---|---|---|"]
     for r in RULES:
         versions = _span(r.versions)
-        toggles = ", ".join(f"`{t}`" for t in r.toggles)
+        toggles = ", ".join(f"`{t}`" for t in r.toggles) or "- (the layout)"
         rows.append(f"| `{r.id}` | {toggles} | {versions} | {r.stage} | {r.summary.replace('|', '/')} | {r.handling} |")
     return "\n".join(rows)
 

@@ -47,14 +47,17 @@ def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
     return out
 
 
-def _check_world(ns: argparse.Namespace, target: planned.Target, args: dict[str, Any], front: bool) -> None:
+def _check_world(ns: argparse.Namespace, target: planned.Target, args: dict[str, Any], front: bool,
+                 caps: Capabilities) -> None:
     """Where no validate_args was asked (a recorded surface, a Bridge recipe, a Primus file), a world
-    that the layout does not divide is one line, as Megatron's check would be (core.layout)."""
+    that the layout does not divide is one line, as Megatron's check would be (core.layout), by the
+    rules of the Megatron planned for."""
     if ns.megatron and not front:
         return
     world = planned.planned_world(target, os.environ) or 1
     layout.check(world, args, target.world_source or ("WORLD_SIZE" if target.world_size is None
-                                                      and "WORLD_SIZE" in os.environ else ""))
+                                                      and "WORLD_SIZE" in os.environ else ""),
+                 groups_may_divide_tp=caps.megatron.has_rule("gqa_groups_divide_tp"))
 
 
 def _explain_header(ns: argparse.Namespace, caps: Capabilities, label: str, target: planned.Target,
@@ -85,7 +88,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     else:
         plan, caps, label, args, launch = plan_command_line(megatron_args, tree=ns.megatron,
                                                             surface=ns.megatron_version, target=target)
-    _check_world(ns, target, args, bool(front))
+    _check_world(ns, target, args, bool(front), caps)
     megatron_source = (f"Megatron {caps.megatron.version}, as the front end imports it" if front
                        else f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
