@@ -28,7 +28,7 @@ def _world_words(world: int, source: str) -> str:
     return source or f"no --world-size given, so a world of {world} was planned"
 
 
-def check(world: int, args: Mapping[str, Any], source: str = "", groups_may_divide_tp: bool = True) -> None:
+def check(world: int, args: Mapping[str, Any], source: str = "", *, groups_may_divide_tp: bool) -> None:
     """Refuse, in one line, a ``world`` that TP x PP x CP (or, for experts, EP x ETP x PP) does not
     divide, or attention heads / query groups that TP does not divide. ``source`` says where the
     world came from (``--world-size 8``); empty means nothing named it. ``groups_may_divide_tp``:

@@ -605,6 +605,7 @@ def test_a_failed_warm_up_run_prices_nothing(tmp_path, monkeypatch, capsys):
     assert "the warm-up run failed after" in err and "it prices nothing" in err
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["blocks_run"] == 1 and data["stop_reason"] is None
+    assert data["warmup_run"] is False  # asked for, but it did not finish
 
 
 def test_plot_or_clear_note(tmp_path):

@@ -275,6 +275,15 @@ def test_fused_qkv_rope_off_for_each_path_megatron_does_not_fuse(flag):
     assert (d.value, d.source) == (False, "guard") and flag.replace("_", "-") in d.reason
 
 
+@pytest.mark.parametrize(("groups", "tp", "off"), [(2, 4, True), (1, 2, True), (4, 4, False), (8, 4, False)])
+def test_fused_qkv_rope_off_where_query_groups_are_fewer_than_tp_ranks(groups, tp, off):
+    args = {"group_query_attention": True, "num_query_groups": groups, "tensor_model_parallel_size": tp}
+    d = run(args=args).decisions["fused_single_qkv_rope"]
+    assert (d.value, d.source) == ((False, "guard") if off else (True, "default"))
+    assert ("--num-query-groups" in d.reason) is off
+    assert run(args={**args, "group_query_attention": False}).decisions["fused_single_qkv_rope"].value is True
+
+
 def test_fused_qkv_rope_off_with_no_rope_layers():
     d = run(args={"no_rope_freq": [0, 0, 0, 1]}).decisions["fused_single_qkv_rope"]
     assert (d.value, d.source) == (False, "guard") and "--no-rope-freq" in d.reason

@@ -341,17 +341,16 @@ def test_any_moe_layout_gets_an_estimate_or_a_reason_never_an_error():
             assert mem["stock_peak_mb"] > 0 and mem["planned_peak_mb"] > 0
 
 
-def test_fewer_query_groups_than_tp_ranks_hold_one_group_each():
-    """Core 0.16 on, TP 4 over 2 query groups: each rank's QKV weight holds its share of the query
-    heads and one whole key/value group, not half of one."""
+def test_fewer_query_groups_than_tp_ranks_still_split_the_qkv_weight_evenly():
+    """Core 0.16 on, TP 4 over 2 query groups: the QKV projection stays one column-parallel weight
+    split evenly over the ranks (each rank picks its group from the gathered activations), so its
+    rows per rank are the whole projection's over TP."""
     from megatron_perf_toggles.core.memory.memory_layout import layout_from_args
 
     args = {"num_layers": 2, "hidden_size": 1024, "num_attention_heads": 16, "group_query_attention": True,
             "num_query_groups": 2, "ffn_hidden_size": 4096, "seq_length": 512, "micro_batch_size": 1,
             "padded_vocab_size": 32000}
-    shapes = {tp: layout_from_args({**args, "tensor_model_parallel_size": tp}).linear_shapes()["qkv"]
-              for tp in (1, 2, 4)}
     kv_channels = 1024 // 16
-    assert shapes[1][0] == 16 * kv_channels + 2 * 2 * kv_channels
-    assert shapes[2][0] == 8 * kv_channels + 2 * 1 * kv_channels
-    assert shapes[4][0] == 4 * kv_channels + 2 * 1 * kv_channels  # one group each, replicated
+    whole = 16 * kv_channels + 2 * 2 * kv_channels
+    for tp in (1, 2, 4, 8):
+        assert layout_from_args({**args, "tensor_model_parallel_size": tp}).linear_shapes()["qkv"][0] == whole // tp

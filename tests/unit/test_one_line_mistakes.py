@@ -73,11 +73,11 @@ def test_query_groups_that_divide_tp_are_taken_where_megatron_takes_them():
     """Core 0.16 on (rule gqa_groups_divide_tp) each rank holds one whole group where TP is a
     multiple of the groups; earlier cores want the groups a multiple of TP. Groups that neither
     divide TP nor are divisible by it are refused either way."""
-    layout.check(8, {**GQA, "num_query_groups": 2})
-    with pytest.raises(layout.LayoutError, match="2 query groups .* not divisible by tensor parallelism 4"):
+    layout.check(8, {**GQA, "num_query_groups": 2}, groups_may_divide_tp=True)
+    with pytest.raises(layout.LayoutError, match=r"2 query groups .* not divisible by tensor parallelism 4"):
         layout.check(8, {**GQA, "num_query_groups": 2}, groups_may_divide_tp=False)
-    with pytest.raises(layout.LayoutError, match="3 query groups .* neither divide nor are divisible"):
-        layout.check(8, {**GQA, "num_attention_heads": 24, "num_query_groups": 3})
+    with pytest.raises(layout.LayoutError, match=r"3 query groups .* neither divide nor are divisible"):
+        layout.check(8, {**GQA, "num_attention_heads": 24, "num_query_groups": 3}, groups_may_divide_tp=True)
 
 
 @pytest.mark.parametrize(("surface", "code"), [("core_v0.15.0", 2), ("core_v0.16.0", 0), ("main", 0)])
@@ -95,7 +95,7 @@ def test_explain_checks_query_groups_by_the_planned_megatrons_rules(surface, cod
 
 def test_a_layout_that_fits_is_not_refused():
     layout.check(64, {"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 8, "num_attention_heads": 96,
-                      "expert_model_parallel_size": 2, "num_experts": 8})
+                      "expert_model_parallel_size": 2, "num_experts": 8}, groups_may_divide_tp=False)
 
 
 class _Hooks(SimpleNamespace):

@@ -61,10 +61,9 @@ class Layout:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Each distinct weight matrix of one transformer layer on this rank (rows, columns)."""
         q = self.heads * self.kv_channels
-        # Fewer query groups than TP ranks (core 0.16 on): each rank holds one whole group.
-        kv = 2 * max(self.query_groups // self.tp, 1) * self.kv_channels
+        kv = 2 * self.query_groups * self.kv_channels
         fc1 = self.ffn * (2 if self.swiglu else 1)
-        return {"qkv": (q // self.tp + kv, self.hidden), "proj": (self.hidden, q // self.tp),
+        return {"qkv": ((q + kv) // self.tp, self.hidden), "proj": (self.hidden, q // self.tp),
                 "fc1": (fc1 // self.tp, self.hidden), "fc2": (self.hidden, self.ffn // self.tp)}
 
     def layer_params(self) -> int:

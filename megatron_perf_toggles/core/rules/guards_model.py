@@ -7,7 +7,8 @@ Each guard is declared with ``@guard``: the toggles it may move and the Megatron
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ..decision.plan import Change, Context
 from ..registry import flag_of
@@ -129,14 +130,24 @@ FUSED_QKV_ROPE_BLOCKERS: tuple[tuple[str, str], ...] = (
 )
 
 
+def _groups_below_tp(a: Mapping[str, Any]) -> str:
+    """Why the fused path cannot run where each TP rank holds one query group of fewer (core 0.16 on):
+    it hands QKV on unsplit, before the step that picks the rank's own query heads."""
+    groups, tp = a.get("num_query_groups"), a.get("tensor_model_parallel_size") or 1
+    if a.get("group_query_attention") and isinstance(groups, int) and 0 < groups < tp:
+        return (f"--num-query-groups {groups} is below tensor parallelism {tp}: the fused path skips picking "
+                "each rank's query heads")
+    return ""
+
+
 @guard(moves=("fused_single_qkv_rope",), answers=tuple(rule(i) for i in (
     "fqr_field", "fqr_gated_attention", "fqr_forward_assert", "fqr_qk_l2_norm", "fqr_no_rope_layers",
-    "fqr_packed_sequences", "fqr_inference_context", "fqr_rotary_interleaved")))
+    "fqr_packed_sequences", "fqr_inference_context", "fqr_rotary_interleaved", "fqr_groups_below_tp")))
 def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
     """Fused single-QKV RoPE goes off without the TransformerConfig field (before core 0.15) or TE's fused
     QKV RoPE kernel, and with q/k layer norm or L2 norm, packed (THD) sequences, flash-decode, an
-    attention output gate, RoPE-free layers, `--rotary-interleaved`, RL rollouts, or a position
-    embedding other than RoPE."""
+    attention output gate, RoPE-free layers, `--rotary-interleaved`, RL rollouts, fewer query groups
+    than TP ranks, or a position embedding other than RoPE."""
     if not is_on(ctx.values, "fused_single_qkv_rope"):
         return
     a, caps = ctx.args, ctx.caps
@@ -155,7 +166,8 @@ def fused_qkv_rope_unsupported(ctx: Context) -> Iterator[Change]:
     elif not rope:
         reason = f"position embedding {a.get('position_embedding_type')!r} is not RoPE"
     else:
-        reason = next((f"{flag_of(dest)}{why}" for dest, why in FUSED_QKV_ROPE_BLOCKERS if a.get(dest)), "")
+        reason = next((f"{flag_of(dest)}{why}" for dest, why in FUSED_QKV_ROPE_BLOCKERS if a.get(dest)), "") \
+            or _groups_below_tp(a)
     if reason:
         yield Change(
             "fused_single_qkv_rope",

@@ -332,6 +332,15 @@ TOGGLE_RULES: tuple[MegatronRule, ...] = (
         'guard: off with --rotary-interleaved (no error, but the fused call ignores it)',
     ),
     MegatronRule(
+        'fqr_groups_below_tp', ('fused_single_qkv_rope',),
+        ('megatron/core/transformer/attention.py',),
+        '', 'runtime',
+        ('0.16.0', '0.17.0', '0.18.0', '0.18.2', '0.19.0', 'main'),
+        'with fewer query groups than TP ranks the fused path returns QKV unsplit, before each rank picks '
+        'its query heads (read from the source; not seen on a GPU)',
+        'guard: off where --num-query-groups is below TP',
+    ),
+    MegatronRule(
         'fp8_delayed_rejects_first_last_bf16', ('first_last_layers_bf16',),
         ('megatron/core/transformer/transformer_config.py',),
         'Delayed scaling does not support first / last layer in BF16.', 'config',
@@ -369,7 +378,7 @@ def rules_table() -> str:
     rows = ["| rule | toggles | Megatron | checked at | when and what | handling |", "|---|---|---|---|---|---|"]
     for r in RULES:
         versions = _span(r.versions)
-        toggles = ", ".join(f"`{t}`" for t in r.toggles) or "- (the layout)"
+        toggles = ", ".join(f"`{t}`" for t in r.toggles) or "-"
         rows.append(f"| `{r.id}` | {toggles} | {versions} | {r.stage} | {r.summary.replace('|', '/')} | {r.handling} |")
     return "\n".join(rows)
 

@@ -341,12 +341,10 @@ class Experiment:
                 "seconds": seconds}
 
     def _warmed(self) -> bool:
-        """Whether an unmeasured warm-up run came before the blocks: this call's, or one an earlier
-        call of the same ``--out`` finished (a resumed call with ``--no-warmup-run``)."""
+        """Whether an unmeasured warm-up run finished before the blocks: this call's, or an earlier
+        call's of the same ``--out`` (a resumed call with ``--no-warmup-run``); a failed one is not."""
         if self.together:
             return False
-        if self.spec.warmup_run:
-            return True
         warm = self.runs_of_block(-1)[0]
         return runs.finished_earlier(warm.directory, warm.arm, warm.command) is not None
 
