@@ -170,10 +170,10 @@ def _run_time(cfg, case: dict, out) -> dict:
 
 def main() -> int:
     cases = json.load(sys.stdin)
+    _offline_hf_cache(tempfile.mkdtemp())  # first: the hub reads its offline setting once, when imported
     import te_standin
 
     te_standin.install()
-    _offline_hf_cache(tempfile.mkdtemp())
     results = []
     with contextlib.redirect_stdout(sys.stderr):  # Bridge's import-time chatter stays off the JSON
         try:

@@ -16,6 +16,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import io
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -105,15 +106,32 @@ def stand_in(package: str, version: str, *, forget: bool = False) -> Iterator[bo
                 del sys.modules[name]
 
 
+# The Megatron-Bridge releases that import NVIDIA ModelOpt at module level (0.6 no longer does).
+MODELOPT_AT_IMPORT = ((0, 4), (0, 5))
+
+
 def modelopt_first() -> None:
     """NVIDIA ModelOpt (which Megatron-Bridge 0.4 and 0.5 import at module level) registers Transformer
     Engine's layers as torch modules where TE imports, which the stand-in's placeholders are not (it
     fails there). Imported before the stand-in is placed, it finds no TE and registers none; nothing a
-    plan reads comes of it. Where ModelOpt is not installed, or fails on its own, nothing happens."""
-    if "modelopt" in sys.modules or not installed("modelopt"):
+    plan reads comes of it. Only for those Bridge releases: ModelOpt's import is slow and brings the
+    Hugging Face hub with it (which reads its offline setting once, when first imported). Where
+    ModelOpt is not installed, or fails on its own, nothing happens."""
+    if "modelopt" in sys.modules or not installed("modelopt") or _bridge_release() not in MODELOPT_AT_IMPORT:
         return
     with contextlib.suppress(Exception), contextlib.redirect_stderr(io.StringIO()):
         importlib.import_module("modelopt.torch.quantization")
+
+
+def _bridge_release() -> tuple[int, ...]:
+    """The installed Megatron-Bridge's (major, minor), or () where it is not installed."""
+    from importlib import metadata
+
+    try:
+        found = metadata.version("megatron-bridge")
+    except metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(part) for part in re.findall(r"\d+", found)[:2])
 
 
 @contextmanager

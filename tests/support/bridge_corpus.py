@@ -154,12 +154,12 @@ def one(spec: str, fn) -> dict:
 
 
 def main() -> int:
+    import bridge_driver
+
+    bridge_driver._offline_hf_cache(tempfile.mkdtemp())  # first: the hub reads its offline setting once
     import te_standin
 
     te_standin.install()
-    import bridge_driver
-
-    bridge_driver._offline_hf_cache(tempfile.mkdtemp())
     os.chdir(tempfile.mkdtemp(prefix="bridge-corpus-"))  # recipes' relative output directories land here
     with contextlib.redirect_stdout(sys.stderr):
         from megatron.bridge.models.hf_pretrained import safe_config_loader
