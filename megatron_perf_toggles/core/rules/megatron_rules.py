@@ -362,7 +362,7 @@ TOGGLE_RULES: tuple[MegatronRule, ...] = (
         'tensor_model_parallel_size % self.num_query_groups != 0', 'config',
         ('0.16.0', '0.17.0', '0.18.0', '0.18.2', '0.19.0', 'main'),
         'query groups may divide TP instead of being a multiple of it (each rank then holds one group)',
-        'layout check: from the versions carrying it, a TP that the query groups divide is accepted '
+        'plan: the layout check accepts a TP that the query groups divide, from the versions carrying it '
         '(earlier ones refuse it, as TransformerConfig does)',
     ),
 )
