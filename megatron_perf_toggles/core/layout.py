@@ -58,7 +58,8 @@ def _check_shape(args: Mapping[str, Any], tp: int, ep: int, groups_may_divide_tp
             continue
         if not isinstance(count, int) or count <= 0 or not count % tp:
             continue
-        if dest == "num_query_groups" and groups_may_divide_tp:
+        # The legacy model (--use-legacy-models, up to core 0.17) still wants a multiple of TP.
+        if dest == "num_query_groups" and groups_may_divide_tp and not args.get("use_legacy_models"):
             if tp % count:
                 raise LayoutError(f"{count} {words} ({dest}) neither divide nor are divisible by tensor "
                                   f"parallelism {tp}", "choose a TP that divides them or that they divide")

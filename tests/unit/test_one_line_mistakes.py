@@ -76,6 +76,8 @@ def test_query_groups_that_divide_tp_are_taken_where_megatron_takes_them():
     layout.check(8, {**GQA, "num_query_groups": 2}, groups_may_divide_tp=True)
     with pytest.raises(layout.LayoutError, match=r"2 query groups .* not divisible by tensor parallelism 4"):
         layout.check(8, {**GQA, "num_query_groups": 2}, groups_may_divide_tp=False)
+    with pytest.raises(layout.LayoutError, match=r"2 query groups .* not divisible by tensor parallelism 4"):
+        layout.check(8, {**GQA, "num_query_groups": 2, "use_legacy_models": True}, groups_may_divide_tp=True)
     with pytest.raises(layout.LayoutError, match=r"3 query groups .* neither divide nor are divisible"):
         layout.check(8, {**GQA, "num_attention_heads": 24, "num_query_groups": 3}, groups_may_divide_tp=True)
 
