@@ -48,7 +48,7 @@ def table(rows: list[list[str]], header: list[str], size: int | None = None, *, 
     widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
     indent = sum(widths[:-1]) + 2 * (len(widths) - 1)  # where the last column starts
     if size is not None and size - indent < min(widths[-1], narrowest):
-        return _under(cells, header, widths, size, rule)
+        return _under(cells, header, widths, indent, size, rule)
     widths[-1] = widths[-1] if size is None else max(min(widths[-1], size - indent), 1)
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*header).rstrip()]
@@ -61,9 +61,10 @@ def table(rows: list[list[str]], header: list[str], size: int | None = None, *, 
     return out
 
 
-def _under(cells: list[list[str]], header: list[str], widths: list[int], size: int, rule: bool) -> list[str]:
-    """The table with its last column on lines of its own under each row; the other columns stay
-    on one line where they fit ``size``, else wrap."""
+def _under(cells: list[list[str]], header: list[str], widths: list[int], indent: int, size: int,
+           rule: bool) -> list[str]:
+    """The table with its last column on lines of its own under each row (``indent``: where it would
+    have started beside them); the other columns stay on one line where they fit ``size``, else wrap."""
     fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1])
 
     def head(row: list[str]) -> list[str]:
@@ -72,7 +73,7 @@ def _under(cells: list[list[str]], header: list[str], widths: list[int], size: i
 
     out = [*head(header[:-1]), UNDER + header[-1]]
     if rule:
-        out.append("-" * min(sum(widths[:-1]) + 2 * (len(widths) - 1), size))
+        out.append("-" * min(indent, size))
     for row in cells:
         out += head(row[:-1])
         out += [UNDER + part for part in _wrap(row[-1], size - len(UNDER))]
