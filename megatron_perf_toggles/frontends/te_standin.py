@@ -16,14 +16,14 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import io
-import re
 import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
-from ..runtime.machine.probe import installed
+from ..core.facts import version_tuple
+from ..runtime.machine.probe import dist_version, installed
 
 VERSION = "2.8.0"
 PACKAGE = "transformer_engine"
@@ -125,13 +125,8 @@ def modelopt_first() -> None:
 
 def _bridge_release() -> tuple[int, ...]:
     """The installed Megatron-Bridge's (major, minor), or () where it is not installed."""
-    from importlib import metadata
-
-    try:
-        found = metadata.version("megatron-bridge")
-    except metadata.PackageNotFoundError:
-        return ()
-    return tuple(int(part) for part in re.findall(r"\d+", found)[:2])
+    found = dist_version("megatron-bridge")
+    return version_tuple(found)[:2] if found else ()
 
 
 @contextmanager

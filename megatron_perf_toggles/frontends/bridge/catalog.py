@@ -75,12 +75,9 @@ def chosen(asked: str | None = None) -> tuple[dict[str, Any], str]:
     installed Megatron-Bridge's (its distribution's version, where it is recorded), else the newest."""
     if asked:
         return load(asked), "as --bridge-version asks"
-    from importlib import metadata
+    from ...runtime.machine.probe import dist_version
 
-    try:
-        installed = metadata.version("megatron-bridge")
-    except metadata.PackageNotFoundError:
-        installed = None
+    installed = dist_version("megatron-bridge")
     if installed in versions():
         return load(installed), "the installed Megatron-Bridge's version"
     newest = load()

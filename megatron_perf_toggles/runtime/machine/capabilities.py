@@ -19,22 +19,12 @@ from typing import TYPE_CHECKING, Any
 from ...core.facts import Capabilities, MegatronFacts, describe_stack, planned_stack, version_tuple, with_assumptions
 from ...core.registry import BY_CAPABILITY, Capability
 from .assume import assumed, assumed_device  # noqa: F401 - asked of this module by its callers
+from .probe import dist_version as _dist_version
 from .probe import gpu_question_without_torch, torch_build, torch_module
 from .probe import installed as _installed
 
 if TYPE_CHECKING:  # types only
     from .target import Target
-
-
-def _dist_version(*names: str) -> str | None:
-    import importlib.metadata  # lazy: ~50 ms, and only needed when a package is actually there
-
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _te_version() -> str | None:

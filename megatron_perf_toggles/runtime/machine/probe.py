@@ -1,6 +1,6 @@
 """Asking whether an optional package is here, without importing what need not be.
 
-One place for "is it installed" and for "the torch this process has, or imports now": capability
+One place for "is it installed" (and at which version) and for "the torch this process has, or imports now": capability
 detection, the planned machine of a dry run, the wgrad fallback and the launcher's import stand-ins
 all ask the same questions.
 """
@@ -14,6 +14,18 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def dist_version(*names: str) -> str | None:
+    """The version of the first of ``names`` whose distribution is installed (None: none is)."""
+    import importlib.metadata  # lazy: ~50 ms, and only needed when a package is actually there
+
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def installed(module: str) -> bool:
