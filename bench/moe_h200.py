@@ -111,6 +111,7 @@ class Part:
     dense: bool = False  # no experts: the dense toggles each alone
     design: tuple[str, ...] = ()  # the ablate design words, where not the MoE (or dense) each-alone
     n_arms: int = 0  # the arms of ``design``
+    common_start: bool = False  # every arm of a seed loads that seed's one saved start (torch_dist)
 
 
 PARTS = {"loss": Part("loss-small", 300, 8, 0.4, loss=True),
@@ -120,6 +121,10 @@ PARTS = {"loss": Part("loss-small", 300, 8, 0.4, loss=True),
              "--candidate", "adam-eps-1e-3=--adam-eps 1e-3")),
          "loss-null": Part("loss-small", 300, 8, 0.4, loss=True, n_arms=2, design=(
              "--design", "one-at-a-time", "--toggles", "ddp_average_in_collective", "--others", "off")),
+         # the MoE defaults (grouped GEMM included) against stock, each seed's arms from one saved start
+         # (ablate --common-start): paired by seed although grouped GEMM draws its weights another way
+         "loss-common": Part("loss-small", 100, 8, 0.4, loss=True, n_arms=2, common_start=True,
+                             design=("--design", "headline")),
          "speed-a": Part("mixtral-a", 40, 20, 0.3),
          "speed-b": Part("fine-b", 40, 20, 0.35)}
 DRY_RUNS_S = 75.0  # 5 arms and the single-change probes of the toggles the defaults arm adds
@@ -206,15 +211,19 @@ def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) 
            "--launch", launch, "--repeats", str(ns.repeats), "--iters", str(iters),
            "--warmup", str(min(p.warmup, iters // 2))]
     if p.loss:
+        runs_at_once = ns.concurrent or ns.repeats * arms(part=part)
         cmd += ["--block-seeds", str(ns.base_seed), "--loss-window", str(min(ns.loss_window, iters)),
-                "--loss-margin", f"{ns.loss_margin:g}", "--concurrent", str(ns.repeats * arms(part=part)),
-                "--no-warmup-run"]
+                "--loss-margin", f"{ns.loss_margin:g}", "--concurrent", str(runs_at_once), "--no-warmup-run"]
+        if p.common_start:
+            cmd.append("--common-start")
     elif ns.no_warmup_run:
         cmd.append("--no-warmup-run")
     if budget_min is not None:  # ablate's clock starts after its dry runs; a speed part may stop mid-block
         cmd += ["--budget", f"{max(budget_min - DRY_RUNS_S / 60, 0.1):.2f}", *([] if p.loss else ["--split-blocks"])]
     data = corpus(ns) if p.loss else None
     cmd += [str(megatron / "pretrain_gpt.py"), "--", *model_args(p.shape, data, ns.eval_iters if p.loss else 0, iters)]
+    if p.common_start:  # a torch_dist start loads across the expert layouts (grouped and sequential experts)
+        cmd += ["--ckpt-format", "torch_dist"]
     if ns.force_balance and not p.loss:  # the step time of the kernels, not of the routing learnt so far
         cmd.append("--moe-router-force-load-balancing")
     return cmd, env
@@ -260,6 +269,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="results directory; each part writes OUT/PART/results.*")
     ap.add_argument("--parts", default="loss,speed-a,speed-b", help=f"comma list of: {', '.join(PARTS)}")
     ap.add_argument("--repeats", type=int, default=3, help="blocks (for loss: seeds) per part (default 3)")
+    ap.add_argument("--concurrent", type=int, help="loss parts: runs at once (default: every run of the part)")
     ap.add_argument("--iters", type=int, help="iterations per run (default: the part's: loss 300, speed 40)")
     ap.add_argument("--loss-window", type=int, default=50, help="loss: the last N iterations compared (default 50)")
     ap.add_argument("--base-seed", type=int, default=1234, help="loss: block i runs with --seed BASE+i")

@@ -158,6 +158,7 @@ class Toggle:
     # On, it draws the initial weights in another order than off under one seed (a loss test cannot
     # pair its runs by seed: ablate compares them unpaired)
     redraws_init: bool = False
+    acts_in: str = ""  # the unit `megatron-perf-toggles layers` times it in (tools/layers/units.py; "": a choice)
 
     def __post_init__(self) -> None:
         if not self.flag:
@@ -200,7 +201,7 @@ class Setting:
 
 TOGGLES: tuple[Toggle, ...] = (
     Toggle(
-        dest="gradient_accumulation_fusion",
+        dest="gradient_accumulation_fusion", acts_in="layer_wgrad",
         env="GRADIENT_ACCUMULATION_FUSION",
         title="gradient accumulation fusion",
         kind="bool",
@@ -214,7 +215,7 @@ TOGGLES: tuple[Toggle, ...] = (
         "fused_weight_gradient_mlp_cuda).",
     ),
     Toggle(
-        dest="grad_reduce_in_bf16",
+        dest="grad_reduce_in_bf16", acts_in="dp_reduce",
         env="GRAD_REDUCE_IN_BF16",
         title="gradient reduce in bf16",
         kind="bool",
@@ -224,7 +225,7 @@ TOGGLES: tuple[Toggle, ...] = (
         help="Keep the gradient buffer and the data-parallel reduction in bf16 instead of fp32.",
     ),
     Toggle(
-        dest="ddp_average_in_collective",
+        dest="ddp_average_in_collective", acts_in="dp_reduce",
         env="DDP_AVERAGE_IN_COLLECTIVE",
         title="DDP average in collective",
         kind="bool",
@@ -234,7 +235,7 @@ TOGGLES: tuple[Toggle, ...] = (
         help="Divide by the data-parallel size inside the reduction collective, not before it.",
     ),
     Toggle(
-        dest="cross_entropy_loss_fusion",
+        dest="cross_entropy_loss_fusion", acts_in="output_loss",
         env="CROSS_ENTROPY_LOSS_FUSION",
         title="cross-entropy loss fusion",
         kind="bool",
@@ -259,7 +260,7 @@ TOGGLES: tuple[Toggle, ...] = (
         "own (native).",
     ),
     Toggle(
-        dest="fused_single_qkv_rope",
+        dest="fused_single_qkv_rope", acts_in="attention",
         env="FUSED_SINGLE_QKV_ROPE",
         title="fused single-QKV RoPE",
         kind="bool",
@@ -270,7 +271,7 @@ TOGGLES: tuple[Toggle, ...] = (
         help="Apply RoPE to the packed QKV tensor in one TE kernel, with no split and concat.",
     ),
     Toggle(
-        dest="moe_grouped_gemm",
+        dest="moe_grouped_gemm", acts_in="moe_layer",
         env="MOE_GROUPED_GEMM",
         title="MoE grouped GEMM",
         kind="bool",
@@ -284,7 +285,7 @@ TOGGLES: tuple[Toggle, ...] = (
         "per expert (MoE models only).",
     ),
     Toggle(
-        dest="moe_permute_fusion",
+        dest="moe_permute_fusion", acts_in="dispatcher",
         env="MOE_PERMUTE_FUSION",
         title="MoE permute fusion",
         kind="bool",
@@ -297,7 +298,7 @@ TOGGLES: tuple[Toggle, ...] = (
         "(MoE models only).",
     ),
     Toggle(
-        dest="moe_router_fusion",
+        dest="moe_router_fusion", acts_in="router",
         env="MOE_ROUTER_FUSION",
         title="MoE router fusion",
         kind="bool",

@@ -166,7 +166,7 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     launch += launch_env.from_memory(plan.memory if plan is not None else None)
     payload = dry_run_record(hooks, args, args_defaults, via, notes, launch)
     if hooks.capture:
-        hooks.context.stop(payload, plan)  # the planning entry point takes it
+        hooks.context.stop(payload, plan, args)  # the planning entry point takes them
     if rank_of(os.environ) == 0:  # one report per job, from rank 0
         _report(hooks, payload, chatter.getvalue() if quiet else None, launch, set_here)
     raise SystemExit(0)

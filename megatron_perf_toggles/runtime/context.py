@@ -81,6 +81,7 @@ class RunContext:
     rank_fingerprint: dict[str, Any] | None = None  # this rank's decisions, for check_ranks()
     undo: ProcessChanges = field(default_factory=lambda: PROCESS_CHANGES)  # the undo log (only that)
     record: dict[str, Any] | None = None  # a capturing dry run's record, set by stop()
+    args: Any = None  # the namespace that dry run validated (Megatron's own types: enums, dtypes), set by stop()
     plan: Any = None  # and its plan
     front: FrontEnd | None = None  # a configuration front end's planned object (Bridge, Primus)
     _mark: int | None = None
@@ -123,9 +124,10 @@ class RunContext:
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
 
-    def stop(self, record: dict[str, Any], plan: Any) -> None:
-        """A capturing dry run has its record: keep it here and leave Megatron's call stack."""
-        self.record, self.plan = record, plan
+    def stop(self, record: dict[str, Any], plan: Any, args: Any = None) -> None:
+        """A capturing dry run has its record (and the validated arguments): keep them here and leave
+        Megatron's call stack."""
+        self.record, self.plan, self.args = record, plan, args
         raise _Stopped(self)
 
     @contextmanager

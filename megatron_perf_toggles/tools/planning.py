@@ -59,9 +59,9 @@ def launch_environment(plan: Plan, caps: Capabilities, args: dict[str, Any]) -> 
         launch_env.from_memory(plan.memory)
 
 
-def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None) -> Planned:
-    """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does (launcher/parse_hooks.py): the same
-    providers, parse, validate_args, planned world and GPU; the record is handed back, not printed."""
+def _captured(tree: str, megatron_args: Sequence[str], target: planned.Target | None) -> Any:
+    """The run context of a launcher dry run of the tree's pretrain_gpt.py (launcher/parse_hooks.py)
+    that handed its record back: the same providers, parse, validate_args, planned world and GPU."""
     import contextlib
     import io
     import runpy
@@ -91,12 +91,32 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
         sys.path[:] = saved_path
     if ctx.record is None:
         raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments")
-    caps = ctx.capabilities
-    if ctx.plan is None or caps is None:
+    if ctx.plan is None or ctx.capabilities is None:
         raise PerfTogglesError(f"{script} did not reach the plugin", "is it Megatron's pretrain_gpt.py?")
-    label = f"Megatron-LM {caps.megatron.version} at {caps.megatron.path} (its pretrain_gpt.py, parse and validate)"
+    return ctx
+
+
+def checkout_label(caps: Capabilities) -> str:
+    """Where a checkout's plan came from, for people."""
+    return f"Megatron-LM {caps.megatron.version} at {caps.megatron.path} (its pretrain_gpt.py, parse and validate)"
+
+
+def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None) -> Planned:
+    """Decide exactly as a launcher dry run of the tree's pretrain_gpt.py does; the record is handed
+    back, not printed."""
+    ctx = _captured(tree, megatron_args, target)
+    caps = ctx.capabilities
+    label = checkout_label(caps)
     launch = [LaunchVar(**var) for var in ctx.record["launch_environment"]]  # as the dry run worked it out
     return ctx.plan, caps, label, ctx.record["effective_args"], launch
+
+
+def validated_arguments(tree: str, megatron_args: Sequence[str], target: planned.Target | None
+                        ) -> tuple[Plan, str, Any]:
+    """The plan and the namespace Megatron's validate_args left (its own types, not the record's text)
+    of a dry run of the tree's pretrain_gpt.py: what a tool that builds Megatron's modules needs."""
+    ctx = _captured(tree, megatron_args, target)
+    return ctx.plan, checkout_label(ctx.capabilities), ctx.args
 
 
 def plan_command_line(

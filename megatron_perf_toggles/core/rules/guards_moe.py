@@ -56,6 +56,10 @@ BY_MODULE_FORMATS = ("torch", "torch_dcp", "fsdp_dtensor")
 ROUTER_MIN_TE = (2, 7)  # Megatron imports TE's router kernels only from here (2.7.0.dev)
 SQRTSOFTPLUS_MIN_TE = (2, 13)
 NO_GG = "pass --no-moe-grouped-gemm"
+# Where the layer-level sweep measured permute fusion slower (wall time, launches included): routed
+# elements per micro-batch on a rank (tokens x top-k x hidden) below these, by dispatcher; EP 1, one
+# H100, Megatron core 0.20, Transformer Engine 2.20 (docs/benchmarks/raw/layers/sweep.json, 38 shapes).
+PF_SLOWER_BELOW = {"alltoall": 64 * 2**20, "allgather": 96 * 2**20}
 
 
 def _on(ctx: Context, dest: str) -> bool:
@@ -358,6 +362,36 @@ def moe_router_fusion_unsupported(ctx: Context) -> Iterator[Change]:
         yield _off(RF, "quantile-balancing routing does not take router fusion", hint)
     elif a.get("moe_enable_routing_replay") and carries(ctx, RF_REPLAY):
         yield _off(RF, "--moe-enable-routing-replay: the fused top-k does not replay recorded routing", hint)
+
+
+def routed_elements(args: Any) -> int:
+    """Elements the dispatcher permutes per micro-batch on one rank: its tokens (the sequence over CP,
+    times the micro-batch, over TP with sequence parallelism) x top-k x hidden size."""
+    tokens = int(args.get("seq_length") or 0) // max(1, int(args.get("context_parallel_size") or 1))
+    tokens *= int(args.get("micro_batch_size") or 1)
+    if args.get("sequence_parallel"):
+        tokens //= max(1, int(args.get("tensor_model_parallel_size") or 1))
+    return tokens * int(args.get("moe_router_topk") or 2) * int(args.get("hidden_size") or 0)
+
+
+@guard(moves=(PF,))
+def moe_permute_fusion_slower_here(ctx: Context) -> Iterator[Change]:
+    """Permute fusion is on by default only where it was measured faster: the layer-level sweep
+    (``megatron-perf-toggles layers``' dispatcher unit, 38 MoE shapes at EP 1) found the fused
+    permute and unpermute slower in wall time below a size (``PF_SLOWER_BELOW``): their kernels take
+    half the GPU time, but more time to launch. The rule covers what was measured, EP 1 with the
+    alltoall or allgather dispatcher; elsewhere, and wherever the toggle was asked for, it stands."""
+    a = ctx.args
+    if not _on(ctx, PF) or ctx.sources.get(PF) != "default" or int(a.get("expert_model_parallel_size") or 1) != 1:
+        return
+    dispatcher = a.get("moe_token_dispatcher_type") or "allgather"
+    limit = PF_SLOWER_BELOW.get(dispatcher)
+    routed = routed_elements(a)
+    if limit is not None and 0 < routed < limit:
+        yield _off(PF, f"measured slower at this size: {routed / 2**20:.0f} Mi elements routed per micro-batch "
+                   f"(tokens x top-k x hidden) is under {limit // 2**20} Mi, where the fused permutation's launches "
+                   f"cost more than its kernels save (layer-level sweep, EP 1, {dispatcher} dispatcher)",
+                   "MOE_PERMUTE_FUSION=1 keeps it on")
 
 
 GUARDS = declared_in(globals())  # in the order they are declared above

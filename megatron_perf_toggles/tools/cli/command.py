@@ -47,7 +47,7 @@ def build_cli_parser() -> argparse.ArgumentParser:
 
 
 def _add_tools(sub: Any) -> None:
-    """patch, ablate, tune, surface: each tool declares its options once, for its own module's parser too."""
+    """patch, ablate, tune, layers, surface: each tool declares its options once, for its own module's parser too."""
     from .. import patching
     from ..ablate import command as ablate
     from ..surfaces import record
@@ -66,6 +66,12 @@ def _add_tools(sub: Any) -> None:
                         description=tune.DESCRIPTION, epilog=tune.EPILOG)
     tune.add_arguments(tu)
     tu.set_defaults(func=tune.run_tune)
+    from ..layers import command as layers
+
+    la = sub.add_parser("layers", help="time each toggle where it acts (its module), on one GPU",
+                        description=layers.DESCRIPTION, epilog=layers.EPILOG)
+    layers.add_arguments(la)
+    la.set_defaults(func=layers.run_layers)
     su = sub.add_parser("surface", help="record a Megatron tree's argparse surface as JSON facts",
                         description=record.DESCRIPTION)
     record.add_arguments(su)
