@@ -177,28 +177,47 @@ def main() -> int:
     return run(ns, out / "sweep.json")
 
 
+def routed(shape: dict[str, Any]) -> int:
+    """Elements the dispatcher permutes per micro-batch: tokens x top-k x hidden (the rule's measure)."""
+    return shape["tokens"] * shape["moe_router_topk"] * shape["hidden_size"]
+
+
+def _interval(ax: Any, x: float, sp: dict[str, Any], marker: str, label: str | None = None) -> None:
+    color = "tab:green" if sp["low"] > 1 else "tab:red" if sp["high"] < 1 else "tab:gray"
+    ax.plot([x, x], [sp["low"], sp["high"]], color=color, lw=1)
+    ax.plot(x, sp["estimate"], marker, color=color, ms=4, label=label)
+
+
 def plot(data: dict[str, Any], path: Path) -> int:
-    """One panel per fusion: each shape's speedup with its 95 % interval, 1.0 marked."""
+    """Both fusions' speedups (95 %) against the elements each shape routes: GPU time (triangles) and
+    wall time with the launches (circles); green faster, red slower, grey no detectable difference;
+    the permute rule's thresholds as dashed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted(data["shapes"])
-    fig, axes = plt.subplots(1, 2, figsize=(14, max(6, len(names) * 0.22)), sharey=True)
+    from megatron_perf_toggles.core.rules.guards_moe import PF_SLOWER_BELOW
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for ax, dest in zip(axes, ("moe_router_fusion", "moe_permute_fusion"), strict=True):
-        for i, n in enumerate(names):
-            r = data["shapes"][n].get(dest) or {}
-            sp = (r.get("gpu") or {}).get("speedup") or {}
-            if sp.get("low") is None:
-                continue
-            color = "tab:green" if sp["low"] > 1 else "tab:red" if sp["high"] < 1 else "tab:gray"
-            ax.plot([sp["low"], sp["high"]], [i, i], color=color)
-            ax.plot(sp["estimate"], i, "o", color=color, ms=3)
-        ax.axvline(1.0, color="black", lw=0.8)
-        ax.set_title(f"{dest}: speedup on its unit (GPU time), 95 %")
+        for row in data["shapes"].values():
+            result = row.get(dest) or {}
+            x = routed(row["shape"]) / 2**20 * (1.04 if row["shape"]["dispatcher"] == "allgather" else 1.0)
+            for clock, marker in (("gpu", "^"), ("wall", "o")):
+                sp = (result.get(clock) or {}).get("speedup") or {}
+                if sp.get("low") is not None:
+                    _interval(ax, x, sp, marker)
+        ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xscale("log")
-    axes[0].set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlabel("elements routed per micro-batch (tokens x top-k x hidden), Mi")
+        ax.set_title(f"{dest}: x on its unit (^ GPU time, o wall time), 95 %")
+    for name, limit in PF_SLOWER_BELOW.items():
+        axes[1].axvline(limit / 2**20, ls="--", lw=0.8, color="tab:blue" if name == "alltoall" else "tab:orange",
+                        label=f"off below ({name})")
+    axes[1].legend(loc="upper left", fontsize=8)
+    axes[0].set_ylabel("speedup (stock time / fused time)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(path)

@@ -16,7 +16,9 @@ File format (JSON)::
     {"format": "megatron-perf-toggles/admission", "schema": 1,
      "records": {"<toggle dest or 'defaults'>": {
         "speed": {"alone": [{"shape": str, "estimate": x, "low": x, "high": x, "verdict": str, "blocks": n}, ...],
-                  "together": [... the same, optional]},
+                  "together": [... the same, optional],
+                  "layer": [... the same, with "unit" and "clock" (gpu | wall): measured where the toggle
+                            acts by ``megatron-perf-toggles layers``, on shapes where the plan has it on]},
         "loss": {"kind": "paired" | "numerics+defaults" | "not measurable here",
                  "difference_pct": x, "low_pct": x, "high_pct": x, "margin_pct": x, "verdict": str, "seeds": n,
                  "numerics": {"passed": true, "detail": str}    (numerics+defaults only),
@@ -29,7 +31,9 @@ Speed figures are speedups (baseline time / arm time: above 1 is faster); loss f
 the baseline's loss, as ``ablate``'s loss test gives them. A toggle's "alone" is the toggle alone
 against stock (``ablate --design each-alone``'s ``only:`` arms); the defaults record's is every
 default together against stock, and it needs a paired loss test of its own, since the
-"numerics+defaults" records lean on it.
+"numerics+defaults" records lean on it. A toggle's "layer" entries are its effect where it acts
+(its unit, one GPU, arms interleaved in one process): none may be slower, on either clock; where the
+whole run cannot resolve a few-% effect, a resolved faster layer entry is what admits it.
 """
 
 from __future__ import annotations
@@ -71,12 +75,13 @@ def speed_problems(speed: Any) -> list[str]:
     """Speed alone must be measured with an interval, and no measurement may say slower."""
     alone = _speed_entries(speed, "alone")
     out = [] if alone else ["speed: no measurement alone"]
-    for key in ("alone", "together"):
+    for key in ("alone", "together", "layer"):
         for m in _speed_entries(speed, key):
             if not isinstance(m, Mapping) or not all(_num(m.get(k)) for k in ("estimate", "low", "high")):
                 out.append(f"speed {key}: an entry without estimate, low and high")
                 continue
-            where = f"speed {key} on {m.get('shape') or 'an unnamed shape'}"
+            clock = f" ({m['clock']} time)" if m.get("clock") else ""
+            where = f"speed {key}{clock} on {m.get('shape') or 'an unnamed shape'}"
             if m["low"] > m["high"]:
                 out.append(f"{where}: low {m['low']} is above high {m['high']}")
             if m.get("verdict") == "slower" or m["high"] < 1.0:
@@ -165,10 +170,13 @@ def check(data: Mapping[str, Any], root: Path | None = None, margin: float = STA
 UNRESOLVED_SPAN = 1.10  # an interval whose high is over 1.10 x its low resolves no toggle's few-% effect
 
 
-def unresolved(alone: Sequence[Mapping[str, Any]]) -> list[str]:
+def unresolved(alone: Sequence[Mapping[str, Any]], layer: Sequence[Mapping[str, Any]] = ()) -> list[str]:
     """The shapes whose speed alone is not resolved: the interval holds 1.0 and spans more than
     UNRESOLVED_SPAN (a record may stand on it, since nothing shows the toggle slower, but the line
-    says it is provisional rather than admitted)."""
+    says it is provisional rather than admitted), unless a layer-level entry of that toggle resolves
+    it faster where it acts (measured where the whole run cannot resolve it)."""
+    if any(m["low"] > 1.0 for m in layer):
+        return []
     return [str(m.get("shape")) for m in alone
             if m["low"] <= 1.0 <= m["high"] and m["low"] > 0 and m["high"] / m["low"] > UNRESOLVED_SPAN]
 
@@ -179,7 +187,8 @@ def summary_line(name: str, record: Any, problems: Sequence[str]) -> str:
     if problems:
         return f"{name}: NOT ADMITTED: {'; '.join(problems)}"
     alone = _speed_entries(record["speed"], "alone")
-    open_shapes = unresolved(alone)
+    layer = _speed_entries(record["speed"], "layer")
+    open_shapes = unresolved(alone, layer)
     if record["loss"]["kind"] == "not measurable here":  # kept on, but nothing here shows it earns its place
         open_shapes = [*open_shapes, "loss: not measurable here"]
     speed = ", ".join(f"x{m['estimate']:.3f} [{m['low']:.3f}, {m['high']:.3f}] on {m['shape']}" for m in alone)
@@ -188,7 +197,17 @@ def summary_line(name: str, record: Any, problems: Sequence[str]) -> str:
              f"{loss['kind']}" + (f" {loss['difference_pct']:+.2f} % [{loss['low_pct']:+.2f}, {loss['high_pct']:+.2f}], "
                                   f"{loss['verdict']}, {loss['seeds']} seeds" if loss["kind"] == "paired" else ""))
     status = f"PROVISIONAL (not resolved: {'; '.join(open_shapes)})" if open_shapes else "admitted"
-    return f"{name}: {status}: speed alone {speed}; loss {claim}"
+    return f"{name}: {status}: speed alone {speed}{_where_it_acts(layer)}; loss {claim}"
+
+
+def _where_it_acts(layer: Sequence[Mapping[str, Any]]) -> str:
+    """The layer-level entries in brief: the first shape's clocks, and how many entries in all."""
+    if not layer:
+        return ""
+    first = [m for m in layer if m["shape"] == layer[0]["shape"]]
+    clocks = ", ".join(f"{m.get('clock')} x{m['estimate']:.3f} [{m['low']:.3f}, {m['high']:.3f}]" for m in first)
+    more = f" (+{len(layer) - len(first)} more)" if len(layer) > len(first) else ""
+    return f"; where it acts ({layer[0].get('unit')}): {clocks} on {layer[0]['shape']}{more}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -85,6 +85,8 @@ BAD = {
                      "moe_permute_fusion", "slower"),
     "slower together": (lambda r: r["moe_permute_fusion"]["speed"].update(together=[_speed(0.97, 0.95, 0.99, "-")]),
                         "moe_permute_fusion", "slower"),
+    "slower where it acts": (lambda r: r["moe_permute_fusion"]["speed"].update(layer=[
+        {**_speed(0.70, 0.66, 0.74, "slower"), "unit": "dispatcher", "clock": "wall"}]), "moe_permute_fusion", "slower"),
     "no speed alone": (lambda r: r["grad_reduce_in_bf16"].update(speed={}), "grad_reduce_in_bf16", "no measurement"),
     "worse": (lambda r: r["grad_reduce_in_bf16"].update(loss=_paired(2.0, 1.5, 2.5, verdict="different: worse")),
               "grad_reduce_in_bf16", "loss: worse"),
@@ -155,3 +157,18 @@ def test_a_speed_interval_that_resolves_nothing_is_provisional_not_admitted():
     record["loss"] = {"kind": "paired", "difference_pct": 0.1, "low_pct": -0.2, "high_pct": 0.3, "verdict": "equivalent",
                       "seeds": 16}
     assert admission.summary_line("x", record, []).startswith("x: admitted")
+
+
+def test_a_resolved_layer_entry_admits_a_toggle_the_whole_run_cannot_resolve(repo, capsys):
+    data = _good()
+    record = data["records"]["moe_router_fusion"]
+    record["speed"]["alone"] = [_speed(0.997, 0.716, 1.389, "no detectable difference")]
+    path = repo / "docs" / "benchmarks" / "admission.json"
+    path.write_text(json.dumps(data))
+    admission.main([str(path)])
+    assert "moe_router_fusion: PROVISIONAL" in capsys.readouterr().out
+    record["speed"]["layer"] = [{**_speed(1.744, 1.681, 1.809), "unit": "router", "clock": "gpu"}]
+    path.write_text(json.dumps(data))
+    assert admission.main([str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("moe_router_fusion"))
+    assert line.startswith("moe_router_fusion: admitted") and "where it acts (router): gpu x1.744" in line

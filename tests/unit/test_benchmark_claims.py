@@ -18,8 +18,23 @@ import report_h200  # the one reader of which raw files hold ablate results (the
 CLAIM = re.compile(r"(\d\.\d{3})\s+\[(\d\.\d{3}),\s+(\d\.\d{3})\]")
 
 
-def measured() -> set[tuple[str, str, str]]:
+def _layer_intervals() -> set[tuple[str, str, str]]:
+    """The layer-level check's intervals (``megatron-perf-toggles layers`` and the MoE sweep), both clocks."""
     out = set()
+    for path in sorted((REPO / "docs" / "benchmarks" / "raw" / "layers").glob("*.json")):
+        data = json.loads(path.read_text())
+        results = [*data.get("results", {}).values()]
+        results += [r for shape in data.get("shapes", {}).values() for k, r in shape.items() if k != "shape"]
+        for result in results:
+            for clock in ("gpu", "wall"):
+                sp = (result.get(clock) or {}).get("speedup") or {}
+                if sp.get("low") is not None:
+                    out.add(tuple(f"{sp[k]:.3f}" for k in ("estimate", "low", "high")))
+    return out
+
+
+def measured() -> set[tuple[str, str, str]]:
+    out = _layer_intervals()
     # bench/moe_h200.py's parts are ablate results too, kept beside the MoE page's other data
     moe = [json.loads(p.read_text()) for p in sorted((REPO / "docs" / "benchmarks" / "raw" / "moe").glob("*.json"))]
     for result in [*report_h200.ablate_results().values(), *(m for m in moe if "rows" in m)]:
