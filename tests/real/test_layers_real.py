@@ -38,7 +38,7 @@ def test_check_plans_through_the_trees_own_parser(tree):
     out = done.stdout
     assert f"at {tree.resolve()}" in out and "parse and validate" in out
     assert "EP 2: one rank's shard" in out and "local experts 8 of 16" in out
-    assert "moe_grouped_gemm" in out and "moe_layer x4 per micro-batch" in out
+    assert "moe_grouped_gemm" in out and "moe_layer, 4 per micro-batch" in out
     assert "needs 2 or more ranks" in out and "not timed: --check" in out
 
 

@@ -180,7 +180,7 @@ def test_check_mode_lists_each_toggles_unit_on_the_recorded_surface():
     assert done.returncode == 0, done.stderr
     for dest in ("moe_router_fusion", "moe_permute_fusion", "cross_entropy_loss_fusion"):
         assert dest in done.stdout
-    assert "router x4 per micro-batch" in done.stdout and "needs 2 or more ranks" in done.stdout
+    assert "router, 4 per micro-batch" in done.stdout and "needs 2 or more ranks" in done.stdout
     assert "not timed: --check" in done.stdout and "500 ms (--step-ms)" in done.stdout
 
 
@@ -251,3 +251,18 @@ def test_the_rule_is_in_the_guard_table_as_no_megatron_rule():
     ours = [g for g in GUARDS if g.name == "moe_permute_fusion_slower_here"]
     assert len(ours) == 1 and ours[0].answers == () and ours[0].moves == ("moe_permute_fusion",)
     assert BY_DEST["moe_permute_fusion"].default is True  # the rule, not the default, turns it off
+
+
+def test_the_result_table_fits_the_screen_and_says_a_failure_in_one_row():
+    from megatron_perf_toggles.launcher.screen import fit
+    from megatron_perf_toggles.tools.layers.report import result_lines
+
+    stock, toggle = [2.0 + 0.001 * (i % 5) for i in range(30)], [1.5 + 0.001 * (i % 3) for i in range(30)]
+    ok = analysis.summarise({"stock_gpu": stock, "toggle_gpu": toggle, "stock_wall": stock, "toggle_wall": stock})
+    ok.update(peak_mb={"stock": 100.0, "toggle": 120.0},
+              step_share=analysis.step_share(ok["gpu"]["saved_ms"], 4, 200.0))
+    lines = fit(result_lines({"moe_router_fusion": ok, "moe_permute_fusion": {"error": "ValueError: nope"}}, 80), 80)
+    assert max(map(len, lines)) <= 80
+    text = "\n".join(lines)
+    assert "x1.33" in text and "faster" in text and "+1.00" in text and "100 -> 120 MB" in text
+    assert "failed" in text and "ValueError: nope" in text

@@ -144,9 +144,11 @@ def run_layers(ns: argparse.Namespace) -> int:
     plan, label, args = _plan(ns)
     shard = shard_of(args)
     todo = rows(plan, args, shard, ns.toggles)
+    from ...launcher.screen import fit, width
     from .report import plan_lines, result_lines, write
 
-    print("\n".join(plan_lines(todo, shard.describe(), label, step)))
+    size = width(sys.stdout)
+    print("\n".join(fit(plan_lines(todo, shard.describe(), label, step, size), size)))
     record: dict[str, Any] = {"command": [str(w) for w in ns.megatron_args], "planned_with": label, "layout": shard.describe(),
                               "step": step, "rows": {r.toggle.dest: {"unit": r.unit.name, "status": r.status,
                                                                      "per_microbatch": r.per_microbatch}
@@ -156,7 +158,7 @@ def run_layers(ns: argparse.Namespace) -> int:
         print(f"\nnot timed: {gpu_reason}")
         return 0
     results = measure(ns, todo, args, shard, step, plan)
-    print("\n".join(result_lines(results)))
+    print("\n".join(fit(result_lines(results, size), size)))
     record.update(results=results, versions=_versions(), blocks=ns.blocks, warmup=ns.warmup, seed=ns.seed)
     print(f"\nrecord: {write(Path(ns.out), record)}")
     return 0

@@ -9,20 +9,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ...launcher.screen import table
 from .analysis import verdict_word
 from .design import Row
 
 FORMAT = "megatron-perf-toggles/layers"
 
 
-def plan_lines(rows: Sequence[Row], shard_line: str, label: str, step: Mapping[str, Any]) -> list[str]:
+def plan_lines(rows: Sequence[Row], shard_line: str, label: str, step: Mapping[str, Any],
+               size: int | None = None) -> list[str]:
     """The check's plan: what each toggle's unit is and whether it will be measured."""
-    lines = [f"planned with: {label}", f"layout:       {shard_line}", f"step time:    {step['text']}", ""]
-    width = max(len(r.toggle.dest) for r in rows) if rows else 10
-    for r in rows:
-        what = f"{r.unit.name} x{r.per_microbatch} per micro-batch" if r.measured else r.status
-        lines.append(f"  {r.toggle.dest:<{width}}  {what}")
-    return lines
+    cells = [[r.toggle.dest, f"{r.unit.name}, {r.per_microbatch} per micro-batch" if r.measured else r.status]
+             for r in rows]
+    return [f"planned with: {label}", f"layout:       {shard_line}", f"step time:    {step['text']}", "",
+            *table(cells, ["toggle", "measured on (calls per micro-batch on one rank), or why not"], size)]
 
 
 def _interval(x: Mapping[str, Any], fmt: str) -> str:
@@ -31,29 +31,29 @@ def _interval(x: Mapping[str, Any], fmt: str) -> str:
     return f"{x['estimate']:{fmt}} [{x['low']:{fmt}}, {x['high']:{fmt}}]"
 
 
-def result_line(dest: str, result: Mapping[str, Any], width: int) -> str:
-    """One measured toggle: GPU speedup [95 %], wall speedup, ms saved per call, step share, peak memory."""
-    if "error" in result:
-        return f"  {dest:<{width}}  failed: {result['error']}"
+def _cells(result: Mapping[str, Any]) -> list[str]:
+    """One measured toggle: GPU and wall speedup [95 %], ms saved per call, step share, peak memory."""
     gpu, wall = result["gpu"], result["wall"]
     share = result.get("step_share")
-    share_text = "step share: no step time"
-    if share:
-        pct = {k: (share[k] * 100 if share.get(k) is not None else None) for k in ("estimate", "low", "high")}
-        share_text = f"{_interval(pct, '+.2f')} % of a step"
+    pct = {k: (share[k] * 100 if share.get(k) is not None else None) for k in ("estimate", "low", "high")} \
+        if share else None
     peak = result.get("peak_mb") or {}
-    return (f"  {dest:<{width}}  gpu x{_interval(gpu['speedup'], '.3f')} {verdict_word(gpu['speedup'])} "
-            f"({gpu['stock_ms']:.3f} -> {gpu['toggle_ms']:.3f} ms); wall x{_interval(wall['speedup'], '.3f')}; "
-            f"saves {_interval(gpu['saved_ms'], '.4f')} ms per call; {share_text}; "
-            f"peak {peak.get('stock', 0):.0f} -> {peak.get('toggle', 0):.0f} MB")
+    return [f"x{_interval(gpu['speedup'], '.3f')} {verdict_word(gpu['speedup'])}",
+            f"x{_interval(wall['speedup'], '.3f')}",
+            f"{gpu['stock_ms']:.3f} -> {gpu['toggle_ms']:.3f} ms, saves {_interval(gpu['saved_ms'], '.4f')}",
+            f"{_interval(pct, '+.2f')} %" if pct else "no step time",
+            f"{peak.get('stock', 0):.0f} -> {peak.get('toggle', 0):.0f} MB"]
 
 
-def result_lines(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def result_lines(results: Mapping[str, Mapping[str, Any]], size: int | None = None) -> list[str]:
+    """The measured toggles as a table (a failed one: its one-line reason in the last column)."""
     if not results:
         return []
-    width = max(len(d) for d in results)
-    return ["", "measured (95 % intervals; x>1: the toggle is faster; GPU time by CUDA events, wall time with "
-            "the launches):", *(result_line(d, r, width) for d, r in results.items())]
+    rows = [[dest, *(_cells(r) if "error" not in r else ["failed", "", "", "", r["error"]])]
+            for dest, r in results.items()]
+    header = ["toggle", "GPU time [95 %]", "wall time", "per call", "step share", "peak memory (stock -> toggle)"]
+    return ["", "measured (x>1: the toggle is faster; GPU time by CUDA events, wall time with the launches):",
+            *table(rows, header, size)]
 
 
 def write(out: Path, record: Mapping[str, Any]) -> Path:
