@@ -160,7 +160,8 @@ class ExperimentSpec:
     concurrent: int = field(default=1, metadata=_opt(
         "--concurrent", "run K runs at once (for loss-only experiments: runs that share a GPU time the "
         "sharing, so the result then carries no speed figures; no warm-up run); each run gets its own "
-        "MASTER_PORT (default %(default)s: one at a time)", type=int, metavar="K"))
+        "MASTER_PORT; where K runs' planned peak plus each process's own overhead does not fit the GPU's "
+        "memory, as many as fit (one line says so) (default %(default)s: one at a time)", type=int, metavar="K"))
     split_blocks: bool = field(default=False, metadata=_opt(
         "--split-blocks", "with --budget, stop before a run, not only before a block, that would not fit; the "
         "same command resumes the block there, so its runs ran in two calls (perhaps on two machines: more "
