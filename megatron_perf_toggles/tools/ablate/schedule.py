@@ -23,6 +23,7 @@ from typing import Any
 from ...core.registry import BY_DEST
 from ...runtime.machine.target import GPUS
 from .runs import Run, Runs
+from .spec import ExperimentSpec
 
 OVERHEAD_FILE = "process_overhead.json"
 # Until one process's overhead is measured on a GPU (bench/process_overhead.py): a guess, said as such.
@@ -165,9 +166,13 @@ def scheduled(runs: Runs, prior_seconds: Sequence[float] = (), say: Callable[[st
 # --- in words, for the notes and a dry run -------------------------------------------------------------
 
 
-def _seeds_words(base: int, blocks: int) -> str:
+def _seeds_words(spec: ExperimentSpec) -> str:
+    """Megatron's seeds of the blocks: --block-seeds BASE for the first, one more for each next."""
+    base, blocks = spec.block_seeds or 0, spec.repeats
     last = base + blocks - 1
-    return str(base) if blocks == 1 else f"{base} and {last}" if blocks == 2 else f"{base} to {last}"
+    words = str(base) if blocks == 1 else f"{base} and {last}" if blocks == 2 else f"{base} to {last}"
+    more = spec.target_ci is not None and spec.max_repeats > spec.repeats
+    return words + (" (and on, where --target-ci adds blocks)" if more else "")
 
 
 def plan_words(schedule: Schedule) -> str:
@@ -176,8 +181,7 @@ def plan_words(schedule: Schedule) -> str:
     warm = "1 unmeasured warm-up run, then " if schedule.warmup else ""
     seeds = f"arm order: --seed {spec.seed}"
     if spec.block_seeds is not None:
-        seeds += (f"; Megatron's --seed {_seeds_words(spec.block_seeds, spec.repeats)}, one per block "
-                  f"(--block-seeds {spec.block_seeds})")
+        seeds += f"; Megatron's --seed {_seeds_words(spec)}, one per block (--block-seeds {spec.block_seeds})"
     measured = (f"{schedule.at_once} at once share the GPU, so no step time is measured" if schedule.together
                 else f"the first {spec.warmup} left out of the medians")
     return (f"{schedule.planned_runs} runs: {warm}{spec.repeats} block(s) x {len(runs.design.arms)} arms ({seeds}); "
@@ -197,7 +201,8 @@ def baseline_words(runs: Runs) -> str:
         parts.append(f"the {len(base.fixed)} toggles not taking part pinned {word}")
     if not parts:
         parts.append("the command as given")
-    free = [d for d in decisions if d in BY_DEST and BY_DEST[d].kind == "bool" and d not in base.pinned]
+    applies = runs.spec.model_toggles  # a dense model's dry run also reports the MoE toggles, which do nothing there
+    free = [d for d in decisions if d in applies and BY_DEST[d].kind == "bool" and d not in base.pinned]
     if free:
         parts.append("not set by any arm, so as the plugin decides: " + ", ".join(
             f"{d} {'on' if decisions[d].get('value') else 'off'} ({decisions[d].get('source')})" for d in free))
@@ -220,7 +225,7 @@ def loss_test_words(schedule: Schedule) -> str:
     if spec.block_seeds is None:
         unit = "blocks that repeat one seed (run-to-run only, no claim across seeds)"
     else:
-        unit = (f"seeds {_seeds_words(spec.block_seeds, spec.repeats)} (--block-seeds), paired by seed"
+        unit = (f"seeds {_seeds_words(spec)} (--block-seeds), paired by seed"
                 + (", every arm of a seed from one saved start" if spec.common_start else ""))
     return (f"loss test: {measure}; each arm less the baseline over {unit}, in % of the baseline's loss; a "
             f"{(1 - 2 * spec.loss_alpha) * 100:g} % t-interval (two one-sided tests at {spec.loss_alpha:g}) against "
