@@ -102,7 +102,7 @@ SUITE = tree_driver.SESSION.suite("ablate", _build)
 
 def _one_process_for_all_arms(tree, arms):
     """A resolver for ``resolve_and_check`` (as ``resolve_arm``, ``world`` included, so
-    ``planned_for`` can wrap it) whose dry runs ran on the tree's worker with its other suites,
+    ``runs.planned`` can bind it) whose dry runs ran on the tree's worker with its other suites,
     Megatron imported once (every batch a test asks for is listed in ``_batches_asked``). An arm
     whose dry run failed raises the ConfoundError ``resolve_arm`` would."""
     batches: dict = {}
