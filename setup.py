@@ -10,15 +10,21 @@ for line in Path("megatron_perf_toggles/_version.py").read_text().splitlines():
 
 
 class BuildWithPatches(build_py):
-    """Ship the top-level patches/ inside the package (megatron_perf_toggles/data/patches)."""
+    """Ship the top-level patches/ inside the package (megatron_perf_toggles/data/patches), and the
+    measured per-process GPU overhead that ablate --concurrent reads (data/process_overhead.json)."""
 
     def run(self):
         super().run()
-        target = Path(self.build_lib) / "megatron_perf_toggles" / "data" / "patches"
+        data = Path(self.build_lib) / "megatron_perf_toggles" / "data"
+        target = data / "patches"
         for src in sorted(Path("patches").glob("*/*.patch")):
             dest = target / src.parent.name / src.name
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(src.read_bytes())
+        overhead = Path("docs") / "benchmarks" / "process_overhead.json"
+        if overhead.is_file():
+            data.mkdir(parents=True, exist_ok=True)
+            (data / overhead.name).write_bytes(overhead.read_bytes())
 
 
 setup(

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from h200_ablate import MODEL  # noqa: E402
 
-from megatron_perf_toggles.tools.ablate.argv import set_args  # noqa: E402
+from megatron_perf_toggles.tools.ablate.runs import set_args  # noqa: E402
 
 SMALL_LOGITS = {"--hidden-size": "1024", "--ffn-hidden-size": "3584", "--num-attention-heads": "16",
                 "--num-query-groups": "4", "--vocab-size": "256000", "--seq-length": "4096",

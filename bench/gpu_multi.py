@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_perf_toggles.tools.ablate.megatron_log import parse_file  # noqa: E402
+from megatron_perf_toggles.tools.megatron_log import parse_file  # noqa: E402
 from megatron_perf_toggles.tools.nccl_log import grad_buffer_bytes, nccl_traffic, param_count  # noqa: E402
 
 LOCAL = ["--transformer-impl", "local", "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-rope-fusion"]

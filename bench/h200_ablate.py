@@ -66,8 +66,8 @@ sys.path.insert(0, str(REPO))
 
 from megatron_perf_toggles.core.registry import SETTINGS, TOGGLES  # noqa: E402
 from megatron_perf_toggles.errors import PerfTogglesError  # noqa: E402
-from megatron_perf_toggles.tools.ablate.argv import set_args  # noqa: E402
-from megatron_perf_toggles.tools.ablate.design import parse_toggles  # noqa: E402
+from megatron_perf_toggles.tools.ablate.runs import set_args  # noqa: E402
+from megatron_perf_toggles.tools.ablate.spec import parse_toggles  # noqa: E402
 from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_BF16  # noqa: E402
 
 # The reference model: the package's one Llama-3-8B definition, cut to 4 layers and a 16-sequence

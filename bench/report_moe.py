@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 from memory_validation import generic_paths  # bench/ is on the path (run as a script, or by the tests)
 
 from megatron_perf_toggles.errors import PerfTogglesError
-from megatron_perf_toggles.tools.ablate.loss import loss_test
+from megatron_perf_toggles.tools.ablate import report
 from megatron_perf_toggles.tools.ablate.reanalyse import loss_test_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,7 +164,7 @@ def _n(v: Any, fmt: str) -> str:
 def loss_lines(loss: dict[str, Any]) -> list[str]:
     """The loss test's table (first cell: the toggle's registry name), then each seed's measure per arm."""
     seeds = loss.get("seeds") or []
-    table = loss_test.markdown_lines({"settings": loss, "arms": {a["arm"]: a for a in loss["arms"]}})
+    table = report.loss_markdown_lines({"settings": loss, "arms": {a["arm"]: a for a in loss["arms"]}})
     heads = " | ".join(f"seed {s}" for s in seeds) or "runs"
     lines = [*table[1:], "", f"{len(seeds)} seeds per arm, {loss['iters']} iterations per run, all "
              f"{loss.get('concurrent') or '-'} runs at once on the one GPU. Each seed's measure:", "",

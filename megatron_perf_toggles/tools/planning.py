@@ -6,6 +6,8 @@ Its own module, below ``cli`` and ``ablate``, so that both can plan without impo
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -16,6 +18,7 @@ from ..core import launch_env
 from ..core.decision.decide import Plan
 from ..core.facts import Capabilities, megatron_facts_from_surface
 from ..core.launch_env import LaunchVar
+from ..core.registry import BY_DEST
 from ..errors import PREFIX, PerfTogglesError
 from ..runtime import surface_replay as replay
 from ..runtime.machine import target as planned
@@ -155,3 +158,34 @@ def plan_command_line(
     assert controller.last is not None  # the parse went through the controller
     plan = controller.last.plan
     return plan, caps, label, vars(ns), launch_environment(plan, caps, vars(ns))
+
+
+# --- which toggles a guard turns off for a command line (ablate's designs leave them out) ----------
+
+
+def surface_for(script: str) -> str:
+    """The recorded surface of the checkout that holds ``script`` (its version), else main's."""
+    from .patching import inspect_tree, patch_set_for
+
+    try:
+        name = patch_set_for(inspect_tree(Path(script).resolve().parent))
+    except PerfTogglesError:
+        return "main"
+    return name if name in replay.available() else "main"
+
+
+def guarded_off(toggles: Sequence[str], script: str, megatron_args: Sequence[str], world: int | None,
+                environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``{dest: why}`` for each of ``toggles`` that a guard turns off for this model even when asked
+    for by its variable. Where the command line cannot be planned without Megatron (an argument the
+    recorded surface lacks), nothing is left out here: the dry runs still check every arm."""
+    environ = dict(os.environ if environ is None else environ)
+    environ.update({BY_DEST[d].env: "1" for d in toggles})
+    surface = surface_for(script)
+    target = planned.make_target(world_size=world if world and world > 1 else None)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            plan = plan_command_line(list(megatron_args), surface=surface, environ=environ, target=target)[0]
+    except (PerfTogglesError, SystemExit):
+        return {}
+    return {d: plan.decisions[d].reason for d in toggles if plan.decisions[d].value is not True}

@@ -15,9 +15,10 @@ import tree_driver
 from conftest import REPO, megatron_trees
 from sandbox import clean_environ, plugin_part
 
-from megatron_perf_toggles.tools.ablate import command as ablate
 from megatron_perf_toggles.tools.ablate import confounds, design
+from megatron_perf_toggles.tools.ablate import runs as ablate_runs
 from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, expand
+from megatron_perf_toggles.tools.ablate.spec import ExperimentSpec
 
 TREES = megatron_trees()
 pytestmark = pytest.mark.real_megatron
@@ -55,7 +56,7 @@ def _one_at_a_time(tree):
 
 
 def _candidate_arms(words):
-    return expand("candidates", DEFAULT_TOGGLES, [], candidates=design.parse_candidates(words, ablate._known_args()[1]))
+    return expand("candidates", DEFAULT_TOGGLES, [], candidates=design.parse_candidates(words, design.known_args()[1]))
 
 
 def _tp_environ(tree):
@@ -77,11 +78,11 @@ def _batches_asked(tree):
 def _dry_runs(tree, args, arms, environ, world):
     """The launcher dry run (``dry_run_command``) of every arm and probe of ``arms``, as rank 0 in
     the arm's environment, as cases for the tree's worker, by arm signature."""
-    wanted = {a.signature(): a for a in [*arms, *(p for ps in confounds.probe_arms(arms).values() for p in ps)]}
+    wanted = {a.signature: a for a in [*arms, *(p for ps in design.probe_arms(arms).values() for p in ps)]}
     plugin_env = plugin_part(environ, "CUDA_DEVICE")
     script = str(tree / "pretrain_gpt.py")
-    return {signature: {"mode": "launcher", "argv": confounds.dry_run_command(script, args, arm, world)[3:],
-                        "env": {**plugin_env, **arm.env(), "RANK": "0"}} for signature, arm in wanted.items()}
+    return {signature: {"mode": "launcher", "argv": ablate_runs.dry_run_command(script, args, arm, world)[3:],
+                        "env": {**plugin_env, **arm.env, "RANK": "0"}} for signature, arm in wanted.items()}
 
 
 def _case_name(case):
@@ -101,7 +102,7 @@ SUITE = tree_driver.SESSION.suite("ablate", _build)
 
 def _one_process_for_all_arms(tree, arms):
     """A resolver for ``resolve_and_check`` (as ``resolve_arm``, ``world`` included, so
-    ``planned_for`` can wrap it) whose dry runs ran on the tree's worker with its other suites,
+    ``runs.planned`` can bind it) whose dry runs ran on the tree's worker with its other suites,
     Megatron imported once (every batch a test asks for is listed in ``_batches_asked``). An arm
     whose dry run failed raises the ConfoundError ``resolve_arm`` would."""
     batches: dict = {}
@@ -120,7 +121,7 @@ def _one_process_for_all_arms(tree, arms):
             return batches[world]
 
     def resolver(script, args, arm, environ, world=None):
-        return runs.arm_record(batch(script, args, environ, world)[arm.signature()], arm)
+        return runs.arm_record(batch(script, args, environ, world)[arm.signature], arm)
 
     return resolver
 
@@ -134,10 +135,10 @@ def _own_process_dry_runs(tree):
     has no field for it). Processes of their own, so a background job beside the workers."""
     script, env = str(tree / "pretrain_gpt.py"), _environ(tree)
     arms = _one_at_a_time(tree)[1]
-    found = {"injected": confounds.resolve_arm(script, [*ARGS, "--adam-eps", "1e-5"], arms[1], env)}
+    found = {"injected": ablate_runs.resolve_arm(script, [*ARGS, "--adam-eps", "1e-5"], arms[1], env)}
     if not _has_fused_single_qkv_rope(tree):
         arm = next(a for a in expand("one-at-a-time", DEFAULT_TOGGLES, []) if a.name == FUSED_ARM)
-        found["fused"] = (arm, confounds.resolve_arm(script, ARGS, arm, env))
+        found["fused"] = (arm, ablate_runs.resolve_arm(script, ARGS, arm, env))
     return found
 
 
@@ -155,7 +156,7 @@ def test_each_toggle_can_be_varied_alone(tree):
     toggles, arms = _one_at_a_time(tree)
     env = _environ(tree)
     resolver = _one_process_for_all_arms(tree, arms)
-    records, derived = confounds.resolve_and_check(resolver, script, ARGS, arms, env)
+    records, derived = confounds.resolve_and_check(resolver, script, ARGS, design.design_of("t", arms), env)
     # Megatron keeps grads in fp32 for the reduction exactly when they are not reduced in bf16.
     assert "accumulate_allreduce_grads_in_fp32" in derived["grad_reduce_in_bf16"]
     assert set(derived) == set(toggles)
@@ -163,13 +164,13 @@ def test_each_toggle_can_be_varied_alone(tree):
         own = tree_driver.SESSION.outcome(PROCESSES[tree])
         # The same check refuses a difference that no toggle makes.
         with pytest.raises(confounds.ConfoundError) as info:
-            confounds.check_confounds(arms, [records[0], own["injected"], *records[2:]], derived)
+            confounds.check_confounds(design.design_of("t", arms), [records[0], own["injected"], *records[2:]], derived)
         text = str(info.value)
         assert "adam_eps: all-off=1e-08" in text and "1e-05" in text and "nothing was run" in text
         if "fused" in own:  # forced on a tree without the field, the guard keeps it off
             arm, rec = own["fused"]
             with pytest.raises(confounds.ConfoundError) as info:
-                confounds.check_confounds([arms[0], arm], [records[0], rec], derived)
+                confounds.check_confounds(design.design_of("t", [arms[0], arm]), [records[0], rec], derived)
             assert "fused_single_qkv_rope should be True but is False (guard;" in str(info.value)
 
 
@@ -179,7 +180,7 @@ def test_guard_forced_factorial_is_refused_with_the_guard_reason(tree):
     arms = expand("factorial", ("gradient_accumulation_fusion",), [])
     resolver = _one_process_for_all_arms(tree, arms)
     with pytest.raises(confounds.ConfoundError) as info:
-        confounds.resolve_and_check(resolver, script, FSDP_ARGS, arms, _environ(tree))
+        confounds.resolve_and_check(resolver, script, FSDP_ARGS, design.design_of("t", arms), _environ(tree))
     assert "gradient_accumulation_fusion should be True but is False" in str(info.value)
     assert "--use-torch-fsdp2" in str(info.value)
 
@@ -191,7 +192,7 @@ def test_candidates_resolve_through_the_real_parser(tree):
     arms = _candidate_arms(CANDIDATES)
     script, env = str(tree / "pretrain_gpt.py"), _environ(tree)
     resolver = _one_process_for_all_arms(tree, arms)
-    records, derived = confounds.resolve_and_check(resolver, script, CANDIDATE_ARGS, arms, env)
+    records, derived = confounds.resolve_and_check(resolver, script, CANDIDATE_ARGS, design.design_of("t", arms), env)
     effective = [r["effective_args"] for r in records]
     assert [e["overlap_grad_reduce"] for e in effective] == [False, True, False, False, False]
     assert [e["overlap_param_gather"] for e in effective] == [False, True, False, False, False]
@@ -210,9 +211,11 @@ def test_model_parallel_arms_resolve_for_the_launchers_world(tree):
     arms = _candidate_arms(["overlap=--tp-comm-overlap"])
     script, environ = str(tree / "pretrain_gpt.py"), _tp_environ(tree)
     with pytest.raises(confounds.ConfoundError, match="world size"):  # planned for one process
-        confounds.resolve_and_check(_one_process_for_all_arms(tree, arms), script, TP_ARGS, arms, environ)
-    resolver, note = confounds.planned_for(_one_process_for_all_arms(tree, arms), "torchrun --nproc-per-node 2")
-    records, derived = confounds.resolve_and_check(resolver, script, TP_ARGS, arms, environ)
+        confounds.resolve_and_check(_one_process_for_all_arms(tree, arms), script, TP_ARGS, design.design_of("t", arms),
+                                  environ)
+    spec = ExperimentSpec(launch="torchrun --nproc-per-node 2")
+    resolver, note = ablate_runs.planned(_one_process_for_all_arms(tree, arms), spec), spec.world_words
+    records, derived = confounds.resolve_and_check(resolver, script, TP_ARGS, design.design_of("t", arms), environ)
     assert note == "a world of 2 (from --launch)"
     assert [r["effective_args"]["tensor_model_parallel_size"] for r in records] == [2, 2]
     assert [r["effective_args"]["tp_comm_overlap"] for r in records] == [False, True]

@@ -21,8 +21,8 @@ from megatron_perf_toggles.core.facts import PLANNED_STACKS, parse_assume
 from megatron_perf_toggles.launcher.dry_run import assertion_site
 from megatron_perf_toggles.runtime.machine import target as planned
 from megatron_perf_toggles.runtime.machine.capabilities import for_plan
-from megatron_perf_toggles.tools.ablate.guarded import guarded_off
 from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_BF16
+from megatron_perf_toggles.tools.planning import guarded_off
 
 TREES_SKIP = "MEGATRON_LM_TREES is not set: set it to Megatron-LM checkouts (':'-separated) to run this"
 
@@ -197,7 +197,7 @@ def test_ablate_dry_run_leaves_the_guarded_toggle_out(tmp_path: Path, capsys: py
     seen: list[dict[str, bool]] = []
 
     def resolver(script: str, args: list[str], arm: object, environ: dict[str, str], world: int | None = None):
-        toggles = dict(arm.pinned())  # type: ignore[attr-defined]
+        toggles = dict(arm.pinned)  # type: ignore[attr-defined]
         seen.append(toggles)
         return {"decisions": {d: {"value": v, "source": "env", "reason": ""} for d, v in toggles.items()},
                 "effective_args": {**toggles, "train_iters": 10}}

@@ -315,7 +315,7 @@ def cli_on_worker(tree: str | os.PathLike[str], argv: list[str], env: dict[str, 
 def arm_resolver(tree: str | os.PathLike[str]) -> Any:
     """A resolver for ablate (as ``resolve_arm``): each arm's dry run on ``tree``'s worker, as rank
     0, in the arm's environment; a failed dry run raises the ConfoundError ``resolve_arm`` would."""
-    from megatron_perf_toggles.tools.ablate import confounds as ablate
+    from megatron_perf_toggles.tools.ablate import runs as ablate
 
     def resolver(script: str, args: list[str], arm: Any, environ: dict[str, str], world: int | None = None
                  ) -> dict[str, Any]:
@@ -323,7 +323,7 @@ def arm_resolver(tree: str | os.PathLike[str]) -> Any:
 
         plugin_env = plugin_part(environ, "CUDA_DEVICE")
         case = {"name": "arm", "mode": "launcher", "argv": ablate.dry_run_command(script, args, arm, world)[3:],
-                "env": {**plugin_env, **arm.env(), "RANK": "0"}}
+                "env": {**plugin_env, **arm.env, "RANK": "0"}}
         return arm_record(run_cases(str(tree), [case])["arm"], arm)
 
     return resolver

@@ -11,21 +11,21 @@ import pytest
 from conftest import REPO
 
 from megatron_perf_toggles.core.registry import BY_DEST
-from megatron_perf_toggles.tools.ablate import argv as ablate_argv
+from megatron_perf_toggles.tools.ablate import analysis, confounds, execution, report, schedule
 from megatron_perf_toggles.tools.ablate import command as ablate
-from megatron_perf_toggles.tools.ablate import confounds, report, world
 from megatron_perf_toggles.tools.ablate import runs as ablate_runs
 from megatron_perf_toggles.tools.ablate.design import (
     DEFAULT_TOGGLES,
     Arm,
     DesignError,
+    design_of,
     expand,
+    known_args,
     parse_candidates,
-    parse_toggles,
     parse_vary,
 )
-from megatron_perf_toggles.tools.ablate.experiment import Experiment
-from megatron_perf_toggles.tools.ablate.spec import ExperimentSpec
+from megatron_perf_toggles.tools.ablate.spec import ExperimentSpec, launch_world_size, parse_toggles
+from megatron_perf_toggles.tools.megatron_log import parse_file
 
 
 def test_one_at_a_time():
@@ -48,8 +48,8 @@ def test_factorial_reproduces_the_2x2():
     got = {(a.toggles["grad_reduce_in_bf16"], a.settings["adam_eps"]) for a in arms}
     assert got == {(False, "1e-8"), (True, "1e-8"), (False, "1e-5"), (True, "1e-5")}
     assert sum(a.baseline for a in arms) == 1
-    assert arms[1].extra_args() == ["--adam-eps", "1e-8"]
-    assert arms[1].env() == {"GRAD_REDUCE_IN_BF16": "1"}
+    assert arms[1].extra_args == ["--adam-eps", "1e-8"]
+    assert arms[1].env == {"GRAD_REDUCE_IN_BF16": "1"}
 
 
 def test_factorial_over_three_toggles():
@@ -66,17 +66,17 @@ def test_others_pins_the_toggles_that_take_no_part():
     arms = expand("one-at-a-time", ("ddp_average_in_collective",), [], others="off")
     assert [a.name for a in arms] == ["all-off", "only:ddp_average_in_collective"]
     for arm in arms:
-        env = arm.env()
+        env = arm.env
         assert set(env) == {BY_DEST[d].env for d in DEFAULT_TOGGLES}
         assert [k for k, v in env.items() if v == "1"] == (["DDP_AVERAGE_IN_COLLECTIVE"] if not arm.baseline else [])
     inherit = expand("one-at-a-time", ("ddp_average_in_collective",), [])
-    assert set(inherit[0].env()) == {"DDP_AVERAGE_IN_COLLECTIVE"}
+    assert set(inherit[0].env) == {"DDP_AVERAGE_IN_COLLECTIVE"}
 
 
 def test_every_arm_sets_every_design_toggle_explicitly():
     for design in ("one-at-a-time", "leave-one-out", "factorial", "headline"):
         for arm in expand(design, DEFAULT_TOGGLES[:2], []):
-            assert set(arm.env()) == {"GRADIENT_ACCUMULATION_FUSION", "GRAD_REDUCE_IN_BF16"}
+            assert set(arm.env) == {"GRADIENT_ACCUMULATION_FUSION", "GRAD_REDUCE_IN_BF16"}
 
 
 @pytest.mark.parametrize("call, words", [
@@ -143,7 +143,7 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 
 def _added(arm):
     """What a candidate's arguments set, as a parser would: ``--flag value`` or a switch."""
-    out, words = {}, arm.added_args()
+    out, words = {}, arm.added_args
     for i, word in enumerate(words):
         if word.startswith("--"):
             nxt = words[i + 1] if i + 1 < len(words) else "--"
@@ -152,9 +152,9 @@ def _added(arm):
 
 
 def _record(arm, **extra):
-    effective = {"seq_length": 4096, "adam_eps": 1e-8, "seed": 1234, "train_iters": 6, **arm.pinned(),
+    effective = {"seq_length": 4096, "adam_eps": 1e-8, "seed": 1234, "train_iters": 6, **arm.pinned,
                  **arm.settings, **_added(arm), **extra}
-    decisions = {d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned().items()}
+    decisions = {d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned.items()}
     return {"decisions": decisions, "effective_args": effective}
 
 
@@ -165,7 +165,7 @@ def _fake_megatron(derives=None, calls=None):
             calls.append(arm.name)
         extra = {}
         for dest, (key, on, off) in (derives or {}).items():
-            extra[key] = on if arm.pinned().get(dest) else off
+            extra[key] = on if arm.pinned.get(dest) else off
         if "--adam-eps" in args:
             extra["adam_eps"] = float(args[args.index("--adam-eps") + 1])
         return _record(arm, **extra)
@@ -174,7 +174,7 @@ def _fake_megatron(derives=None, calls=None):
 
 def test_clean_arms_pass():
     arms = expand("one-at-a-time", DEFAULT_TOGGLES[:2], [])
-    confounds.check_confounds(arms, [_record(a) for a in arms])
+    confounds.check_confounds(design_of("t", arms), [_record(a) for a in arms])
 
 
 def test_extra_difference_is_refused_with_a_diff():
@@ -182,7 +182,7 @@ def test_extra_difference_is_refused_with_a_diff():
     records = [_record(a) for a in arms]
     records[2]["effective_args"]["adam_eps"] = 1e-5
     with pytest.raises(confounds.ConfoundError) as info:
-        confounds.check_confounds(arms, records)
+        confounds.check_confounds(design_of("t", arms), records)
     assert "adam_eps: all-off=1e-08" in str(info.value) and "1e-05" in str(info.value)
 
 
@@ -194,7 +194,7 @@ def test_guard_forced_arm_is_refused_with_the_guard_reason():
             "value": False, "source": "guard", "reason": "--use-torch-fsdp2: FSDP does not support it"}
         rec["effective_args"]["gradient_accumulation_fusion"] = False
     with pytest.raises(confounds.ConfoundError, match="--use-torch-fsdp2"):
-        confounds.check_confounds(arms, records)
+        confounds.check_confounds(design_of("t", arms), records)
 
 
 def test_a_pinned_toggle_forced_by_a_guard_is_refused():
@@ -202,27 +202,27 @@ def test_a_pinned_toggle_forced_by_a_guard_is_refused():
     records = [_record(a) for a in arms]
     records[1]["decisions"]["grad_reduce_in_bf16"] = {"value": True, "source": "guard", "reason": "mxfp4"}
     with pytest.raises(confounds.ConfoundError, match="grad_reduce_in_bf16 should be False but is True"):
-        confounds.check_confounds(arms, records)
+        confounds.check_confounds(design_of("t", arms), records)
 
 
 def test_what_a_toggle_derives_is_learnt_from_a_single_change_pair():
     derives = {"grad_reduce_in_bf16": ("megatron_fsdp_grad_comm_dtype", "torch.bfloat16", None)}
     arms = expand("headline", ("grad_reduce_in_bf16", "ddp_average_in_collective"), [])
     calls = []
-    records, derived = confounds.resolve_and_check(_fake_megatron(derives, calls), "s.py", [], arms, {})
+    records, derived = confounds.resolve_and_check(_fake_megatron(derives, calls), "s.py", [], design_of("t", arms), {})
     assert derived == {"grad_reduce_in_bf16": {"megatron_fsdp_grad_comm_dtype"}, "ddp_average_in_collective": set()}
     # headline arms flip two toggles at once: the single-change probes are extra dry runs
     assert sorted(calls) == sorted(["all-off", "all-on", "probe:grad_reduce_in_bf16=True",
                                     "probe:ddp_average_in_collective=True"])
     # without what the pair taught, the same records are a confound
     with pytest.raises(confounds.ConfoundError, match="megatron_fsdp_grad_comm_dtype"):
-        confounds.check_confounds(arms, records)
+        confounds.check_confounds(design_of("t", arms), records)
 
 
 def test_one_at_a_time_probes_are_its_own_arms():
     calls = []
     arms = expand("one-at-a-time", DEFAULT_TOGGLES, [])
-    confounds.resolve_and_check(_fake_megatron(calls=calls), "s.py", [], arms, {})
+    confounds.resolve_and_check(_fake_megatron(calls=calls), "s.py", [], design_of("t", arms), {})
     assert sorted(calls) == sorted(a.name for a in arms)
 
 
@@ -230,11 +230,11 @@ def test_a_difference_no_changed_toggle_makes_alone_is_refused():
     # The difference comes with grad_reduce_in_bf16, but the arm did not change it.
     derives = {"grad_reduce_in_bf16": ("main_grads_dtype", "bf16", "fp32")}
     arms = expand("factorial", ("grad_reduce_in_bf16", "ddp_average_in_collective"), [])
-    records, derived = confounds.resolve_and_check(_fake_megatron(derives), "s.py", [], arms, {})
+    records, derived = confounds.resolve_and_check(_fake_megatron(derives), "s.py", [], design_of("t", arms), {})
     only_ddp = next(i for i, a in enumerate(arms) if a.name == "ddp_average_in_collective")
     records[only_ddp]["effective_args"]["main_grads_dtype"] = "bf16"
     with pytest.raises(confounds.ConfoundError, match="main_grads_dtype: all-off='fp32'"):
-        confounds.check_confounds(arms, records, derived)
+        confounds.check_confounds(design_of("t", arms), records, derived)
 
 
 def test_an_interaction_only_difference_is_refused():
@@ -245,7 +245,7 @@ def test_an_interaction_only_difference_is_refused():
         return _record(arm, bucket_size=1 if both else 2)
 
     with pytest.raises(confounds.ConfoundError, match="bucket_size"):
-        confounds.resolve_and_check(resolver, "s.py", [], arms, {})
+        confounds.resolve_and_check(resolver, "s.py", [], design_of("t", arms), {})
 
 
 def test_vary_settings_are_checked_and_carried_once():
@@ -256,8 +256,8 @@ def test_vary_settings_are_checked_and_carried_once():
         seen.append(args)
         return _record(arm)
 
-    confounds.resolve_and_check(resolver, "s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms, {})
-    cmd = confounds.dry_run_command("s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms[-1])
+    confounds.resolve_and_check(resolver, "s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], design_of("t", arms), {})
+    cmd = ablate_runs.dry_run_command("s.py", ["--adam-eps", "1e-3", "--lr", "1e-4"], arms[-1])
     assert cmd.count("--adam-eps") == 1 and cmd[cmd.index("--adam-eps") + 1] == "1e-5"
 
 
@@ -267,14 +267,14 @@ def test_candidates_are_the_command_as_given_against_each_addition():
     arms = expand("candidates", DEFAULT_TOGGLES, [], candidates=cands)
     assert [a.name for a in arms] == ["baseline", "+overlap", "+bucket"] and arms[0].baseline
     assert all(a.toggles == {} for a in arms)  # the toggles keep their defaults (or the caller's env)
-    assert arms[1].intended() == {"+overlap": "--overlap-grad-reduce --overlap-param-gather"}
-    assert arms[0].env() == {} and arms[1].env() == {}
+    assert arms[1].intended == {"+overlap": "--overlap-grad-reduce --overlap-param-gather"}
+    assert arms[0].env == {} and arms[1].env == {}
     pinned = expand("candidates", DEFAULT_TOGGLES, [], others="on", candidates=cands)
-    assert all(a.pinned() == dict.fromkeys(DEFAULT_TOGGLES, True) for a in pinned)
+    assert all(a.pinned == dict.fromkeys(DEFAULT_TOGGLES, True) for a in pinned)
     common = ["--lr", "1", "--ddp-bucket-size", "4e7", "--overlap-grad-reduce", "--bf16"]
-    assert ablate_argv.arm_args(common, arms[2]) == ["--lr", "1", "--overlap-grad-reduce", "--bf16",
+    assert ablate_runs.arm_args(common, arms[2]) == ["--lr", "1", "--overlap-grad-reduce", "--bf16",
                                                  "--ddp-bucket-size", "8e7"]
-    assert ablate_argv.arm_args(common, arms[1]) == ["--lr", "1", "--ddp-bucket-size", "4e7", "--bf16",
+    assert ablate_runs.arm_args(common, arms[1]) == ["--lr", "1", "--ddp-bucket-size", "4e7", "--bf16",
                                                  "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
@@ -283,28 +283,29 @@ def test_a_candidate_sets_environment_variables_written_before_its_arguments():
                               "both=NCCL_GRAPH_REGISTER=0 A_B=x=y --manual-gc --manual-gc-interval 5",
                               "value=--tensorboard-dir a=b"], {"--manual-gc", "--manual-gc-interval", "--tensorboard-dir"})
     arms = {a.name: a for a in expand("candidates", DEFAULT_TOGGLES, [], candidates=cands)}
-    assert arms["+alloc"].env() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert arms["+alloc"].added_args() == []
-    assert arms["+both"].added_env() == {"NCCL_GRAPH_REGISTER": "0", "A_B": "x=y"}
-    assert ablate_argv.arm_args(["--lr", "1"], arms["+both"]) == ["--lr", "1", "--manual-gc", "--manual-gc-interval", "5"]
+    assert arms["+alloc"].env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert arms["+alloc"].added_args == []
+    assert arms["+both"].added_env == {"NCCL_GRAPH_REGISTER": "0", "A_B": "x=y"}
+    assert ablate_runs.arm_args(["--lr", "1"], arms["+both"]) == ["--lr", "1", "--manual-gc", "--manual-gc-interval", "5"]
     # only leading words are assignments: a flag's value may hold '='
-    assert arms["+value"].added_env() == {} and arms["+value"].added_args() == ["--tensorboard-dir", "a=b"]
+    assert arms["+value"].added_env == {} and arms["+value"].added_args == ["--tensorboard-dir", "a=b"]
     pinned = expand("candidates", ("grad_reduce_in_bf16",), [], others="on", candidates=cands)
-    assert pinned[1].env() == {**{BY_DEST[d].env: "1" for d in DEFAULT_TOGGLES},
+    assert pinned[1].env == {**{BY_DEST[d].env: "1" for d in DEFAULT_TOGGLES},
                                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert len({a.signature() for a in arms.values()}) == 4  # the environment tells the arms apart
+    assert len({a.signature for a in arms.values()}) == 4  # the environment tells the arms apart
 
 
 def test_an_environment_only_candidate_is_not_a_no_op_but_the_same_one_twice_is():
     arms = expand("candidates", DEFAULT_TOGGLES, [], candidates={"alloc": ("PYTORCH_CUDA_ALLOC_CONF=x",)})
-    confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {})  # its arguments equal the baseline's
+    # its arguments equal the baseline's
+    confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], design_of("t", arms), {})
     twins = expand("candidates", DEFAULT_TOGGLES, [], candidates={"a": ("X=1",), "b": ("X=1",)})
     with pytest.raises(confounds.ConfoundError, match="identical Megatron arguments and environment"):
-        confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], twins, {})
+        confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], design_of("t", twins), {})
     # the caller's environment already holds the candidate's value: the arm would change nothing
     with pytest.raises(confounds.ConfoundError, match="identical Megatron arguments and environment"):
-        confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {"PYTORCH_CUDA_ALLOC_CONF": "x"})
-    confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], arms, {"PYTORCH_CUDA_ALLOC_CONF": "y"})
+        confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], design_of("t", arms), {"PYTORCH_CUDA_ALLOC_CONF": "x"})
+    confounds.resolve_and_check(_fake_megatron(), "s.py", ["--bf16"], design_of("t", arms), {"PYTORCH_CUDA_ALLOC_CONF": "y"})
 
 
 def test_the_dry_run_gets_the_candidates_environment_as_rank_0(monkeypatch):
@@ -314,10 +315,10 @@ def test_the_dry_run_gets_the_candidates_environment_as_rank_0(monkeypatch):
         seen.update(kwargs["env"])
         return argparse.Namespace(returncode=0, stdout="{}", stderr="")
 
-    monkeypatch.setattr(confounds.subprocess, "run", run)
+    monkeypatch.setattr(ablate_runs.subprocess, "run", run)
     # built by hand: parse_candidates refuses RANK, and the dry run keeps rank 0 even so
     arm = Arm("+a", {}, adds={"a": ("RANK=3", "NCCL_ALGO=Ring", "--manual-gc")})
-    confounds.resolve_arm("s.py", ["--bf16"], arm, {"RANK": "3", "WORLD_SIZE": "8", "NCCL_ALGO": "Tree"})
+    ablate_runs.resolve_arm("s.py", ["--bf16"], arm, {"RANK": "3", "WORLD_SIZE": "8", "NCCL_ALGO": "Tree"})
     assert seen["NCCL_ALGO"] == "Ring" and seen["RANK"] == "0" and "WORLD_SIZE" not in seen
 
 
@@ -349,14 +350,15 @@ def test_a_candidate_is_its_own_probe_and_a_no_op_candidate_is_refused():
 
     def resolver(script, args, arm, environ, world=None):  # --manual-gc also derives an interval; --bf16 is given already
         noop = {"bf16": True} if "--bf16" in args else {}
-        return _record(arm, **({"manual_gc_interval": 0} if "--manual-gc" in arm.added_args() else {}), **noop)
+        return _record(arm, **({"manual_gc_interval": 0} if "--manual-gc" in arm.added_args else {}), **noop)
 
     calls = []
     with pytest.raises(confounds.ConfoundError) as info:
-        confounds.resolve_and_check(lambda *a: calls.append(a[2].name) or resolver(*a), "s.py", ["--bf16"], arms, {})
+        confounds.resolve_and_check(lambda *a: calls.append(a[2].name) or resolver(*a), "s.py", ["--bf16"],
+                                    design_of("t", arms), {})
     assert sorted(calls) == ["+gc", "+noop", "baseline"]  # no extra probe runs
     assert "identical Megatron arguments" in str(info.value)
-    _, derived = confounds.resolve_and_check(resolver, "s.py", ["--bf16"], arms[:2], {})
+    _, derived = confounds.resolve_and_check(resolver, "s.py", ["--bf16"], design_of("t", arms[:2]), {})
     assert derived == {"+gc": {"manual_gc", "manual_gc_interval"}}
 
 
@@ -372,25 +374,25 @@ def test_candidates_end_to_end_carry_each_argument_once(tmp_path):
 
 def test_set_args_takes_switches_and_lists_whole():
     argv = ["--overlap-grad-reduce", "--lr", "1", "--data-path", "a", "b", "--bf16"]
-    assert ablate_argv.set_args(argv, {"--overlap-grad-reduce": None, "--data-path": "c"}) == [
+    assert ablate_runs.set_args(argv, {"--overlap-grad-reduce": None, "--data-path": "c"}) == [
         "--lr", "1", "--bf16", "--data-path", "c"]
 
 
 def test_set_args_replaces_each_flag_once():
     argv = ["--train-iters", "10", "--tensorboard-dir=/a", "--bf16", "--train_iters", "12", "--lr", "1"]
-    got = ablate_argv.set_args(argv, {"--train-iters": "20", "--tensorboard-dir": "/b", "--save": None})
+    got = ablate_runs.set_args(argv, {"--train-iters": "20", "--tensorboard-dir": "/b", "--save": None})
     assert got == ["--bf16", "--lr", "1", "--train-iters", "20", "--tensorboard-dir", "/b"]
-    assert ablate_argv.repeated_flags(["--lr", "1", "--lr", "2", "--bf16"]) == ["--lr"]
+    assert ablate_runs.repeated_flags(["--lr", "1", "--lr", "2", "--bf16"]) == ["--lr"]
 
 
 # --- block order -----------------------------------------------------------------------------------
 
 
 def test_block_order_is_a_seeded_shuffle_per_block():
-    orders = [ablate_runs.block_order(7, b, 6) for b in range(40)]
+    orders = [schedule.block_order(7, b, 6) for b in range(40)]
     assert all(sorted(o) == list(range(6)) for o in orders)
-    assert orders == [ablate_runs.block_order(7, b, 6) for b in range(40)]  # the same seed: the same blocks
-    assert orders != [ablate_runs.block_order(8, b, 6) for b in range(40)]
+    assert orders == [schedule.block_order(7, b, 6) for b in range(40)]  # the same seed: the same blocks
+    assert orders != [schedule.block_order(8, b, 6) for b in range(40)]
     assert len({tuple(o) for o in orders}) > 20  # blocks are shuffled anew, not one order repeated
     first = [o[0] for o in orders]
     assert all(first.count(i) >= 2 for i in range(6))  # every arm gets to run first now and then
@@ -420,7 +422,7 @@ def test_repeats_blocks_warmup_and_results(tmp_path, capsys):
     data = json.loads((out / "results.json").read_text())
     assert data["seed"] == 5 and data["blocks_run"] == 3 and data["iters"] == 8 and data["warmup"] == 2
     arms = ["all-off", "only:grad_reduce_in_bf16"]
-    assert data["block_order"] == [[arms[i] for i in ablate_runs.block_order(5, b, 2)] for b in range(3)]
+    assert data["block_order"] == [[arms[i] for i in schedule.block_order(5, b, 2)] for b in range(3)]
     runs = data["runs"]
     assert [r["block"] for r in runs] == [-1, 0, 0, 1, 1, 2, 2]  # one warm-up, then 3 blocks of 2
     assert [r["arm"] for r in runs[1:]] == [a for block in data["block_order"] for a in block]
@@ -440,7 +442,7 @@ def test_repeats_blocks_warmup_and_results(tmp_path, capsys):
     assert "8 iterations per run; medians over iterations after the first 2" in md
     assert "seed 5" in md and "3 block(s)" in md
     err = capsys.readouterr().err
-    assert "7 runs: 1 unmeasured warm-up run, then 3 block(s) x 2 arms (seed 5); 8 iterations per run" in err
+    assert "7 runs: 1 unmeasured warm-up run, then 3 block(s) x 2 arms (arm order: --seed 5); 8 iterations per run" in err
     # a second call resumes: every run is done with the same command
     assert _run_main(tmp_path, "--repeats", "3", "--seed", "5", "--iters", "8", "--warmup", "2") == 0
     err = capsys.readouterr().err
@@ -477,8 +479,8 @@ def test_failed_runs_are_named_with_their_last_lines(tmp_path, monkeypatch, caps
 def test_error_tail_starts_at_the_last_traceback():
     text = "\n".join([*(f"line {i}" for i in range(40)), "Traceback (most recent call last):", "  x",
                       "ValueError: boom"])
-    assert ablate_runs.error_tail(text) == ["Traceback (most recent call last):", "  x", "ValueError: boom"]
-    assert ablate_runs.error_tail("\n".join(f"l{i}" for i in range(30)), lines=3) == ["l27", "l28", "l29"]
+    assert execution.error_tail(text) == ["Traceback (most recent call last):", "  x", "ValueError: boom"]
+    assert execution.error_tail("\n".join(f"l{i}" for i in range(30)), lines=3) == ["l27", "l28", "l29"]
 
 
 def test_dry_run_writes_and_creates_nothing(tmp_path, capsys, monkeypatch):
@@ -623,35 +625,44 @@ def test_plot_or_clear_note(tmp_path):
 def test_gpu_count_is_the_runs_logged_world_size_else_the_launchers(tmp_path):
     log = tmp_path / "log.txt"
     log.write_text("using world size: 16, data-parallel size: 16\n")
-    runs = [{"arm": "all-off", "status": "done", "log": str(log)}]
-    assert world.world_size(runs, "all-off", "srun -n 2") == 16  # what ran, not what the prefix says
-    assert world.world_size(runs, "all-on", "torchrun --nnodes=2 --nproc_per_node=4") == 8  # not this arm's log
-    assert world.world_size([], "all-off", None) == 1
-    assert world.world_size([], "all-off", "deepspeed --num_gpus 8") is None  # unknown, not guessed
+    measured, said = execution.measure({"arm": "all-off", "status": "done", "log": str(log)}, 3)
+    assert said == parse_file(str(log)).world_size == 16  # the log is read once, its world with the rest
+
+    def gpus(arm, launch):
+        return analysis.runs_world(execution.logged_world([measured], [said], arm), ExperimentSpec(launch=launch))
+
+    assert gpus("all-off", "srun -n 2") == 16  # what ran, not what the prefix says
+    assert gpus("all-on", "torchrun --nnodes=2 --nproc_per_node=4") == 8  # not this arm's log
+    assert analysis.runs_world(execution.logged_world([], [], "all-off"), ExperimentSpec()) == 1
+    assert analysis.runs_world(None, ExperimentSpec(launch="deepspeed --num_gpus 8")) is None  # unknown, not guessed
 
 
 def test_a_plain_python_launch_gets_what_torchrun_would_set():
     """Megatron initialises torch.distributed from the environment even for one process: a
     ``--launch python`` run without MASTER_ADDR fails at start-up, so ablate supplies it."""
-    given = world.single_process_env("python3", None, {"PATH": "/bin"})
+    def single_process_env(launch, stated, environ):
+        return ablate_runs.single_process_env(ExperimentSpec(launch=launch, world_size=stated), environ)
+
+    given = single_process_env("python3", None, {"PATH": "/bin"})
     assert given["MASTER_ADDR"] == "127.0.0.1" and given["RANK"] == "0" and given["WORLD_SIZE"] == "1"
     assert given["MASTER_PORT"].isdigit() and given["LOCAL_RANK"] == "0"
-    assert world.single_process_env(None, None, {}).keys() == given.keys()  # this python
-    kept = world.single_process_env("env FOO=1 python", None, {"MASTER_PORT": "29611"})
+    assert single_process_env(None, None, {}).keys() == given.keys()  # this python
+    kept = single_process_env("env FOO=1 python", None, {"MASTER_PORT": "29611"})
     assert "MASTER_PORT" not in kept and kept["MASTER_ADDR"] == "127.0.0.1"  # the caller's value stands
     for launcher in ("torchrun --nproc-per-node 1", "python -m torch.distributed.run --nproc-per-node 1",
                      "srun -n 1", "bash wrapper.sh"):
-        assert world.single_process_env(launcher, None, {}) == {}, launcher  # they set their own, or may
-    assert world.single_process_env("python", 8, {}) == {}  # a stated world of 8 is not one process
+        assert single_process_env(launcher, None, {}) == {}, launcher  # they set their own, or may
+    assert single_process_env("python", 8, {}) == {}  # a stated world of 8 is not one process
 
 
 def test_the_experiments_runs_get_the_single_process_variables(tmp_path):
-    spec = ExperimentSpec(launch="python3")
-    arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
-    environ = Experiment(spec, arms, tmp_path, {"PATH": "/bin", "RANK": "0"}).environ
+    (tmp_path / "s.py").write_text("")
+    spec = ExperimentSpec(script=str(tmp_path / "s.py"), launch="python3", out=str(tmp_path / "out"))
+    arms = design_of("one-at-a-time", expand("one-at-a-time", ("grad_reduce_in_bf16",), []))
+    environ = ablate_runs.resolved(spec, arms, {"PATH": "/bin", "RANK": "0"}, _fake_megatron()).environ
     assert environ["MASTER_ADDR"] == "127.0.0.1" and environ["PATH"] == "/bin"
-    assert "MASTER_ADDR" not in Experiment(ExperimentSpec(launch="torchrun --nproc-per-node 1"), arms, tmp_path,
-                                           {"PATH": "/bin"}).environ
+    assert "MASTER_ADDR" not in ablate_runs.runs_environ(ExperimentSpec(launch="torchrun --nproc-per-node 1"),
+                                                         {"PATH": "/bin"})
 
 
 def test_each_run_gets_its_own_logs_and_checkpoints(tmp_path):
@@ -679,21 +690,21 @@ def test_dry_runs_run_as_rank_zero(tmp_path, monkeypatch):
         seen.update(env)
         return type("P", (), {"returncode": 0, "stdout": "{}", "stderr": ""})()
 
-    monkeypatch.setattr(confounds.subprocess, "run", fake_run)
+    monkeypatch.setattr(ablate_runs.subprocess, "run", fake_run)
     arm = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])[1]
-    confounds.resolve_arm("pretrain_gpt.py", [], arm, {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "PATH": "/bin"})
+    ablate_runs.resolve_arm("pretrain_gpt.py", [], arm, {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "PATH": "/bin"})
     assert seen["RANK"] == "0" and "LOCAL_RANK" not in seen and "WORLD_SIZE" not in seen
     assert seen["GRAD_REDUCE_IN_BF16"] == "1"
 
 
 def test_dry_run_timeout_is_a_clear_error(monkeypatch):
     def slow(*a, **k):
-        raise confounds.subprocess.TimeoutExpired("x", 1)
+        raise ablate_runs.subprocess.TimeoutExpired("x", 1)
 
-    monkeypatch.setattr(confounds.subprocess, "run", slow)
+    monkeypatch.setattr(ablate_runs.subprocess, "run", slow)
     arm = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])[0]
     with pytest.raises(confounds.ConfoundError, match="took over"):
-        confounds.resolve_arm("pretrain_gpt.py", [], arm, {})
+        ablate_runs.resolve_arm("pretrain_gpt.py", [], arm, {})
 
 
 def test_missing_launcher_is_refused_before_running(tmp_path, capsys):
@@ -707,7 +718,7 @@ def test_missing_launcher_is_refused_before_running(tmp_path, capsys):
 
 def _run_in_order(runs, environ, progress):
     """Each run in order, as experiment() runs a block (a crash is recorded and the rest go on)."""
-    return [ablate_runs.execute(run, environ, progress, i, len(runs) - i) for i, run in enumerate(runs, start=1)]
+    return [execution.execute(run, environ, progress, i, len(runs) - i) for i, run in enumerate(runs, start=1)]
 
 
 def test_torn_status_file_reruns_the_run(tmp_path):
@@ -715,7 +726,7 @@ def test_torn_status_file_reruns_the_run(tmp_path):
     runs = [ablate_runs.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
     runs[0].directory.mkdir(parents=True)
     (runs[0].directory / "status.json").write_text('{"status": "do')
-    statuses = _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate_runs.Progress(2, io.StringIO()))
+    statuses = _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, execution.Progress(2, io.StringIO()))
     assert [s["status"] for s in statuses] == ["done", "done"]
 
 
@@ -723,13 +734,13 @@ def test_progress_line(tmp_path):
     arms = expand("one-at-a-time", ("grad_reduce_in_bf16",), [])
     runs = [ablate_runs.make_run(tmp_path, a, 0, FAKE, "s.py", [], {}) for a in arms]
     stream = io.StringIO()
-    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate_runs.Progress(2, stream, live=True))
+    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, execution.Progress(2, stream, live=True))
     text = stream.getvalue()
     assert "[run 2/2]" in text and "(block 1)" in text and "it 6/6" in text and "ETA" in text
     assert text.count("\r") == 12  # redrawn at every iteration
     stream = io.StringIO()  # a log file: one line per run
     runs = [ablate_runs.make_run(tmp_path / "again", a, 0, FAKE, "s.py", [], {}) for a in arms]
-    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, ablate_runs.Progress(2, stream))
+    _run_in_order(runs, {"PATH": "/usr/bin:/bin"}, execution.Progress(2, stream))
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue() and len(lines) == 2 and "it 6/6" in lines[1] and "done in" in lines[1]
 
@@ -744,7 +755,7 @@ def test_only_the_separating_double_dash_is_dropped():
 def test_candidate_flags_are_checked_as_flags_not_dests():
     """``--no-...`` switches store into a dest of another name: a candidate's flags are looked up
     among Megatron's option strings (the recorded surface), --vary names among its dests."""
-    dests, flags = ablate._known_args()
+    dests, flags = known_args()
     assert "--no-create-attention-mask-in-dataloader" in flags and "create_attention_mask_in_dataloader" in dests
     assert parse_candidates(["mask=--no-create-attention-mask-in-dataloader"], flags)
     with pytest.raises(DesignError, match="not a Megatron argument: --create-attention-mask-in-dataloader"):
@@ -763,19 +774,21 @@ def test_dry_runs_plan_for_the_world_the_runs_will_have():
         ("srun python", None, None, "say it with --world-size"),
         ("srun python", 16, 16, "a world of 16 (from --world-size)"),
     ]:
-        bound, said = confounds.planned_for(resolver, launch, stated)
+        spec = ExperimentSpec(launch=launch, world_size=stated)
+        bound, said = ablate_runs.planned(resolver, spec), spec.world_words
         assert bound("s.py", [], arm, {}) == planned and note in said
     # --world-size wins where given: the launcher's number may miss a launcher nested in a script
-    bound, said = confounds.planned_for(resolver, "torchrun --nproc-per-node 8", 16)
+    spec = ExperimentSpec(launch="torchrun --nproc-per-node 8", world_size=16)
+    bound, said = ablate_runs.planned(resolver, spec), spec.world_words
     assert bound("s.py", [], arm, {}) == 16 and said == "a world of 16 (from --world-size; --launch looks like 8)"
-    assert world.launch_world_size("srun -n 2 torchrun --nproc-per-node 8") is None  # nodes x 8, not 2
-    assert world.launch_world_size("mpirun -np 2 python -m torch.distributed.run --nproc-per-node 4") is None
-    assert world.launch_world_size("torchrun --nproc-per-node 0") is None
-    assert world.launch_world_size("env NCCL_DEBUG=INFO A=b torchrun --nproc-per-node 8") == 8
-    assert world.launch_world_size("env -u A torchrun --nproc-per-node 8") is None  # env's options: not read
-    assert confounds.dry_run_command("s.py", ["--lr", "1"], arm, 8)[3:8] == ["--dry-run", "--json", "--world-size", "8",
+    assert launch_world_size("srun -n 2 torchrun --nproc-per-node 8") is None  # nodes x 8, not 2
+    assert launch_world_size("mpirun -np 2 python -m torch.distributed.run --nproc-per-node 4") is None
+    assert launch_world_size("torchrun --nproc-per-node 0") is None
+    assert launch_world_size("env NCCL_DEBUG=INFO A=b torchrun --nproc-per-node 8") == 8
+    assert launch_world_size("env -u A torchrun --nproc-per-node 8") is None  # env's options: not read
+    assert ablate_runs.dry_run_command("s.py", ["--lr", "1"], arm, 8)[3:8] == ["--dry-run", "--json", "--world-size", "8",
                                                                           "s.py"]
-    assert "--world-size" not in confounds.dry_run_command("s.py", ["--lr", "1"], arm, 1)
+    assert "--world-size" not in ablate_runs.dry_run_command("s.py", ["--lr", "1"], arm, 1)
 
 
 def test_a_bad_world_size_is_exit_2_before_anything_is_created(tmp_path, capsys):

@@ -15,9 +15,9 @@ from test_ablate import _fake_megatron, _record
 from megatron_perf_toggles.core.registry import BY_DEST
 from megatron_perf_toggles.core.registry import TOGGLES as REGISTRY_TOGGLES
 from megatron_perf_toggles.tools.ablate import command as ablate
-from megatron_perf_toggles.tools.ablate import confounds
+from megatron_perf_toggles.tools.ablate import confounds, execution, report
 from megatron_perf_toggles.tools.ablate import runs as ablate_runs
-from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, Arm, DesignError, expand
+from megatron_perf_toggles.tools.ablate.design import DEFAULT_TOGGLES, Arm, DesignError, design_of, expand
 from megatron_perf_toggles.tools.ablate.loss import loss_test as lt
 
 FAKE = f"{sys.executable} {REPO / 'tests' / 'support' / 'fake_megatron_run.py'}"
@@ -32,18 +32,18 @@ def test_each_alone_is_stock_each_alone_and_the_defaults():
     arms = expand("each-alone", named, [])
     assert [a.name for a in arms] == ["all-off", *(f"only:{d}" for d in named), "defaults"]
     assert arms[0].baseline and not any(a.baseline for a in arms[1:])
-    assert all(v is False for v in arms[0].pinned().values()) and set(arms[0].pinned()) == set(DEFAULT_TOGGLES)
-    assert arms[1].pinned() == {**dict.fromkeys(DEFAULT_TOGGLES, False), named[0]: True}
+    assert all(v is False for v in arms[0].pinned.values()) and set(arms[0].pinned) == set(DEFAULT_TOGGLES)
+    assert arms[1].pinned == {**dict.fromkeys(DEFAULT_TOGGLES, False), named[0]: True}
     # the defaults arm: every toggle, named or not, at the registry's default
-    assert arms[-1].pinned() == {d: BY_DEST[d].default is True for d in DEFAULT_TOGGLES}
+    assert arms[-1].pinned == {d: BY_DEST[d].default is True for d in DEFAULT_TOGGLES}
 
 
 def test_each_alone_rest_and_toggles_in_neither_are_pinned_off():
     named, rest, neither = DEFAULT_TOGGLES[:1], DEFAULT_TOGGLES[1:2], DEFAULT_TOGGLES[2:]
     arms = expand("each-alone", named, [], rest=rest)
     defaults = arms[-1]
-    assert defaults.pinned() == {named[0]: True, rest[0]: True, **dict.fromkeys(neither, False)}
-    assert all(a.pinned()[d] is False for a in arms for d in neither)  # a toggle a guard turns off stays off
+    assert defaults.pinned == {named[0]: True, rest[0]: True, **dict.fromkeys(neither, False)}
+    assert all(a.pinned[d] is False for a in arms for d in neither)  # a toggle a guard turns off stays off
     with pytest.raises(DesignError, match="--others on"):
         expand("each-alone", named, [], others="on")
     with pytest.raises(DesignError, match="nothing to compare"):
@@ -53,7 +53,7 @@ def test_each_alone_rest_and_toggles_in_neither_are_pinned_off():
 def test_the_confound_check_accepts_each_alone_and_learns_what_the_defaults_arm_derives():
     arms = expand("each-alone", (TOGGLE,), [])
     derives = {TOGGLE: ("accumulate_allreduce_grads_in_fp32", False, True)}
-    records, derived = confounds.resolve_and_check(_fake_megatron(derives), "x.py", [], arms, {})
+    records, derived = confounds.resolve_and_check(_fake_megatron(derives), "x.py", [], design_of("t", arms), {})
     assert derived[TOGGLE] == {"accumulate_allreduce_grads_in_fp32"}
     # the defaults arm: every toggle at the registry's default
     assert all(v["value"] is (BY_DEST[d].default is True) for d, v in records[-1]["decisions"].items() if d in BY_DEST)
@@ -61,7 +61,7 @@ def test_the_confound_check_accepts_each_alone_and_learns_what_the_defaults_arm_
     # a difference that no toggle makes alone is still refused in the defaults arm
     bad = [_record(a, stray=1 if a.name == "defaults" else 0) for a in arms]
     with pytest.raises(confounds.ConfoundError, match="arm defaults differs"):
-        confounds.check_confounds(arms, bad, {})
+        confounds.check_confounds(design_of("t", arms), bad, {})
 
 
 # --- the loss measure --------------------------------------------------------------------------
@@ -219,9 +219,9 @@ def test_runs_at_once_really_overlap_each_with_its_own_port(tmp_path):
             "while len(list(d.iterdir())) < 3 and time.time() < end: time.sleep(0.05)\n"
             "sys.exit(0 if len(list(d.iterdir())) == 3 else 3)")
     (tmp_path / "meet").mkdir()
-    batch = [ablate_runs.Run(Arm(f"a{i}", {}), 0, tmp_path / f"r{i}",
-                             [sys.executable, "-c", wait, str(tmp_path / "meet")]) for i in range(3)]
-    statuses = ablate_runs.execute_together(batch, {}, 40100, 0, 3)
+    batch = [ablate_runs.Run(f"a{i}", 0, tmp_path / f"r{i}", [sys.executable, "-c", wait, str(tmp_path / "meet")],
+                             Arm(f"a{i}", {}).env) for i in range(3)]
+    statuses = execution.execute_together(batch, {}, 40100, 0, 3)
     assert [s["status"] for s in statuses] == ["done"] * 3
     assert sorted(p.name for p in (tmp_path / "meet").iterdir()) == ["40100", "40101", "40102"]
 
@@ -352,7 +352,7 @@ def _gg(tmp_path, monkeypatch, *extra, fmt="torch_dist", megatron=()):
         monkeypatch.setenv(k, v)
     # no guard plan here: the stand-in has no Transformer Engine for the planner to find, and the
     # test is about the runs, so grouped GEMM stays in
-    monkeypatch.setattr("megatron_perf_toggles.tools.ablate.guarded.leave_out", lambda toggles, *a, **k: toggles)
+    monkeypatch.setattr("megatron_perf_toggles.tools.ablate.spec.leave_out", lambda toggles, *a, **k: toggles)
     tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("")
@@ -434,7 +434,7 @@ def test_a_common_start_changes_no_decision_of_the_plugin_s_resume_guards():
 def test_blocks_that_repeat_one_seed_are_not_called_seeds():
     e = {"toggle": "t", "estimate": 0.1, "low": -0.2, "high": 0.4, "seeds_compared": 3, "paired": True,
          "verdict": "equivalent within +-1 %"}
-    seeded = lt.verdict_line("a", e, {"measure": "train-window", "seeded_blocks": True})
-    one = lt.verdict_line("a", e, {"measure": "train-window", "seeded_blocks": False})
+    seeded = report.verdict_line("a", e, {"measure": "train-window", "seeded_blocks": True})
+    one = report.verdict_line("a", e, {"measure": "train-window", "seeded_blocks": False})
     assert "3 seeds" in seeded and "one seed" not in seeded
     assert "3 blocks of one seed" in one and "no claim across seeds" in one

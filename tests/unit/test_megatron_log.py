@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import REPO
 
-from megatron_perf_toggles.tools.ablate.megatron_log import parse_file, parse_lines
+from megatron_perf_toggles.tools.megatron_log import parse_file, parse_lines
 
 FIXTURES = REPO / "tests" / "fixtures" / "megatron_logs"
 

@@ -16,7 +16,7 @@ from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.facts import MegatronFacts, with_assumptions
 from megatron_perf_toggles.core.rules.megatron_rules import rules_of
 from megatron_perf_toggles.errors import CannotHonourError
-from megatron_perf_toggles.tools.ablate.design import default_toggles, parse_toggles
+from megatron_perf_toggles.tools.ablate.spec import default_toggles, parse_toggles
 
 MOE = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion")
 

@@ -18,10 +18,10 @@ from megatron_perf_toggles.core.profile import Choice, Evidence
 from megatron_perf_toggles.core.registry import BY_DEST
 from megatron_perf_toggles.runtime import profile_file, provider
 from megatron_perf_toggles.runtime.controller import Controller
-from megatron_perf_toggles.tools.ablate import report, stats, world
+from megatron_perf_toggles.tools.ablate import analysis, execution, stats
 from megatron_perf_toggles.tools.ablate import runs as ablate_runs
 from megatron_perf_toggles.tools.ablate.design import Arm
-from megatron_perf_toggles.tools.ablate.spec import ExperimentSpec
+from megatron_perf_toggles.tools.ablate.spec import ExperimentSpec, launch_world_size
 from megatron_perf_toggles.tools.surfaces import replay
 from megatron_perf_toggles.tools.tune import command as tune
 from megatron_perf_toggles.tools.tune import evidence as tune_evidence
@@ -62,7 +62,7 @@ def test_the_factorial_varies_the_unresolved_and_pins_the_resolved():
     (base,) = [a for a in arms if a.baseline]
     assert all(base.toggles.values())  # compared with the defaults it would otherwise keep
     for arm in arms:
-        assert arm.env()[BY_DEST["grad_reduce_in_bf16"].env] == "0"  # resolved: pinned to its value
+        assert arm.env[BY_DEST["grad_reduce_in_bf16"].env] == "0"  # resolved: pinned to its value
 
 
 def test_the_factorial_confidence_is_corrected_for_its_comparisons():
@@ -124,10 +124,11 @@ def test_the_confirmation_falls_back_to_the_defaults_unless_the_chosen_set_holds
 
 
 def _phase(runs, names, baseline, blocks=3):
-    """A phase result as tune keeps it: its runs and the table ``report.compare`` makes of them
+    """A phase result as tune keeps it: its runs and the table ``analysis.compare`` makes of them
     (the arms' toggle values play no part in the loss and step-time columns)."""
     arms = [Arm(n, {"fused_single_qkv_rope": i % 2 == 0}, baseline=n == baseline) for i, n in enumerate(names)]
-    return {"blocks_run": blocks, "runs": runs, "confidence": 0.95, "rows": report.compare(arms, runs, blocks, None, 1)}
+    done = {a.name: stats.by_block(runs, a.name, blocks) for a in arms}
+    return {"blocks_run": blocks, "runs": runs, "confidence": 0.95, "rows": analysis.compare(arms, runs, done, None, 1)}
 
 
 def test_evidence_is_the_chosen_value_against_the_other_paired_by_block():
@@ -259,7 +260,7 @@ def stand_in_resolver(guarded=(), calls=None, others=None, environs=None, worlds
         if environs is not None:
             environs.append(dict(environ))
         decisions = {d: {"value": v, "source": "default", "reason": "x"} for d, v in (others or {}).items()}
-        decisions.update({d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned().items()})
+        decisions.update({d: {"value": v, "source": "env", "reason": "x"} for d, v in arm.pinned.items()})
         for dest in guarded:
             decisions[dest] = {"value": False, "source": "guard", "reason": "no TE kernel here"}
         effective = {"seq_length": 4096, "train_iters": 6, **{d: r["value"] for d, r in decisions.items()}}
@@ -326,13 +327,13 @@ def test_runs_leave_out_a_profile_in_use_and_pin_the_toggles_not_taking_part(tmp
     monkeypatch.setenv("MEGATRON_PERF_TOGGLES_PROFILE", str(tmp_path / "team.json"))
     monkeypatch.setenv("MEGATRON_PERF_TOGGLES_ASSUME", "cuda")
     environs, executed = [], []
-    original = ablate_runs.execute
+    original = execution.execute
 
     def spy(run, environ, *args, **kwargs):
         executed.append(dict(environ))
         return original(run, environ, *args, **kwargs)
 
-    monkeypatch.setattr(ablate_runs, "execute", spy)
+    monkeypatch.setattr(execution, "execute", spy)
     others = {"ddp_average_in_collective": False, "cross_entropy_loss_fusion": True}  # as the baseline decides
     assert tune_main(tmp_path, "--repeats", "2", toggles="grad_reduce_in_bf16",
                      resolver=stand_in_resolver(others=others, environs=environs)) == 0
@@ -360,7 +361,7 @@ def test_a_guarded_toggle_takes_no_part(tmp_path, costs, capsys):
 def test_resume_after_an_interruption_runs_only_what_is_missing(tmp_path, costs, monkeypatch, capsys):
     counter = tmp_path / "counter"
     monkeypatch.setenv("FAKE_COUNTER", str(counter))
-    original, done = ablate_runs.execute, []
+    original, done = execution.execute, []
 
     def interrupted(*args, **kwargs):
         if len(done) == 5:
@@ -368,11 +369,11 @@ def test_resume_after_an_interruption_runs_only_what_is_missing(tmp_path, costs,
         done.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ablate_runs, "execute", interrupted)
+    monkeypatch.setattr(execution, "execute", interrupted)
     with pytest.raises(KeyboardInterrupt):
         tune_main(tmp_path)
     assert not (tmp_path / "out" / "profile.json").exists()
-    monkeypatch.setattr(ablate_runs, "execute", original)
+    monkeypatch.setattr(execution, "execute", original)
     capsys.readouterr()
     assert tune_main(tmp_path) == 0
     assert capsys.readouterr().err.count("done earlier, skipped") == 5
@@ -420,7 +421,7 @@ def test_later_phases_are_priced_by_the_leave_one_out_runs_and_a_cut_short_one_d
         now[0] += 30.0 if reads[0] % 2 == 0 else 0.0
         return now[0]
 
-    monkeypatch.setattr(ablate_runs, "time", types.SimpleNamespace(monotonic=monotonic))
+    monkeypatch.setattr(execution, "time", types.SimpleNamespace(monotonic=monotonic))
     assert tune_main(tmp_path, "--repeats", "2", "--iters", "9", "--budget", budget, clock=lambda: now[0]) == 0
     assert now[0] <= float(budget) * 60  # nothing ran past the budget
     out = tmp_path / "out"
@@ -504,7 +505,7 @@ def test_resume_reruns_a_run_whose_pinned_toggles_changed(tmp_path, costs, capsy
     ("mpirun --hostfile h", None), ("deepspeed --num_gpus 8", None),
 ])
 def test_the_launchers_world_size_or_none_where_it_is_not_plain(launch, expected):
-    assert world.launch_world_size(launch) == expected
+    assert launch_world_size(launch) == expected
 
 
 def test_the_world_size_is_the_runs_own_where_megatron_logged_it(tmp_path, costs, monkeypatch):
@@ -547,12 +548,12 @@ def test_a_resumed_phase_is_priced_by_the_runs_not_done_earlier(tmp_path, costs)
     for arm in arms[:4]:
         here = ablate_runs.run_dir(tmp_path / "factorial", arm, 0)
         here.mkdir(parents=True)
-        (here / "status.json").write_text(json.dumps({"status": "done", "env": arm.env(), "seconds": 120.0}))
+        (here / "status.json").write_text(json.dumps({"status": "done", "env": arm.env, "seconds": 120.0}))
     assert phases.phase_fits(setup, first, "factorial", arms) is None  # 4 runs to go: 8 min of 10
     failed = ablate_runs.run_dir(tmp_path / "factorial", arms[0], 0) / "status.json"
-    failed.write_text(json.dumps({"status": "failed", "env": arms[0].env(), "seconds": 120.0}))
+    failed.write_text(json.dumps({"status": "failed", "env": arms[0].env, "seconds": 120.0}))
     other = ablate_runs.run_dir(tmp_path / "factorial", arms[1], 0) / "status.json"
-    other.write_text(json.dumps({"status": "done", "env": {**arms[1].env(), "GRAD_REDUCE_IN_BF16": "x"}}))
+    other.write_text(json.dumps({"status": "done", "env": {**arms[1].env, "GRAD_REDUCE_IN_BF16": "x"}}))
     why = phases.phase_fits(setup, first, "factorial", arms)  # a failed run and another pin run again
     assert "the 6 runs of its first block not done earlier (about 12.0 min) would not fit" in why
     late = phases.Setup(setup.spec, {}, None, lambda: 3600.0, 0.0)  # an hour in: 10 min budget long spent
@@ -562,7 +563,7 @@ def test_a_resumed_phase_is_priced_by_the_runs_not_done_earlier(tmp_path, costs)
     for arm in pair:  # a confirmation done in an earlier call costs nothing, however late
         here = ablate_runs.run_dir(tmp_path / "confirmation", arm, 0)
         here.mkdir(parents=True)
-        (here / "status.json").write_text(json.dumps({"status": "done", "env": arm.env(), "seconds": 120.0}))
+        (here / "status.json").write_text(json.dumps({"status": "done", "env": arm.env, "seconds": 120.0}))
     assert phases.phase_fits(late, first, "confirmation", pair) is None
     assert "would not fit" in phases.phase_fits(late, first, "factorial", arms)  # its own directory
 

@@ -1,28 +1,33 @@
 """``megatron-perf-toggles ablate``: controlled toggle experiments that cannot be confounded.
 
-The command is a caller of :class:`~.experiment.Experiment`: it expands the design into arms
-(design.py), leaves out toggles a guard turns off for this model (guarded.py), checks every arm
-for confounds, then runs the blocks or, with ``--dry-run``, prints them. Its shared options are
-:class:`~.spec.ExperimentSpec`'s; the design's own are declared here.
+The command is the experiment's pipeline, one stage after the other, each handing the next its
+value and none calling back:
+
+1. ``spec.checked``: the options to a checked spec (a toggle a guard turns off for this model left out);
+2. ``design.designed``: the spec to its arms;
+3. ``runs.resolved``: the arms to runs, each arm resolved through Megatron's dry run once and
+   checked for confounds, each run's command and environment;
+4. ``schedule.scheduled``: the runs to a schedule (blocks, seeds, runs at once, budget, resume),
+   which ``--dry-run`` prints and stops at;
+5. ``execution.executed``: the schedule carried out, each run's log parsed once into its measurement;
+6. ``analysis.analysed``: the measurements to speed intervals, the loss test and sizing;
+7. ``report.reported``: results.json, results.md and the plot.
+
+Its shared options are :class:`~.spec.ExperimentSpec`'s; the design's own are declared here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from ...errors import PerfTogglesError, fail
-from .argv import repeated_flags
-from .confounds import dry_run_world, planned_for, resolve_arm
-from .design import DESIGNS, OTHERS, Arm, expand, parse_candidates, parse_toggles, parse_vary
-from .experiment import Experiment, say
-from .runs import check_launcher, check_out
+from . import analysis, design, execution, report, runs, schedule, spec
+from .design import DESIGNS, OTHERS
 from .spec import POSITIONALS, SHARED, ExperimentSpec
 
 DESCRIPTION = (
@@ -65,96 +70,27 @@ def build_ablate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, Any]] = resolve_arm,
+def main(argv: Sequence[str] | None = None, resolver: Callable[..., dict[str, Any]] = runs.resolve_arm,
          clock: Callable[[], float] = time.monotonic) -> int:
     return run_ablation(build_ablate_parser().parse_args(list(sys.argv[1:] if argv is None else argv)), resolver, clock)
 
 
-def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = resolve_arm,
+def run_ablation(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = runs.resolve_arm,
                  clock: Callable[[], float] = time.monotonic) -> int:
-    """The experiment the parsed options ask for (``main``'s body; also the cli subcommand's):
-    every check a run must pass before the first GPU minute is spent, then the runs."""
+    """The experiment the parsed options ask for (``main``'s body; also the cli subcommand's): every
+    check a run must pass before the first GPU minute is spent, then the runs. ``resolver`` (the dry
+    run of one arm) and ``clock`` are stand-ins in tests."""
     try:
-        spec = ExperimentSpec.from_options(ns)
-        spec.check()
-        arms = design_arms(ns, spec)
-        if not ns.dry_run:
-            check_out(Path(spec.out))
-        experiment = checked_experiment(spec, arms, resolver, clock)
-        if ns.dry_run:
-            print_dry_run(experiment)
+        checked = spec.checked(ns)
+        arms = design.designed(checked)
+        resolved = runs.resolved(checked, arms, dict(os.environ), resolver, say=execution.say)
+        planned = schedule.scheduled(resolved, say=execution.say)
+        if checked.dry_run:
+            print("\n".join(schedule.dry_run_lines(planned)))
             return 0
-        result = experiment.run()
-        experiment.write(result)
+        measured = execution.executed(planned, clock)
+        analysed = analysis.analysed(measured)
+        result = report.reported(analysed)
         return 1 if any(r.get("status") == "failed" for r in result["runs"]) else 0
     except PerfTogglesError as error:
         fail(error)
-
-
-def design_arms(ns: argparse.Namespace, spec: ExperimentSpec) -> list[Arm]:
-    """The design's arms; a toggle a guard turns off for this model can be on in no arm, so it is
-    left out before any dry run (the candidates design names no toggles)."""
-    dests, flags = _known_args()
-    toggles = parse_toggles(spec.toggles, spec.megatron_args)
-    rest: tuple[str, ...] | None = None
-    if ns.design != "candidates":
-        from .guarded import leave_out
-
-        # each-alone's defaults arm turns on the toggles not named too: those a guard turns off are
-        # left out of it as well (pinned off in every arm)
-        named = (tuple(dict.fromkeys((*toggles, *parse_toggles(None, spec.megatron_args))))
-                 if ns.design == "each-alone" else toggles)
-        kept = leave_out(named, spec.script, spec.megatron_args, dry_run_world(spec.launch, spec.world_size),
-                         say=lambda line: print(line, file=sys.stderr, flush=True))
-        rest = tuple(d for d in kept if d not in toggles)
-        toggles = tuple(d for d in toggles if d in kept)
-    return expand(ns.design, toggles, parse_vary(ns.vary, dests), ns.others, parse_candidates(ns.candidate, flags),
-                  rest=rest if ns.design == "each-alone" else None)
-
-
-def checked_experiment(spec: ExperimentSpec, arms: list[Arm], resolver: Callable[..., dict[str, Any]],
-                       clock: Callable[[], float]) -> Experiment:
-    """The experiment, its arms resolved and checked for confounds, its launcher checked."""
-    repeated = repeated_flags(spec.megatron_args)
-    if repeated:
-        say(f"note: given more than once (Megatron takes the last): {', '.join(repeated)}")
-    resolver, world = planned_for(resolver, spec.launch, spec.world_size)
-    experiment = Experiment(spec, arms, Path(spec.out), dict(os.environ), resolver, clock)
-    say(f"{len(arms)} arms ({spec.design}); resolving each through Megatron's parser and validate_args, "
-        f"for {world}...")
-    experiment.check()
-    explained = {n: sorted(k) for n, k in experiment.derived.items() if k}
-    say("confound check passed: arms differ only in " + ", ".join(sorted({n for a in arms for n in a.intended()}))
-        + (" and what they derive: " + "; ".join(f"{n} -> {', '.join(k)}" for n, k in explained.items())
-           if explained else ""))
-    check_launcher(spec.launch, spec.script, experiment.args, arms)
-    warm = "1 unmeasured warm-up run, then " if spec.warmup_run and spec.concurrent == 1 else ""
-    say(f"{experiment.planned_runs()} runs: {warm}{spec.repeats} block(s) x {len(arms)} arms (seed {spec.seed}); "
-        f"{experiment.iters} iterations per run, the first {spec.warmup} left out of the medians")
-    return experiment
-
-
-def print_dry_run(experiment: Experiment) -> None:
-    """--dry-run: each block's order, (with --common-start) the run that saves block 1's start, then
-    each arm's environment and command."""
-    for b in range(experiment.spec.repeats):
-        print(f"block {b + 1}: " + ", ".join(r.arm.name for r in experiment.runs_of_block(b)))
-    if experiment.spec.common_start:
-        start = experiment.start_run(0)
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in start.arm.env().items())
-        print(f"common start of block 1 (the baseline, one iteration, saved):\n  {env} {shlex.join(start.command)}")
-    for run in experiment.runs_of_block(0):
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in run.arm.env().items())
-        print(f"{run.arm.name}{' (baseline)' if run.arm.baseline else ''}:\n  {env} {shlex.join(run.command)}")
-
-
-def _known_args() -> tuple[set[str] | None, set[str] | None]:
-    """Megatron's argument dests and flags (``--no-...`` switches store into a dest of another
-    name), from the recorded main surface: catches typos before any run."""
-    from ...runtime import surface_replay as replay
-
-    try:
-        actions = replay.load_surface("main")["actions"]
-    except Exception:  # noqa: BLE001 - without the record, Megatron's parser reports unknown flags
-        return None, None
-    return {a["dest"] for a in actions}, {f for a in actions for f in a["flags"]}

@@ -1,87 +1,29 @@
-"""The confound check: every arm resolved through Megatron's own parser before any run.
+"""The confound check of stage 3 (runs.py): every arm resolved through Megatron's own parser before any run.
 
 Every arm's full effective Megatron arguments come from the plugin's dry run (Megatron's real
-parser and validate_args). What each variable derives (settings Megatron changes along with it)
-is learnt on the live tree from a pair of dry runs that differ in that variable alone. An arm that
-differs from the baseline in anything its changed variables do not explain, or that does not get
-its intended value (a guard forced it), stops the experiment before its first run.
+parser and validate_args; runs.py's ``resolve_arm``). What each variable derives (settings Megatron
+changes along with it) is learnt on the live tree from a pair of dry runs that differ in that
+variable alone (the design's probes). An arm that differs from the baseline in anything its
+changed variables do not explain, or that does not get its intended value (a guard forced it),
+stops the experiment before its first run.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ...errors import PerfTogglesError
-from .argv import arm_args
-from .design import Arm, baseline_of, is_candidate_key
-from .world import launch_world_size, stated_or_launched
+from .design import Arm, Design
 
 # Arguments that legitimately differ between arms, or are bookkeeping, not the experiment.
 NOT_COMPARED = {"perf_toggles", "perf_toggles_precision", "rank", "local_rank", "world_size"}
-DRY_RUN_TIMEOUT_S = 600
 
 
 class ConfoundError(PerfTogglesError):
     """Arms differ in more than the intended variables, or do not get their intended values."""
-
-
-def dry_run_command(script: str, megatron_args: Sequence[str], arm: Arm, world: int | None = None) -> list[str]:
-    """The arm's dry run, planned for ``world`` processes where the launcher starts more than one
-    (tensor or pipeline parallelism over 8 GPUs does not validate in a world of 1)."""
-    plan = ["--world-size", str(world)] if world and world > 1 else []
-    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", "--json", *plan, script,
-            *arm_args(megatron_args, arm)]
-
-
-def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: dict[str, str],
-                world: int | None = None) -> dict[str, Any]:
-    """The arm's dry-run record (decisions + effective Megatron arguments after validate_args)."""
-    cmd = dry_run_command(script, megatron_args, arm, world)
-    # One process, as rank 0 (a dry run under a job's RANK=3 would print no record), planning for
-    # ``world`` through the dry run's own --world-size rather than the caller's WORLD_SIZE.
-    env = {k: v for k, v in environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, **arm.env(), "RANK": "0"},
-                              timeout=DRY_RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise ConfoundError(f"arm {arm.name}: the dry run took over {DRY_RUN_TIMEOUT_S}s and was stopped") from None
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        raise ConfoundError(f"arm {arm.name}: the dry run failed (exit {proc.returncode}): {tail}")
-    try:
-        return json.loads(proc.stdout)
-    except ValueError:
-        raise ConfoundError(f"arm {arm.name}: the dry run printed no JSON record") from None
-
-
-def dry_run_world(launch: str | None, stated: int | None) -> int:
-    """The world the dry runs plan for: ``--world-size``, else what ``launch`` plainly starts, else 1."""
-    return stated_or_launched(launch, stated) or 1
-
-
-def planned_for(resolver: Callable[..., dict[str, Any]], launch: str | None, stated: int | None = None
-                ) -> tuple[Callable[..., dict[str, Any]], str]:
-    """The resolver, planning the dry runs for the world the runs will have, and a note that says
-    which: ``--world-size`` where given (it wins over the launcher's number, which may miss a
-    launcher nested in a script), else what ``launch`` plainly starts. A launcher whose world size
-    is not plain (``--nproc-per-node gpu``, elastic nodes, one unknown here) and no ``--world-size``
-    leave the dry runs at one process, where validate_args refuses model parallelism; the note says so."""
-    launched, world = launch_world_size(launch), dry_run_world(launch, stated)
-    if stated is not None:
-        source = "--world-size" + (f"; --launch looks like {launched}" if launched not in (None, stated) else "")
-    elif launched is None:
-        return resolver, "one process (the launcher's world size is not known here: say it with --world-size)"
-    else:
-        source = "--launch"
-    if world == 1:
-        return resolver, f"one process (from {source})"
-    return functools.partial(resolver, world=world), f"a world of {world} (from {source})"
 
 
 def resolve_all(resolver: Callable[..., dict[str, Any]], script: str, megatron_args: Sequence[str],
@@ -93,35 +35,6 @@ def resolve_all(resolver: Callable[..., dict[str, Any]], script: str, megatron_a
     workers = max(1, min(len(arms), max(2, (os.cpu_count() or 2) // 2), 8))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda arm: resolver(script, megatron_args, arm, environ), arms))
-
-
-def probe_arms(arms: Sequence[Arm]) -> dict[str, list[Arm]]:
-    """For each design variable, the baseline with that variable alone changed, once per other value.
-
-    Where the design already has such an arm (one-at-a-time, leave-one-out and factorial all do),
-    the probe is that same run and costs no extra dry run. A candidate's arm is its own probe:
-    whatever its arguments derive is part of the candidate.
-    """
-    base = baseline_of(arms)
-    values: dict[str, set[Any]] = {}
-    probes: dict[str, list[Arm]] = {}
-    for arm in arms:
-        for name, value in arm.intended().items():
-            if is_candidate_key(name):
-                probes.setdefault(name, []).append(arm)
-            else:
-                values.setdefault(name, set()).add(value)
-    for name, seen in values.items():
-        for value in sorted(seen - {base.intended().get(name)}, key=str):
-            if isinstance(value, bool):  # a toggle; settings from --vary are strings
-                probe = Arm(f"probe:{name}={value}", {**base.toggles, name: value}, dict(base.settings),
-                            fixed=dict(base.fixed))
-            else:
-                probe = Arm(f"probe:{name}={value}", dict(base.toggles), {**base.settings, name: str(value)},
-                            fixed=dict(base.fixed))
-            same = next((a for a in arms if a.signature() == probe.signature()), None)
-            probes.setdefault(name, []).append(same or probe)
-    return probes
 
 
 def _diff(base: dict[str, Any], other: dict[str, Any], ignore: set[str]) -> dict[str, tuple[Any, Any]]:
@@ -139,15 +52,17 @@ def derived_settings(base_record: dict[str, Any], probe_records: Mapping[str, Se
             for name, recs in probe_records.items()}
 
 
-def check_confounds(arms: Sequence[Arm], records: Sequence[dict[str, Any]],
+def check_confounds(design: Design, records: Sequence[dict[str, Any]],
                     derived: Mapping[str, set[str]] | None = None, environ: Mapping[str, str] | None = None) -> None:
-    """Raise ConfoundError naming every problem; return quietly when the arms are clean.
+    """Raise ConfoundError naming every problem; return quietly when the design's arms (``records``:
+    their dry runs, in order) are clean.
 
     An arm may differ from the baseline only in the variables it changes and in what those
     variables derive (``derived``, from single-change dry runs): a difference that none of its
     changed variables produces alone is a confound, even if it arises only from their combination.
     """
-    problems = [*_not_intended(arms, records), *_beyond_intended(arms, records, derived or {})]
+    arms = design.arms
+    problems = [*_not_intended(arms, records), *_beyond_intended(arms, design.baseline, records, derived or {})]
     if not problems:
         problems = _indistinguishable(arms, records, environ or {})
     if problems:
@@ -160,7 +75,7 @@ def _not_intended(arms: Sequence[Arm], records: Sequence[dict[str, Any]]) -> lis
     for arm, rec in zip(arms, records, strict=True):
         decisions = rec.get("decisions", {})
         effective = rec.get("effective_args", {})
-        for dest, want in arm.pinned().items():
+        for dest, want in arm.pinned.items():
             got = decisions.get(dest, {})
             if got.get("value") != want:
                 problems.append(f"arm {arm.name}: {dest} should be {want} but is {got.get('value')} "
@@ -171,17 +86,16 @@ def _not_intended(arms: Sequence[Arm], records: Sequence[dict[str, Any]]) -> lis
     return problems
 
 
-def _beyond_intended(arms: Sequence[Arm], records: Sequence[dict[str, Any]], derived: Mapping[str, set[str]]
-                     ) -> list[str]:
+def _beyond_intended(arms: Sequence[Arm], base_arm: Arm, records: Sequence[dict[str, Any]],
+                     derived: Mapping[str, set[str]]) -> list[str]:
     """Arms whose effective arguments differ from the baseline's in more than their changed
     variables and what each derives alone (shown as a diff)."""
-    base_arm = baseline_of(arms)
     base = records[list(arms).index(base_arm)].get("effective_args", {})
     problems: list[str] = []
     for arm, rec in zip(arms, records, strict=True):
         if arm is base_arm:
             continue
-        changed = {n for n, v in arm.intended().items() if base_arm.intended().get(n) != v}
+        changed = {n for n, v in arm.intended.items() if base_arm.intended.get(n) != v}
         allowed = NOT_COMPARED | changed | {k for n in changed for k in derived.get(n, ())}
         diff = _diff(base, rec.get("effective_args", {}), allowed)
         if diff:
@@ -197,15 +111,15 @@ def _indistinguishable(arms: Sequence[Arm], records: Sequence[dict[str, Any]], e
     """Arms that resolve to the same arguments and environment: they cannot measure a difference.
     A candidate's environment (an allocator or NCCL setting) is part of what its run gets, on top
     of the caller's: a candidate that sets what the caller's environment already holds changes nothing."""
-    keys = {k for a in arms for k in a.added_env()}
+    keys = {k for a in arms for k in a.added_env}
     same: dict[str, list[str]] = {}
     for a, r in zip(arms, records, strict=True):
-        env = {k: a.added_env().get(k, environ.get(k)) for k in keys}
+        env = {k: a.added_env.get(k, environ.get(k)) for k in keys}
         same.setdefault(json.dumps([r.get("effective_args", {}), env], sort_keys=True, default=str), []).append(a.name)
     problems: list[str] = []
     for names in same.values():
         if len(names) > 1 and not problems:
-            caller = sorted(f"{k}={v}" for a in arms if a.name in names for k, v in a.added_env().items()
+            caller = sorted(f"{k}={v}" for a in arms if a.name in names for k, v in a.added_env.items()
                             if environ.get(k) == v)
             problems.append(f"arms {', '.join(names)} resolve to identical Megatron arguments and environment: "
                             "they cannot measure a difference"
@@ -221,17 +135,16 @@ def _as_float(value: Any) -> float | None:
 
 
 def resolve_and_check(resolver: Callable[..., dict[str, Any]], script: str, megatron_args: Sequence[str],
-                      arms: Sequence[Arm], environ: dict[str, str]
-                      ) -> tuple[list[dict[str, Any]], dict[str, set[str]]]:
-    """Dry-run the arms and the single-change probes (each distinct run once), then check."""
-    probes = probe_arms(arms)
+                      design: Design, environ: dict[str, str]) -> tuple[list[dict[str, Any]], dict[str, set[str]]]:
+    """Dry-run the design's arms and its single-change probes (each distinct run once), then check:
+    each arm's record, in order, and what each variable derives."""
     unique: dict[Any, Arm] = {}
-    for arm in [*arms, *(p for ps in probes.values() for p in ps)]:
-        unique.setdefault(arm.signature(), arm)
+    for arm in [*design.arms, *(p for ps in design.probes.values() for p in ps)]:
+        unique.setdefault(arm.signature, arm)
     resolved = dict(zip(unique, resolve_all(resolver, script, megatron_args, list(unique.values()), environ),
                         strict=True))
-    records = [resolved[a.signature()] for a in arms]
-    base_record = resolved[baseline_of(arms).signature()]
-    derived = derived_settings(base_record, {n: [resolved[p.signature()] for p in ps] for n, ps in probes.items()})
-    check_confounds(arms, records, derived, environ)
+    records = [resolved[a.signature] for a in design.arms]
+    derived = derived_settings(resolved[design.baseline.signature],
+                               {n: [resolved[p.signature] for p in ps] for n, ps in design.probes.items()})
+    check_confounds(design, records, derived, environ)
     return records, derived

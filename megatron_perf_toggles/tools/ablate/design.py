@@ -1,48 +1,35 @@
-"""Arms of a controlled toggle experiment: which toggles and settings each arm sets.
+"""Stage 2 of an experiment, the spec to its arms (the design): which toggles and settings each arm sets.
 
 Every arm sets every design variable explicitly (toggles through their environment variables,
 other settings through their Megatron flags), so nothing an arm inherits from the caller's
-environment can differ between arms.
+environment can differ between arms. An arm is data: what its run gets (its environment and the
+Megatron words it sets) is worked out once, when it is made, and read by every later stage.
+
+A toggle a guard turns off for this model takes part in no arm: the checked spec names them
+(``ExperimentSpec.left_out``, stage 1).
+
+:func:`designed` is the stage; :func:`expand` makes a design's arms from its toggles (``tune``
+makes its phases' arms with it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...core.registry import BY_DEST, SETTINGS, TOGGLES, flag_of
-from ...errors import PerfTogglesError
+from .spec import ALL_TOGGLES, DEFAULT_TOGGLES, DesignError, ExperimentSpec
+
+# the toggle lists and the error of a design are the spec's (stage 1): named here too, where a design is read
+__all__ = ["ALL_TOGGLES", "DEFAULT_TOGGLES", "DesignError"]
 
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial", "headline", "candidates", "each-alone")
 OTHERS = ("inherit", "off", "on")
-ALL_TOGGLES = tuple(t.dest for t in TOGGLES if t.kind == "bool")  # every on/off toggle --toggles may name
-# The default for a dense model: the toggles that apply to every model. A mixture-of-experts run
-# (--num-experts set) adds the MoE toggles (default_toggles), so dense experiments stay as they were.
-DEFAULT_TOGGLES = tuple(d for d in ALL_TOGGLES if BY_DEST[d].scope == "all")
-
-
-def _num_experts(megatron_args: Sequence[str]) -> int:
-    """``--num-experts N`` (or ``--num-experts=N``) among Megatron's arguments, else 0."""
-    words = list(megatron_args)
-    for i, word in enumerate(words):
-        name, eq, value = str(word).partition("=")
-        if name == "--num-experts":
-            text = value if eq else (words[i + 1] if i + 1 < len(words) else "")
-            return int(text) if text.isdigit() else 0
-    return 0
-
-
-def default_toggles(megatron_args: Sequence[str] = ()) -> tuple[str, ...]:
-    """The on/off toggles that apply to the model these Megatron arguments describe."""
-    args = {"num_experts": _num_experts(megatron_args)}
-    return tuple(d for d in ALL_TOGGLES if BY_DEST[d].applies(args))
-
-
-class DesignError(PerfTogglesError):
-    """The experiment is ill-specified (unknown design, toggle or setting, or no arms)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,51 +37,49 @@ class Vary:
     name: str  # a toggle dest or a Megatron argument dest
     values: tuple[str, ...]
 
-
     @property
     def flag(self) -> str:
         return flag_of(self.name)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Arm:
+    """One arm of a design. ``toggles``: dest -> intended value; ``settings``: Megatron dest ->
+    value (from --vary); ``fixed``: toggles that take no part but are pinned to one value in every
+    arm (--others off|on); ``adds``: candidate name -> what it adds to the common run, environment
+    assignments first, then Megatron arguments (--candidate).
+
+    The rest is what the arm's run gets, worked out once: ``env`` (its plugin variables and a
+    candidate's), ``extra_args`` (its settings' flags), ``added_env`` and ``added_args`` (a
+    candidate's), ``intended`` (every variable it sets on purpose), ``pinned`` (every toggle value
+    it sets) and ``signature`` (what its process gets: equal means the same run)."""
+
     name: str
-    toggles: dict[str, bool]  # dest -> intended value
-    settings: dict[str, str] = field(default_factory=dict)  # Megatron dest -> value (from --vary)
+    toggles: dict[str, bool]
+    settings: dict[str, str] = field(default_factory=dict)
     baseline: bool = False
-    # Toggles that take no part but are pinned to one value in every arm (--others off|on).
     fixed: dict[str, bool] = field(default_factory=dict)
-    # Candidate name -> what it adds to the common run: environment assignments first, then
-    # Megatron arguments (--candidate).
     adds: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    env: dict[str, str] = field(init=False, compare=False, repr=False)
+    added_env: dict[str, str] = field(init=False, compare=False, repr=False)
+    extra_args: list[str] = field(init=False, compare=False, repr=False)
+    added_args: list[str] = field(init=False, compare=False, repr=False)
+    intended: dict[str, object] = field(init=False, compare=False, repr=False)
+    pinned: dict[str, bool] = field(init=False, compare=False, repr=False)
+    signature: tuple[tuple[tuple[str, str], ...], tuple[str, ...]] = field(init=False, compare=False, repr=False)
 
-    def env(self) -> dict[str, str]:
-        toggles = {BY_DEST[d].env: "1" if v else "0" for d, v in {**self.fixed, **self.toggles}.items()}
-        return {**toggles, **self.added_env()}
-
-    def added_env(self) -> dict[str, str]:
-        """The environment variables a candidate sets (e.g. an allocator or NCCL setting)."""
-        return {k: v for args in self.adds.values() for k, v in split_env(args)[0].items()}
-
-    def extra_args(self) -> list[str]:
-        out: list[str] = []
-        for name, value in self.settings.items():
-            out += [flag_of(name), value]
-        return out
-
-    def added_args(self) -> list[str]:
-        return [word for args in self.adds.values() for word in split_env(args)[1]]
-
-    def intended(self) -> dict[str, object]:
-        return {**self.toggles, **self.settings, **{candidate_key(n): shlex.join(a) for n, a in self.adds.items()}}
-
-    def pinned(self) -> dict[str, bool]:
-        """Every toggle value this arm sets: the design's toggles and the pinned others."""
-        return {**self.fixed, **self.toggles}
-
-    def signature(self) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-        """What the arm's process gets (environment and extra arguments): equal means the same run."""
-        return tuple(sorted(self.env().items())), (*self.extra_args(), *self.added_args())
+    def __post_init__(self) -> None:
+        pinned = {**self.fixed, **self.toggles}
+        added_env = {k: v for args in self.adds.values() for k, v in split_env(args)[0].items()}
+        env = {**{BY_DEST[d].env: "1" if v else "0" for d, v in pinned.items()}, **added_env}
+        extra = [word for name, value in self.settings.items() for word in (flag_of(name), value)]
+        added = [word for args in self.adds.values() for word in split_env(args)[1]]
+        derived = {"pinned": pinned, "added_env": added_env, "env": env, "extra_args": extra, "added_args": added,
+                   "intended": {**self.toggles, **self.settings,
+                                **{candidate_key(n): shlex.join(a) for n, a in self.adds.items()}},
+                   "signature": (tuple(sorted(env.items())), (*extra, *added))}
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
 
 def candidate_key(name: str) -> str:
@@ -135,21 +120,6 @@ def _refused_env(name: str) -> str | None:
     if name in RUNNER_ENV:
         return "is set by the runner and the launcher for each run, not by a candidate"
     return None
-
-
-def parse_toggles(text: str | None, megatron_args: Sequence[str] = ()) -> tuple[str, ...]:
-    """``--toggles``; without it, the toggles that apply to the model ``megatron_args`` describe."""
-    if not text:
-        return default_toggles(megatron_args)
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if not names:
-        raise DesignError("--toggles is empty", f"choose from: {', '.join(ALL_TOGGLES)}")
-    for n in names:
-        if n not in ALL_TOGGLES:
-            raise DesignError(f"--toggles: unknown toggle {n!r}", f"choose from: {', '.join(ALL_TOGGLES)}")
-    if len(set(names)) != len(names):
-        raise DesignError("--toggles names a toggle twice")
-    return names
 
 
 def parse_vary(items: list[str] | None, known_args: set[str] | None = None) -> list[Vary]:
@@ -238,6 +208,29 @@ def _check_design(design: str, others: str, candidates: Mapping[str, tuple[str, 
         raise DesignError("--vary needs --design factorial")
 
 
+def _arms(design: str, toggles: tuple[str, ...], settings_grid: list[dict[str, str]],
+          candidates: Mapping[str, tuple[str, ...]] | None, rest: tuple[str, ...]) -> list[Arm]:
+    """The design's arms, baseline first, before any toggle is pinned."""
+    if design == "one-at-a-time":
+        base = dict.fromkeys(toggles, False)
+        return [Arm("all-off", base, baseline=True), *(Arm(f"only:{d}", {**base, d: True}) for d in toggles)]
+    if design == "each-alone":
+        return each_alone(toggles, rest)
+    if design == "headline":
+        return [Arm("all-off", dict.fromkeys(toggles, False), baseline=True), Arm("all-on", dict.fromkeys(toggles, True))]
+    if design == "candidates":
+        return [Arm("baseline", {}, baseline=True),
+                *(Arm(candidate_key(name), {}, adds={name: tuple(args)}) for name, args in (candidates or {}).items())]
+    if design == "leave-one-out":
+        base = dict.fromkeys(toggles, True)
+        return [Arm("all-on", base, baseline=True), *(Arm(f"without:{d}", {**base, d: False}) for d in toggles)]
+    arms = [Arm(_label(values, settings), values, dict(settings))
+            for settings in settings_grid
+            for values in (dict(zip(toggles, combo, strict=True))
+                           for combo in itertools.product((False, True), repeat=len(toggles)))]
+    return [dataclasses.replace(arms[0], baseline=True), *arms[1:]]
+
+
 def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str = "inherit",
            candidates: Mapping[str, tuple[str, ...]] | None = None, rest: tuple[str, ...] | None = None
            ) -> list[Arm]:
@@ -259,40 +252,99 @@ def expand(design: str, toggles: tuple[str, ...], vary: list[Vary], others: str 
                      for combo in itertools.product(*[v.values for v in vary])] or [{}]
     if design != "factorial" and len(settings_grid) > 1:
         raise DesignError(f"--vary needs --design factorial (a {design} design varies one toggle at a time)")
-    arms: list[Arm] = []
-    if design == "one-at-a-time":
-        base = dict.fromkeys(toggles, False)
-        arms.append(Arm("all-off", base, baseline=True))
-        arms += [Arm(f"only:{d}", {**base, d: True}) for d in toggles]
-    elif design == "each-alone":
-        arms = each_alone(toggles, rest or ())
-    elif design == "headline":
-        arms.append(Arm("all-off", dict.fromkeys(toggles, False), baseline=True))
-        arms.append(Arm("all-on", dict.fromkeys(toggles, True)))
-    elif design == "candidates":
-        arms.append(Arm("baseline", {}, baseline=True))
-        arms += [Arm(candidate_key(name), {}, adds={name: tuple(args)}) for name, args in (candidates or {}).items()]
-    elif design == "leave-one-out":
-        base = dict.fromkeys(toggles, True)
-        arms.append(Arm("all-on", base, baseline=True))
-        arms += [Arm(f"without:{d}", {**base, d: False}) for d in toggles]
-    else:
-        for settings in settings_grid:
-            for combo in itertools.product((False, True), repeat=len(toggles)):
-                values = dict(zip(toggles, combo, strict=True))
-                arms.append(Arm(_label(values, settings), values, dict(settings)))
-        arms[0].baseline = True
+    arms = _arms(design, toggles, settings_grid, candidates, rest or ())
     if len(arms) < 2 or (not toggles and design in ("headline", "one-at-a-time", "leave-one-out", "each-alone")):
         raise DesignError(f"design {design!r} with these toggles gives {len(arms)} arm(s); nothing to compare")
-    if others != "inherit":
-        moe = any(BY_DEST[d].scope == "moe" for d in toggles)  # a MoE experiment pins the other MoE toggles too
-        pinnable = ALL_TOGGLES if moe else DEFAULT_TOGGLES
-        pinned = {d: others == "on" for d in pinnable if d not in toggles and d not in (rest or ())}
-        for arm in arms:
-            arm.fixed = dict(pinned)
-    return arms
+    if others == "inherit":
+        return arms
+    moe = any(BY_DEST[d].scope == "moe" for d in toggles)  # a MoE experiment pins the other MoE toggles too
+    pinnable = ALL_TOGGLES if moe else DEFAULT_TOGGLES
+    pinned = {d: others == "on" for d in pinnable if d not in toggles and d not in (rest or ())}
+    return pinning(arms, pinned)
+
+
+def pinning(arms: Sequence[Arm], pins: Mapping[str, bool]) -> list[Arm]:
+    """``arms`` with ``pins`` as the toggles every one of them sets besides its own (its ``fixed``)."""
+    return [dataclasses.replace(arm, fixed=dict(pins)) for arm in arms]
 
 
 def baseline_of(arms: Sequence[Arm]) -> Arm:
     """The arm the others are compared with (the first, where none is marked)."""
     return next((a for a in arms if a.baseline), arms[0])
+
+
+def probe_arms(arms: Sequence[Arm]) -> dict[str, list[Arm]]:
+    """For each design variable, the baseline with that variable alone changed, once per other value:
+    the confound check learns from their dry runs what each variable derives.
+
+    Where the design already has such an arm (one-at-a-time, leave-one-out and factorial all do),
+    the probe is that same run and costs no extra dry run. A candidate's arm is its own probe:
+    whatever its arguments derive is part of the candidate.
+    """
+    base = baseline_of(arms)
+    values: dict[str, set[Any]] = {}
+    probes: dict[str, list[Arm]] = {}
+    for arm in arms:
+        for name, value in arm.intended.items():
+            if is_candidate_key(name):
+                probes.setdefault(name, []).append(arm)
+            else:
+                values.setdefault(name, set()).add(value)
+    for name, seen in values.items():
+        for value in sorted(seen - {base.intended.get(name)}, key=str):
+            if isinstance(value, bool):  # a toggle; settings from --vary are strings
+                probe = Arm(f"probe:{name}={value}", {**base.toggles, name: value}, dict(base.settings),
+                            fixed=dict(base.fixed))
+            else:
+                probe = Arm(f"probe:{name}={value}", dict(base.toggles), {**base.settings, name: str(value)},
+                            fixed=dict(base.fixed))
+            same = next((a for a in arms if a.signature == probe.signature), None)
+            probes.setdefault(name, []).append(same or probe)
+    return probes
+
+
+@dataclass(frozen=True, slots=True)
+class Design:
+    """The stage's value: a design's name, its arms (baseline first) and baseline, the single-change
+    probes the confound check dry-runs besides, and what the toggles not taking part get."""
+
+    name: str
+    arms: list[Arm]
+    baseline: Arm
+    probes: dict[str, list[Arm]]
+    others: str = "inherit"
+
+
+def design_of(name: str, arms: Sequence[Arm], others: str = "inherit") -> Design:
+    """``arms`` as a design named ``name`` (tune's phases make their arms themselves)."""
+    return Design(name, list(arms), baseline_of(arms), probe_arms(arms), others)
+
+
+# --- the stage ------------------------------------------------------------------------------------
+
+
+def designed(spec: ExperimentSpec) -> Design:
+    """The stage: the design the spec's options ask for, its settings varied and its candidates
+    checked first (typos before any run). The toggles taking part are those the spec names (or the
+    model's defaults) less those a guard turns off for this model (``spec.left_out``): such a
+    toggle could be on in no arm."""
+    dests, flags = known_args()
+    vary, candidates = parse_vary(spec.vary, dests), parse_candidates(spec.candidate, flags)
+    toggles = tuple(d for d in spec.named_toggles if d not in spec.left_out)
+    # each-alone's defaults arm turns on the toggles not named too, less those a guard turns off
+    rest = (tuple(d for d in spec.model_toggles if d not in toggles and d not in spec.left_out)
+            if spec.design == "each-alone" else None)
+    arms = expand(spec.design, toggles, vary, spec.others, candidates, rest=rest)
+    return design_of(spec.design, arms, spec.others)
+
+
+def known_args() -> tuple[set[str] | None, set[str] | None]:
+    """Megatron's argument dests and flags (``--no-...`` switches store into a dest of another
+    name), from the recorded main surface: catches typos before any run."""
+    from ...runtime import surface_replay as replay
+
+    try:
+        actions = replay.load_surface("main")["actions"]
+    except Exception:  # noqa: BLE001 - without the record, Megatron's parser reports unknown flags
+        return None, None
+    return {a["dest"] for a in actions}, {f for a in actions for f in a["flags"]}

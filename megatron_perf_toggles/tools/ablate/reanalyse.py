@@ -5,7 +5,9 @@ earlier version of ablate (their per-run logs and ``results.json``) get today's 
 run's log is read again (the validation loss too), and ``results.json`` and ``results.md`` are
 rewritten, the first ``results.json`` kept once as ``results.before-reanalysis.json``. Running the
 same ``ablate`` command again does this too (it skips finished runs), but needs the Megatron
-checkout its dry runs resolve arms through; this needs only the directory.
+checkout its dry runs resolve arms through; this needs only the directory. It is the experiment's
+pipeline from its end: the runs measured again (stage 5's reading), the loss test (stage 6's),
+the report (stage 7's).
 
     python -m megatron_perf_toggles.tools.ablate.reanalyse OUT [--loss-margin 0.5] [--loss-measure validation]
 """
@@ -23,8 +25,9 @@ from typing import Any
 from ...core.registry import TOGGLES
 from ...errors import PerfTogglesError, fail
 from .design import Arm, DesignError
-from .loss.loss_test import compare_losses, verdict_lines
-from .report import markdown, measure_run
+from .execution import measure
+from .loss.loss_test import compare_losses
+from .report import markdown, verdict_lines
 from .runs import run_dir
 from .spec import ExperimentSpec
 
@@ -80,7 +83,7 @@ def reanalyse(out: Path, spec: ExperimentSpec) -> dict[str, Any]:
     runs = []
     for run in result["runs"]:
         log = _log_of(out, run, arms)
-        runs.append(measure_run({**run, "log": log}, result.get("warmup", 3)) if log else run)
+        runs.append(measure({**run, "log": log}, result.get("warmup", 3))[0] if log else run)
     loss = loss_test_of(result, spec, runs)
     window = spec.loss_window if spec.loss_window is not None else result.get("loss_window")
     rows = []

@@ -1,143 +1,20 @@
-"""The ablation's measurements and report: medians from Megatron's log, each arm against the
-baseline block by block, and results.json, results.md and a plot in the output directory."""
+"""Stage 7 of an experiment, the analysis to the report: results.json, results.md and a plot in
+the output directory, the table printed, and one ``loss:`` line per arm. :func:`reported` is the stage."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
-import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..._version import __version__
-from . import stats
-from .design import Arm, baseline_of
-from .loss.loss_test import by_block as done_by_block  # the arm's finished run in each block: what comparisons pair
-from .loss.loss_test import markdown_lines as loss_test_lines
-from .loss.loss_test import verdict_lines
-from .megatron_log import parse_file
-
-RAW_KEYS = ("ms_per_iter", "tflops_per_gpu", "lm_loss", "grad_norm", "global_batch_size")
-
-
-def measure_run(status: dict[str, Any], warmup: int) -> dict[str, Any]:
-    """One run's numbers: every iteration's raw values and the steady-state summary."""
-    out = dict(status)
-    path = status.get("log")
-    if not path or not os.path.exists(path):
-        return out
-    log = parse_file(path)
-    out["iterations"] = [{"iteration": it.iteration, **{k: it.values[k] for k in RAW_KEYS if k in it.values}}
-                         for it in log.iterations]
-    out["summary"] = log.summary(skip_first=warmup)
-    if log.validation:
-        out["validation"] = [{"iteration": i, "lm_loss": v} for i, v in log.validation]
-    return out
-
-
-def _median_of(run: Mapping[str, Any], key: str) -> float | None:
-    return (run.get("summary", {}).get(key) or {}).get("median")
-
-
-def _loss_at(run: Mapping[str, Any], iteration: int) -> float | None:
-    return next((it["lm_loss"] for it in run.get("iterations", []) if it["iteration"] == iteration
-                 and "lm_loss" in it), None)
-
-
-def loss_iterations(runs: Sequence[Mapping[str, Any] | None]) -> set[int]:
-    """Iterations that logged a loss in any of these runs (None: a block without a finished run)."""
-    return {it["iteration"] for r in runs if r for it in r.get("iterations", []) if "lm_loss" in it}
-
-
-def losses_at(runs: Sequence[Mapping[str, Any] | None], iteration: int) -> list[float | None]:
-    """Each block's loss at ``iteration`` (None where the block has no finished run or no such loss)."""
-    return [_loss_at(r, iteration) if r else None for r in runs]
-
-
-def compare(arms: Sequence[Arm], runs: Sequence[dict[str, Any]], blocks: int, seq_length: int | None, gpus: int | None,
-            confidence: float = 0.95, effect: float = 0.01) -> list[dict[str, Any]]:
-    """Per arm: the median of its runs' medians with their range; against the baseline, block by
-    block: the speedup with its interval and verdict, the loss ratio at the last common iteration
-    (the loss test, with its verdict, is loss_test.py's), and sizing."""
-    # One row per arm, built in the order the report reads it; the statistics live in stats.py.
-    measured = [r for r in runs if r.get("block", -1) >= 0]
-    by: dict[tuple[str, int], dict[str, Any]] = {(r["arm"], r["block"]): r for r in measured}
-    base = baseline_of(arms)
-    done = {arm.name: done_by_block(runs, arm.name, blocks) for arm in arms}
-
-    def per_block(arm: Arm, key: str) -> list[float | None]:
-        return [_median_of(r, key) if r else None for r in done[arm.name]]
-
-    base_ms = per_block(base, "ms_per_iter")
-    rows: list[dict[str, Any]] = []
-    for arm in arms:
-        ok = [r for r in done[arm.name] if r is not None]
-        row: dict[str, Any] = {"arm": arm.name, "baseline": arm is base, "intended": arm.intended(),
-                               "env": arm.env(), "runs_done": len(ok), "runs_failed": sum(
-                                   1 for b in range(blocks) if by.get((arm.name, b), {}).get("status") == "failed")}
-        ms = per_block(arm, "ms_per_iter")
-        row["ms_per_iter"] = stats.spread([v for v in ms if v is not None])
-        row["tflops_per_gpu"] = stats.spread([v for v in per_block(arm, "tflops_per_gpu") if v is not None])
-        mems = [r["summary"]["memory_mb"].get("max_allocated") for r in ok if r.get("summary", {}).get("memory_mb")]
-        mems = [m for m in mems if m is not None]  # a report without "max allocated" gives no peak
-        if mems:
-            row["max_allocated_mb"] = max(mems)
-        gbs = next((it["global_batch_size"] for r in ok for it in r.get("iterations", [])
-                    if "global_batch_size" in it), None)
-        med = (row["ms_per_iter"] or {}).get("median")
-        if gbs and med and seq_length and gpus:  # an unknown world size gives no per-GPU figure
-            row["tokens_per_s_per_gpu"] = gbs * seq_length / (med / 1000) / gpus
-        if arm is not base:
-            row["speedup"] = stats.paired_speedup(base_ms, ms, confidence)
-            sd = row["speedup"].get("sd_log")
-            if sd is not None:
-                row["blocks_to_resolve"] = {"effect": effect, "power": 0.8,
-                                            "blocks": stats.blocks_to_resolve(sd, effect, confidence)}
-        common = loss_iterations(done[arm.name]) & loss_iterations(done[base.name])
-        if common:  # finished runs only, as for the step times: a failed run's loss says nothing
-            last = max(common)
-            bl, al = losses_at(done[base.name], last), losses_at(done[arm.name], last)
-            cmp_ = stats.loss_comparison(bl, al)
-            if cmp_:
-                row["loss"] = {"iteration": last, "arm_losses": al, "baseline_losses": bl, **cmp_}
-        rows.append(row)
-    base_mb = next((r.get("max_allocated_mb") for r in rows if r["baseline"]), None)
-    for row in rows:  # the peak's change from the baseline, next to the speedup
-        if base_mb is not None and row.get("max_allocated_mb") is not None:
-            row["max_allocated_delta_mb"] = round(row["max_allocated_mb"] - base_mb, 2)
-    return rows
-
-
-SPEED_KEYS = ("ms_per_iter", "tflops_per_gpu", "tokens_per_s_per_gpu", "speedup", "blocks_to_resolve")
-
-
-def without_speed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows less every speed figure: runs that shared the GPU timed the sharing, not the arms."""
-    return [{k: v for k, v in r.items() if k not in SPEED_KEYS} for r in rows]
-
-
-def sizing(rows: Sequence[dict[str, Any]], effect: float, confidence: float) -> dict[str, Any] | None:
-    """Blocks needed to resolve ``effect`` on the noise measured: pooled over the arms' per-block
-    log-ratio spreads (each arm's own is in its row)."""
-    sds = [r["speedup"]["sd_log"] for r in rows if r.get("speedup", {}).get("sd_log") is not None]
-    if not sds:
-        return None
-    pooled = math.sqrt(statistics.fmean(s * s for s in sds))
-    return {"effect": effect, "confidence": confidence, "power": 0.8, "pooled_sd_log": pooled,
-            "blocks_to_resolve": stats.blocks_to_resolve(pooled, effect, confidence),
-            "blocks_for_half_width": stats.blocks_for_half_width(pooled, effect, confidence)}
-
-
-def widest_interval(rows: Sequence[dict[str, Any]]) -> float:
-    widths = [stats.relative_half_width(r["speedup"]) for r in rows if "speedup" in r]
-    return max((w if w is not None else math.inf for w in widths), default=math.inf)
-
-
-# --- reporting ----------------------------------------------------------------------------------
+from .analysis import Analysis
+from .loss import equivalence
+from .loss.loss_test import VALIDATION
 
 
 def _f(v: Any, fmt: str) -> str:
@@ -183,7 +60,7 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {_f(r.get('max_allocated_mb'), '.0f')} | {_signed(r.get('max_allocated_delta_mb'))} |")
     if result.get("speed_note"):
         lines += ["", f"Speed: {result['speed_note']}"]
-    lines += loss_test_lines(loss_of(result))
+    lines += loss_markdown_lines(loss_of(result))
     adds = {name: c for name, c in result.get("commands", {}).items() if "candidate_args" in c}
     if adds:  # what each candidate arm adds, so that a reader can run it again
         lines += ["", "Candidates (added to the baseline's command):", ""]
@@ -283,6 +160,15 @@ def write_results(out: Path, result: dict[str, Any], records: Sequence[dict[str,
         print(f"loss: {line}")
 
 
+def reported(analysis: Analysis) -> dict[str, Any]:
+    """The stage: what the analysis says besides (a warning), then results.json, results.md and
+    results.png under the output directory, the table and the loss verdicts printed; the results."""
+    for line in analysis.notes:
+        print(f"[ablate] {line}", file=sys.stderr, flush=True)
+    write_results(analysis.out, analysis.result, analysis.records)
+    return analysis.result
+
+
 def loss_of(result: Mapping[str, Any]) -> dict[str, Any] | None:
     """The loss test as loss_test.py builds it, from the results (None: the results carry none)."""
     if not result.get("loss_test"):
@@ -291,4 +177,76 @@ def loss_of(result: Mapping[str, Any]) -> dict[str, Any] | None:
             "arms": {r["arm"]: r["loss_test"] for r in result["rows"] if r.get("loss_test")}}
 
 
-# --- command ----------------------------------------------------------------------------------
+# --- the loss test, in words ----------------------------------------------------------------------
+
+
+def _pct(v: Any, fmt: str = "+.2f") -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+
+def interval_text(e: Mapping[str, Any]) -> str:
+    """``+0.12 % [-0.30, +0.54]`` (the estimate alone where there is no interval)."""
+    if e.get("estimate") is None:
+        return "-"
+    if e.get("low") is None:
+        return f"{_pct(e['estimate'])} %"
+    return f"{_pct(e['estimate'])} % [{_pct(e['low'])}, {_pct(e['high'])}]"
+
+
+def advice(e: Mapping[str, Any]) -> str:
+    """What an inconclusive or too-wide result would need: seeds at the spread measured."""
+    need = e.get("seeds_needed")
+    if need is None:
+        return "2 or more seeds give an interval"
+    per = " per arm" if not e.get("paired") else ""
+    return f"+-{e['margin']:g} % needs about {need} seeds{per} at this spread"
+
+
+def verdict_line(name: str, e: Mapping[str, Any], settings: Mapping[str, Any]) -> str:
+    """One arm's verdict in a line, as ablate prints it."""
+    how = "paired" if e.get("paired") else "unpaired"
+    unit = "seeds" if settings.get("seeded_blocks", True) else "blocks of one seed"
+    words = f"{e['toggle']} ({name}): {interval_text(e)}, {e.get('seeds_compared', 0)} {unit}, {how}, " \
+            f"{settings['measure']}: {e['verdict']}"
+    if not settings.get("seeded_blocks", True):
+        words += " (one seed: run-to-run only, no claim across seeds)"
+    if e["verdict"] == equivalence.INCONCLUSIVE and e.get("smallest_margin_shown") is not None:
+        words += f" (smallest margin shown +-{e['smallest_margin_shown']:.2f} %; {advice(e)})"
+    return words
+
+
+def verdict_lines(loss: Mapping[str, Any] | None) -> list[str]:
+    if not loss:
+        return []
+    return [verdict_line(n, e, loss["settings"]) for n, e in loss["arms"].items() if "verdict" in e]
+
+
+def loss_markdown_lines(loss: Mapping[str, Any] | None) -> list[str]:
+    """The report's loss section: one row per arm, first cell the toggle's registry name."""
+    if not loss:
+        return []
+    s = loss["settings"]
+    what = ("the last held-out validation loss" if s["measure"] == VALIDATION else
+            f"the mean training loss over the last {s['window'] or 'tenth of the'} iterations")
+    unit = ("seeds (--block-seeds --common-start: every arm of a seed starts from one saved state and sees the "
+            "same data)" if s.get("common_start") else
+            "seeds (--block-seeds: every arm of a seed shares its initial weights and data order)"
+            if s["seeded_blocks"] else "blocks that repeat one seed: the interval measures run-to-run "
+            "nondeterminism on that seed alone, not the change across seeds")
+    conf = f"{s['interval'] * 100:g} %"
+    lines = ["", f"## Loss: equivalence within +-{s['margin']:g} %", "",
+             f"Measure: {what}. Unit: {unit}. Difference: arm less baseline, same seed, in % of the baseline's "
+             f"mean; {conf} t-interval (two one-sided tests at {s['alpha']:g}); unpaired (Welch) where the arm "
+             "draws its initial weights another way. Verdicts: equivalent (the interval inside the margin), "
+             "different (it excludes 0 and reaches past the margin), else inconclusive.", "",
+             f"| toggle | arm | seeds | difference [{conf} CI] | smallest margin shown | seeds for +-{s['margin']:g} % "
+             "| pairing | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for name, e in loss["arms"].items():
+        if "verdict" not in e:
+            continue
+        small = e.get("smallest_margin_shown")
+        pairing = "paired" if e.get("paired") else f"unpaired: {e.get('unpaired_because')}"
+        lines.append(f"| {e['toggle']} | {name} | {e.get('seeds_compared', 0)} | {interval_text(e)} "
+                     f"| {'-' if small is None else f'+-{small:.2f} %'} | {e.get('seeds_needed') or '-'} "
+                     f"| {pairing} | {e['verdict']} |")
+    return lines

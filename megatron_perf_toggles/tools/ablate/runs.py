@@ -1,50 +1,112 @@
-"""Runs: each arm's command, its own directory, one process at a time, resumable.
+"""Stage 3 of an experiment, the arms to runs: each run's command and environment, every arm
+resolved through Megatron's dry run once.
 
-A run whose status says done with the same command and the same plugin variables is not run
-again, so the same command resumes an experiment. A crashed run is reported with its last lines
-and never stops the others.
+An arm's run in a block is its command (the launcher, the Megatron arguments each once: the common
+ones, the arm's settings, the block's seed and the run's own paths replacing their own, a
+candidate's additions after them) and its environment (the arm's plugin variables and a
+candidate's, over the caller's). Before any run, every arm (and each single-change probe) is
+dry-run and checked for confounds (confounds.py), the launcher and the output directory are
+checked, and the iterations a run makes must leave some to measure. :func:`resolved` is the stage.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import random
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .argv import arm_args
-from .design import Arm, DesignError
-from .world import env_prefix
+from .confounds import ConfoundError, resolve_and_check
+from .design import Arm, Design
+from .loss import common_start
+from .spec import INNER_LAUNCHERS, DesignError, ExperimentSpec
 
-ERROR_TAIL_LINES = 12
-
-
-def block_order(seed: int, block: int, n_arms: int) -> list[int]:
-    """Arm indices in the order block ``block`` runs them: a shuffle seeded by (seed, block), so a
-    block's order does not depend on how many blocks run and a resumed experiment repeats it."""
-    order = list(range(n_arms))
-    random.Random(f"ablate/{seed}/{block}").shuffle(order)
-    return order
+Resolver = Callable[..., dict[str, Any]]
 
 
-@dataclass(slots=True)
+# --- Megatron's arguments, each once ---------------------------------------------------------------
+
+
+def _flag_key(word: str) -> str:
+    return word.split("=", 1)[0].replace("_", "-")
+
+
+def set_args(argv: Sequence[str], values: Mapping[str, str | None]) -> list[str]:
+    """``argv`` with every ``--flag [values...]`` / ``--flag=value`` of ``values`` removed (a flag's
+    values are the words after it up to the next ``--`` word, so switches and lists go whole), then
+    each flag whose value is not None appended once with that value. An arm's settings, its per-run
+    paths and a candidate's additions replace the common arguments' own this way, so that no flag is
+    given twice with two values (Megatron would take the last, silently)."""
+    keys = {_flag_key(f) for f in values}
+    out: list[str] = []
+    skipping = False
+    for word in argv:
+        if word.startswith("--"):
+            skipping = _flag_key(word) in keys
+            if skipping:
+                continue
+        elif skipping:
+            continue
+        out.append(word)
+    for flag, value in values.items():
+        if value is not None:
+            out += [flag, value]
+    return out
+
+
+def with_added(argv: Sequence[str], added: Sequence[str]) -> list[str]:
+    """``argv`` with the flags of ``added`` (a candidate's arguments) replaced by ``added``: each
+    Megatron argument once, the candidate's value winning."""
+    flags = {_flag_key(w): None for w in added if w.startswith("--")}
+    return [*set_args(argv, flags), *added]
+
+
+def repeated_flags(argv: Sequence[str]) -> list[str]:
+    """Flags given more than once (Megatron takes the last): worth a note before anything runs."""
+    seen: dict[str, int] = {}
+    for word in argv:
+        if word.startswith("--"):
+            seen[_flag_key(word)] = seen.get(_flag_key(word), 0) + 1
+    return sorted(k for k, n in seen.items() if n > 1)
+
+
+def arm_args(megatron_args: Sequence[str], arm: Arm, paths: Mapping[str, str | None] | None = None) -> list[str]:
+    """The arm's Megatron arguments, each once: the common ones, the arm's settings and paths
+    replacing their own, and a candidate's arguments added."""
+    settings = dict(zip(arm.extra_args[::2], arm.extra_args[1::2], strict=True))
+    return with_added(set_args(megatron_args, {**settings, **(paths or {})}), arm.added_args)
+
+
+def run_args(spec: ExperimentSpec) -> list[str]:
+    """The Megatron arguments as every run gets them: ``--iters`` sets ``--train-iters``."""
+    if spec.iters is None:
+        return list(spec.megatron_args)
+    return set_args(spec.megatron_args, {"--train-iters": str(spec.iters)})
+
+
+# --- a run: its command, directory and environment ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
 class Run:
-    arm: Arm
+    """One arm in one block: what it is called, its directory, its command and the plugin variables
+    (and a candidate's) that set it apart from the other arms' runs."""
+
+    arm: str
     block: int  # 0-based; -1 for the unmeasured warm-up run
     directory: Path
-    command: list[str] = field(default_factory=list)
+    command: list[str]
+    env: dict[str, str]
 
     @property
     def label(self) -> str:
-        return f"{self.arm.name} (warm-up)" if self.block < 0 else f"{self.arm.name} (block {self.block + 1})"
+        return f"{self.arm} (warm-up)" if self.block < 0 else f"{self.arm} (block {self.block + 1})"
 
 
 def arm_command(launch: str | None, script: str, megatron_args: Sequence[str], arm: Arm,
@@ -83,147 +145,99 @@ def run_dir(out: Path, arm: Arm, block: int) -> Path:
 def make_run(out: Path, arm: Arm, block: int, launch: str | None, script: str, megatron_args: Sequence[str],
              effective: dict[str, Any], together: bool = False) -> Run:
     here = run_dir(out, arm, block)
-    return Run(arm, block, here, arm_command(launch, script, megatron_args, arm, arm_paths(effective, here, together)))
+    command = arm_command(launch, script, megatron_args, arm, arm_paths(effective, here, together))
+    return Run(arm.name, block, here, command, arm.env)
 
 
-class Progress:
-    """One status line on stderr: run i/N, block, arm, iteration, ETA."""
-
-    def __init__(self, total_runs: int, stream: Any = None, live: bool | None = None) -> None:
-        self.total = total_runs
-        self.stream = stream or sys.stderr
-        # A redrawn line only on a terminal; a log file gets one line per run.
-        self.live = live if live is not None else bool(getattr(self.stream, "isatty", lambda: False)())
-        self.run_seconds: list[float] = []
-        self.last = ""
-
-    def update(self, index: int, name: str, iteration: int, total_iters: int, ms_per_iter: float | None,
-               remaining_runs: int) -> None:
-        eta = ""
-        if ms_per_iter and total_iters:
-            left = (total_iters - iteration) * ms_per_iter / 1000
-            per_run = statistics.median(self.run_seconds) if self.run_seconds else total_iters * ms_per_iter / 1000
-            eta = f" ETA run {left:5.0f}s, all {left + remaining_runs * per_run:6.0f}s"
-        width = 24
-        done = int(width * iteration / total_iters) if total_iters else 0
-        bar = "#" * done + "." * (width - done)
-        self.last = f"[run {index}/{self.total}] {name[:36]:<36} [{bar}] it {iteration}/{total_iters}{eta}"
-        if self.live:
-            self.stream.write(f"\r{self.last}   ")
-            self.stream.flush()
-
-    def finish_run(self, seconds: float, status: str) -> None:
-        self.run_seconds.append(seconds)
-        self.stream.write(f"{'' if self.live else self.last} {status} in {seconds:.0f}s\n")
-        self.last = ""
-        self.stream.flush()
+def block_args(spec: ExperimentSpec, args: Sequence[str], block: int) -> list[str]:
+    """Block ``block``'s Megatron arguments: with --block-seeds, its own --seed (the warm-up run, block
+    -1, has the base seed), and with --common-start, that seed's saved start loaded."""
+    if spec.block_seeds is None:
+        return list(args)
+    seed = spec.block_seeds + max(block, 0)
+    words = set_args(args, {"--seed": str(seed)})
+    return with_added(words, common_start.loading(Path(spec.out), seed)) if spec.common_start else words
 
 
-def error_tail(text: str, lines: int = ERROR_TAIL_LINES) -> list[str]:
-    """The last lines of a failed run's output, starting at its last traceback where it has one."""
-    all_lines = text.rstrip().splitlines()
-    start = max((i for i, ln in enumerate(all_lines) if ln.lstrip().startswith("Traceback")), default=None)
-    picked = all_lines[start:] if start is not None else all_lines
-    return picked[-lines:]
+def start_run(spec: ExperimentSpec, baseline: Arm, args: Sequence[str], block: int) -> Run:
+    """--common-start: the run that saves the start of ``block``'s seed: the baseline, one iteration,
+    saved after it (loss/common_start.py)."""
+    out, seed = Path(spec.out), (spec.block_seeds or 0) + block
+    words = set_args(set_args(args, {"--seed": str(seed)}), common_start.SAVING)
+    command = arm_command(spec.launch, spec.script, words, baseline, common_start.paths(out, seed))
+    return Run(common_start.NAME, 0, common_start.start_dir(out, seed), command, baseline.env)
 
 
-def report_failure(status: dict[str, Any], stream: Any) -> None:
-    stream.write(f"[ablate] FAILED: {status['label']}, exit code {status['returncode']}; "
-                 f"last lines of {status['log']}:\n")
-    for line in status.get("error_tail", []):
-        stream.write(f"    {line}\n")
-    stream.flush()
+# --- each arm's dry run -----------------------------------------------------------------------------
+
+DRY_RUN_TIMEOUT_S = 600
 
 
-def run_seconds(statuses: Sequence[Mapping[str, Any] | None]) -> list[float]:
-    """How long the finished runs took: what prices the runs still to do (a crash, often quick,
-    says nothing about how long a run takes)."""
-    return [s["seconds"] for s in statuses if s and s.get("status") == "done" and s.get("seconds")]
+def dry_run_command(script: str, megatron_args: Sequence[str], arm: Arm, world: int | None = None) -> list[str]:
+    """The arm's dry run, planned for ``world`` processes where the launcher starts more than one
+    (tensor or pipeline parallelism over 8 GPUs does not validate in a world of 1)."""
+    plan = ["--world-size", str(world)] if world and world > 1 else []
+    return [sys.executable, "-m", "megatron_perf_toggles.run", "--dry-run", "--json", *plan, script,
+            *arm_args(megatron_args, arm)]
 
 
-def finished_earlier(directory: Path, arm: Arm, command: Sequence[str] | None = None) -> dict[str, Any] | None:
-    """The status of a run that finished in an earlier call and need not run again (None: it must
-    run): done, with the arm's plugin variables and, where given, the same command. Without a
-    command (tune, before its dry runs) the answer is a forecast that the run itself confirms."""
+def resolve_arm(script: str, megatron_args: Sequence[str], arm: Arm, environ: dict[str, str],
+                world: int | None = None) -> dict[str, Any]:
+    """The arm's dry-run record (decisions + effective Megatron arguments after validate_args): the
+    resolver the stage uses unless a test gives another."""
+    cmd = dry_run_command(script, megatron_args, arm, world)
+    # One process, as rank 0 (a dry run under a job's RANK=3 would print no record), planning for
+    # ``world`` through the dry run's own --world-size rather than the caller's WORLD_SIZE.
+    env = {k: v for k, v in environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     try:
-        previous = json.loads((directory / "status.json").read_text())
-    except (OSError, ValueError):  # none yet, or torn by a kill: run it
-        return None
-    if previous.get("status") != "done" or previous.get("env") != arm.env():
-        return None
-    if command is not None and previous.get("command") != list(command):
-        return None
-    return previous
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, **arm.env, "RANK": "0"},
+                              timeout=DRY_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ConfoundError(f"arm {arm.name}: the dry run took over {DRY_RUN_TIMEOUT_S}s and was stopped") from None
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise ConfoundError(f"arm {arm.name}: the dry run failed (exit {proc.returncode}): {tail}")
+    try:
+        return json.loads(proc.stdout)
+    except ValueError:
+        raise ConfoundError(f"arm {arm.name}: the dry run printed no JSON record") from None
 
 
-def execute_together(batch: Sequence[Run], environ: dict[str, str], first_port: int, done: int, total: int
-                     ) -> list[dict[str, Any]]:
-    """Run ``batch`` at once (threads wait on the processes), each with its own MASTER_PORT from
-    ``first_port`` on; their statuses in the batch's order."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(i: int) -> dict[str, Any]:
-        progress = Progress(total, live=False)
-        return execute(batch[i], environ, progress, done + i + 1, 0, {"MASTER_PORT": str(first_port + i)})
-
-    with ThreadPoolExecutor(max_workers=max(1, len(batch))) as pool:
-        return list(pool.map(one, range(len(batch))))
+# --- the runs' environment and launcher -----------------------------------------------------------
 
 
-def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, remaining: int,
-            extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Run one arm once unless its status says done with the same command and the same plugin
-    variables (the arm's env: the same command with another toggle pinned is another run); never
-    raises on a crash. ``extra_env``: what this run alone gets besides (a port of its own)."""
-    from .megatron_log import ITERATION, parse_lines
-
-    run.directory.mkdir(parents=True, exist_ok=True)
-    status_file = run.directory / "status.json"
-    previous = finished_earlier(run.directory, run.arm, run.command)
-    if previous is not None:
-        progress.stream.write(f"[run {index}/{progress.total}] {run.label}: done earlier, skipped\n")
-        return previous
-    log_path = run.directory / "log.txt"
-    start = time.monotonic()
-    last_ms: float | None = None
-    with open(log_path, "w") as log:
-        try:
-            proc = subprocess.Popen(run.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env={**environ, **(extra_env or {}), **run.arm.env()}, bufsize=1)
-        except OSError as error:
-            log.write(f"could not start {run.command[0]}: {error}\n")
-            code = 127
-        else:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.write(line)
-                if ITERATION.search(line):
-                    it = parse_lines([line]).iterations[0]
-                    last_ms = it.get("ms_per_iter") or last_ms
-                    progress.update(index, run.label, it.iteration, it.total, last_ms, remaining)
-            code = proc.wait()
-    seconds = time.monotonic() - start
-    status: dict[str, Any] = {"arm": run.arm.name, "block": run.block, "label": run.label,
-                              "status": "done" if code == 0 else "failed", "returncode": code, "seconds": seconds,
-                              "command": run.command, "env": run.arm.env(), "log": str(log_path)}
-    if code != 0:
-        status["error_tail"] = error_tail(log_path.read_text(errors="replace"))
-    status_file.write_text(json.dumps(status, indent=1) + "\n")
-    progress.finish_run(seconds, status["status"])
-    if code != 0:
-        report_failure(status, progress.stream)
-    return status
+# What torchrun sets for each process and a plain ``python`` launch does not: Megatron initialises
+# torch.distributed from the environment even for one process, so without these every run of a
+# ``--launch python`` experiment fails at start-up ("MASTER_ADDR expected, but not set").
+SINGLE_PROCESS = (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                  ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"))
 
 
-def check_launcher(launch: str | None, script: str, megatron_args: Sequence[str], arms: Sequence[Arm] = ()) -> None:
+def single_process_env(spec: ExperimentSpec, environ: Mapping[str, str]) -> dict[str, str]:
+    """The rendezvous variables a one-process run needs and ``environ`` lacks, where the launch is
+    this python or a python script (no torchrun to set them) and the world is one process; nothing
+    otherwise (a launcher sets its own, and a value the caller set is kept)."""
+    words = spec.launched_command
+    plain_python = not words or (Path(words[0]).name.startswith("python") and not any(
+        w in INNER_LAUNCHERS or Path(w).name in INNER_LAUNCHERS for w in words[1:]))
+    if not plain_python or spec.stated_or_launched != 1:
+        return {}
+    return {name: value for name, value in SINGLE_PROCESS if name not in environ}
+
+
+def runs_environ(spec: ExperimentSpec, environ: Mapping[str, str]) -> dict[str, str]:
+    """Every run's environment: the caller's, with what a plain ``python`` launch lacks (above)."""
+    return {**single_process_env(spec, environ), **environ}
+
+
+def check_launcher(spec: ExperimentSpec, arms: Sequence[Arm] = ()) -> None:
     """The program an arm's command starts must exist, and the prefix must not set what an arm
     sets: ``env GRAD_REDUCE_IN_BF16=1 torchrun ...`` would give every arm the same value, after
     the dry runs had checked them apart. Checked before the first GPU minute."""
-    launcher = arm_command(launch, script, megatron_args, Arm("launcher", {}))[0]
+    launcher = shlex.split(spec.launch)[0] if spec.launch else sys.executable
     if shutil.which(launcher) is None and not Path(launcher).is_file():
         raise DesignError(f"--launch: {launcher!r} is not an executable on PATH")
-    prefix_env, _ = env_prefix(shlex.split(launch) if launch else [])
-    clash = sorted({k for arm in arms for k in arm.env()} & prefix_env)
+    clash = sorted({k for arm in arms for k in arm.env} & spec.launch_sets)
     if clash:
         raise DesignError(f"--launch sets {', '.join(clash)} for every run, over each arm's own value",
                           "leave it out of --launch: the arms set it")
@@ -237,3 +251,92 @@ def check_out(out: Path) -> None:
         probe.unlink()
     except OSError as error:
         raise DesignError(f"--out {out}: not writable ({error.strerror or error})") from None
+
+
+def check_measurable(spec: ExperimentSpec, iters: Any) -> None:
+    """The iterations a run makes (``--iters`` or the arguments' own, as resolved) must leave some
+    after the warm-up ones."""
+    if isinstance(iters, int) and iters <= spec.warmup:
+        raise DesignError(f"--train-iters {iters} must be more than --warmup {spec.warmup}: nothing would be measured")
+
+
+# --- the stage ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """The stage's value: the design's arms resolved (each arm's dry-run record, and what each
+    variable derives), every run's environment and arguments, the iterations a run makes, and the
+    runs themselves: each block's, one per arm in the design's order, for every block the
+    experiment may run; the baseline's warm-up run; with --common-start, each block's start run."""
+
+    spec: ExperimentSpec
+    design: Design
+    records: list[dict[str, Any]]
+    derived: dict[str, set[str]]
+    environ: dict[str, str]
+    args: list[str]
+    iters: Any
+    blocks: list[list[Run]]
+    warmup: Run
+    starts: list[Run]
+    commands: dict[str, dict[str, Any]]
+
+
+def resolved(spec: ExperimentSpec, design: Design, environ: Mapping[str, str], resolver: Resolver,
+             say: Callable[[str], None] | None = None) -> Runs:
+    """The stage: every arm dry-run and checked for confounds, every check a run must pass before
+    the first GPU minute is spent, then every run's command. ``say`` (ablate's): the notes on the way."""
+    note = say or (lambda line: None)
+    if not spec.dry_run:
+        check_out(Path(spec.out))
+    args, arms = run_args(spec), design.arms
+    repeated = repeated_flags(spec.megatron_args)
+    if repeated:
+        note(f"note: given more than once (Megatron takes the last): {', '.join(repeated)}")
+    env = runs_environ(spec, environ)
+    note(f"{len(arms)} arms ({spec.design}); resolving each through Megatron's parser and validate_args, "
+         f"for {spec.world_words}...")
+    bound = planned(resolver, spec)
+    records, derived = resolve_and_check(bound, spec.script, args, design, env)
+    base = records[arms.index(design.baseline)]
+    iters = spec.iters if spec.iters is not None else base.get("effective_args", {}).get("train_iters")
+    check_measurable(spec, iters)
+    if spec.common_start:
+        common_start.check_record(base)
+    note(_passed(design, derived))
+    check_launcher(spec, arms)
+    return _runs(spec, design, records, derived, env, args, iters)
+
+
+def planned(resolver: Resolver, spec: ExperimentSpec) -> Resolver:
+    """The resolver, planning every dry run for the world the runs will have (``spec.world_words``
+    says which): tensor or pipeline parallelism over 8 GPUs does not validate in a world of 1."""
+    world = spec.planned_world
+    return resolver if world == 1 else functools.partial(resolver, world=world)
+
+
+def _passed(design: Design, derived: Mapping[str, set[str]]) -> str:
+    explained = {n: sorted(k) for n, k in derived.items() if k}
+    return ("confound check passed: arms differ only in " + ", ".join(sorted({n for a in design.arms
+                                                                               for n in a.intended}))
+            + (" and what they derive: " + "; ".join(f"{n} -> {', '.join(k)}" for n, k in explained.items())
+               if explained else ""))
+
+
+def _runs(spec: ExperimentSpec, design: Design, records: list[dict[str, Any]], derived: dict[str, set[str]],
+          env: dict[str, str], args: list[str], iters: Any) -> Runs:
+    """Every run the experiment may make: --repeats blocks, or with --target-ci up to --max-repeats."""
+    out, together = Path(spec.out), spec.concurrent > 1
+    most = max(spec.repeats, spec.max_repeats) if spec.target_ci is not None else spec.repeats
+
+    def run(arm: Arm, block: int) -> Run:
+        effective = records[design.arms.index(arm)].get("effective_args", {})
+        return make_run(out, arm, block, spec.launch, spec.script, block_args(spec, args, block), effective, together)
+
+    blocks = [[run(arm, b) for arm in design.arms] for b in range(most)]
+    starts = [start_run(spec, design.baseline, args, b) for b in range(most)] if spec.common_start else []
+    commands = {a.name: {"env": a.env, "argv": arm_command(spec.launch, spec.script, args, a),
+                         **({"candidate_env": a.added_env, "candidate_args": a.added_args} if a.adds else {})}
+                for a in design.arms}
+    return Runs(spec, design, records, derived, env, args, iters, blocks, run(design.baseline, -1), starts, commands)

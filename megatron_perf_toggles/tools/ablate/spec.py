@@ -1,5 +1,14 @@
-"""What one experiment is, declared once: ``ExperimentSpec``, from which ``ablate`` and ``tune``
-take their shared options (flag, type, default, help), so the two commands cannot drift apart.
+"""Stage 1 of an experiment, options to a checked spec: ``ExperimentSpec`` declares what one
+experiment is, once, and ``ablate`` and ``tune`` take their shared options (flag, type, default,
+help) from it, so the two commands cannot drift apart. :func:`checked` is the stage: the parsed
+options, every value checked, in one line where one is bad.
+
+Checking includes the toggles named: one a guard turns off for this model is left out first, in
+well under a second, against the recorded argument surface of the Megatron at hand (``explain``'s
+planning, the same guards and planned world as the dry runs): a design that asks for fused
+single-QKV RoPE on a model with q/k layer norm could have that toggle on in no arm, and the
+confound check would refuse the whole design after a minute of dry runs. Each toggle left out
+gets one line that says why.
 
 Each field's ``metadata`` is its option: ``flag`` (absent for the positional script and Megatron
 arguments), ``help`` (the field's documentation, shown by ``--help``), and where needed ``type``,
@@ -12,14 +21,63 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+import shlex
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .argv import after_separator, set_args
-from .design import DEFAULT_TOGGLES, DesignError
-from .loss.common_start import check_options as common_start_problems
+from ...core.registry import BY_DEST, TOGGLES
+from ...errors import PerfTogglesError
+
+ALL_TOGGLES = tuple(t.dest for t in TOGGLES if t.kind == "bool")  # every on/off toggle --toggles may name
+# The default for a dense model: the toggles that apply to every model. A mixture-of-experts run
+# (--num-experts set) adds the MoE toggles (default_toggles), so dense experiments stay as they were.
+DEFAULT_TOGGLES = tuple(d for d in ALL_TOGGLES if BY_DEST[d].scope == "all")
+
+
+class DesignError(PerfTogglesError):
+    """The experiment is ill-specified (a bad option value, unknown design, toggle or setting, or no arms)."""
+
+
+def _num_experts(megatron_args: Sequence[str]) -> int:
+    """``--num-experts N`` (or ``--num-experts=N``) among Megatron's arguments, else 0."""
+    words = list(megatron_args)
+    for i, word in enumerate(words):
+        name, eq, value = str(word).partition("=")
+        if name == "--num-experts":
+            text = value if eq else (words[i + 1] if i + 1 < len(words) else "")
+            return int(text) if text.isdigit() else 0
+    return 0
+
+
+def default_toggles(megatron_args: Sequence[str] = ()) -> tuple[str, ...]:
+    """The on/off toggles that apply to the model these Megatron arguments describe."""
+    args = {"num_experts": _num_experts(megatron_args)}
+    return tuple(d for d in ALL_TOGGLES if BY_DEST[d].applies(args))
+
+
+def parse_toggles(text: str | None, megatron_args: Sequence[str] = ()) -> tuple[str, ...]:
+    """``--toggles``; without it, the toggles that apply to the model ``megatron_args`` describe."""
+    if not text:
+        return default_toggles(megatron_args)
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise DesignError("--toggles is empty", f"choose from: {', '.join(ALL_TOGGLES)}")
+    for n in names:
+        if n not in ALL_TOGGLES:
+            raise DesignError(f"--toggles: unknown toggle {n!r}", f"choose from: {', '.join(ALL_TOGGLES)}")
+    if len(set(names)) != len(names):
+        raise DesignError("--toggles names a toggle twice")
+    return names
+
+
+def after_separator(words: Sequence[str]) -> list[str]:
+    """The Megatron arguments as given after the script: argparse keeps the ``--`` that separates
+    them from ours, and only that first one is ours to drop."""
+    args = list(words)
+    return args[1:] if args[:1] == ["--"] else args
 
 WORLD_SIZE_HELP = ("the processes the runs will have: the dry runs that check every arm first plan for it, and "
                    "per-GPU figures divide by it where the runs' logs do not say (default: what --launch plainly "
@@ -102,12 +160,23 @@ class ExperimentSpec:
     concurrent: int = field(default=1, metadata=_opt(
         "--concurrent", "run K runs at once (for loss-only experiments: runs that share a GPU time the "
         "sharing, so the result then carries no speed figures; no warm-up run); each run gets its own "
-        "MASTER_PORT (default %(default)s: one at a time)", type=int, metavar="K"))
+        "MASTER_PORT; where K runs' planned peak plus each process's own overhead does not fit the GPU's "
+        "memory, as many as fit (one line says so) (default %(default)s: one at a time)", type=int, metavar="K"))
     split_blocks: bool = field(default=False, metadata=_opt(
         "--split-blocks", "with --budget, stop before a run, not only before a block, that would not fit; the "
         "same command resumes the block there, so its runs ran in two calls (perhaps on two machines: more "
         "noise in that block's ratios; the results name such blocks)", action="store_true"))
-    design: str = "ablation"  # the design's name, as the results record it (not an option of this spec)
+    # ablate's own options (declared by its command; tune sets design per phase): the design's name,
+    # as the results record it, what the toggles not taking part get, the settings it varies and the
+    # candidates it tries, and whether this is a dry run
+    design: str = "ablation"
+    others: str = "inherit"
+    vary: list[str] | None = None
+    candidate: list[str] | None = None
+    dry_run: bool = False
+    # what checking the options found (:func:`checked`): the named toggles (or the model's default
+    # ones) a guard turns off for this model, which can take part in no arm
+    left_out: tuple[str, ...] = ()
 
     # --- options -----------------------------------------------------------------------------
 
@@ -136,12 +205,6 @@ class ExperimentSpec:
         given = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
         given["megatron_args"] = after_separator(given.get("megatron_args", []))
         return cls(**{**given, **fixed})
-
-    def run_args(self) -> list[str]:
-        """The Megatron arguments as every run gets them: ``--iters`` sets ``--train-iters``."""
-        if self.iters is None:
-            return list(self.megatron_args)
-        return set_args(self.megatron_args, {"--train-iters": str(self.iters)})
 
     # --- checks ------------------------------------------------------------------------------
 
@@ -184,21 +247,158 @@ class ExperimentSpec:
              "--target-ci needs timed runs, and --concurrent runs share the GPU: choose one"),
         ]
         problems = [text for bad, text in rules if bad]
-        return problems + (common_start_problems(self.block_seeds, self.megatron_args) if self.common_start else [])
+        return problems + (self._common_start_problems() if self.common_start else [])
+
+    def _common_start_problems(self) -> list[str]:
+        """What the options must give for a common start (loss/common_start.py), one line each."""
+        out = []
+        if self.block_seeds is None:
+            out.append("--common-start needs --block-seeds: it saves one start per seed")
+        if any(w.split("=", 1)[0] == "--load" for w in self.megatron_args):
+            out.append("--common-start sets --load itself (each seed's start): leave --load out of the arguments")
+        return out
+
+    @property
+    def named_toggles(self) -> tuple[str, ...]:
+        """The on/off toggles ``--toggles`` names, else those that apply to the model the arguments
+        describe (:func:`parse_toggles`)."""
+        return parse_toggles(self.toggles, self.megatron_args)
+
+    @property
+    def model_toggles(self) -> tuple[str, ...]:
+        """The on/off toggles that apply to the model the arguments describe (:func:`default_toggles`)."""
+        return default_toggles(self.megatron_args)
 
     @property
     def loss_test(self) -> bool:
         """Whether the results carry the loss test: seeds as blocks, or a loss measure asked for."""
         return self.block_seeds is not None or self.loss_window is not None or self.loss_measure != "auto"
 
-    def check_measurable(self, iters: Any) -> None:
-        """The iterations a run makes (``--iters`` or the arguments' own, as resolved) must leave
-        some after the warm-up ones."""
-        if isinstance(iters, int) and iters <= self.warmup:
-            raise DesignError(f"--train-iters {iters} must be more than --warmup {self.warmup}: "
-                              "nothing would be measured")
+    # --- what the options say about the world the runs have ----------------------------------
+
+    @property
+    def launched_world(self) -> int | None:
+        """What ``--launch`` plainly starts (None: not plain; see :func:`launch_world_size`)."""
+        return launch_world_size(self.launch)
+
+    @property
+    def stated_or_launched(self) -> int | None:
+        """The world the user said (``--world-size``), else what ``--launch`` plainly starts, else None."""
+        return self.world_size if self.world_size is not None else self.launched_world
+
+    @property
+    def planned_world(self) -> int:
+        """The world the dry runs plan for: ``--world-size``, else what ``--launch`` plainly starts, else 1."""
+        return self.stated_or_launched or 1
+
+    @property
+    def world_words(self) -> str:
+        """Which world the dry runs plan for, and from what, in words: ``--world-size`` where given (it
+        wins over the launcher's number, which may miss a launcher nested in a script), else what
+        ``--launch`` plainly starts. A launcher whose world is not plain (``--nproc-per-node gpu``,
+        elastic nodes, one unknown here) and no ``--world-size`` leave the dry runs at one process,
+        where validate_args refuses model parallelism: the words say so."""
+        launched, world = self.launched_world, self.planned_world
+        if self.world_size is not None:
+            source = "--world-size" + (f"; --launch looks like {launched}" if launched not in (None, self.world_size)
+                                       else "")
+        elif launched is None:
+            return "one process (the launcher's world size is not known here: say it with --world-size)"
+        elif not self.launch:
+            return "one process (no --launch: this python starts each run)"
+        else:
+            source = "--launch"
+        return f"one process (from {source})" if world == 1 else f"a world of {world} (from {source})"
+
+    @property
+    def launch_sets(self) -> set[str]:
+        """The variables a ``--launch 'env VAR=value ... CMD'`` prefix sets for every run."""
+        return env_prefix(shlex.split(self.launch) if self.launch else [])[0]
+
+    @property
+    def launched_command(self) -> list[str]:
+        """The command ``--launch`` runs, after any ``env VAR=value`` words ([]: this python)."""
+        return env_prefix(shlex.split(self.launch) if self.launch else [])[1]
+
+
+def _option(words: Sequence[str], names: tuple[str, ...]) -> str | None:
+    """The value of the first of ``names`` in ``words`` (``--x 8``, ``--x=8``), or None."""
+    for i, word in enumerate(words):
+        key, eq, val = word.partition("=")
+        if key in names:
+            return val if eq else (words[i + 1] if i + 1 < len(words) else "")
+    return None
+
+
+# Launchers that start the training processes themselves: behind srun or mpirun they multiply the
+# count, so the outer launcher's number is not the world.
+INNER_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def env_prefix(words: Sequence[str]) -> tuple[set[str], list[str]]:
+    """``env VAR=value ... CMD ...``: the variables the prefix sets, and the command it runs (the
+    words as given where they do not start with ``env``). ``env``'s own options end the reading."""
+    if not words or Path(words[0]).name != "env":
+        return set(), list(words)
+    rest = list(words[1:])
+    names: set[str] = set()
+    while rest and "=" in rest[0] and not rest[0].startswith("-"):
+        names.add(rest.pop(0).split("=", 1)[0])
+    return names, rest
+
+
+def launch_world_size(launch: str | None) -> int | None:
+    """The world size a launcher prefix starts, where it says so plainly; None where it does not
+    (``--nproc-per-node gpu``, elastic ``--nnodes 1:2``, ``srun -n 2 torchrun ...``, a launcher not
+    known here): a wrong number would make every run of the profile warn "measured elsewhere", and
+    plan the dry runs for the wrong world; an unknown one is not checked."""
+    if not launch:
+        return 1  # this python: one process
+    _, words = env_prefix(shlex.split(launch))  # `env VAR=value ... torchrun ...`: the launcher follows
+    name = Path(words[0]).name if words else ""
+    if name in ("srun", "mpirun", "mpiexec"):
+        if any(Path(w).name in INNER_LAUNCHERS for w in words[1:]):
+            return None
+        count = _option(words, ("-n", "--ntasks") if name == "srun" else ("-np", "-n", "--np", "-c"))
+    elif name == "torchrun" or "torch.distributed.run" in words or "torch.distributed.launch" in words:
+        per_node = _option(words, ("--nproc-per-node", "--nproc_per_node")) or "1"
+        nodes = _option(words, ("--nnodes",)) or "1"
+        count = str(int(per_node) * int(nodes)) if per_node.isdigit() and nodes.isdigit() else None
+    else:
+        return 1 if name.startswith("python") else None  # a script run by python: one process
+    return int(count) if count and count.isdigit() and int(count) > 0 else None
 
 
 SHARED = ("toggles", "launch", "world_size", "out", "repeats", "seed", "iters", "warmup", "warmup_run",
           "confidence", "budget")  # both commands' options; ablate adds the stopping and sizing ones
 POSITIONALS = ("script", "megatron_args")
+
+
+def checked(ns: argparse.Namespace, say: Callable[[str], None] | None = None) -> ExperimentSpec:
+    """The stage: the spec the parsed options say, every value checked (the first bad one is one
+    line, exit 2), the script there, and the toggles a guard turns off for this model found and
+    left out (``left_out``), each named in one line (``say``; default: stderr)."""
+    spec = ExperimentSpec.from_options(ns)
+    spec.check()
+    if spec.design == "candidates":  # the candidates design names no toggles
+        return spec
+    named = spec.named_toggles
+    if spec.design == "each-alone":  # its defaults arm turns on the toggles not named too
+        named = tuple(dict.fromkeys((*named, *spec.model_toggles)))
+    kept = leave_out(named, spec.script, spec.megatron_args, spec.planned_world, say or _stderr)
+    return dataclasses.replace(spec, left_out=tuple(d for d in named if d not in kept))
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def leave_out(toggles: tuple[str, ...], script: str, megatron_args: Sequence[str], world: int | None,
+              say: Callable[[str], None] = print) -> tuple[str, ...]:
+    """``toggles`` less those a guard turns off for this model (planning.guarded_off), each named in one line."""
+    from ..planning import guarded_off
+
+    off = guarded_off(toggles, script, megatron_args, world)
+    for dest, why in off.items():
+        say(f"[ablate] left out {dest}: a guard turns it off for this model ({why})")
+    return tuple(d for d in toggles if d not in off)

@@ -1,4 +1,5 @@
-"""Statistics for ``ablate``: paired speed intervals over blocks, verdicts, and sizing.
+"""Statistics for ``ablate``: paired speed intervals over blocks, verdicts, and sizing (with what
+pairs runs by block, and a run's medians and losses, that the intervals are computed from).
 
 Each block runs every arm once, so an arm and the baseline of the same block share the drift of
 that moment (GPU clocks, a neighbour's job, the page cache). The unit of evidence is therefore the
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 FASTER = "faster"
@@ -167,6 +168,35 @@ def relative_half_width(result: dict[str, Any]) -> float | None:
     return (result["high"] / result["low"]) ** 0.5 - 1.0
 
 
+# --- pairing runs by block -------------------------------------------------------------------------
+
+
+def by_block(runs: Sequence[Mapping[str, Any]], arm: str, blocks: int) -> list[Mapping[str, Any] | None]:
+    """The arm's finished run in each block (None where it failed or did not run): what comparisons pair."""
+    by = {(r["arm"], r["block"]): r for r in runs if r.get("block", -1) >= 0 and r.get("status") == "done"}
+    return [by.get((arm, b)) for b in range(blocks)]
+
+
+def median_of(run: Mapping[str, Any] | None, key: str) -> float | None:
+    """A run's steady-state median of ``key`` (``ms_per_iter``, ``tflops_per_gpu``), None where it logged none."""
+    return ((run or {}).get("summary", {}).get(key) or {}).get("median")
+
+
+def step_ms(run: Mapping[str, Any] | None) -> float | None:
+    """A run's median step time in ms (its steady-state median), None where it logged none."""
+    return median_of(run, "ms_per_iter")
+
+
+def widest_interval(runs: Sequence[Mapping[str, Any]], base: str, arms: Sequence[str], blocks: int,
+                    confidence: float) -> float:
+    """The widest relative half-width of the ``arms``' paired speedup intervals against ``base``
+    over ``blocks`` (infinite where one has no interval yet): what ``--target-ci`` stops on."""
+    base_ms = [step_ms(r) for r in by_block(runs, base, blocks)]
+    widths = [relative_half_width(paired_speedup(base_ms, [step_ms(r) for r in by_block(runs, arm, blocks)],
+                                                 confidence)) for arm in arms]
+    return max((w if w is not None else math.inf for w in widths), default=math.inf)
+
+
 # --- spread and loss ---------------------------------------------------------------------------
 
 
@@ -178,6 +208,17 @@ def spread(values: Sequence[float]) -> dict[str, Any] | None:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
 
 
+def loss_iterations(runs: Sequence[Mapping[str, Any] | None]) -> set[int]:
+    """Iterations that logged a loss in any of these runs (None: a block without a finished run)."""
+    return {it["iteration"] for r in runs if r for it in r.get("iterations", []) if "lm_loss" in it}
+
+
+def losses_at(runs: Sequence[Mapping[str, Any] | None], iteration: int) -> list[float | None]:
+    """Each block's loss at ``iteration`` (None where the block has no finished run or no such loss)."""
+    return [next((it["lm_loss"] for it in r.get("iterations", []) if it["iteration"] == iteration and "lm_loss" in it),
+                 None) if r else None for r in runs]
+
+
 def loss_comparison(baseline_loss: Sequence[float | None], arm_loss: Sequence[float | None]) -> dict[str, Any] | None:
     """Per-block loss ratios (arm / baseline) at one iteration: their median and range. A
     description only: whether a change in loss matters is the loss test's (equivalence.py)."""
@@ -185,3 +226,18 @@ def loss_comparison(baseline_loss: Sequence[float | None], arm_loss: Sequence[fl
     if not ratios:
         return None
     return {"ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "blocks": len(ratios)}
+
+
+# --- sizing ------------------------------------------------------------------------------------
+
+
+def sizing(rows: Sequence[Mapping[str, Any]], effect: float, confidence: float) -> dict[str, Any] | None:
+    """Blocks needed to resolve ``effect`` on the noise measured: pooled over the arms' per-block
+    log-ratio spreads (each arm's own is in its row)."""
+    sds = [r["speedup"]["sd_log"] for r in rows if r.get("speedup", {}).get("sd_log") is not None]
+    if not sds:
+        return None
+    pooled = math.sqrt(statistics.fmean(s * s for s in sds))
+    return {"effect": effect, "confidence": confidence, "power": 0.8, "pooled_sd_log": pooled,
+            "blocks_to_resolve": blocks_to_resolve(pooled, effect, confidence),
+            "blocks_for_half_width": blocks_for_half_width(pooled, effect, confidence)}

@@ -1,7 +1,7 @@
 """``megatron-perf-toggles tune``: measure the toggles on your own command line and write a profile.
 
-It is ``ablate``'s :class:`Experiment` run two or three times, with a decision rule between and after (nothing
-here measures or checks confounds on its own):
+It is an ``ablate`` experiment run two or three times, through ablate's own stages (runs, schedule, execution,
+analysis, report), with a decision rule between and after (nothing here measures or checks confounds on its own):
 
 1. **Leave-one-out from the defaults**: every toggle on (the baseline), then each one off. Removing
    a toggle is either detectably slower (its interval lies below 1: keep it on), detectably faster
@@ -30,6 +30,6 @@ OUT/profile.json (``core.profile.render_profile``) and OUT/profile.md; each phas
 results in OUT/leave-one-out/, OUT/factorial/ and OUT/confirmation/.
 
 The package: rule.py (the decision rule on the phases' result rows), evidence.py (what each
-choice quotes), phases.py (the phases, each one :class:`~..ablate.experiment.Experiment`),
+choice quotes), phases.py (the phases, each one experiment through ablate's stages),
 output.py (profile.json and profile.md), command.py (the options and the command).
 """

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import PerfTogglesError, fail
-from ..ablate.confounds import planned_for, resolve_arm
 from ..ablate.design import DEFAULT_TOGGLES, Arm, DesignError
-from ..ablate.runs import check_launcher, check_out
+from ..ablate.runs import check_launcher, check_out, resolve_arm
 from ..ablate.spec import POSITIONALS, SHARED, ExperimentSpec
 from .output import write_profile
 from .phases import Setup, runs_environ, tune
@@ -65,7 +64,7 @@ def prepared(ns: argparse.Namespace) -> ExperimentSpec:
         raise DesignError(f"--max-factorial {ns.max_factorial}: between 1 and 5 (2 to 32 arms a block)")
     check_out(Path(spec.out))
     # tune's runs set every on/off toggle's variable (those taking part, and the others pinned)
-    check_launcher(spec.launch, spec.script, spec.run_args(), [Arm("every toggle", dict.fromkeys(DEFAULT_TOGGLES, True))])
+    check_launcher(spec, [Arm("every toggle", dict.fromkeys(DEFAULT_TOGGLES, True))])
     return spec
 
 
@@ -76,8 +75,7 @@ def run_tune(ns: argparse.Namespace, resolver: Callable[..., dict[str, Any]] = r
     input or a confound."""
     try:
         spec = prepared(ns)
-        resolver, planned = planned_for(resolver, spec.launch, spec.world_size)
-        setup = Setup(spec, runs_environ(os.environ), resolver, clock, clock(), planned, ns.max_factorial,
+        setup = Setup(spec, runs_environ(os.environ), resolver, clock, clock(), spec.world_words, ns.max_factorial,
                       ns.memory_limit_gb)
         profile, excluded, results = tune(setup)
         path = write_profile(Path(spec.out), profile, excluded, results)

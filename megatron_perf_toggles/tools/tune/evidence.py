@@ -8,7 +8,7 @@ from typing import Any
 
 from ...core.profile import Choice, Environment, Evidence
 from ...core.registry import BY_DEST
-from ..ablate import report, stats
+from ..ablate import stats
 from ..ablate.loss import equivalence
 from ..ablate.loss.loss_test import train_window_mean
 from .rule import Decided, say, step_ms
@@ -24,11 +24,11 @@ def _loss(chosen: Sequence[Mapping[str, Any] | None], against: Sequence[Mapping[
     on each run's mean training loss over its last tenth ("" where no block has both). A phase's
     blocks repeat one seed: the verdict says whether the value moves the loss on that seed by more
     than the margin, not a claim across seeds (ablate --block-seeds makes that)."""
-    common = report.loss_iterations(chosen) & report.loss_iterations(against)
+    common = stats.loss_iterations(chosen) & stats.loss_iterations(against)
     ratio = None
     if common:
         last = max(common)
-        ratio = (stats.loss_comparison(report.losses_at(against, last), report.losses_at(chosen, last)) or {}).get(
+        ratio = (stats.loss_comparison(stats.losses_at(against, last), stats.losses_at(chosen, last)) or {}).get(
             "ratio")
     mine = [train_window_mean(r, None) for r in chosen]
     other = [train_window_mean(r, None) for r in against]
@@ -41,8 +41,8 @@ def evidence(decided: Decided, result: Mapping[str, Any]) -> Evidence:
     """Step time with the other value over step time with the chosen one, paired by block; the
     loss as :func:`_loss` compares the same pair."""
     blocks = result["blocks_run"]
-    chosen = report.done_by_block(result["runs"], decided.chosen, blocks)
-    against = report.done_by_block(result["runs"], decided.against, blocks)
+    chosen = stats.by_block(result["runs"], decided.chosen, blocks)
+    against = stats.by_block(result["runs"], decided.against, blocks)
     sp = stats.paired_speedup([step_ms(r) for r in against], [step_ms(r) for r in chosen],
                               decided.confidence or result["confidence"])
     ratio, loss_verdict = _loss(chosen, against)
@@ -104,7 +104,7 @@ def within_memory_limit(choices: Mapping[str, Choice], first: Mapping[str, Any],
 
 def measured_on(record: Mapping[str, Any], world: int | None) -> Environment:
     """What the runs ran on: the baseline's dry-run record (Megatron, TE, torch, the GPU that
-    process saw) and ``world``, the runs' world size (``ablate.world.world_size``; None: not
+    process saw) and ``world``, the runs' world size (the results' ``world_size``; None: not
     recorded). The dry run's record is not asked for it: the dry run is one process planning for
     a world, not the runs themselves. No torch is imported here."""
     caps = record.get("capabilities") or {}

@@ -1,6 +1,7 @@
-"""tune's phases, each one :class:`~..ablate.experiment.Experiment` in OUT/<phase>: leave-one-out
-from the defaults, the factorial of the unresolved toggles, the confirmation; and :func:`tune`,
-which runs them in order within one budget."""
+"""tune's phases, each one experiment in OUT/<phase>, through ablate's stages from its arms on
+(runs, schedule, execution, analysis, report: the same modules, not copies): leave-one-out from
+the defaults, the factorial of the unresolved toggles, the confirmation; and :func:`tune`, which
+runs them in order within one budget."""
 
 from __future__ import annotations
 
@@ -16,11 +17,9 @@ from typing import Any
 from ..._version import __version__
 from ...core.profile import Choice, Confirmation, Profile
 from ...core.registry import BY_DEST
-from ..ablate import report, runs, stats
-from ..ablate.design import Arm, DesignError, baseline_of, expand, parse_toggles
-from ..ablate.experiment import Experiment
-from ..ablate.spec import ExperimentSpec
-from ..ablate.world import world_size
+from ..ablate import analysis, execution, report, runs, schedule, stats
+from ..ablate.design import Arm, DesignError, baseline_of, design_of, expand, pinning
+from ..ablate.spec import ExperimentSpec, parse_toggles
 from .evidence import evidence, measured_on, within_memory_limit
 from .rule import (
     DEFAULT_MAX_FACTORIAL,
@@ -46,21 +45,22 @@ from .rule import (
 @dataclass(slots=True)
 class Setup:
     """What every phase shares: the experiment's spec (tune's options), the environment, the
-    dry-run resolver and the clock (the last two are stand-ins in tests), and tune's own options."""
+    dry-run resolver (one arm's dry run, as ``ablate.runs.resolve_arm``) and the clock (the last two
+    are stand-ins in tests), and tune's own options."""
 
     spec: ExperimentSpec
     environ: dict[str, str]
     resolver: Callable[..., dict[str, Any]]
     clock: Callable[[], float]
     start: float
-    planned: str = "one process"  # the world the dry runs plan for, in words (ablate's planned_for)
+    planned: str = "one process"  # the world the dry runs plan for, in words (the spec's world_words)
     max_factorial: int = DEFAULT_MAX_FACTORIAL
     memory_limit_gb: float | None = None
 
     @property
     def args(self) -> list[str]:
         """The Megatron arguments as every run gets them."""
-        return self.spec.run_args()
+        return runs.run_args(self.spec)
 
     def minutes_left(self) -> float | None:
         return None if self.spec.budget is None else self.spec.budget - (self.clock() - self.start) / 60
@@ -100,8 +100,8 @@ def defaults_dry_run(setup: Setup, toggles: Sequence[str]) -> tuple[dict[str, st
     take part, since an arm that asks for them on would not get it (ablate refuses such arms); and
     every on/off toggle not taking part with the value this dry run decided, pinned in every run so
     that no run decides them differently."""
-    record = setup.resolver(setup.spec.script, setup.args, Arm("defaults", dict.fromkeys(toggles, True)),
-                            setup.environ)
+    resolver = runs.planned(setup.resolver, setup.spec)
+    record = resolver(setup.spec.script, setup.args, Arm("defaults", dict.fromkeys(toggles, True)), setup.environ)
     decisions = record.get("decisions", {})
     excluded = {d: f"{decisions[d].get('source')}: {decisions[d].get('reason')}" for d in toggles
                 if d in decisions and decisions[d].get("value") is not True}
@@ -117,20 +117,17 @@ def run_phase(setup: Setup, design: str, arms: list[Arm], confidence: float, war
     --repeats and --budget. ``prior_seconds`` (the leave-one-out runs' times) price the first block
     of a phase without a warm-up run, so that it too starts only where it ends within the budget."""
     spec = dataclasses.replace(setup.spec, design=design, confidence=confidence, warmup_run=warmup_run,
-                               target_ci=None, max_repeats=setup.spec.repeats)
-    out = Path(spec.out) / design
-    experiment = Experiment(spec, arms, out, setup.environ, setup.resolver, setup.phase_clock(), prior_seconds)
-    experiment.check()
-    out.mkdir(parents=True, exist_ok=True)
-    result = experiment.run()
-    experiment.write(result)
-    return result, experiment.records
+                               target_ci=None, max_repeats=setup.spec.repeats, out=str(Path(setup.spec.out) / design))
+    resolved = runs.resolved(spec, design_of(design, arms), setup.environ, setup.resolver)
+    planned = schedule.scheduled(resolved, prior_seconds)
+    result = report.reported(analysis.analysed(execution.executed(planned, setup.phase_clock())))
+    return result, resolved.records
 
 
 def timed_runs(first: Mapping[str, Any]) -> list[float]:
     """The finished leave-one-out runs' seconds (its blocks, not the warm-up): what a later phase's
     runs cost."""
-    return runs.run_seconds([r for r in first["runs"] if r.get("block", -1) >= 0])
+    return execution.run_seconds([r for r in first["runs"] if r.get("block", -1) >= 0])
 
 
 def phase_fits(setup: Setup, first: Mapping[str, Any], design: str, arms: Sequence[Arm]) -> str | None:
@@ -140,7 +137,7 @@ def phase_fits(setup: Setup, first: Mapping[str, Any], design: str, arms: Sequen
     left = setup.minutes_left()
     seconds = timed_runs(first)
     out = Path(setup.spec.out) / design
-    to_run = [a for a in arms if runs.finished_earlier(runs.run_dir(out, a, 0), a) is None]
+    to_run = [a for a in arms if schedule.finished_earlier(runs.run_dir(out, a, 0), a.env) is None]
     if left is None or not seconds or not to_run:
         return None
     block = statistics.median(seconds) * len(to_run) / 60
@@ -200,8 +197,8 @@ def confirm(setup: Setup, choices: Mapping[str, Choice], pins: Mapping[str, bool
     if cut:  # like a confirmation that could not start: unconfirmed, not measured against
         say(f"confirmation {cut}")
         return dict(choices), Confirmation(outcome=f"{cut}: the chosen values are unconfirmed", blocks=blocks)
-    sp = stats.paired_speedup([step_ms(r) for r in report.done_by_block(result["runs"], "defaults", blocks)],
-                              [step_ms(r) for r in report.done_by_block(result["runs"], "chosen", blocks)], result["confidence"])
+    sp = stats.paired_speedup([step_ms(r) for r in stats.by_block(result["runs"], "defaults", blocks)],
+                              [step_ms(r) for r in stats.by_block(result["runs"], "chosen", blocks)], result["confidence"])
     settled, record = settle(choices, sp)
     say(f"confirmation: {record.outcome}")
     return settled, record
@@ -225,9 +222,7 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
     spec = setup.spec
     part, excluded, pins = taking_part(setup)
     say(f"phase 1: leave-one-out of {', '.join(part)} from the defaults ({len(part) + 1} arms)")
-    arms = expand("leave-one-out", part, [])
-    for arm in arms:
-        arm.fixed = dict(pins)
+    arms = pinning(expand("leave-one-out", part, []), pins)
     first, records = run_phase(setup, "leave-one-out", arms, spec.confidence, spec.warmup_run)
     check_baseline(first, arms)
     results = {"leave-one-out": first}
@@ -250,8 +245,7 @@ def tune(setup: Setup) -> tuple[Profile, dict[str, str], dict[str, dict[str, Any
         say(memory_line)
     base = baseline_of(arms)
     profile = Profile(
-        toggles=choices, environment=measured_on(records[arms.index(base)],
-                                                 world_size(first["runs"], base.name, spec.launch, spec.world_size)),
+        toggles=choices, environment=measured_on(records[arms.index(base)], first["world_size"]),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         made_by=f"megatron-perf-toggles tune {__version__}",
         command=shlex.join(runs.arm_command(spec.launch, spec.script, setup.args, base)), confirmation=confirmation,

@@ -3,6 +3,7 @@ to the next phase, and at which confidence. Pure: no run, no file."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -10,8 +11,9 @@ from typing import Any
 
 from ...core.profile import Choice, Confirmation, Evidence
 from ...errors import PerfTogglesError
-from ..ablate import report, stats
+from ..ablate import stats
 from ..ablate.design import Arm, baseline_of, expand
+from ..ablate.stats import step_ms
 
 DEFAULT_MAX_FACTORIAL = 3  # 8 arms a block; 4 would be 16
 
@@ -33,11 +35,6 @@ def say(text: str) -> None:
     print(f"[tune] {text}", file=sys.stderr, flush=True)
 
 
-def step_ms(run: Mapping[str, Any] | None) -> float | None:
-    """A run's median step time in ms, None where it logged none."""
-    return ((run or {}).get("summary", {}).get("ms_per_iter") or {}).get("median")
-
-
 def leave_one_out_verdicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """dest -> the verdict on removing it ("without:dest" against all on): slower, faster, or not."""
     return {row["arm"].split(":", 1)[1]: (row.get("speedup") or {}).get("verdict", stats.TOO_FEW)
@@ -57,11 +54,11 @@ def correct_turn_offs(first: Mapping[str, Any], base: str, verdicts: Mapping[str
     not survive becomes unresolved and goes to the factorial, which corrects for its own arms."""
     corrected = 1 - (1 - confidence) / max(len(verdicts), 1)
     blocks = first["blocks_run"]
-    base_ms = [step_ms(r) for r in report.done_by_block(first["runs"], base, blocks)]
+    base_ms = [step_ms(r) for r in stats.by_block(first["runs"], base, blocks)]
     out = dict(verdicts)
     for dest, verdict in verdicts.items():
         if verdict == stats.FASTER:
-            arm_ms = [step_ms(r) for r in report.done_by_block(first["runs"], f"without:{dest}", blocks)]
+            arm_ms = [step_ms(r) for r in stats.by_block(first["runs"], f"without:{dest}", blocks)]
             out[dest] = stats.paired_speedup(base_ms, arm_ms, corrected)["verdict"]
     return out, corrected
 
@@ -117,12 +114,9 @@ def factorial_arms(unresolved: Sequence[str], decided: Mapping[str, Decided],
                    pins: Mapping[str, bool] | None = None) -> list[Arm]:
     """Every combination of the unresolved toggles, the resolved ones (and ``pins``) pinned to their
     values; the baseline is all of the unresolved on (the defaults it would otherwise keep)."""
-    arms = expand("factorial", tuple(unresolved), [])
     pinned = {**(pins or {}), **{d: dec.value for d, dec in decided.items()}}
-    for arm in arms:
-        arm.fixed = dict(pinned)
-        arm.baseline = all(arm.toggles.values())
-    return arms
+    return [dataclasses.replace(arm, fixed=dict(pinned), baseline=all(arm.toggles.values()))
+            for arm in expand("factorial", tuple(unresolved), [])]
 
 
 def family_confidence(confidence: float, arms: int) -> float:

@@ -14,20 +14,24 @@ iteration 0.
 A torch_dist checkpoint (Megatron's distributed format) loads across the expert layouts, and one the
 plugin's launch recorded, loaded without its optimizer state, leaves every toggle free (its resume
 guards keep a toggle at its saved value only where the layout may not load the other); so the
-arguments must resolve to ``--ckpt-format torch_dist``, and may not give ``--load`` themselves.
+arguments must resolve to ``--ckpt-format torch_dist``, and may not give ``--load`` themselves
+(spec.py checks the options, runs.py makes the start runs from what is here).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..argv import set_args, with_added
-from ..design import Arm, DesignError
-from ..runs import Run, arm_command
+from ..spec import DesignError
 
+NAME = "common-start"  # what the results call a start run (its arm)
 LOADS = ("--finetune", "--no-load-optim", "--no-load-rng")
+# The start run keeps the arguments' --train-iters (Megatron sizes the learning-rate schedule from
+# it, and a warm-up longer than one iteration would fail its check) and stops after the first
+# iteration with --exit-interval, which saves.
+SAVING = {"--exit-interval": "1", "--save-interval": "1"}
 
 
 def start_dir(out: Path, seed: int) -> Path:
@@ -38,32 +42,14 @@ def checkpoint(out: Path, seed: int) -> Path:
     return start_dir(out, seed) / "checkpoint"
 
 
-def loading(args: Sequence[str], out: Path, seed: int) -> list[str]:
-    """A block's arguments that load the seed's start: its weights alone."""
-    return with_added(args, ["--load", str(checkpoint(out, seed)), *LOADS])
+def loading(out: Path, seed: int) -> list[str]:
+    """What a block's arguments add to load the seed's start: its weights alone."""
+    return ["--load", str(checkpoint(out, seed)), *LOADS]
 
 
-def start_run(out: Path, baseline: Arm, seed: int, launch: str | None, script: str, args: Sequence[str]) -> Run:
-    """The run that saves the seed's start: the baseline, one iteration, saved after it (``args``:
-    the block's arguments, its --seed set). It keeps the arguments' --train-iters (Megatron sizes
-    the learning-rate schedule from it, and a warm-up longer than one iteration would fail its
-    check) and stops after the first iteration with --exit-interval, which saves."""
-    arm = Arm("common-start", dict(baseline.toggles), dict(baseline.settings), fixed=dict(baseline.fixed),
-              adds=dict(baseline.adds))
-    here = start_dir(out, seed)
-    words = set_args(args, {"--exit-interval": "1", "--save-interval": "1"})
-    paths = {"--save": str(checkpoint(out, seed)), "--tensorboard-dir": str(here / "tensorboard")}
-    return Run(arm, 0, here, arm_command(launch, script, words, arm, paths))
-
-
-def check_options(block_seeds: int | None, megatron_args: Sequence[str]) -> list[str]:
-    """What the options must give for a common start (problems, one line each)."""
-    out = []
-    if block_seeds is None:
-        out.append("--common-start needs --block-seeds: it saves one start per seed")
-    if any(w.split("=", 1)[0] == "--load" for w in megatron_args):
-        out.append("--common-start sets --load itself (each seed's start): leave --load out of the arguments")
-    return out
+def paths(out: Path, seed: int) -> dict[str, str]:
+    """The start run's own paths: where it saves the start, and its log directory."""
+    return {"--save": str(checkpoint(out, seed)), "--tensorboard-dir": str(start_dir(out, seed) / "tensorboard")}
 
 
 def check_record(record: Mapping[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""ablate's loss test: each arm's loss against the baseline's, seed by seed, as an equivalence test.
+"""ablate's loss test (part of stage 6, analysis.py): each arm's loss against the baseline's, seed
+by seed, as an equivalence test.
 
 Each run gives one loss measure: the last held-out validation loss it logged (Megatron prints one
 with ``--eval-iters`` > 0; a fixed held-out set is the least noisy measure), or else the mean of
@@ -20,6 +21,7 @@ from typing import Any
 
 from ....core.registry import BY_DEST
 from ..design import Arm, baseline_of
+from ..stats import by_block
 from . import equivalence
 
 MEASURES = ("auto", "validation", "train-window")
@@ -58,16 +60,10 @@ def measure_of(run: Mapping[str, Any] | None, measure: str, window: int | None) 
     return validation_last(run) if measure == VALIDATION else train_window_mean(run, window)
 
 
-def by_block(runs: Sequence[Mapping[str, Any]], arm: str, blocks: int) -> list[Mapping[str, Any] | None]:
-    """The arm's finished run in each block (None where it failed or did not run)."""
-    by = {(r["arm"], r["block"]): r for r in runs if r.get("block", -1) >= 0 and r.get("status") == "done"}
-    return [by.get((arm, b)) for b in range(blocks)]
-
-
 def redrawn_by(arm: Arm, base: Arm) -> list[str]:
     """The toggles the arm and the baseline set apart that draw the initial weights differently:
     under one seed the two do not start from the same weights."""
-    mine, theirs = arm.pinned(), base.pinned()
+    mine, theirs = arm.pinned, base.pinned
     return sorted(d for d in set(mine) | set(theirs)
                   if d in BY_DEST and BY_DEST[d].redraws_init and mine.get(d) != theirs.get(d))
 
@@ -81,7 +77,7 @@ def toggle_name(arm: Arm, base: Arm) -> str:
         return "defaults"
     if arm.adds:
         return ", ".join(n for n in arm.adds)
-    mine, theirs = arm.pinned(), base.pinned()
+    mine, theirs = arm.pinned, base.pinned
     apart = [d for d in mine if mine.get(d) != theirs.get(d)]
     if len(apart) == 1 and not arm.settings:
         return apart[0]
@@ -91,14 +87,23 @@ def toggle_name(arm: Arm, base: Arm) -> str:
 def compare_losses(arms: Sequence[Arm], runs: Sequence[Mapping[str, Any]], blocks: int, *, measure: str,
                    window: int | None, margin: float, alpha: float, seeds: Sequence[int] | None,
                    common_start: bool = False) -> dict[str, Any]:
-    """The loss test of every arm against the baseline: ``{"settings": ..., "arms": {name: entry}}``.
+    """The loss test of every arm against the baseline over ``blocks`` blocks of ``runs`` (as
+    results.json records them: a finished directory re-analysed); see :func:`losses_compared`."""
+    done = {a.name: by_block(runs, a.name, blocks) for a in arms}
+    return losses_compared(arms, baseline_of(arms), done, measure=measure, window=window, margin=margin, alpha=alpha,
+                           seeds=seeds, common_start=common_start)
+
+
+def losses_compared(arms: Sequence[Arm], base: Arm, done: Mapping[str, Sequence[Mapping[str, Any] | None]], *,
+                    measure: str, window: int | None, margin: float, alpha: float, seeds: Sequence[int] | None,
+                    common_start: bool = False) -> dict[str, Any]:
+    """The loss test of every arm against ``base``: ``{"settings": ..., "arms": {name: entry}}``.
+    ``done``: each arm's finished run in each block (stats.by_block).
 
     Each entry: the toggle it names, the measure per seed (block), the differences, the interval,
     the verdict, the smallest margin shown, the seeds the margin needs, paired or not (and why).
     ``common_start``: every arm of a seed loaded one saved start (common_start.py), so every
     comparison is paired."""
-    base = baseline_of(arms)
-    done = {a.name: by_block(runs, a.name, blocks) for a in arms}
     used = resolve_measure(measure, [r for rs in done.values() for r in rs])
     values = {name: [measure_of(r, used, window) for r in rs] for name, rs in done.items()}
     settings = {"measure": used, "asked": measure, "window": window if used == TRAIN_WINDOW else None,
@@ -118,75 +123,3 @@ def compare_losses(arms: Sequence[Arm], runs: Sequence[Mapping[str, Any]], block
                                            if redrawn else None))
         out[arm.name] = entry
     return {"settings": settings, "arms": out}
-
-
-def _pct(v: Any, fmt: str = "+.2f") -> str:
-    return format(v, fmt) if isinstance(v, (int, float)) else "-"
-
-
-def interval_text(e: Mapping[str, Any]) -> str:
-    """``+0.12 % [-0.30, +0.54]`` (the estimate alone where there is no interval)."""
-    if e.get("estimate") is None:
-        return "-"
-    if e.get("low") is None:
-        return f"{_pct(e['estimate'])} %"
-    return f"{_pct(e['estimate'])} % [{_pct(e['low'])}, {_pct(e['high'])}]"
-
-
-def advice(e: Mapping[str, Any]) -> str:
-    """What an inconclusive or too-wide result would need: seeds at the spread measured."""
-    need = e.get("seeds_needed")
-    if need is None:
-        return "2 or more seeds give an interval"
-    per = " per arm" if not e.get("paired") else ""
-    return f"+-{e['margin']:g} % needs about {need} seeds{per} at this spread"
-
-
-def verdict_line(name: str, e: Mapping[str, Any], settings: Mapping[str, Any]) -> str:
-    """One arm's verdict in a line, as ablate prints it."""
-    how = "paired" if e.get("paired") else "unpaired"
-    unit = "seeds" if settings.get("seeded_blocks", True) else "blocks of one seed"
-    words = f"{e['toggle']} ({name}): {interval_text(e)}, {e.get('seeds_compared', 0)} {unit}, {how}, " \
-            f"{settings['measure']}: {e['verdict']}"
-    if not settings.get("seeded_blocks", True):
-        words += " (one seed: run-to-run only, no claim across seeds)"
-    if e["verdict"] == equivalence.INCONCLUSIVE and e.get("smallest_margin_shown") is not None:
-        words += f" (smallest margin shown +-{e['smallest_margin_shown']:.2f} %; {advice(e)})"
-    return words
-
-
-def verdict_lines(loss: Mapping[str, Any] | None) -> list[str]:
-    if not loss:
-        return []
-    return [verdict_line(n, e, loss["settings"]) for n, e in loss["arms"].items() if "verdict" in e]
-
-
-def markdown_lines(loss: Mapping[str, Any] | None) -> list[str]:
-    """The report's loss section: one row per arm, first cell the toggle's registry name."""
-    if not loss:
-        return []
-    s = loss["settings"]
-    what = ("the last held-out validation loss" if s["measure"] == VALIDATION else
-            f"the mean training loss over the last {s['window'] or 'tenth of the'} iterations")
-    unit = ("seeds (--block-seeds --common-start: every arm of a seed starts from one saved state and sees the "
-            "same data)" if s.get("common_start") else
-            "seeds (--block-seeds: every arm of a seed shares its initial weights and data order)"
-            if s["seeded_blocks"] else "blocks that repeat one seed: the interval measures run-to-run "
-            "nondeterminism on that seed alone, not the change across seeds")
-    conf = f"{s['interval'] * 100:g} %"
-    lines = ["", f"## Loss: equivalence within +-{s['margin']:g} %", "",
-             f"Measure: {what}. Unit: {unit}. Difference: arm less baseline, same seed, in % of the baseline's "
-             f"mean; {conf} t-interval (two one-sided tests at {s['alpha']:g}); unpaired (Welch) where the arm "
-             "draws its initial weights another way. Verdicts: equivalent (the interval inside the margin), "
-             "different (it excludes 0 and reaches past the margin), else inconclusive.", "",
-             f"| toggle | arm | seeds | difference [{conf} CI] | smallest margin shown | seeds for +-{s['margin']:g} % "
-             "| pairing | verdict |", "|---|---|---|---|---|---|---|---|"]
-    for name, e in loss["arms"].items():
-        if "verdict" not in e:
-            continue
-        small = e.get("smallest_margin_shown")
-        pairing = "paired" if e.get("paired") else f"unpaired: {e.get('unpaired_because')}"
-        lines.append(f"| {e['toggle']} | {name} | {e.get('seeds_compared', 0)} | {interval_text(e)} "
-                     f"| {'-' if small is None else f'+-{small:.2f} %'} | {e.get('seeds_needed') or '-'} "
-                     f"| {pairing} | {e['verdict']} |")
-    return lines

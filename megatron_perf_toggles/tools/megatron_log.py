@@ -1,5 +1,8 @@
 """Parse Megatron-LM's own training log lines (every supported version) into numbers.
 
+One reader for every tool that reads a run's log: ``ablate`` measures each run with it once, and
+the GPU benchmarks read their runs with it.
+
 Megatron prints one ``iteration N/M | key: value | ...`` line per log interval and a
 ``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ...`` line once, and
 with ``--eval-iters`` > 0 a `` validation loss at iteration N | lm loss value: X | lm loss PPL: Y |``
@@ -21,6 +24,7 @@ from typing import Any
 ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|(?P<fields>.*)$")
 VALIDATION = re.compile(r"\bvalidation loss at iteration\s+(\d+)(?P<where>[^|]*)\|(?P<fields>.*)$")
 MEMORY = re.compile(r"memory \(MB\)(?P<fields>(\s*\|\s*[^|]+:\s*[-+0-9.eE]+)+)")
+WORLD = re.compile(r"using world size: (\d+)")  # Megatron's own line at start-up
 KEYS = {
     "elapsed time per iteration (ms)": "ms_per_iter",
     "throughput per GPU (TFLOP/s/GPU)": "tflops_per_gpu",
@@ -69,6 +73,7 @@ class MegatronLog:
     memory_mb: dict[str, float] = field(default_factory=dict)  # the report with the highest max allocated
     errors: list[str] = field(default_factory=list)  # tail lines that look like a crash
     validation: list[tuple[int, float]] = field(default_factory=list)  # (iteration, held-out lm loss)
+    world_size: int | None = None  # the world Megatron said it uses at start-up (the run's own word)
 
     def series(self, name: str) -> list[tuple[int, float]]:
         return [(it.iteration, it.values[name]) for it in self.iterations if name in it.values]
@@ -113,6 +118,10 @@ def parse_lines(lines: Iterable[str]) -> MegatronLog:
                 value = _fields(m.group("fields")).get("lm loss value")
                 if value is not None:
                     log.validation.append((int(m.group(1)), value))
+            continue
+        m = WORLD.search(line)
+        if m:
+            log.world_size = log.world_size or int(m.group(1))
             continue
         m = MEMORY.search(line)
         if m:
