@@ -44,9 +44,10 @@ def phases(log: str, total_s: float) -> dict[str, float] | None:
             return None
         marks[name] = _time(found.group(1))
     its = [(int(m.group(2)), _time(m.group(1))) for m in ITERATION.finditer(log)]
-    if len(its) < 3:
+    later = [t for i, t in its if i >= 2]  # the first logged iteration after the first (--log-interval may skip)
+    if len(its) < 3 or not later:
         return None
-    second, last = next(t for i, t in its if i == 2), its[-1][1]
+    second, last = later[0], its[-1][1]
     return {"start-up and exit": total_s - (last - marks["library"]).total_seconds(),  # the log stamps neither
             "library set-up": (marks["init"] - marks["library"]).total_seconds(),
             "Megatron init": (marks["model"] - marks["init"]).total_seconds(),

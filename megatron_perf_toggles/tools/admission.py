@@ -174,11 +174,10 @@ def unresolved(alone: Sequence[Mapping[str, Any]], layer: Sequence[Mapping[str, 
     """The shapes whose speed alone is not resolved: the interval holds 1.0 and spans more than
     UNRESOLVED_SPAN (a record may stand on it, since nothing shows the toggle slower, but the line
     says it is provisional rather than admitted), unless a layer-level entry of that toggle resolves
-    it faster where it acts (measured where the whole run cannot resolve it)."""
-    if any(m["low"] > 1.0 for m in layer):
-        return []
-    return [str(m.get("shape")) for m in alone
-            if m["low"] <= 1.0 <= m["high"] and m["low"] > 0 and m["high"] / m["low"] > UNRESOLVED_SPAN]
+    it faster where it acts on that shape (measured where the whole run cannot resolve it)."""
+    resolved_there = {m.get("shape") for m in layer if m["low"] > 1.0}
+    return [str(m.get("shape")) for m in alone if m.get("shape") not in resolved_there
+            and m["low"] <= 1.0 <= m["high"] and m["low"] > 0 and m["high"] / m["low"] > UNRESOLVED_SPAN]
 
 
 def summary_line(name: str, record: Any, problems: Sequence[str]) -> str:

@@ -62,3 +62,49 @@ def test_the_validated_namespace_keeps_megatrons_types():
                           env=env, cwd=REPO, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "2", "2", "bf16"]
+
+
+CONFIGS = """
+import sys
+from megatron_perf_toggles.runtime.machine.target import make_target
+from megatron_perf_toggles.tools.planning import validated_arguments
+from megatron_perf_toggles.tools.layers import design, gpu_build
+from megatron_perf_toggles.tools.layers.shard import one_gpu_args, shard_of, unit_changes
+from megatron_perf_toggles.core.registry import TOGGLES
+stock = {t.dest: False for t in TOGGLES if t.kind == "bool"}
+tree, world, words = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+plan, label, ns = validated_arguments(tree, words, make_target(world_size=world, gpu="h100"))
+args = vars(ns)
+shard = shard_of(args)
+one = one_gpu_args(args, shard)
+sys.path.insert(0, tree)
+for row in design.rows(plan, args, shard):
+    if row.measured:
+        # every toggle off (a fused arm's config wants Transformer Engine, which a CPU machine has not)
+        config = gpu_build.config_for(one, **{**stock, **unit_changes(row.unit.name, shard)})
+        print(row.toggle.dest, row.unit.name, config.num_moe_experts)
+"""
+DEEPSEEK_LIKE = [*MOE[:MOE.index("--num-experts")], "--num-experts", "16", "--moe-router-topk", "4",
+                 "--moe-router-num-groups", "8", "--moe-router-group-topk", "2", "--moe-router-score-function",
+                 "sigmoid", "--moe-router-enable-expert-bias", "--moe-shared-expert-intermediate-size", "1024",
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--mock-data", "--train-iters", "10",
+                 "--lr", "1e-4", "--transformer-impl", "transformer_engine", "--position-embedding-type", "rope",
+                 "--disable-bias-linear", "--no-rope-fusion", "--expert-model-parallel-size", "4",
+                 "--moe-token-dispatcher-type", "alltoall", "--no-gradient-accumulation-fusion"]
+
+
+@pytest.mark.real_megatron
+@pytest.mark.own_process
+def test_every_measured_units_config_builds_from_a_real_command_line():
+    """Each unit's TransformerConfig (its stock arm), from a DeepSeek-like command line (group-limited
+    routing over 8 groups, a shared expert, EP 4: 4 local experts): what a GPU run builds first, checked on a CPU."""
+    trees = megatron_trees()
+    if not trees:
+        pytest.skip("MEGATRON_LM_TREES is unset")
+    env = {**clean_environ(drop=("PYTHONPATH",)), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", CONFIGS, str(trees[-1]), "4", *DEEPSEEK_LIKE], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line.strip()}
+    assert built["moe_router_fusion"] == ["router", "16"] and built["moe_grouped_gemm"] == ["moe_layer", "4"]
+    assert built["moe_permute_fusion"] == ["dispatcher", "16"] and built["cross_entropy_loss_fusion"][1] == "None"

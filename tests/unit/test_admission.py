@@ -167,6 +167,10 @@ def test_a_resolved_layer_entry_admits_a_toggle_the_whole_run_cannot_resolve(rep
     path.write_text(json.dumps(data))
     admission.main([str(path)])
     assert "moe_router_fusion: PROVISIONAL" in capsys.readouterr().out
+    record["speed"]["layer"] = [{**_speed(1.744, 1.681, 1.809), "unit": "router", "clock": "gpu", "shape": "other"}]
+    path.write_text(json.dumps(data))
+    admission.main([str(path)])
+    assert "moe_router_fusion: PROVISIONAL" in capsys.readouterr().out  # resolved on another shape only
     record["speed"]["layer"] = [{**_speed(1.744, 1.681, 1.809), "unit": "router", "clock": "gpu"}]
     path.write_text(json.dumps(data))
     assert admission.main([str(path)]) == 0

@@ -151,7 +151,9 @@ def test_ablate_runs_as_many_at_once_as_fit(tmp_path, monkeypatch, capsys):
     assert len(lines) == 1 and lines[0].startswith(f"[ablate] --concurrent {fits + 2}: ")
     assert f"4 runs, {fits} at a time" in err
     data = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert data["concurrent"] == fits and data["blocks_run"] == 2 and "speedup" not in data["rows"][1]
+    assert data["concurrent"] == fits + 2 and data["concurrent_ran"] == fits  # asked for, and run at once
+    assert data["blocks_run"] == 2 and "speedup" not in data["rows"][1]
+    assert data["speed_note"].startswith(f"not measured: {min(fits, 4)} runs shared the GPU")
 
 
 def test_ablate_where_k_fit_says_nothing_of_memory(tmp_path, monkeypatch, capsys):
@@ -166,7 +168,8 @@ def test_ablate_where_one_fits_runs_one_at_a_time_and_keeps_losses_alone(tmp_pat
     err = capsys.readouterr().err
     assert err.count("running 1 at once") == 1 and "4 runs, 1 at a time" in err
     data = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert data["concurrent"] == 1 and "one at a time" in data["speed_note"] and data["sizing"] is None
+    assert data["concurrent"] == 4 and data["concurrent_ran"] == 1
+    assert "one at a time" in data["speed_note"] and data["sizing"] is None
     assert all("speedup" not in r for r in data["rows"]) and data["runs"] and all(
         r["status"] == "done" for r in data["runs"])
 

@@ -266,3 +266,70 @@ def test_the_result_table_fits_the_screen_and_says_a_failure_in_one_row():
     text = "\n".join(lines)
     assert "x1.33" in text and "faster" in text and "+1.00" in text and "100 -> 120 MB" in text
     assert "failed" in text and "ValueError: nope" in text
+
+
+# --- what one GPU cannot build, and the review's cases ---------------------------------------------
+
+
+def _rows(args, environ=None):
+    args = {"transformer_impl": "transformer_engine", "position_embedding_type": "rope", **args}
+    return {r.toggle.dest: r for r in design.rows(_plan(args, environ), args, shard_of(args))}
+
+
+def test_moe_layers_per_stage_round_up_as_megatron_counts_them():
+    assert units.moe_layers_per_stage({"moe_layer_freq": 3}, 4) == 2  # layers 0 and 3
+
+
+def test_the_experts_take_their_tokens_gathered_over_etp_and_the_shared_expert_is_split_over_tp():
+    args = {**MOE_SHAPE, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+            "moe_shared_expert_intermediate_size": 2048, "moe_token_dispatcher_type": "flex",
+            "overlap_moe_expert_parallel_comm": True}
+    s = shard_of(args)
+    assert s.tokens == 4096 and s.expert_tokens == 4096 * 2
+    built = one_gpu_args(args, s)
+    assert built["moe_shared_expert_intermediate_size"] == 1024
+    assert built["moe_token_dispatcher_type"] == "alltoall" and built["overlap_moe_expert_parallel_comm"] is False
+
+
+def test_each_unit_sees_its_experts():
+    from megatron_perf_toggles.tools.layers.shard import unit_changes
+
+    s = shard_of({**MOE_SHAPE, "expert_model_parallel_size": 4})
+    assert unit_changes("router", s) == {"num_experts": 64} == unit_changes("dispatcher", s)
+    layer = unit_changes("moe_layer", s)
+    assert layer["num_experts"] == 16 and layer["moe_router_num_groups"] is None
+    assert unit_changes("attention", s)["num_experts"] is None and unit_changes("output_loss", s) == DENSE
+
+
+@pytest.mark.parametrize(("over", "dest", "words"), [
+    ({"context_parallel_size": 2}, "fused_single_qkv_rope", "CP 2"),
+    ({"context_parallel_size": 2}, "gradient_accumulation_fusion", "CP 2"),
+    ({"vocab_size": None}, "cross_entropy_loss_fusion", "pass --vocab-size"),
+    ({"expert_model_parallel_size": 16}, "moe_grouped_gemm", "top-6 over the rank's 4 local experts"),
+    ({"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"}, "moe_permute_fusion",
+     "allgather dispatcher permutes the tokens gathered"),
+])
+def test_a_unit_one_gpu_cannot_build_says_why(over, dest, words):
+    row = _rows({**MOE_ARGS, **MOE_SHAPE, **over}, {"MOE_PERMUTE_FUSION": "1"})[dest]
+    assert not row.measured and words in row.status, row.status
+
+
+def test_a_missing_size_is_one_line():
+    with pytest.raises(Exception, match="needs the model's sizes: --hidden-size"):
+        shard_of({k: v for k, v in MOE_SHAPE.items() if k != "hidden_size"})
+
+
+@pytest.mark.own_process
+def test_a_command_line_without_sizes_is_one_line_exit_2():
+    done = _layers("--check", "--", "--num-layers", "4")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("over", [{"tensor_model_parallel_size": 2}, {"expert_tensor_parallel_size": 2}])
+def test_the_permute_rule_covers_only_the_layout_measured(over):
+    assert _plan(_moe(**over)).decisions["moe_permute_fusion"].value is True
+
+
+def test_the_permute_rule_covers_only_the_platform_measured():
+    plan = decide(_moe(), {}, read_env({}), full_caps(device="rocm"))
+    assert plan.decisions["moe_permute_fusion"].value is True

@@ -57,8 +57,8 @@ ROUTER_MIN_TE = (2, 7)  # Megatron imports TE's router kernels only from here (2
 SQRTSOFTPLUS_MIN_TE = (2, 13)
 NO_GG = "pass --no-moe-grouped-gemm"
 # Where the layer-level sweep measured permute fusion slower (wall time, launches included): routed
-# elements per micro-batch on a rank (tokens x top-k x hidden) below these, by dispatcher; EP 1, one
-# H100, Megatron core 0.20, Transformer Engine 2.20 (docs/benchmarks/raw/layers/sweep.json, 38 shapes).
+# elements per micro-batch on a rank (tokens x top-k x hidden) below these, by dispatcher; TP, EP and
+# ETP 1, one H100 (CUDA), Megatron core 0.20, Transformer Engine 2.20 (docs/benchmarks/raw/layers/sweep.json).
 PF_SLOWER_BELOW = {"alltoall": 64 * 2**20, "allgather": 96 * 2**20}
 
 
@@ -377,12 +377,15 @@ def routed_elements(args: Any) -> int:
 @guard(moves=(PF,))
 def moe_permute_fusion_slower_here(ctx: Context) -> Iterator[Change]:
     """Permute fusion is on by default only where it was measured faster: the layer-level sweep
-    (``megatron-perf-toggles layers``' dispatcher unit, 38 MoE shapes at EP 1) found the fused
-    permute and unpermute slower in wall time below a size (``PF_SLOWER_BELOW``): their kernels take
-    half the GPU time, but more time to launch. The rule covers what was measured, EP 1 with the
-    alltoall or allgather dispatcher; elsewhere, and wherever the toggle was asked for, it stands."""
+    (``megatron-perf-toggles layers``' dispatcher unit, 38 MoE shapes) found the fused permute and
+    unpermute faster in GPU time on every shape, but slower in wall time (the launches included)
+    below a size (``PF_SLOWER_BELOW``). The rule covers what was measured: CUDA, TP, EP and ETP 1,
+    the alltoall or allgather dispatcher; elsewhere, and wherever the toggle was asked for, it stands."""
     a = ctx.args
-    if not _on(ctx, PF) or ctx.sources.get(PF) != "default" or int(a.get("expert_model_parallel_size") or 1) != 1:
+    if not _on(ctx, PF) or ctx.sources.get(PF) != "default" or ctx.caps.device != "cuda":
+        return
+    if any(int(a.get(d) or 1) != 1 for d in ("expert_model_parallel_size", "tensor_model_parallel_size",
+                                             "expert_tensor_parallel_size")):
         return
     dispatcher = a.get("moe_token_dispatcher_type") or "allgather"
     limit = PF_SLOWER_BELOW.get(dispatcher)
@@ -390,7 +393,7 @@ def moe_permute_fusion_slower_here(ctx: Context) -> Iterator[Change]:
     if limit is not None and 0 < routed < limit:
         yield _off(PF, f"measured slower at this size: {routed / 2**20:.0f} Mi elements routed per micro-batch "
                    f"(tokens x top-k x hidden) is under {limit // 2**20} Mi, where the fused permutation's launches "
-                   f"cost more than its kernels save (layer-level sweep, EP 1, {dispatcher} dispatcher)",
+                   f"cost more than its kernels save (layer-level sweep on an H100, EP 1, {dispatcher} dispatcher)",
                    "MOE_PERMUTE_FUSION=1 keeps it on")
 
 

@@ -113,8 +113,10 @@ def analysed(measurements: Measurements) -> Analysis:
         f"say --world-size {m.logged_world}"]
     gpus = runs_world(m.logged_world, spec)
     seeds = None if spec.block_seeds is None else [spec.block_seeds + b for b in range(m.blocks)]
-    speed = {"concurrent": m.schedule.at_once, "speed_note": speed_note(spec.concurrent, m.schedule.at_once)
-             } if together else {}
+    # "concurrent" is the K asked for (as before the memory check); how many ran at once is its own field
+    shared = min(m.schedule.at_once, max(1, sum(len(block) for block in m.schedule.blocks)))
+    speed = {"concurrent": spec.concurrent, "concurrent_ran": m.schedule.at_once,
+             "speed_note": speed_note(spec.concurrent, shared)} if together else {}
     rows = compare(design.arms, m.runs, m.done, runs.records[0].get("effective_args", {}).get("seq_length"), gpus,
                    spec.confidence, spec.effect, design.baseline)
     size = None if together else stats.sizing(rows, spec.effect, spec.confidence)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ...errors import PerfTogglesError
+from ...errors import PREFIX, PerfTogglesError
 from ...runtime.machine import target as planned
 from .design import Row, bf16_main_grads, microbatches_per_step, rows
 from .shard import shard_of
@@ -75,8 +75,9 @@ def layout_world(megatron_args: list[str]) -> int:
     return math.lcm(tp * pp * cp, ep * etp * pp)
 
 
-def _ablate_results(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """An ablate results.json's baseline row and one of its runs (the command the arms shared)."""
+def _ablate_results(path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]:
+    """An ablate results.json's baseline row, one of its runs (the command the arms shared) and the
+    world its runs had (None: not recorded)."""
     try:
         data = json.loads(Path(path).read_text())
         base = next(r for r in data["rows"] if r.get("baseline"))
@@ -85,12 +86,13 @@ def _ablate_results(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     except (OSError, ValueError, KeyError, StopIteration, TypeError) as error:
         raise PerfTogglesError(f"--ablate-results {path}: no baseline ms/iter and command there ({error})",
                                "pass the results.json an ablate run wrote") from None
-    return base, run
+    world = data.get("world_size") or data.get("planned_world_size")
+    return base, run, int(world) if isinstance(world, int) and world > 0 else None
 
 
 def args_from_ablate(path: str) -> list[str]:
     """The Megatron arguments of an ablate result's baseline run (the words after its pretrain_gpt.py)."""
-    _base, run = _ablate_results(path)
+    _base, run, _world = _ablate_results(path)
     words = [str(w) for w in run["command"]]
     script = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
     if script is None:
@@ -105,7 +107,7 @@ def step_time(ns: argparse.Namespace) -> dict[str, Any]:
             raise PerfTogglesError(f"--step-ms must be above 0 (got {ns.step_ms:g})")
         return {"ms": ns.step_ms, "source": "--step-ms", "text": f"{ns.step_ms:g} ms (--step-ms)"}
     if ns.ablate_results:
-        base, _run = _ablate_results(ns.ablate_results)
+        base, _run, _world = _ablate_results(ns.ablate_results)
         ms = float(base["ms_per_iter"]["median"])
         return {"ms": ms, "source": f"ablate {ns.ablate_results}",
                 "text": f"{ms:g} ms (the baseline arm {base['arm']!r} of {ns.ablate_results})"}
@@ -120,7 +122,10 @@ def _plan(ns: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
     if ns.megatron:
         checkout_script(ns.megatron)
     target = planned.from_options(ns)
-    if target.world_size is None:
+    ablated = _ablate_results(ns.ablate_results)[2] if ns.ablate_results else None
+    if target.world_size is None and ablated:  # the step share counts that world's micro-batches per step
+        target = replace(target, world_size=ablated, world_source=f"the world of {ns.ablate_results}")
+    elif target.world_size is None:
         world = layout_world(ns.megatron_args)
         target = replace(target, world_size=world, world_source="the smallest world of the layout")
     if ns.megatron:
@@ -141,6 +146,7 @@ def run_layers(ns: argparse.Namespace) -> int:
         raise PerfTogglesError("no Megatron arguments", "give your pretrain_gpt.py arguments after -- (or "
                                "--ablate-results FILE: its baseline's)")
     step = step_time(ns)
+    gpu_reason = _why_no_gpu(ns)  # a mistake is one line before the seconds of planning
     plan, label, args = _plan(ns)
     shard = shard_of(args)
     todo = rows(plan, args, shard, ns.toggles)
@@ -153,7 +159,6 @@ def run_layers(ns: argparse.Namespace) -> int:
                               "step": step, "rows": {r.toggle.dest: {"unit": r.unit.name, "status": r.status,
                                                                      "per_microbatch": r.per_microbatch}
                                                      for r in todo}}
-    gpu_reason = _why_no_gpu(ns)
     if gpu_reason:
         print(f"\nnot timed: {gpu_reason}")
         return 0
@@ -161,10 +166,14 @@ def run_layers(ns: argparse.Namespace) -> int:
     print("\n".join(fit(result_lines(results, size), size)))
     record.update(results=results, versions=_versions(), blocks=ns.blocks, warmup=ns.warmup, seed=ns.seed)
     print(f"\nrecord: {write(Path(ns.out), record)}")
+    if results and all("error" in r for r in results.values()):
+        print(f"{PREFIX} error: no unit could be built and timed (each row says why)", file=sys.stderr)
+        return 1
     return 0
 
 
 def _why_no_gpu(ns: argparse.Namespace) -> str:
+    """Why nothing is timed ("": it is). On a GPU, timing without a checkout is a mistake, said first."""
     from ...runtime.machine.probe import no_gpu_here
 
     if ns.check:
@@ -172,7 +181,8 @@ def _why_no_gpu(ns: argparse.Namespace) -> str:
     if no_gpu_here():
         return "no GPU visible here (the list above is what a GPU run builds and times)"
     if not ns.megatron:
-        return "timing builds Megatron's modules: pass --megatron PATH"
+        raise PerfTogglesError("timing builds Megatron's own modules: pass --megatron PATH",
+                               "or --check to plan and list only")
     return ""
 
 

@@ -57,10 +57,27 @@ def why_not(toggle: Toggle, unit: Unit, plan: Plan, args: Mapping[str, Any], sha
     decision = plan.decisions.get(toggle.dest)
     if decision is not None and decision.value is not True:
         return f"off in this plan ({decision.source}): {decision.reason}"
-    if args.get("transformer_impl") != "transformer_engine" and unit.name in ("layer_wgrad", "attention"):
+    return _unit_cannot(unit.name, args, shard)
+
+
+def _unit_cannot(unit: str, args: Mapping[str, Any], shard: Shard) -> str:
+    """Why this layout's unit cannot be built as one rank holds it ("" where it can)."""
+    if args.get("transformer_impl") != "transformer_engine" and unit in ("layer_wgrad", "attention"):
         return "measured with Transformer Engine layers only (--transformer-impl transformer_engine)"
-    if unit.name == "attention" and args.get("position_embedding_type") != "rope":
+    if unit == "attention" and args.get("position_embedding_type") != "rope":
         return "acts only with RoPE (--position-embedding-type rope)"
+    if unit in ("attention", "layer_wgrad") and shard.cp > 1:
+        return (f"CP {shard.cp}: a rank attends its share of the queries to keys passed round the ring, which one "
+                "GPU does not build")
+    if unit == "output_loss" and not shard.vocab:
+        return "the vocabulary's size is not known before the tokenizer is built: pass --vocab-size"
+    topk = int(args.get("moe_router_topk") or 2)
+    if unit in ("moe_layer", "layer_wgrad") and shard.experts and topk > shard.local_experts:
+        return (f"top-{topk} over the rank's {shard.local_experts} local experts cannot be built at EP 1: "
+                "measure at a smaller --expert-model-parallel-size")
+    if unit == "dispatcher" and args.get("moe_token_dispatcher_type") == "allgather" and shard.etp * shard.ep > 1:
+        return ("the allgather dispatcher permutes the tokens gathered over ETP x EP ranks for its local experts, "
+                "which one GPU does not build")
     return ""
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...core.registry import Toggle
 from . import gpu_build as gb
-from .shard import DENSE, Shard
+from .shard import Shard, unit_changes
 
 MOE_FUSIONS = ("moe_router_fusion", "moe_permute_fusion")
 
@@ -86,7 +86,7 @@ def router(job: Job) -> Pair:
     def run(module: Any) -> gb.Step:
         return _forward_backward(lambda t: _probs(module(t)), x)
 
-    return _pair(job, lambda config: _router(TopKRouter, config), run, num_experts=job.shard.experts)
+    return _pair(job, lambda config: _router(TopKRouter, config), run, **unit_changes("router", job.shard))
 
 
 def _router(cls: Any, config: Any) -> Any:
@@ -112,7 +112,7 @@ def dispatcher(job: Job) -> Pair:
 
     x = _tokens_input(job)
     gb.seeded(job.seed)
-    config = job.config(False, num_experts=job.shard.experts)
+    config = job.config(False, **unit_changes("dispatcher", job.shard))
     with torch.no_grad():
         probs, routing_map = gb.on_gpu(_router(TopKRouter, config), config)(x)[:2]
     tokens = x.detach().reshape(-1, x.shape[-1]).requires_grad_(True)
@@ -133,10 +133,12 @@ def dispatcher(job: Job) -> Pair:
 
 
 def moe_layer(job: Job) -> Pair:
-    """One MoE layer at EP 1 holding the rank's local experts (its expert work is one rank's: the
-    tokens it receives for them)."""
-    x = _tokens_input(job)
-    more = {"num_experts": job.shard.local_experts}
+    """One MoE layer at EP 1 holding the rank's local experts, fed the tokens they take on one rank
+    (the alltoall dispatcher gathers them over the expert-tensor-parallel group)."""
+    s = job.shard
+    x = gb.randn((s.expert_tokens // s.micro_batch, s.micro_batch, int(job.args["hidden_size"])),
+                 gb.generator(job.seed), requires_grad=True)
+    more = unit_changes("moe_layer", s)
 
     def make(config: Any) -> Any:
         return gb.build(gb.layer_spec(config).mlp, config)
@@ -160,7 +162,7 @@ def attention(job: Job) -> Pair:
         return gb.build(gb.layer_spec(config).self_attention, config, layer_number=1)
 
     return _pair(job, make, lambda m: _forward_backward(lambda t: m(t, attention_mask=None, rotary_pos_emb=emb), x),
-                 **DENSE)
+                 **unit_changes("attention", s))
 
 
 def output_loss(job: Job) -> Pair:
@@ -176,7 +178,7 @@ def output_loss(job: Job) -> Pair:
     labels = torch.randint(0, s.vocab, (s.micro_batch, s.seq), device="cuda", generator=gen)
 
     def run(on: bool) -> gb.Step:
-        fake = gb.fake_language_module(job.config(on, **DENSE))
+        fake = gb.fake_language_module(job.config(on, **unit_changes("output_loss", s)))
 
         def step() -> None:
             h.grad = weight.grad = None
@@ -208,7 +210,7 @@ def layer_wgrad(job: Job) -> Pair:
     def make(config: Any) -> Any:
         return gb.build(ModuleSpec(module=TransformerLayer, submodules=gb.layer_spec(config)), config, layer_number=1)
 
-    more = {"num_experts": s.local_experts or None}
+    more = unit_changes("layer_wgrad", s)
     return _pair(job, make, lambda m: _forward_backward(lambda t: m(t, attention_mask=None, rotary_pos_emb=emb), x),
                  **more)
 

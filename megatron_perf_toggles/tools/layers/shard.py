@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...core.registry import flag_of
 from ...errors import PerfTogglesError
 
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -32,6 +33,7 @@ class Shard:
     seq: int  # the sequence one rank's attention sees (seq / CP)
     micro_batch: int
     tokens: int  # tokens into a rank's MoE layer or MLP (seq / CP * micro-batch, / TP with SP)
+    expert_tokens: int  # tokens a rank's local experts take: the alltoall dispatcher gathers them over ETP
     heads: int
     query_groups: int
     kv_channels: int
@@ -77,8 +79,15 @@ def _vocab(args: Mapping[str, Any], tp: int) -> int:
     return int(padded) // tp
 
 
+REQUIRED = ("hidden_size", "num_attention_heads", "seq_length", "num_layers")
+
+
 def shard_of(args: Mapping[str, Any]) -> Shard:
     """The shard of one rank of the layout the parsed (validated) arguments describe."""
+    missing = [d for d in REQUIRED if not args.get(d)]
+    if missing:
+        raise PerfTogglesError(f"the layer check needs the model's sizes: {', '.join(flag_of(d) for d in missing)} "
+                               "not given", "give them with your Megatron arguments")
     tp, pp, cp, ep = (_size(args, d) for d in PARALLEL[:4])
     etp = int(args.get("expert_tensor_parallel_size") or tp)
     hidden = int(args["hidden_size"])
@@ -91,7 +100,7 @@ def shard_of(args: Mapping[str, Any]) -> Shard:
     ffn = int(args.get("ffn_hidden_size") or 4 * hidden)
     moe_ffn = int(args.get("moe_ffn_hidden_size") or ffn)
     return Shard(
-        tp=tp, ep=ep, etp=etp, cp=cp, pp=pp, seq=seq, micro_batch=mbs, tokens=tokens,
+        tp=tp, ep=ep, etp=etp, cp=cp, pp=pp, seq=seq, micro_batch=mbs, tokens=tokens, expert_tokens=tokens * etp,
         heads=_divided(heads, tp, "--num-attention-heads over TP:"),
         query_groups=max(1, groups // tp),  # fewer groups than TP ranks: each rank holds one whole group
         kv_channels=int(args.get("kv_channels") or hidden // heads),
@@ -105,18 +114,39 @@ def shard_of(args: Mapping[str, Any]) -> Shard:
 
 def one_gpu_args(args: Mapping[str, Any], shard: Shard) -> dict[str, Any]:
     """The arguments a module of the shard is built from: every parallel size 1 and the sizes one
-    rank holds, the rest as the user's plan has them."""
+    rank holds (the shared expert split over TP as its MLP is), what needs another rank off (the
+    expert-parallel overlap, the flex dispatcher's all-to-all, which asserts TP x EP > 1: the
+    alltoall dispatcher's calls stand in), the rest as the user's plan has them."""
     out = dict(args)
     out.update({d: 1 for d in PARALLEL})
     out.update(sequence_parallel=False, num_attention_heads=shard.heads, num_query_groups=shard.query_groups,
                kv_channels=shard.kv_channels, ffn_hidden_size=shard.ffn, seq_length=shard.seq,
-               world_size=1, data_parallel_size=1)
+               world_size=1, data_parallel_size=1, overlap_moe_expert_parallel_comm=False)
     if shard.experts:
         out.update(moe_ffn_hidden_size=shard.moe_ffn)
+        shared = args.get("moe_shared_expert_intermediate_size")
+        if shared:
+            out["moe_shared_expert_intermediate_size"] = int(shared) // shard.tp
+        if args.get("moe_token_dispatcher_type") == "flex":
+            out["moe_token_dispatcher_type"] = "alltoall"
     return out
 
 
 DENSE = {"num_experts": None, "moe_ffn_hidden_size": None, "moe_shared_expert_intermediate_size": None,
-         "moe_grouped_gemm": False, "moe_permute_fusion": False, "moe_router_fusion": False, "moe_layer_freq": 1}
+         "moe_grouped_gemm": False, "moe_permute_fusion": False, "moe_router_fusion": False, "moe_layer_freq": 1,
+         "moe_router_num_groups": None, "moe_router_group_topk": None}
 """What a dense unit (attention, an MLP) of an MoE model is built with: no expert settings, which
 Megatron's config refuses without experts."""
+
+
+def unit_changes(unit: str, shard: Shard) -> dict[str, Any]:
+    """What a unit's config changes from the shard's arguments: the router and the dispatcher see
+    every expert, the MoE layer (and a layer's weight gradients) the rank's local experts (routed
+    among them alone: group-limited routing over all experts cannot be kept at that count), the
+    dense units no expert settings."""
+    if unit in ("router", "dispatcher"):
+        return {"num_experts": shard.experts}
+    if unit in ("moe_layer", "layer_wgrad") and shard.experts:
+        local = {"num_experts": shard.local_experts}
+        return {**local, "moe_router_num_groups": None, "moe_router_group_topk": None} if shard.ep > 1 else local
+    return dict(DENSE)

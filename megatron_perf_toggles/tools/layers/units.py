@@ -67,10 +67,11 @@ def units_per_microbatch(unit: Unit, args: Mapping[str, Any]) -> int:
 
 
 def moe_layers_per_stage(args: Mapping[str, Any], layers: int) -> int:
-    """MoE layers on one stage: all of them unless ``--moe-layer-freq`` names a pattern or a period."""
+    """MoE layers on one stage: all of them unless ``--moe-layer-freq`` names a pattern or a period
+    (every freq-th layer from the first, as Megatron counts ``i % freq == 0``: rounded up)."""
     freq = args.get("moe_layer_freq")
     if isinstance(freq, int) and freq > 1:
-        return max(1, layers // freq)
+        return max(1, -(-layers // freq))
     if isinstance(freq, (list, tuple)) and freq:
         pp = int(args.get("pipeline_model_parallel_size") or 1)
         return max(1, sum(1 for x in freq if x) // pp)
