@@ -75,7 +75,10 @@ def layout_world(megatron_args: list[str]) -> int:
     return math.lcm(tp * pp * cp, ep * etp * pp)
 
 
-def _ablate_results(path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]:
+Ablated = tuple[dict[str, Any], dict[str, Any], int | None]
+
+
+def _ablate_results(path: str) -> Ablated:
     """An ablate results.json's baseline row, one of its runs (the command the arms shared) and the
     world its runs had (None: not recorded)."""
     try:
@@ -90,9 +93,9 @@ def _ablate_results(path: str) -> tuple[dict[str, Any], dict[str, Any], int | No
     return base, run, int(world) if isinstance(world, int) and world > 0 else None
 
 
-def args_from_ablate(path: str) -> list[str]:
+def args_from_ablate(path: str, ablated: Ablated | None = None) -> list[str]:
     """The Megatron arguments of an ablate result's baseline run (the words after its pretrain_gpt.py)."""
-    _base, run, _world = _ablate_results(path)
+    _base, run, _world = ablated or _ablate_results(path)
     words = [str(w) for w in run["command"]]
     script = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
     if script is None:
@@ -100,21 +103,21 @@ def args_from_ablate(path: str) -> list[str]:
     return words[script + 1:]
 
 
-def step_time(ns: argparse.Namespace) -> dict[str, Any]:
-    """The step time the share is taken of, and where it came from."""
+def step_time(ns: argparse.Namespace, ablated: Ablated | None = None) -> dict[str, Any]:
+    """The step time the share is taken of, and where it came from (``ablated``: the ablate result read)."""
     if ns.step_ms is not None:
         if ns.step_ms <= 0:
             raise PerfTogglesError(f"--step-ms must be above 0 (got {ns.step_ms:g})")
         return {"ms": ns.step_ms, "source": "--step-ms", "text": f"{ns.step_ms:g} ms (--step-ms)"}
-    if ns.ablate_results:
-        base, _run, _world = _ablate_results(ns.ablate_results)
+    if ablated is not None:
+        base = ablated[0]
         ms = float(base["ms_per_iter"]["median"])
         return {"ms": ms, "source": f"ablate {ns.ablate_results}",
                 "text": f"{ms:g} ms (the baseline arm {base['arm']!r} of {ns.ablate_results})"}
     return {"ms": None, "source": None, "text": "none given (--step-ms or --ablate-results): no step share"}
 
 
-def _plan(ns: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
+def _plan(ns: argparse.Namespace, ablated_world: int | None) -> tuple[Any, str, dict[str, Any]]:
     """The plan and the validated arguments: a checkout's own (Megatron's types, which the modules are
     built from), else the recorded surface's parse (enough to list what would be built)."""
     from ..planning import checkout_script, plan_command_line, validated_arguments
@@ -122,9 +125,8 @@ def _plan(ns: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
     if ns.megatron:
         checkout_script(ns.megatron)
     target = planned.from_options(ns)
-    ablated = _ablate_results(ns.ablate_results)[2] if ns.ablate_results else None
-    if target.world_size is None and ablated:  # the step share counts that world's micro-batches per step
-        target = replace(target, world_size=ablated, world_source=f"the world of {ns.ablate_results}")
+    if target.world_size is None and ablated_world:  # the step share counts that world's micro-batches per step
+        target = replace(target, world_size=ablated_world, world_source=f"the world of {ns.ablate_results}")
     elif target.world_size is None:
         world = layout_world(ns.megatron_args)
         target = replace(target, world_size=world, world_source="the smallest world of the layout")
@@ -140,14 +142,15 @@ def run_layers(ns: argparse.Namespace) -> int:
         _positive(f"--{name}", getattr(ns, name))
     if ns.megatron_args[:1] == ["--"]:
         ns.megatron_args = ns.megatron_args[1:]
-    if not ns.megatron_args and ns.ablate_results:
-        ns.megatron_args = args_from_ablate(ns.ablate_results)
+    ablated = _ablate_results(ns.ablate_results) if ns.ablate_results else None
+    if not ns.megatron_args and ablated is not None:
+        ns.megatron_args = args_from_ablate(ns.ablate_results, ablated)
     if not ns.megatron_args:
         raise PerfTogglesError("no Megatron arguments", "give your pretrain_gpt.py arguments after -- (or "
                                "--ablate-results FILE: its baseline's)")
-    step = step_time(ns)
+    step = step_time(ns, ablated)
     gpu_reason = _why_no_gpu(ns)  # a mistake is one line before the seconds of planning
-    plan, label, args = _plan(ns)
+    plan, label, args = _plan(ns, ablated[2] if ablated else None)
     shard = shard_of(args)
     todo = rows(plan, args, shard, ns.toggles)
     from ...launcher.screen import fit, width
