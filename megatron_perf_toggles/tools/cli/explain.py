@@ -9,9 +9,9 @@ import json
 import os
 from typing import Any
 
-from ...core import layout
+from ...core import layout, stock_off
 from ...core.env import read_env
-from ...core.facts import Capabilities, describe_stack, parse_assume
+from ...core.facts import Capabilities, parse_assume
 from ...core.precision import LOG_DIR_DESTS
 from ...core.profile import Profile
 from ...core.registry import format_value
@@ -66,7 +66,7 @@ def _explain_header(ns: argparse.Namespace, caps: Capabilities, label: str, targ
     _say(f"Megatron: {label}", width)
     _say(f"Plan for: {planned.describe(target)}", width)
     # A plan for another machine names its planned stack alone: nothing of this machine's software.
-    _say(f"Stack:    {describe_stack(caps, hint=False)}" if caps.stack else f"Machine:  {_caps_summary(caps)}", width)
+    _say(f"Stack:    {caps.stack}" if caps.stack else f"Machine:  {_caps_summary(caps)}", width)
     if profile is not None:
         _say(f"Profile:  {_profile_summary(profile)}", width)
     if ns.verbose:
@@ -118,7 +118,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         if args.get(dest):
             _say(f"{dest}: {args[dest]}", width)
     if not plan.log_dirs and any(args.get(d) for d in LOG_DIR_DESTS):
-        _say("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)", width)
+        _say(f"(log directories not tagged: {stock_off.untagged_because(read_env(os.environ))})", width)
     for var in launch:
         _say_export(var.name, var.value, var.why, width)
     for m in plan.messages:
