@@ -14,7 +14,7 @@ from typing import Any
 from ..core.decision.decide import Plan
 from ..core.facts import STACK_HINT, Capabilities
 from ..core.launch_env import LaunchVar
-from ..core.memory.memory_guard import summary as memory_summary
+from ..core.memory.memory_words import summary as memory_summary
 from ..core.registry import format_value
 from ..runtime import provenance
 from . import screen

@@ -110,7 +110,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         _say(f"MoE toggles: not a mixture-of-experts model ({', '.join(plan.not_applicable)} left as Megatron's)",
              width)
     if plan.memory is not None:
-        from ...core.memory.memory_guard import summary
+        from ...core.memory.memory_words import summary
 
         _say(summary(plan.memory), width)
     _say(f"precision tag: {plan.precision}; fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}", width)
