@@ -13,6 +13,7 @@ from megatron_perf_toggles.core.decision.decide import decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.memory import peaks
 from megatron_perf_toggles.core.registry import TOGGLES
+from megatron_perf_toggles.errors import EXIT_DOES_NOT_FIT
 from megatron_perf_toggles.tools import cli
 from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_EXAMPLE
 
@@ -129,3 +130,17 @@ def test_the_guard_backs_off_what_moves_the_peak_past_the_card(layers):
     assert "backed off to stock's off to fit" in bf16.reason
     adds_up(plan.memory)
 
+
+def test_fail_if_no_fit_exits_3_after_the_plan(capsys, monkeypatch):
+    argv = ["--world-size", "8", "--gpu", "h100", "--", *GPT_175B]
+    code, out, err = explain(capsys, "--json", *argv)
+    assert code == 0 and json.loads(out)["memory"]["verdict"]["plan"] == "does_not_fit"  # explain's default
+    code, out, err = explain(capsys, "--json", "--fail-if-no-fit", *argv)
+    assert code == EXIT_DOES_NOT_FIT == 3 and json.loads(out)["memory"]["planned_peak_mb"] > 0  # the plan, whole
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[perf-toggles] error: the plan does not fit: planned peak 407.1 GB")
+    code, out, _ = explain(capsys, "--fail-if-no-fit", *argv)
+    assert code == 3 and out.startswith("Megatron:")
+    assert explain(capsys, "--fail-if-no-fit")[0] == 0  # the built-in example fits its eight H100s
+    monkeypatch.setenv("MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT", "1")
+    assert explain(capsys, "--json", *argv)[0] == 3

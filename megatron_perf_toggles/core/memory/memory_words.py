@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ...errors import DoesNotFitError
 from .allocator import VERDICT_WORDS
 from .peaks import STAGE_WORDS
 
@@ -76,3 +77,24 @@ def summary(memory: Mapping[str, Any]) -> str:
     note = memory.get("note")
     return line + (f"; {note}" if note else "")
 
+
+FAIL_IF_NO_FIT_HELP = ("after the plan, exit with status 3 (and one line on stderr) where it does not fit the GPU's "
+                       "memory (the memory line's 'plan does not fit'; one that fits only with expandable segments "
+                       "passes: its launch environment says how); also MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT=1")
+
+
+def fit_failure(memory: Mapping[str, Any] | None) -> DoesNotFitError | None:
+    """The one line for a plan whose verdict is that it does not fit (``--fail-if-no-fit``); None
+    where it fits (with expandable segments too: the launch environment says how), or where there is
+    no verdict (no estimate, or the GPU's memory unknown: the memory line says why)."""
+    verdicts = (memory or {}).get("verdict") or {}
+    if verdicts.get("plan") != "does_not_fit" or memory is None:
+        return None
+    need = (memory.get("allocator_need_mb") or {}).get("expandable_segments" if memory.get("expandable_segments_set")
+                                                        else "fixed_segments")
+    needs = f", allocator's need {size_words(need)}" if need is not None else ""
+    return DoesNotFitError(f"the plan does not fit: planned peak {size_words(memory.get('planned_peak_mb') or 0.0)}"
+                           f"{needs}, limit {size_words(memory.get('limit_mb') or 0.0)} (stock: "
+                           f"{VERDICT_WORDS[verdicts.get('stock', 'does_not_fit')]})",
+                           "exit status 3, as --fail-if-no-fit or MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT=1 asks; "
+                           "the plan above says what takes the memory")
