@@ -154,7 +154,13 @@ def test_the_memory_line_says_where_each_peak_is_and_where_the_largest_allocatio
     assert "this plan -1.8 GB, planned peak 18.8 GB on the first pipeline stage, in forward and backward" in line
     assert "largest allocation 224 MB on the first pipeline stage (the first MLP projection's output)" in line
     same = summary({**record, "stock_peak_at": record["planned_peak_at"], "pipeline_stages": 1})
-    assert "per GPU (estimate)" in same and "224 MB (the first" in same  # one place: said once, no stage
+    assert "per GPU (estimate)" in same and same.endswith("largest allocation 224 MB")  # one place, one stage
+    plain = summary({**record, "stock_peak_at": "in forward and backward", "planned_peak_at": "in forward and backward",
+                     "pipeline_stages": 1})
+    assert "planned peak 18.8 GB; largest allocation 224 MB" in plain  # one stage, the usual place: unsaid
+    step = summary({**record, "stock_peak_at": "at the optimizer step", "planned_peak_at": "in forward and backward",
+                    "pipeline_stages": 1})
+    assert "per GPU at the optimizer step (estimate)" in step and "18.8 GB in forward and backward;" in step
 
 
 def test_a_refusal_of_the_plugins_own_inside_the_parse_is_said_once():

@@ -13,7 +13,9 @@ from typing import Any
 
 from ...errors import DoesNotFitError
 from .allocator import VERDICT_WORDS
-from .peaks import STAGE_WORDS
+from .peaks import PHASE_WORDS, STAGE_WORDS
+
+PLAIN = PHASE_WORDS["training"]  # one stage peaking in forward and backward, as stock's does: not said
 
 
 def size_words(mb: float) -> str:
@@ -43,16 +45,20 @@ def change_words(memory: Mapping[str, Any], total: float) -> str:
     planned, where = memory.get("planned_peak_mb"), memory.get("planned_peak_at")
     if planned is None:
         return f", this plan {signed(total)}{counting}"
-    return f", this plan {signed(total)}{counting}, planned peak {size_words(planned)}" + (f" {where}" if where else "")
+    said = where and (where != PLAIN or memory.get("stock_peak_at", where) != where)  # the usual place goes unsaid
+    return f", this plan {signed(total)}{counting}, planned peak {size_words(planned)}" + (f" {where}" if said else "")
 
 
 def largest_words(memory: Mapping[str, Any]) -> str:
-    """``; largest allocation 224 MB on the first pipeline stage (the first MLP projection's output)``."""
+    """``; largest allocation 224 MB on the first pipeline stage (the first MLP projection's output)``:
+    with pipeline parallelism, which stage's and what it is (a stage's own rows and peak are not the
+    other's); with one stage the record says what it is."""
     if memory.get("largest_allocation_mb") is None:
         return ""
     stage = memory.get("largest_allocation_stage")
-    on = f" on {STAGE_WORDS[stage]}" if stage in STAGE_WORDS and memory.get("pipeline_stages", 1) > 1 else ""
-    what = f" ({memory['largest_allocation']})" if memory.get("largest_allocation") else ""
+    staged = stage in STAGE_WORDS and memory.get("pipeline_stages", 1) > 1
+    on = f" on {STAGE_WORDS[stage]}" if staged else ""
+    what = f" ({memory['largest_allocation']})" if staged and memory.get("largest_allocation") else ""
     return f"; largest allocation {size_words(memory['largest_allocation_mb'])}{on}{what}"
 
 
@@ -63,7 +69,7 @@ def summary(memory: Mapping[str, Any]) -> str:
     if stock is None:
         return f"memory: {memory.get('note') or 'no estimate'}"
     stock_at = memory.get("stock_peak_at")
-    elsewhere = f" {stock_at}" if stock_at and stock_at != memory.get("planned_peak_at") else ""
+    elsewhere = f" {stock_at}" if stock_at and stock_at != memory.get("planned_peak_at", stock_at) else ""
     line = f"memory: stock's estimated peak {size_words(stock)} per GPU{elsewhere} ({memory.get('stock_estimate_source')})"
     if total is not None:
         line += change_words(memory, total)
