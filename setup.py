@@ -42,7 +42,8 @@ setup(
     install_requires=[],
     extras_require={
         # loguru: Primus's logger, for the tests that run a job through Primus's own code path.
-        "test": ["pytest>=7", "ruff>=0.4", "mypy>=1.10,<2.5", "loguru"],
+        # setuptools: the tests build the package's wheel without network (a Python 3.12 venv has none).
+        "test": ["pytest>=7", "ruff>=0.4", "mypy>=1.10,<2.5", "loguru", "setuptools>=61"],
         # What Megatron-LM's parse_args + validate_args + TransformerConfig import on a CPU-only
         # machine, core 0.13 to main (pydantic from 0.16), next to torch. torch is not listed: a
         # plain "torch" from PyPI is a multi-GB CUDA build; install PyTorch's CPU build first (README).

@@ -44,8 +44,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from memory_validation import ABS_TOL_MB, REL_TOL, _toggle_flags, args_of  # noqa: E402
 
 from megatron_perf_toggles.core.memory import model as memory  # noqa: E402
-from megatron_perf_toggles.core.memory.memory_guard import stage_peaks  # noqa: E402
 from megatron_perf_toggles.core.memory.memory_moe import MOE_DESTS  # noqa: E402
+from megatron_perf_toggles.core.memory.peaks import stage_peaks  # noqa: E402
 from megatron_perf_toggles.core.registry import TOGGLES  # noqa: E402
 
 OUT = REPO / "docs" / "benchmarks"
@@ -98,7 +98,7 @@ def arm_values(argv: list[str], env: Mapping[str, str], intended: Mapping[str, A
 
 
 def plan_peak(argv: list[str], values: Mapping[str, Any], te: bool, apex: bool) -> dict[str, Any]:
-    """The arm's planned peak on one GPU, as the memory guard plans it (core.memory.memory_guard.stage_peaks:
+    """The arm's planned peak on one GPU, as the memory guard plans it (core.memory.peaks.stage_peaks:
     stock's peak per stage plus every toggle's change against stock's value, or the optimizer
     step's peak where larger), over the registry's toggles and the MoE toggles alike."""
     args = {k: v for k, v in args_of(argv).items() if k not in ("world_size", "data_parallel_size")}

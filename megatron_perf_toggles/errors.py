@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 EXIT_USAGE = 2
+EXIT_DOES_NOT_FIT = 3  # a plan printed whole, whose job does not fit the GPU's memory (--fail-if-no-fit)
 PREFIX = "[perf-toggles]"
 
 
@@ -63,6 +64,14 @@ class DependencyError(PerfTogglesError):
 class ProfileError(PerfTogglesError):
     """The file MEGATRON_PERF_TOGGLES_PROFILE names cannot be used: unreadable, not JSON, another
     format or schema, an unknown toggle, or a value the toggle does not take."""
+
+
+class DoesNotFitError(PerfTogglesError):
+    """The plan does not fit the GPU's memory, and the caller asked to fail on that (``explain`` and the
+    dry run's ``--fail-if-no-fit``). Not a usage error: the command line is fine and the plan was
+    printed; its own status lets a script tell the two apart."""
+
+    exit_code = EXIT_DOES_NOT_FIT
 
 
 class RegistryError(PerfTogglesError):

@@ -161,7 +161,9 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=NO_TREES)
     for item in items:
         if item.get_closest_marker(REAL_MEGATRON) is not None:
-            item.add_marker(skip)
+            # first, so that it is the reason given: a test parametrized over the trees has none to run
+            # on, and pytest's own "got empty parameter set" would not say why
+            item.add_marker(skip, append=False)
 
 
 def pytest_collection_finish(session):
@@ -191,9 +193,37 @@ def _frontend_corpus_summary(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
+def skip_reason(rep) -> str:
+    """A skipped test's reason, whole and on one line (pytest's own summary shows the first line only)."""
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    return " ".join(str(reason).removeprefix("Skipped: ").split())
+
+
+def _skips_summary(terminalreporter) -> None:
+    """Every skipped test, counted once under its reason, the most frequent first: the counts add up
+    to pytest's own "N skipped"."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    by_reason: dict[str, int] = {}
+    for rep in skipped:
+        reason = skip_reason(rep)
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+    terminalreporter.section("skipped tests")
+    terminalreporter.write_line(f"{len(skipped)} skipped, for {len(by_reason)} reason(s):")
+    for reason, count in sorted(by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{count:5d}  {reason}")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Say plainly which real-Megatron suites ran, on which trees, and which were skipped."""
+    """Say plainly which real-Megatron suites ran, on which trees, and why each skipped test was skipped."""
     _frontend_corpus_summary(terminalreporter)
+    _real_megatron_summary(terminalreporter)
+    _skips_summary(terminalreporter)
+
+
+def _real_megatron_summary(terminalreporter) -> None:
+    """Which real-Megatron suites ran, on which trees (each skipped case is in the skips' summary)."""
     trees = megatron_trees()
     suites = sorted({
         rep.nodeid.split("::")[0]
@@ -222,5 +252,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.nodeid.startswith(suite)]
         terminalreporter.write_line(f"  {suite}: {len(skipped)} skipped case(s)" if skipped else f"  {suite}: all cases ran")
         for rep in skipped:
-            reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-            terminalreporter.write_line(f"    skipped {rep.nodeid.split('::', 1)[1]}: {reason}")
+            terminalreporter.write_line(f"    skipped {rep.nodeid.split('::', 1)[1]}: {skip_reason(rep)}")

@@ -103,6 +103,7 @@ class EnvSettings:
     dry_run: bool = False
     plan: str | None = None  # WORLD:GPU, parsed by runtime.machine.target.parse_plan
     dry_run_output: str | None = None  # summary | json | verbose (checked by the dry run)
+    fail_if_no_fit: bool = False  # explain and the dry run exit 3 where the plan does not fit (errors.DoesNotFitError)
     patches_dir: str | None = None
     profile_path: str | None = None  # the file is read by the runtime, parsed by core.profile
     memory_headroom: str | None = None  # parsed by core.memory.memory_guard (a percentage or GB)

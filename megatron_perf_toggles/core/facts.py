@@ -214,14 +214,20 @@ def planned_stack(vendor: str | None, spec: str | None) -> str:
     return f"{base},{spec}" if spec else base
 
 
-def describe_stack(caps: Capabilities, hint: bool = True) -> str:
-    """The software a plan rests on, in words, with the variable that changes it (``hint``)."""
+STACK_HINT = f" (change with {STACK_VAR}, e.g. apex,te=2.10)"
+
+
+def describe_stack(caps: Capabilities, hint: bool = True, fallback: bool | None = None) -> str:
+    """The software a plan rests on, in words, with the variable that changes it (``hint``).
+    ``fallback``: whether the plugin's torch stand-in for APEX's fused wgrad would be installed
+    (``core.stock_off.fallback_installed``: never with the plugin off); default, whether it can run."""
     te = f"Transformer Engine {caps.te_version}" if caps.te_version else "no Transformer Engine"
+    installed = caps.wgrad_fallback if fallback is None else fallback
     wgrad = ("APEX fused wgrad" if caps.apex_fused_wgrad else
-             "no APEX (torch wgrad fallback)" if caps.wgrad_fallback else "no APEX, no wgrad fallback")
+             "no APEX (torch wgrad fallback)" if installed else "no APEX, no wgrad fallback")
     aiter = "aiter" if caps.aiter_version else "no aiter"
     family = {"cuda": "NVIDIA", "rocm": "AMD"}.get(caps.device or "", caps.device or "?")
-    return f"{family}: {te}, {wgrad}, {aiter}" + (f" (change with {STACK_VAR}, e.g. apex,te=2.10)" if hint else "")
+    return f"{family}: {te}, {wgrad}, {aiter}" + (STACK_HINT if hint else "")
 
 
 def megatron_facts_from_surface(surface: dict[str, Any]) -> MegatronFacts:

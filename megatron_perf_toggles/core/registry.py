@@ -345,6 +345,8 @@ SETTINGS: tuple[Setting, ...] = (
             "What a dry run prints: summary (the plan on one screen; Megatron's output and the JSON record go to "
             "a file), json (the record on stdout) or verbose (the summary, Megatron's output and the record).",
             field="dry_run_output"),
+    Setting("MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT", "bool", "0", "1: explain and a dry run (a patched checkout's too) "
+            "exit 3 after a plan that does not fit the GPU's memory, as their --fail-if-no-fit.", field="fail_if_no_fit"),
     Setting("FP4_SELECTIVE_BF16", "bool", "",
             "With FP4: 1 keeps the first/last layers in bf16, 0 puts every layer in FP4 "
             "(default by recipe: nvfp4 1, mxfp4 0; with MEGATRON_PERF_TOGGLES=0, Megatron's own: 0).",

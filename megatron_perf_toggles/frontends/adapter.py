@@ -45,12 +45,15 @@ class Found:
     ``args``: everything the guards may read, under Megatron's dests; ``configured``: dest ->
     (value, where) for toggle values the configuration set; ``explicit``: dest -> (value, where)
     for those the caller named; ``stock``: dest -> the value that stands when the plugin is
-    switched off (the configuration's own); ``words``: dest -> the front end's name for it."""
+    switched off (the configuration's own); ``stock_from``: dest -> where that value comes from, in
+    words, where the front end knows better than "the configuration's default" (Primus: its own YAML
+    defaults, or Megatron's); ``words``: dest -> the front end's name for it."""
 
     args: dict[str, Any]
     configured: dict[str, tuple[Any, str]] = field(default_factory=dict)
     explicit: dict[str, tuple[Any, str]] = field(default_factory=dict)
     stock: dict[str, Any] = field(default_factory=dict)
+    stock_from: dict[str, str] = field(default_factory=dict)
     words: dict[str, str] = field(default_factory=dict)
     inverted: set[str] = field(default_factory=set)  # dests whose word names the opposite (grad_reduce_in_fp32)
 
@@ -89,7 +92,7 @@ def capabilities(env: EnvSettings, target: Any = None) -> Capabilities:
     (``capabilities.for_plan``: this machine, or the planned stack of ``target``'s GPU); where
     Megatron's training package is missing (megatron-core alone), its facts come from the recorded
     release at or below the installed core."""
-    caps = for_plan(env.assume, target=target)
+    caps = for_plan(env.assume, target=target, env=env)
     if caps.megatron.version is None:
         try:
             from megatron.core import package_info
@@ -113,12 +116,20 @@ def start(entry: str, environ: Mapping[str, str] | None = None, *, mode: Mode = 
     return ctx
 
 
+def stock_from(found: Found) -> dict[str, str]:
+    """Where each stock value comes from, as a plan with the plugin off labels it: what the front
+    end says, else the configuration's default under the front end's name for the field (a value
+    the configuration set is labelled by its own tier, ``config``)."""
+    return {dest: found.stock_from.get(dest) or f"the configuration's default ({found.words[dest]})"
+            for dest in found.stock if dest in found.stock_from or dest in found.words}
+
+
 def registration(controller: Controller, found: Found) -> Registration:
     """What the controller plans from: the front end's values sorted into the tiers."""
     preset = {dest: Decision(value, "config", f"set in the configuration ({where})")
               for dest, (value, where) in found.configured.items() if dest not in found.explicit}
     return Registration(controller, dict(found.stock), (), explicit={d: v for d, (v, _) in found.explicit.items()},
-                        preset=preset, speak=speaker(found))
+                        preset=preset, stock_from=stock_from(found), speak=speaker(found))
 
 
 def plan(ctx: RunContext, found: Found, ns: argparse.Namespace | None = None) -> tuple[Plan, argparse.Namespace,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..core import launch_env
 from ..core.env import rank_of
 from ..core.facts import parse_assume
+from ..core.memory.memory_words import fit_failure
 from ..core.registry import TOGGLES
 from ..errors import PerfTogglesError, report
 from ..runtime import provenance
@@ -132,7 +133,8 @@ def _launch_vars(args: argparse.Namespace, hooks: Hooks) -> list[launch_env.Laun
 
 def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, args_defaults: dict[str, Any],
             parsed_args: argparse.Namespace | None, via: str) -> None:
-    """Parse and validate as Megatron's ``via`` would, report the plan, exit 0.
+    """Parse and validate as Megatron's ``via`` would, report the plan, exit 0 (3 with
+    ``--fail-if-no-fit`` where the plan does not fit the GPU's memory: errors.DoesNotFitError).
 
     Nothing after validation runs: no global state, no distributed init, no CUDA. Parse and
     validate see the planned world and GPU (``hooks.target``) and the launch environment the
@@ -167,8 +169,12 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     payload = dry_run_record(hooks, args, args_defaults, via, notes, launch)
     if hooks.capture:
         hooks.context.stop(payload, plan, args)  # the planning entry point takes them
-    if rank_of(os.environ) == 0:  # one report per job, from rank 0
+    rank0 = rank_of(os.environ) == 0
+    if rank0:  # one report per job, from rank 0
         _report(hooks, payload, chatter.getvalue() if quiet else None, launch, set_here)
+    failure = fit_failure(plan.memory) if hooks.fail_if_no_fit and plan is not None else None
+    if failure is not None:  # every rank ends with the status; rank 0 says why, after the report
+        raise ReportedExit(report(failure) if rank0 else failure.exit_code)
     raise SystemExit(0)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.memory.memory_words import FAIL_IF_NO_FIT_HELP
 from ..core.registry import flag_of
 from ..errors import OneLineArgumentParser, PerfTogglesError, report
 from ..runtime.controller import new_context
@@ -46,8 +47,9 @@ PYTHONPATH=/path/to/Megatron-LM.
 A dry run ({hooks.DRY_RUN_ENV}=1 does the same) parses and validates the arguments
 exactly as Megatron would, prints a one-screen summary (the planned machine and software stack,
 the decisions after validation, the launch environment the layout needs, warnings) and exits 0
-before anything touches a GPU; Megatron's own output and the full JSON record go to files it
-names (--json: the record on stdout; --verbose: everything). It plans for the world and GPU you
+before anything touches a GPU (with --fail-if-no-fit, 3 where the plan does not fit the GPU's
+memory); Megatron's own output and the full JSON record go to files it names (--json: the record
+on stdout; --verbose: everything). It plans for the world and GPU you
 name (--world-size or --nnodes x --nproc-per-node; --gpu {'|'.join(planned.GPUS)} or an arch such
 as sm_90 or gfx942; or {planned.PLAN_ENV}=WORLD:GPU): Megatron's parse and validate see that many
 ranks, and its device queries are answered from the GPU's facts, on any machine. Without them the
@@ -87,6 +89,8 @@ def build_launcher_parser() -> argparse.ArgumentParser:
                             "line per decision on stderr")
     shown.add_argument("--verbose", action="store_const", const="verbose", dest="output",
                        help="a dry run prints Megatron's own output, the summary and the JSON record")
+    parser.add_argument("--fail-if-no-fit", action="store_true",
+                        help=f"a dry run's, as explain's: {FAIL_IF_NO_FIT_HELP}")
     planned.add_options(parser.add_argument_group("what a dry run plans for (dry runs only)"))
     parser.add_argument("script", metavar="SCRIPT", help="the training script, e.g. pretrain_gpt.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="MEGATRON ARGS",
@@ -111,6 +115,7 @@ def plan_target(ns: argparse.Namespace, dry_run: bool) -> planned.Target | None:
     """The world and GPU a dry run plans for; these options mean nothing to a real launch."""
     given = [flag_of(name) for name in planned.OPTION_DESTS if getattr(ns, name) is not None]
     given += [] if ns.output is None else [f"--{ns.output}"]
+    given += ["--fail-if-no-fit"] if ns.fail_if_no_fit else []
     if not dry_run:
         if given:
             raise PerfTogglesError(f"{given[0]} plans a dry run: add --dry-run",
@@ -198,7 +203,8 @@ def _launch(ns: argparse.Namespace, state: _Launch) -> int:
         # The launcher's entry point: one run context for the process, which the script runs in.
         ctx = new_context("launcher", mode="dry-run" if dry_run else "run", target=target, controller=False).install()
         hooks.hook_parse_path([*providers, extra_args_provider], dry_run=dry_run, target=target, output=output,
-                              out=stdout, err=stderr, chatter=chatter, context=ctx)
+                              out=stdout, err=stderr, chatter=chatter, context=ctx,
+                              fail_if_no_fit=ns.fail_if_no_fit or settings.fail_if_no_fit)
         runpy.run_path(str(script), run_name="__main__")
     if dry_run:  # a dry run ends in its report; a script that never parsed ran without a plan
         raise PerfTogglesError(f"{script} ended before Megatron parsed its arguments: nothing was planned",

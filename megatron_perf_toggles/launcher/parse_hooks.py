@@ -125,6 +125,7 @@ class Hooks:
     err: TextIO | None = None  # where a dry run's one-line error goes: stderr as it was at install time
     chatter: io.StringIO | None = None  # the script's and Megatron's own output, held for a summary's log
     output: str = "summary"  # what a dry run prints: summary | json | verbose (MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT)
+    fail_if_no_fit: bool = False  # a dry run whose plan does not fit exits 3 (--fail-if-no-fit)
 
     @property
     def controller(self) -> Controller | None:
@@ -262,7 +263,7 @@ def context_mode(dry_run: bool, capture: bool) -> Mode:
 def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = False,
             target: planned.Target | None = None, capture: bool = False, output: str = "summary",
             out: TextIO | None = None, err: TextIO | None = None, chatter: io.StringIO | None = None,
-            context: RunContext | None = None) -> Hooks:
+            context: RunContext | None = None, fail_if_no_fit: bool = False) -> Hooks:
     """Chain ``providers`` into every parse Megatron makes from now on (importing Megatron).
 
     The hooks belong to ``context`` (default: the installed one; with none, one is made for the
@@ -286,7 +287,7 @@ def hook_parse_path(providers: Sequence[Provider | None], *, dry_run: bool = Fal
     fields: dict[str, Any] = {"providers": flatten(providers), "dry_run": dry_run,
                               "out": (out or sys.stdout) if dry_run else None, "chatter": chatter,
                               "err": (err or sys.stderr) if dry_run else None, "root": root,
-                              "capture": capture, "output": output}
+                              "capture": capture, "output": output, "fail_if_no_fit": fail_if_no_fit}
     for name, value in {"target": target, "mode": context_mode(dry_run, capture)}.items():
         if getattr(ctx, name) is not value and getattr(ctx, name) != value:
             undo.set_attr(ctx, name, value, f"run context: {name}")
@@ -335,7 +336,8 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
         # The patched script's entry point: its run context, installed for the process.
         ctx = new_context("script", environ, mode=context_mode(dry, False), target=target, controller=False).install()
         hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry, target=target,
-                        output=settings.dry_run_output or "summary", context=ctx)
+                        output=settings.dry_run_output or "summary", context=ctx,
+                        fail_if_no_fit=settings.fail_if_no_fit)
     except PerfTogglesError as error:
         fail(error)
     if dry:

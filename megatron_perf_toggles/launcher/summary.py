@@ -12,9 +12,9 @@ import os
 from typing import Any
 
 from ..core.decision.decide import Plan
-from ..core.facts import Capabilities
+from ..core.facts import STACK_HINT, Capabilities
 from ..core.launch_env import LaunchVar
-from ..core.memory.memory_guard import summary as memory_summary
+from ..core.memory.memory_words import summary as memory_summary
 from ..core.registry import format_value
 from ..runtime import provenance
 from . import screen
@@ -32,7 +32,7 @@ def _stack(caps: Capabilities | None) -> str:
     if caps is None:
         return "unknown"
     if caps.stack:
-        return f"planned, {caps.stack}"
+        return f"planned, {caps.stack}{STACK_HINT}"
     te = f"Transformer Engine {caps.te_version}" if caps.te_version else "no Transformer Engine"
     apex = "APEX fused wgrad" if caps.apex_fused_wgrad else "no APEX"
     return f"detected on this machine: {te}, {apex}" + (" (MEGATRON_PERF_TOGGLES_ASSUME applied)" if caps.assumed else "")

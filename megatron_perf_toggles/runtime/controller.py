@@ -64,6 +64,8 @@ class Registration:
     added_flags: list[str] = field(default_factory=list)  # the flag forms this parser lacked
     explicit: dict[str, Any] = field(default_factory=dict)  # dest -> value named explicitly (a front end's)
     preset: dict[str, Decision] = field(default_factory=dict)  # dest -> the configuration's own value
+    # dest -> where a stock value comes from, where not Megatron's own default (a front end's, in words)
+    stock_from: dict[str, str] = field(default_factory=dict)
     speak: Callable[[str], str] | None = None  # Megatron's words (flags) into the front end's (fields, keys)
 
 
@@ -134,7 +136,7 @@ class Controller:
             else:
                 explicit[dest] = value
         writer = resume.checkpoint_writer(vars(ns))  # reading the resumed run's history is safe
-        caps = self.capabilities or for_plan(self.env.assume, target=self.target)
+        caps = self.capabilities or for_plan(self.env.assume, target=self.target, env=self.env)
         observed = None
         if self.profile is not None:
             from . import profile_file
@@ -144,10 +146,9 @@ class Controller:
         if args.get("world_size") is None:  # Megatron's parse_args sets it after this step (memory_guard needs it)
             world = planned_world(self.target, os.environ) or planned_world(None, self.environ)
             args = {**args, "world_size": world}
-        preset = reg.preset if self.env.plugin_enabled else {}  # switched off: the configuration's values stand
         try:
             plan = decide(args, explicit, self.env, caps, reg.stock, checkpoint=writer, profile=self.profile,
-                          observed=observed, preset=preset)
+                          observed=observed, preset=reg.preset, stock_from=reg.stock_from)
         except PerfTogglesError as refusal:
             if reg.speak is not None:  # the refusal's one line in the front end's words
                 refusal.message, refusal.hint = reg.speak(refusal.message), refusal.hint and reg.speak(refusal.hint)

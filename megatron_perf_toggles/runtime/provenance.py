@@ -34,14 +34,18 @@ def jsonable(value: Any, *, enum_name: bool = False, other: Callable[[Any], Any]
 
 
 def memory_words(plan: Plan, dest: str) -> str:
-    """A decision's peak-memory change as the tables show it ('' where the plan has no memory record)."""
-    from ..core.memory.memory_guard import delta_words
+    """A decision's share of the change in the planned peak as the tables show it, with where it
+    moves the peak or why it changes nothing there ('' where the plan has no memory record)."""
+    from ..core.memory.memory_words import delta_words
 
     memory = plan.memory or {}
     if memory.get("stock_peak_mb") is None:  # no estimate for this layout: the summary line says why
         return ""
     deltas = memory.get("peak_memory_delta_mb") or {}
-    return delta_words(deltas.get(dest)) if dest in deltas else ""
+    if dest not in deltas:
+        return ""
+    note = (memory.get("peak_memory_notes") or {}).get(dest)
+    return delta_words(deltas.get(dest)) + (f" ({note})" if note else "")
 
 
 def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
@@ -50,7 +54,7 @@ def lines(plan: Plan, original_dirs: dict[str, str] | None = None) -> list[str]:
         memory = memory_words(plan, dest)
         out.append(f"{PREFIX} {dest}: {format_value(d.value)} ({d.source}; {d.reason}{'; ' + memory if memory else ''})")
     if plan.memory is not None:
-        from ..core.memory.memory_guard import summary
+        from ..core.memory.memory_words import summary
 
         out.append(f"{PREFIX} {summary(plan.memory)}")
     for dest, path in plan.log_dirs.items():

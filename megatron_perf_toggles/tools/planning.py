@@ -151,7 +151,7 @@ def plan_command_line(
     # the one rule the dry run follows (capabilities.for_plan), the memory guard sees the world
     with planned.stand_ins(target, megatron=False):
         caps = for_plan(controller.env.assume, deep=True, target=target,
-                        megatron=megatron_facts_from_surface(recorded))
+                        megatron=megatron_facts_from_surface(recorded), env=controller.env)
         controller.capabilities = caps
         attach(parser, controller=controller)
         ns = parser.parse_args(list(megatron_args))

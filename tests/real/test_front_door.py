@@ -53,7 +53,10 @@ def test_a_plan_for_another_gpu_rests_on_its_planned_stack(gpu: str, vendor: str
     assert caps.device == vendor and caps.te_version == stack["te_version"]
     assert caps.te_fused_qkv_rope and caps.wgrad_fallback and not caps.apex_fused_wgrad
     assert bool(caps.aiter_version) == (vendor == "rocm")
-    assert "MEGATRON_PERF_TOGGLES_ASSUME" in caps.stack  # the output names the variable that changes it
+    assert caps.stack.startswith({"cuda": "NVIDIA: ", "rocm": "AMD: "}[vendor])
+    from megatron_perf_toggles.launcher.summary import _stack
+
+    assert "MEGATRON_PERF_TOGGLES_ASSUME" in _stack(caps)  # the dry run names the variable that changes it
 
 
 def test_the_variable_changes_only_what_it_names_on_top_of_the_stack() -> None:
@@ -237,9 +240,16 @@ def _check_summary(code: int, stdout: str, stderr: str, tree: str) -> None:
     assert record["target"]["world_size"] == 64
     # each decision's memory change, as the record has it (issue: every plan shows memory)
     assert any(line.split() == ["toggle", "value", "source", "peak", "memory", "reason"] for line in lines)
+    # each row is its toggle's share of the planned peak's change, and the shares add up to it; PP 4:
+    # the first stage peaks, so the cross entropy's logits (the last stage's) change nothing there,
+    # and its row says where its own change is
+    memory = record["memory"]
+    shares = [d["peak_memory_delta_mb"] for d in record["decisions"].values() if d.get("peak_memory_delta_mb")]
+    assert sum(shares) == pytest.approx(memory["planned_peak_mb"] - memory["stock_peak_mb"], abs=1), memory
+    assert memory["planned_peak_at"].startswith("on the first pipeline stage"), memory
     ce = next(line for line in lines if line.strip().startswith("cross_entropy_loss_fusion "))
-    delta = record["decisions"]["cross_entropy_loss_fusion"]["peak_memory_delta_mb"]
-    assert delta and "peak per GPU" in ce and (" +" if delta > 0 else " -") in ce, (ce, delta)
+    assert record["decisions"]["cross_entropy_loss_fusion"]["peak_memory_delta_mb"] == 0
+    assert "no change in peak memory (its " in ce and " is on the last stage)" in ce, ce
     assert any(line.strip().startswith("memory: stock's estimated peak") for line in lines)
 
 

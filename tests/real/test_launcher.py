@@ -188,6 +188,7 @@ def test_help_explains(tmp_path: Path) -> None:
     (["--dry-run", "missing_script.py"], ("script not found", "missing_script.py")),
     ([], ("SCRIPT",)),
     (["train.py", "--extra-args-provider"], ("--extra-args-provider",)),
+    (["--fail-if-no-fit", "train.py"], ("--fail-if-no-fit plans a dry run", "--dry-run")),
 ])
 def test_bad_input_is_one_line_and_starts_nothing(script_dir: Path, argv: list[str], needles: tuple[str, ...]) -> None:
     done = launch(*argv, cwd=script_dir, pythonpath=[script_dir])
@@ -501,6 +502,28 @@ def test_real_refused_request_is_one_line(tree: str) -> None:
     assert "Traceback" not in result["stderr"]
     errors = [line for line in result["stderr"].splitlines() if line.startswith("[perf-toggles] error:")]
     assert len(errors) == 1 and "--cross-entropy-fusion-impl te" in errors[0]
+
+
+@pytest.mark.real_megatron
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_real_dry_run_with_the_plugin_off_leaves_the_log_directory_as_given(tree: str) -> None:
+    payload = runs.payload(runs.results(tree)["stock-off-log-dir"])
+    given = payload["command"][payload["command"].index("--tensorboard-dir") + 1]
+    assert payload["log_dirs"] == {} and payload["effective_args"]["tensorboard_dir"] == given
+
+
+@pytest.mark.real_megatron
+@pytest.mark.parametrize("tree", TREE_PARAMS)
+@pytest.mark.parametrize("case", ["no-fit", "patched-no-fit"])
+def test_real_dry_run_exits_3_after_a_plan_that_does_not_fit_when_asked(tree: str, case: str) -> None:
+    """--fail-if-no-fit (the launcher) or MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT=1 (a patched
+    checkout): the whole record first, then one line and errors.DoesNotFitError's status."""
+    result = runs.results(tree)[case]
+    assert result["error"] is None and result["code"] == 3, result["stderr"][-3000:]
+    record = json.loads(result["stdout"])
+    assert record["memory"]["verdict"]["plan"] == "does_not_fit" and record["target"]["world_size"] == 8
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("[perf-toggles] error:")]
+    assert len(errors) == 1 and errors[0].startswith("[perf-toggles] error: the plan does not fit: planned peak")
 
 
 @pytest.mark.real_megatron

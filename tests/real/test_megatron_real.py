@@ -73,7 +73,8 @@ def _cases(tmp: str, tree: Path) -> list[dict]:
         {"id": "fp8_tensorwise", "argv": [*BF16, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
                                           "--tensorboard-dir", f"{tmp}/tb8tw"], "env": CAPABLE},
         {"id": "detected", "argv": BF16, "env": {}},
-        {"id": "plugin_off", "argv": BF16, "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES": "0"}},
+        {"id": "plugin_off", "argv": [*BF16, "--tensorboard-dir", f"{tmp}/tboff"],
+         "env": {**CAPABLE, "MEGATRON_PERF_TOGGLES": "0"}},
         {"id": "bad_assume", "argv": BF16, "env": {"MEGATRON_PERF_TOGGLES_ASSUME": "apex,gpu9000"}},
         {"id": "fsdp2", "argv": [*BF16, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
                                  "--ckpt-format", "torch_dist"], "env": CAPABLE},
@@ -230,6 +231,7 @@ def test_plugin_off_leaves_megatron_defaults(tree):
     assert v["grad_reduce_in_bf16"] is False and v["ddp_average_in_collective"] is False
     assert v["cross_entropy_loss_fusion"] is False and v["cross_entropy_fusion_impl"] == "native"
     assert v["gradient_accumulation_fusion"] is True  # Megatron's own default
+    assert v["tensorboard_dir"].endswith("/tboff")  # stock's: as given, not tagged with the precision
 
 
 def test_bad_assume_is_one_clear_line(tree):

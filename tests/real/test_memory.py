@@ -348,7 +348,7 @@ def test_pipeline_first_stage_peak_is_not_priced_with_the_last_stages_logits():
     ce = plan.decisions["cross_entropy_loss_fusion"]
     assert (ce.value, ce.source) == (True, "default"), ce.reason
     assert record["planned_peak_mb"] <= record["limit_mb"]
-    from megatron_perf_toggles.core.memory.memory_guard import summary
+    from megatron_perf_toggles.core.memory.memory_words import summary
 
     assert f"planned peak {record['planned_peak_mb'] / 1024:.1f} GB" in summary(record)
     # The last stage does carry the logits' copy: a smaller GPU tips it, and the guard backs it off.

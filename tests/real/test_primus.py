@@ -48,6 +48,8 @@ case = json.loads(sys.argv[1])
 cfg = load_primus_config(Path(case["config"]))
 ns = SimpleNamespace(**vars(get_module_config(cfg, "pre_trainer").params))
 dests = case["dests"]
+for name, value in case.get("set", {}).items():  # what the experiment file would set (a log directory)
+    setattr(ns, name, value)
 before = {d: getattr(ns, d, None) for d in dests}
 caps = Capabilities(megatron=frontend.facts_for_version(case["megatron"]), te_version="2.8", te_fused_qkv_rope=True,
                     te_cross_entropy=True, apex_fused_wgrad=True, device="rocm")
@@ -63,6 +65,7 @@ try:
 except Exception as error:
     print(json.dumps({"error": f"{type(error).__name__}: {error}"})); sys.exit(0)
 print(json.dumps({"applied": applied, "before": before, "after": {d: getattr(ns, d, None) for d in dests},
+                  "tensorboard_dir": getattr(ns, "tensorboard_dir", None),
                   "records": getattr(ns, "perf_toggles", None), "defaults": plugin.primus_defaults()}, default=str))
 """
 
@@ -78,8 +81,9 @@ if not TREES:  # one skip line for the whole suite, not one per test
 
 
 @cache
-def run(tree: Path, config: str, megatron: str = "0.18.2", **env: str) -> dict:
-    case = {"config": str(tree / config), "dests": DESTS, "megatron": megatron, "env": env}
+def run(tree: Path, config: str, megatron: str = "0.18.2", tensorboard: str | None = None, **env: str) -> dict:
+    case = {"config": str(tree / config), "dests": DESTS, "megatron": megatron, "env": env,
+            "set": {"tensorboard_dir": tensorboard} if tensorboard else {}}
     pythonpath = os.pathsep.join((str(tree), str(REPO)))
     with tempfile.TemporaryDirectory(prefix="primus-case-") as scratch:  # Primus's loader makes ./output there
         proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(case)], capture_output=True, text=True,
@@ -130,6 +134,29 @@ def test_switched_off_leaves_primus_values(tree):
     present = {d for d, v in r["before"].items() if v is not None}  # the rest Primus fills with Megatron's defaults
     assert present >= {"ddp_average_in_collective", "grad_reduce_in_bf16", "cross_entropy_fusion_impl"}
     assert {d: r["after"][d] for d in present} == {d: r["before"][d] for d in present}
+
+
+def test_switched_off_labels_each_value_by_where_primus_takes_it(tree):
+    """Off, a value nobody set is Primus's own default where its YAML files declare one (its base
+    trainer turns bf16 gradient reduction off), Megatron's otherwise; one the experiment or model file
+    set keeps its YAML key (the config tier). None is called Megatron's default that is Primus's."""
+    r = run(tree, BF16, MEGATRON_PERF_TOGGLES="0")
+    defaults, records = r["defaults"], r["records"]
+    dense = [d for d in DESTS if d in records]  # the MoE toggles of a dense model keep stock's value, not this label
+    by_primus = [d for d in dense if d in defaults and records[d]["source"] == "default"]
+    assert "grad_reduce_in_bf16" in by_primus and "ddp_average_in_collective" in by_primus
+    for dest in by_primus:
+        value = str(defaults[dest]).lower()
+        assert records[dest]["reason"] == f"MEGATRON_PERF_TOGGLES=0: Primus's default (YAML key {dest}: {value})"
+    for dest in (d for d in dense if d not in defaults and records[d]["source"] == "default"):
+        assert records[dest]["reason"] == "MEGATRON_PERF_TOGGLES=0: Megatron's own default", dest
+    gaf = records["gradient_accumulation_fusion"]  # the experiment's own choice
+    assert gaf["source"] == "config" and "YAML key gradient_accumulation_fusion: false" in gaf["reason"]
+
+
+def test_switched_off_leaves_the_log_directory_as_the_experiment_gives_it(tree):
+    assert run(tree, BF16, tensorboard="/tmp/primus-tb")["tensorboard_dir"] == "/tmp/primus-tb/bf16"
+    assert run(tree, BF16, tensorboard="/tmp/primus-tb", MEGATRON_PERF_TOGGLES="0")["tensorboard_dir"] == "/tmp/primus-tb"
 
 
 def test_mxfp4_guard_keeps_the_bf16_gradient_buffer(tree):

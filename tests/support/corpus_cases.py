@@ -254,9 +254,12 @@ def run_mode(mode: str, argv: list[str], env: dict[str, str], api: dict[str, Any
 
 # --- comparing B with A ---------------------------------------------------------------------------
 
-# What the plugin documents it adds or changes in the namespace even with MEGATRON_PERF_TOGGLES=0
-# (README: provenance, and the precision-tagged --tensorboard-dir / --wandb-save-dir).
-ALLOWED_B_DIFFERENCES = frozenset({"perf_toggles", "perf_toggles_precision", "tensorboard_dir", "wandb_save_dir"})
+# What the plugin adds to the namespace even with MEGATRON_PERF_TOGGLES=0: its own record (docs/guards.md).
+# It changes nothing of Megatron's: --tensorboard-dir and --wandb-save-dir stay as given, untagged.
+ALLOWED_B_DIFFERENCES = frozenset({"perf_toggles", "perf_toggles_precision"})
+# What the plugin, switched on, documents it changes besides the toggles: the log directories, tagged
+# with the precision (README). Off (B), they stay as given.
+TAGGED_WHEN_ON = frozenset({"tensorboard_dir", "wandb_save_dir"})
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -336,9 +339,10 @@ def option_dests(api: dict[str, Any], base_env: dict[str, str]) -> dict[str, str
 
 
 def explicit_dests(argv: list[str], dests: dict[str, str]) -> list[str]:
-    """Dests the command line sets itself (flags named on it), minus the documented B differences."""
+    """Dests the command line sets itself (flags named on it), minus what the plugin documents it
+    adds or changes (its record; with it on, the precision-tagged log directories)."""
     named = {dests[w.split("=", 1)[0]] for w in argv if w.startswith("--") and w.split("=", 1)[0] in dests}
-    return sorted(named - ALLOWED_B_DIFFERENCES)
+    return sorted(named - ALLOWED_B_DIFFERENCES - TAGGED_WHEN_ON)
 
 
 def cache_megatron_facts(patches: Any) -> None:

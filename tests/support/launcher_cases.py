@@ -42,6 +42,10 @@ BASE_ARGS = [
     "--position-embedding-type", "rope", "--no-rope-fusion",
 ]
 TOKENIZER = ["--tokenizer-type", "NullTokenizer"]
+# GPT-3 175B's shape on one node of eight (TP 8): no H100 holds it, stock or planned (given after
+# BASE_ARGS, its values are the ones argparse keeps).
+DOES_NOT_FIT = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+                "--tensor-model-parallel-size", "8"]
 
 PROVIDER_MODULE = "ptt_provider"
 PROVIDER_SOURCE = '''\
@@ -144,6 +148,11 @@ def stock_cases(tree: str, work: Path) -> list[dict[str, Any]]:
         {"name": "cannot-honour", "mode": "launcher", "env": {"MEGATRON_PERF_TOGGLES_ASSUME": "none"},
          # Both asked for by name for a machine without TE's kernel: nothing can yield, one line.
          "argv": ["--dry-run", script, *base, "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"]},
+        # MEGATRON_PERF_TOGGLES=0 is stock: the log directory stays as given.
+        {"name": "stock-off-log-dir", "mode": "launcher", "env": {"MEGATRON_PERF_TOGGLES": "0"},
+         "argv": ["--dry-run", script, *base, "--tensorboard-dir", str(work / "tb")]},
+        {"name": "no-fit", "mode": "launcher",
+         "argv": ["--dry-run", "--fail-if-no-fit", "--world-size", "8", "--gpu", "h100", script, *base, *DOES_NOT_FIT]},
         {"name": "mimic-upstream", "mode": "launcher", "env": {"PTT_STYLE": "upstream"},
          "argv": ["--dry-run", "--extra-args-provider", "megatron_perf_toggles:extra_args_provider", mimic,
                   *BASE_ARGS, "--standin-flag"]},
@@ -166,6 +175,9 @@ def patched_cases(copy: str, fused: bool) -> list[dict[str, Any]]:
         {"name": "patched-package-missing", "mode": "script", "env": dry,
          "block": ["megatron_perf_toggles.hooks"],
          "argv": [script, *base, "--extra-args-provider", "megatron_perf_toggles"]},
+        {"name": "patched-no-fit", "mode": "script",
+         "env": {**dry, "MEGATRON_PERF_TOGGLES_PLAN": "8:h100", "MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT": "1"},
+         "argv": [script, *base, *DOES_NOT_FIT, "--extra-args-provider", "megatron_perf_toggles"]},
         {"name": "patched-unknown-arg", "mode": "script", "env": dry,
          "argv": [script, *base, "--extra-args-provider", "megatron_perf_toggles", "--no-such-flag", "3"]},
     ]

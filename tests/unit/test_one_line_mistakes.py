@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_perf_toggles.core import layout
-from megatron_perf_toggles.core.memory.memory_guard import summary
+from megatron_perf_toggles.core.memory.memory_words import summary
 from megatron_perf_toggles.launcher import parse_refusal, screen
 from megatron_perf_toggles.tools import cli
 
@@ -140,15 +140,27 @@ def test_a_dry_run_summary_fits_columns(monkeypatch):
     assert screen.width(io.StringIO()) is None  # a pipe or a file: lines whole
 
 
-def test_the_memory_line_adds_up_with_pipeline_parallelism():
-    """Stock's peak on the first stage, the table's changes on the last: the line says the peak's
-    own change, so stock plus it is the planned peak."""
-    record = {"stock_peak_mb": 21054.8, "total_peak_memory_delta_mb": -342.1, "planned_peak_mb": 19209.7,
-              "peak_memory_delta_mb": {"a": -342.1}, "stock_estimate_source": "estimate"}
+def test_the_memory_line_says_where_each_peak_is_and_where_the_largest_allocation_is():
+    """With pipeline parallelism the line names the stage of each figure it gives: stock's peak where
+    it is elsewhere than the plan's, the plan's, and the stage of the largest allocation."""
+    record = {"stock_peak_mb": 21054.8, "total_peak_memory_delta_mb": -1845.1, "planned_peak_mb": 19209.7,
+              "peak_memory_delta_mb": {"a": -1845.1}, "stock_estimate_source": "estimate", "pipeline_stages": 2,
+              "stock_peak_at": "on the last pipeline stage, in forward and backward",
+              "planned_peak_at": "on the first pipeline stage, in forward and backward",
+              "largest_allocation_mb": 224.0, "largest_allocation": "the first MLP projection's output",
+              "largest_allocation_stage": "first"}
     line = summary(record)
-    assert "planned peak 18.8 GB (-1.8 GB" in line and "-342 MB in all" in line and "last stage" in line
-    plain = summary({**record, "planned_peak_mb": 21054.8 - 342.1})
-    assert "this plan -342 MB" in plain and "last stage" not in plain
+    assert "stock's estimated peak 20.6 GB per GPU on the last pipeline stage, in forward and backward" in line
+    assert "this plan -1.8 GB, planned peak 18.8 GB on the first pipeline stage, in forward and backward" in line
+    assert "largest allocation 224 MB on the first pipeline stage (the first MLP projection's output)" in line
+    same = summary({**record, "stock_peak_at": record["planned_peak_at"], "pipeline_stages": 1})
+    assert "per GPU (estimate)" in same and same.endswith("largest allocation 224 MB")  # one place, one stage
+    plain = summary({**record, "stock_peak_at": "in forward and backward", "planned_peak_at": "in forward and backward",
+                     "pipeline_stages": 1})
+    assert "planned peak 18.8 GB; largest allocation 224 MB" in plain  # one stage, the usual place: unsaid
+    step = summary({**record, "stock_peak_at": "at the optimizer step", "planned_peak_at": "in forward and backward",
+                    "pipeline_stages": 1})
+    assert "per GPU at the optimizer step (estimate)" in step and "18.8 GB in forward and backward;" in step
 
 
 def test_a_refusal_of_the_plugins_own_inside_the_parse_is_said_once():

@@ -40,7 +40,7 @@ __all__ = ["FP4_LAYER_DESTS", "FP4_RECIPE_SELECTION", "GUARDS", "MEGATRON_FP4_LA
            "requested"]
 
 ADAM_EPS_ADVICE = (5e-4, 1e-6)  # (lr at or above, eps below)
-NOT_MOE = "not a mixture-of-experts model (--num-experts is not set): Megatron's own value stands"
+NOT_MOE = "not a mixture-of-experts model (--num-experts is not set): stock's own value stands"
 
 
 def _not_applicable(args: Mapping[str, Any], decisions: dict[str, Decision], stock: Mapping[str, Any]) -> tuple[str, ...]:
@@ -88,6 +88,7 @@ def decide(
     profile: Profile | None = None,
     observed: Observed | None = None,
     preset: Mapping[str, Decision] | None = None,
+    stock_from: Mapping[str, str] | None = None,
 ) -> Plan:
     """Resolve every toggle, then let the guards veto what cannot be honoured.
 
@@ -98,13 +99,15 @@ def decide(
     environment, as far as it is known now). ``preset`` holds the decisions (source ``config``)
     for values a configuration object already carries, where a front end without a command line
     (Megatron-Bridge, Primus) found them set: below the environment, above the profile and the
-    defaults; a guard changes one with a warning, as it does an environment value. Raises
-    CannotHonourError for an explicit command-line request that a guard rejects.
+    defaults; a guard changes one with a warning, as it does an environment value. ``stock_from``
+    says where a front end's stock values come from (dest -> words, e.g. Primus's YAML default):
+    with the plugin off they are labelled so. Raises CannotHonourError for an explicit command-line
+    request that a guard rejects.
     """
     stock = stock or {}
-    decisions = {t.dest: base_decision(t.dest, explicit, env, stock, profile, preset) for t in TOGGLES}
+    decisions = {t.dest: base_decision(t.dest, explicit, env, stock, profile, preset, stock_from) for t in TOGGLES}
     not_applicable = _not_applicable(args, decisions, stock)
-    fp4_decisions, messages = fp4_selection(args, explicit, env, stock, preset)
+    fp4_decisions, messages = fp4_selection(args, explicit, env, stock, preset, stock_from)
     decisions.update(fp4_decisions)
     resolution = Resolution(decisions, env, caps)
     resolution.messages = messages
@@ -127,8 +130,9 @@ def decide(
             messages.append(Message("profile", line))
     messages.extend(_advice(args))
     tag = precision_tag(args)
-    log_dirs = tagged_log_dirs(args, tag) if env.tag_log_dir else {}
-    if env.tag_log_dir:
+    tagging = stock_off.tags_log_dirs(env)  # switched off, the log directories stay as given
+    log_dirs = tagged_log_dirs(args, tag) if tagging else {}
+    if tagging:
         messages.extend(Message("warning", text) for text in log_dir_warnings(args, tag))
     wgrad_path = stock_off.wgrad_path(bool(decisions["gradient_accumulation_fusion"].value), caps, env)
     messages.extend(stock_off.notes(wgrad_path, env))

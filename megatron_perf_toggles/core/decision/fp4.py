@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .. import stock_off
 from ..env import EnvSettings
 from ..registry import flag_of
 from .plan import Decision, Message
@@ -19,8 +20,10 @@ FP4_RECIPE_SELECTION = {"nvfp4": (True, 2, 8), "mxfp4": (False, 2, 8)}  # (selec
 MEGATRON_FP4_LAYER_DEFAULTS = (False, 1, 1)  # TransformerConfig's own, where the parser does not say
 
 
-def _fp4_defaults(args: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any]) -> dict[str, Decision]:
-    """The FP4 layer selection nobody asked for: the recipe's (or, switched off, Megatron's own)."""
+def _fp4_defaults(args: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any],
+                  stock_from: Mapping[str, str] | None = None) -> dict[str, Decision]:
+    """The FP4 layer selection nobody asked for: the recipe's (or, switched off, stock's own:
+    Megatron's, or a front end's where ``stock_from`` says so)."""
     recipe = str(args.get("fp4_recipe") or "nvfp4")
     by_recipe, start, end = FP4_RECIPE_SELECTION.get(recipe, (False, 2, 8))
     if env.plugin_enabled:
@@ -28,14 +31,13 @@ def _fp4_defaults(args: Mapping[str, Any], env: EnvSettings, stock: Mapping[str,
         return {FP4_LAYER_DESTS[0]: Decision(by_recipe, "default", f"{recipe} recipe default: {label}"),
                 FP4_LAYER_DESTS[1]: Decision(start, "default", f"{recipe} recipe default"),
                 FP4_LAYER_DESTS[2]: Decision(end, "default", f"{recipe} recipe default")}
-    off = "MEGATRON_PERF_TOGGLES=0: Megatron's own default"
-    return {dest: Decision(stock.get(dest, value), "default", off)
+    return {dest: stock_off.stock_default(stock.get(dest, value), (stock_from or {}).get(dest))
             for dest, value in zip(FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, strict=True)}
 
 
 def fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: EnvSettings,
                    stock: Mapping[str, Any], preset: Mapping[str, Decision] | None = None,
-                   ) -> tuple[dict[str, Decision], list[Message]]:
+                   stock_from: Mapping[str, str] | None = None) -> tuple[dict[str, Decision], list[Message]]:
     """FP4 layer selection: CLI > FP4_* environment > the recipe's default (with the master
     switch off, Megatron's own defaults instead). Layer counts never switch selection on by
     themselves: Megatron reads them only with --first-last-layers-bf16, and the mxfp4 recipe
@@ -43,7 +45,7 @@ def fp4_selection(args: Mapping[str, Any], explicit: Mapping[str, Any], env: Env
     if not args.get("fp4"):
         return {}, []
     preset = preset or {}
-    defaults = _fp4_defaults(args, env, stock)
+    defaults = _fp4_defaults(args, env, stock, stock_from)
     out: dict[str, Decision] = {}
     if "first_last_layers_bf16" in explicit:
         value = explicit["first_last_layers_bf16"]

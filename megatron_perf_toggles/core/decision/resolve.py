@@ -37,9 +37,12 @@ def _check_needs(ctx: Context, dest: str, base: Decision, change: Change) -> Non
 
 
 def base_decision(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stock: Mapping[str, Any],
-          profile: Profile | None = None, preset: Mapping[str, Decision] | None = None) -> Decision:
+          profile: Profile | None = None, preset: Mapping[str, Decision] | None = None,
+          stock_from: Mapping[str, str] | None = None) -> Decision:
     """cli > env > config > profile > default. A profile applies with MEGATRON_PERF_TOGGLES=0 too, as set
-    variables do: naming a profile is a request, not a default."""
+    variables do: naming a profile is a request, not a default. With the plugin off the default is
+    stock's value, labelled by ``stock_from`` (dest -> where stock takes it from, where that is not
+    Megatron's own default: a front end's)."""
     toggle = BY_DEST[dest]
     if dest in explicit:
         value = explicit[dest]
@@ -53,8 +56,7 @@ def base_decision(dest: str, explicit: Mapping[str, Any], env: EnvSettings, stoc
     if profile is not None and dest in profile.toggles:
         return Decision(profile.toggles[dest].value, "profile", profile.reason(dest))
     if not env.plugin_enabled:
-        value = stock.get(dest, toggle.stock_default)
-        return Decision(value, "default", "MEGATRON_PERF_TOGGLES=0: Megatron's own default")
+        return stock_off.stock_default(stock.get(dest, toggle.stock_default), (stock_from or {}).get(dest))
     return Decision(toggle.default, "default", f"plugin default; {toggle.env}=0 turns it off"
                     if toggle.kind == "bool" else f"plugin default; set {toggle.env} to change it")
 
@@ -92,18 +94,16 @@ class Resolution:
             return
         if current.source == "cli" and change.yields_to_cli:
             return
-        if stock_off.keeps_cli(self.env, current.source):  # plugin off: Megatron's own checks judge it
+        # MEGATRON_PERF_TOGGLES=0 means stock: what the command line or the configuration gave is
+        # for Megatron's own checks to judge, stock's defaults stand; guards act only on what the
+        # environment or a profile asked for.
+        left = stock_off.left_alone(self.env, current.source)
+        if left:
             self.decisions[change.dest] = Decision(current.value, current.source,
-                                                   f"{current.reason}; left as given although {change.reason}")
+                                                   f"{current.reason}; {left} although {change.reason}")
             return
         if current.source == "cli" and not change.over_cli:
             raise CannotHonourError(change.dest, flag_words(change.dest, current.value), change.reason, change.hint)
-        if current.source == "default" and not self.env.plugin_enabled:
-            # MEGATRON_PERF_TOGGLES=0 means stock Megatron: its own defaults stand, guards only
-            # act on what the environment asked for.
-            self.decisions[change.dest] = Decision(current.value, current.source,
-                                                   f"{current.reason}; left as stock although {change.reason}")
-            return
         _check_needs(ctx, change.dest, self.base[change.dest], change)
         self._respect_room(change)
         assumed = bool(change.capability) and self.caps.is_assumed(change.capability)

@@ -11,7 +11,7 @@ peak. Where the layout or the GPU's memory is unknown, the plan says so instead 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,9 @@ from .allocator import (
     verdict,
     worse,
 )
-from .model import MOE_DESTS, Estimate, Unknown, layout_from_args, step_peak, stock_peak, toggle_delta_mb
+from .memory_words import delta_words, signed, size_words
+from .model import MOE_DESTS, Estimate, Unknown, layout_from_args, stock_peak, toggle_delta_mb
+from .peaks import Spot, planned_peak, shares, stage_peaks
 
 HEADROOM_VAR = "MEGATRON_PERF_TOGGLES_MEMORY_HEADROOM"
 DEFAULT_HEADROOM = "10%"
@@ -56,59 +58,6 @@ def headroom_mb(env: EnvSettings, capacity_mb: float) -> float:
     return capacity_mb * value / 100 if raw.endswith("%") else value * 1024
 
 
-def size_words(mb: float) -> str:
-    """A peak or a change as people read it: GB (of 1024 MB) from 1 GB up, else MB."""
-    return f"{mb / 1024:.1f} GB" if abs(mb) >= 1024 else f"{mb:.0f} MB"
-
-
-def delta_words(mb: float | None) -> str:
-    """A decision's memory change for the tables: ``+4.0 GB peak per GPU``."""
-    if mb is None:
-        return "peak memory change unknown"
-    if abs(mb) < 0.5:
-        return "no change in peak memory"
-    return f"{'+' if mb > 0 else '-'}{size_words(abs(mb))} peak per GPU"
-
-
-def stage_words(memory: Mapping[str, Any], stock: float, total: float) -> str:
-    """The plan's change and peak, worded so that the screen adds up: with pipeline parallelism the
-    table's figures are the last stage's while the peak may be another stage's (or the optimizer
-    step's), so the peak's own change against stock's is said beside them."""
-    def signed(mb: float) -> str:
-        return f"{'+' if mb >= 0 else '-'}{size_words(abs(mb))}"
-
-    unknown = [d for d, mb in (memory.get("peak_memory_delta_mb") or {}).items() if mb is None]
-    counting = f" (not counting {', '.join(unknown)}: unknown)" if unknown else ""
-    planned = memory.get("planned_peak_mb")
-    if planned is None:
-        return f", this plan {signed(total)}{counting}"
-    if abs(stock + total - planned) < 1:
-        return f", this plan {signed(total)}{counting}, planned peak {size_words(planned)}"
-    return (f", planned peak {size_words(planned)} ({signed(planned - stock)} on the busier pipeline stage or "
-            f"the optimizer step; the table's changes, {signed(total)} in all{counting}, are the last stage's)")
-
-
-def summary(memory: Mapping[str, Any]) -> str:
-    """One line for the tables: stock's estimated peak, the plan's change, its largest allocation,
-    the limit and the verdicts, or why there is no estimate."""
-    stock, total = memory.get("stock_peak_mb"), memory.get("total_peak_memory_delta_mb")
-    if stock is None:
-        return f"memory: {memory.get('note') or 'no estimate'}"
-    line = f"memory: stock's estimated peak {size_words(stock)} per GPU ({memory.get('stock_estimate_source')})"
-    if total is not None:
-        line += stage_words(memory, stock, total)
-    if memory.get("largest_allocation_mb") is not None:
-        line += f"; largest allocation {size_words(memory['largest_allocation_mb'])}"
-    limit = memory.get("limit_mb")
-    line += f"; limit {size_words(limit)}" if limit else ""
-    verdicts = memory.get("verdict") or {}
-    if verdicts:
-        said = ", ".join(f"{who} {VERDICT_WORDS[v]}" for who, v in verdicts.items())
-        line += f": {said}" + (" (expandable segments set)" if memory.get("expandable_segments_set") else "")
-    note = memory.get("note")
-    return line + (f"; {note}" if note else "")
-
-
 def stock_values(stock: Mapping[str, Any], caps: Capabilities, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What stock Megatron runs with: its own defaults, and gradient accumulation fusion only where
     APEX's kernel is there (stock raises at model build otherwise, so such a job runs without it).
@@ -124,13 +73,21 @@ def stock_values(stock: Mapping[str, Any], caps: Capabilities, args: Mapping[str
 class MemoryPlan:
     """The record of what the plan does to peak memory (``Plan.memory``)."""
 
+    # Each toggle's share of the change in the reported peak (core.memory.peaks: they add up to it).
     deltas: dict[str, float | None] = field(default_factory=dict)
+    # Each toggle's change where it acts (core.memory.model.toggle_delta_mb on the last stage):
+    # what the guard may gain by backing it off once the peak is elsewhere.
+    terms: dict[str, float | None] = field(default_factory=dict)
     stock: Estimate | None = None
+    stock_at: Spot | None = None  # where stock peaks, and by how much
+    planned_at: Spot | None = None  # where the plan peaks (the busier pipeline stage, or its optimizer step)
+    moved: dict[str, Spot] = field(default_factory=dict)  # the toggles whose share moved the peak: where to
+    stages: int = 1  # pipeline stages (PP): where more than one, the places name the stage
     gpu_memory_mb: float | None = None
     limit_mb: float | None = None
     note: str = ""
-    planned_mb: float | None = None  # the busier pipeline stage's, with the decisions (planned_peak)
     largest: Largest | None = None  # the plan's largest allocation per step, on its neediest stage (core.memory.allocator)
+    largest_stage: str | None = None  # that stage: last | first
     needs: dict[str, float] | None = None  # what the allocator needs: fixed_segments, expandable_segments
     stock_largest: Largest | None = None
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # "stock" and "plan"
@@ -139,21 +96,45 @@ class MemoryPlan:
     launch: list[dict[str, str]] = field(default_factory=list)  # variables the launch should export
 
     @property
+    def planned_mb(self) -> float | None:
+        return None if self.planned_at is None else self.planned_at.mb
+
+    @property
     def total_mb(self) -> float | None:
-        known = [d for d in self.deltas.values() if d is not None]
-        return round(sum(known), 1) if known else None
+        """The planned peak less stock's: what the shares add up to (None without an estimate)."""
+        if self.planned_at is None or self.stock_at is None:
+            return None
+        return round(self.planned_at.mb - self.stock_at.mb, 1)
+
+    def notes(self) -> dict[str, str]:
+        """Where a row's share is not its term: the peak moved with it, or its term is off the peak."""
+        out = {dest: f"moves the peak to {spot.place(self.stages)}" for dest, spot in self.moved.items()}
+        planned = self.planned_at
+        for dest, share in self.deltas.items():
+            term = self.terms.get(dest)
+            if dest in out or planned is None or share is None or term is None or abs(share) >= 0.5 or abs(term) < 0.5:
+                continue
+            where = ("on the last stage" if self.stages > 1 and planned.stage != "last"
+                     else "in forward and backward" if planned.phase == "step" else "elsewhere")
+            out[dest] = f"its {signed(term)} is {where}"
+        return out
 
     def to_record(self) -> dict[str, Any]:
-        stock = self.stock
+        stock, at = self.stock, self.planned_at
         return {
             "peak_memory_delta_mb": self.deltas, "total_peak_memory_delta_mb": self.total_mb,
+            "peak_memory_notes": self.notes(),
             "unit": "MB of 2**20 bytes, per GPU, against stock Megatron",
-            "stock_peak_mb": None if stock is None else stock.peak_mb,
+            "stock_peak_mb": None if self.stock_at is None else round(self.stock_at.mb, 1),
+            "stock_peak_at": None if self.stock_at is None else self.stock_at.words(self.stages),
             "stock_estimate_source": None if stock is None else stock.source,
             "stock_parts_mb": None if stock is None else stock.parts,
-            "planned_peak_mb": None if self.planned_mb is None else round(self.planned_mb, 1),
+            "planned_peak_mb": None if at is None else round(at.mb, 1),
+            "planned_peak_at": None if at is None else at.words(self.stages),
+            "pipeline_stages": self.stages,
             "largest_allocation_mb": None if self.largest is None else self.largest.mb,
             "largest_allocation": None if self.largest is None else self.largest.what,
+            "largest_allocation_stage": self.largest_stage,
             "stock_largest_allocation_mb": None if self.stock_largest is None else self.stock_largest.mb,
             # what the caching allocator needs for this plan: its peak plus its largest allocation with
             # fixed segments, the peak alone with expandable segments (core.memory.allocator)
@@ -173,34 +154,11 @@ def _deltas(values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any, te
     return out
 
 
-def stage_peaks(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
-                te: bool, dests: Iterable[str] | None = None) -> dict[str, float]:
-    """Each pipeline stage's own stock peak plus the decisions' changes on that stage (the logits'
-    terms are the last stage's alone), or its optimizer step's peak where that is larger
-    (``memory.step_peak``): ``last``, and ``first`` where PP > 1. ``dests``: the toggles priced
-    (default: the registry's)."""
-    out = {}
-    for name, stage_mb in (estimate.stages or {"last": estimate.peak_mb}).items():
-        deltas = {d: toggle_delta_mb(d, values, stock, layout, te, last_stage=name == "last")
-                  for d in (dests if dests is not None else [t.dest for t in TOGGLES])}
-        training = stage_mb + sum(d for d in deltas.values() if d is not None)
-        step = step_peak(estimate, deltas, layout, values, name)
-        out[name] = training if step is None else max(training, step)
-    return out
-
-
-def planned_peak(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
-                 te: bool, dests: Iterable[str] | None = None) -> float:
-    """The plan's peak: the larger of the stages' (``stage_peaks``). Adding the last stage's changes
-    to stock's peak would price a first-stage peak with logits it does not hold."""
-    return max(stage_peaks(estimate, values, stock, layout, te, dests).values())
-
-
 def allocator_stages(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
-                     te: bool) -> list[tuple[float, Largest]]:
-    """Each stage's peak with its own largest allocation (the first stage holds no logits), for what
-    the caching allocator needs (``allocator.need_mb``)."""
-    return [(peak, largest_allocation(layout, values, last_stage=name == "last"))
+                     te: bool) -> list[tuple[str, float, Largest]]:
+    """Each stage's name, peak and own largest allocation (the first stage holds no logits), for
+    what the caching allocator needs (``allocator.need_mb``)."""
+    return [(name, peak, largest_allocation(layout, values, last_stage=name == "last"))
             for name, peak in stage_peaks(estimate, values, stock, layout, te).items()]
 
 
@@ -220,6 +178,9 @@ class _Fit:
         return planned_peak(self.estimate, values, self.base, self.layout, self.te)
 
     def stages(self, values: Mapping[str, Any]) -> list[tuple[float, Largest]]:
+        return [(peak, largest) for _, peak, largest in self.named_stages(values)]
+
+    def named_stages(self, values: Mapping[str, Any]) -> list[tuple[str, float, Largest]]:
         return allocator_stages(self.estimate, values, self.base, self.layout, self.te)
 
     def verdict(self, values: Mapping[str, Any]) -> Verdict:
@@ -231,16 +192,23 @@ class _Fit:
         return need_mb(self.stages(values), self.expandable_set)
 
 
-def _neediest(stages: list[tuple[float, Largest]]) -> tuple[float, Largest]:
+def _neediest(stages: list[tuple[str, float, Largest]]) -> tuple[str, float, Largest]:
     """The stage whose peak plus largest allocation is the largest: where fixed segments run short first."""
-    return max(stages, key=lambda stage: stage[0] + stage[1].mb)
+    return max(stages, key=lambda stage: stage[1] + stage[2].mb)
 
 
-def _allocator_record(memory: MemoryPlan, stages: list[tuple[float, Largest]]) -> None:
-    """The plan's largest allocation (its neediest stage's) and what the allocator needs, into the record."""
-    memory.largest = _neediest(stages)[1]
-    memory.needs = {"fixed_segments": round(need_mb(stages, False), 1),
-                    "expandable_segments": round(need_mb(stages, True), 1)}
+def _priced(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any]) -> None:
+    """The plan's memory into the record: each toggle's share of the peak's change and its term,
+    where stock and the plan peak, the largest allocation (on the neediest stage, named) and what
+    the allocator needs."""
+    split = shares(fit.estimate, values, fit.base, fit.layout, fit.te)
+    memory.deltas, memory.stock_at, memory.planned_at, memory.moved = split.mb, split.stock, split.planned, split.moved
+    memory.terms = _deltas(values, fit.base, fit.layout, fit.te)
+    stages = fit.named_stages(values)
+    memory.largest_stage, _, memory.largest = _neediest(stages)
+    plain = [(peak, largest) for _, peak, largest in stages]
+    memory.needs = {"fixed_segments": round(need_mb(plain, False), 1),
+                    "expandable_segments": round(need_mb(plain, True), 1)}
 
 
 def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: Capabilities, env: EnvSettings,
@@ -261,20 +229,19 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
         return memory, []
     values = {**{d: base[d] for d in MOE_DESTS}, **{dest: d.value for dest, d in decisions.items()}}
     values = stock_off.priced(values, base, caps, env)  # a wgrad kernel nobody provides: priced as stock runs
-    memory.deltas = _deltas(values, base, layout, te)
     memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te,
                                          {d: base[d] for d in MOE_DESTS})
-    memory.planned_mb = planned_peak(estimate, values, base, layout, te)
-    _allocator_record(memory, allocator_stages(estimate, values, base, layout, te))
-    memory.stock_largest = _neediest(allocator_stages(estimate, base, base, layout, te))[1]
-    if caps.gpu_memory_mb is None:
-        memory.note = "the GPU's memory is not known here: no memory guard"
-        return memory, []
-    limit = caps.gpu_memory_mb - headroom_mb(env, caps.gpu_memory_mb)
-    memory.limit_mb = round(limit, 1)
+    memory.stages = layout.pp
     refused = expandable_segments_refused(args, caps)
     memory.expandable_refused = None if env.expandable_segments else refused
-    fit = _Fit(layout, estimate, base, te, limit, env.expandable_segments, memory.expandable_refused)
+    limit = None if caps.gpu_memory_mb is None else caps.gpu_memory_mb - headroom_mb(env, caps.gpu_memory_mb)
+    fit = _Fit(layout, estimate, base, te, limit or 0.0, env.expandable_segments, memory.expandable_refused)
+    _priced(memory, fit, values)
+    memory.stock_largest = _neediest(fit.named_stages(base))[2]
+    if limit is None:
+        memory.note = "the GPU's memory is not known here: no memory guard"
+        return memory, []
+    memory.limit_mb = round(limit, 1)
     memory.verdicts = {"stock": fit.verdict(base), "plan": fit.verdict(values)}
     messages = _back_off(fit, memory, decisions, values, Context(args, values, caps, env), _where(caps, env, limit))
     memory.verdicts["plan"] = fit.verdict(values)
@@ -298,8 +265,14 @@ def _where(caps: Capabilities, env: EnvSettings, limit: float) -> str:
 
 
 def _eligible(memory: MemoryPlan, decisions: Mapping[str, Decision], ctx: Context) -> list[str]:
-    """The defaults the guard may back off, costliest first: memory-increasing, nobody asked for them."""
-    costly = sorted((d for d, mb in memory.deltas.items() if mb and mb > 0), key=lambda d: -(memory.deltas[d] or 0))
+    """The defaults the guard may back off, costliest first: memory-increasing, nobody asked for them.
+    A toggle adds memory where its share of the peak's change is positive, or where its term is
+    (a toggle whose term sits below the peak now may be the next to tip it once another is backed
+    off); costliest by share, then by term."""
+    def cost(dest: str) -> tuple[float, float]:
+        return memory.deltas.get(dest) or 0.0, memory.terms.get(dest) or 0.0
+
+    costly = sorted((d for d in memory.deltas if max(cost(d)) > 0), key=lambda d: tuple(-c for c in cost(d)))
     return [d for d in costly if decisions[d].source == "default" and ctx.env.plugin_enabled and not _needed(d, ctx)]
 
 
@@ -334,15 +307,13 @@ def _back_off(fit: _Fit, memory: MemoryPlan, decisions: dict[str, Decision], val
             continue  # it does not add to what is short (the logits' terms where the first stage peaks)
         goal = ("fit with expandable segments" if target == "fits_with_expandable_segments" else
                 "fit without expandable segments" if now == "fits_with_expandable_segments" else "fit")
-        reason = (f"memory: stock (estimated peak {size_words(fit.estimate.peak_mb)}) {VERDICT_WORDS[stock_v]} "
+        reason = (f"memory: stock (estimated peak {size_words(fit.peak(fit.base))}) {VERDICT_WORDS[stock_v]} "
                   f"({where}), but with the defaults the job {VERDICT_WORDS[now]} (planned peak "
                   f"{size_words(fit.peak(values))}); this default adds {delta_words(memory.deltas[dest])}, so it is "
                   f"backed off to stock's {format_value(fit.base[dest])} to {goal} ({HEADROOM_VAR} sets the headroom)")
         decisions[dest] = Decision(fit.base[dest], "guard", reason)
         values[dest] = fit.base[dest]
-        memory.deltas = _deltas(values, fit.base, fit.layout, fit.te)
-        memory.planned_mb = fit.peak(values)
-        _allocator_record(memory, fit.stages(values))
+        _priced(memory, fit, values)
     return []
 
 
@@ -356,7 +327,7 @@ def _verdict_messages(memory: MemoryPlan, fit: _Fit, values: Mapping[str, Any]) 
         return [Message("warning", f"memory: this job {VERDICT_WORDS[plan_v]}: export "
                                    f"{var['name']}={var['value']} (the launch environment says why)")]
     why = (f"; {memory.expandable_refused}, which expandable segments would need"
-           if memory.expandable_refused and min(stock.peak_mb, fit.peak(values)) <= fit.limit else "")
+           if memory.expandable_refused and min(fit.peak(fit.base), fit.peak(values)) <= fit.limit else "")
     return [Message("warning", f"memory: this job does not fit: planned peak {size_words(fit.peak(values))}, "
                                f"allocator's need {size_words(fit.need(values))}, limit {size_words(fit.limit)}"
                                f" (stock: {VERDICT_WORDS[memory.verdicts['stock']]}){why}")]

@@ -21,8 +21,8 @@ from . import memory_moe
 from .memory_layout import Layout, Unknown, layout_from_args, padded_vocab
 from .memory_moe import BF16, FP32, MB, MOE_DESTS, Moe
 
-__all__ = ["BF16", "FP32", "MB", "MOE_DESTS", "Estimate", "Layout", "Moe", "Unknown", "layout_from_args",
-           "padded_vocab", "stock_peak", "toggle_delta_mb"]
+__all__ = ["BF16", "FP32", "MB", "MOE_DESTS", "PRICED_WITH", "Estimate", "Layout", "Moe", "Unknown",
+           "layout_from_args", "padded_vocab", "stock_peak", "toggle_delta_mb"]
 
 
 # --- the toggles' terms: each one's change in peak allocated MB against its stock value ----------
@@ -112,6 +112,9 @@ def step_upcast_mb(layout: Layout, values: Mapping[str, Any], last_stage: bool =
 
 
 ZERO_TERMS = ("ddp_average_in_collective", "fused_single_qkv_rope")  # measured 0 MB on the H200
+# A toggle priced with another's value as the plan sets it (the fusion with the plan's
+# implementation): fused dest -> the dest it is priced with (core.memory.peaks orders by it).
+PRICED_WITH = {"cross_entropy_loss_fusion": "cross_entropy_fusion_impl"}
 # The toggles whose change persists through the optimizer step (buffers, cached placeholders,
 # workspaces); the others change what a micro-batch holds, gone by the step.
 PERSISTENT_TERMS = ("gradient_accumulation_fusion", "grad_reduce_in_bf16", "moe_grouped_gemm")

@@ -21,6 +21,7 @@ from ...core.config_fields import PRIMUS_DEFAULT_FILES, PRIMUS_HOMES
 from ...core.decision.decide import FP4_LAYER_DESTS, MEGATRON_FP4_LAYER_DEFAULTS, Plan
 from ...core.facts import Capabilities
 from ...core.registry import BY_DEST
+from ...core.stock_off import MEGATRON_DEFAULT
 from ...runtime.context import Mode, RunContext
 from ...runtime.controller import Registration
 from ...runtime.machine.target import Target
@@ -79,10 +80,12 @@ def read(ns: Any, defaults: Mapping[str, Any], explicit: Iterable[str] = ()) -> 
         home = homes[0]
         value = getattr(ns, home.path, _MISSING)
         if value is _MISSING:  # this Megatron has no flag for it: the plugin adds the dest, stock is Megatron's default
-            found.stock[dest] = megatron_default(dest)
+            found.stock[dest], found.stock_from[dest] = megatron_default(dest), MEGATRON_DEFAULT
             continue
         found.stock[dest] = value
         default = defaults[dest] if dest in defaults else megatron_default(dest)
+        found.stock_from[dest] = (f"Primus's default (YAML key {home.path}: {_yaml(defaults[dest])})"
+                                  if dest in defaults else MEGATRON_DEFAULT)
         if dest in named:
             found.explicit[dest] = (value, f"YAML key {home.path}")
         elif value is not None and value != default:

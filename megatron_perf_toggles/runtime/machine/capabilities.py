@@ -16,6 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ...core import stock_off
 from ...core.facts import Capabilities, MegatronFacts, describe_stack, planned_stack, version_tuple, with_assumptions
 from ...core.registry import BY_CAPABILITY, Capability
 from .assume import assumed, assumed_device  # noqa: F401 - asked of this module by its callers
@@ -24,6 +25,7 @@ from .probe import gpu_question_without_torch, torch_build, torch_module
 from .probe import installed as _installed
 
 if TYPE_CHECKING:  # types only
+    from ...core.env import EnvSettings
     from .target import Target
 
 
@@ -236,16 +238,18 @@ def effective_assume(spec: str | None, target: Target | None = None) -> str | No
 
 
 def for_plan(spec: str | None, deep: bool = False, target: Target | None = None,
-             megatron: MegatronFacts | None = None) -> Capabilities:
+             megatron: MegatronFacts | None = None, env: EnvSettings | None = None) -> Capabilities:
     """The capabilities a plan rests on, one rule for ``explain`` and the dry run: detected here for
     a plan for this machine; for another machine (a named GPU or world, or no GPU here), the planned
     stack of its GPU family, named in ``Capabilities.stack``, with ``MEGATRON_PERF_TOGGLES_ASSUME``
     on top. Facts of this machine's packages never describe another machine. ``megatron``: the
     Megatron the plan is for where it is known already (a recorded surface), so that a Megatron on
-    this machine's path is not imported (seconds) for facts that would be replaced."""
+    this machine's path is not imported (seconds) for facts that would be replaced. ``env``: the
+    settings the plan runs under, so that the stack names the wgrad fallback only where the plugin
+    would install it (not with MEGATRON_PERF_TOGGLES=0)."""
     effective = effective_assume(spec, target)
     caps = with_assumptions(detect(deep=deep, target=target, megatron=megatron), effective)
     if effective == spec:
         return caps
-    caps = dataclasses.replace(caps, stack=describe_stack(caps))
-    return caps
+    fallback = None if env is None else stock_off.fallback_installed(caps, env)
+    return dataclasses.replace(caps, stack=describe_stack(caps, hint=False, fallback=fallback))

@@ -9,12 +9,15 @@ import json
 import os
 from typing import Any
 
-from ...core import layout
+from ...core import layout, stock_off
+from ...core.decision.plan import Plan
 from ...core.env import read_env
-from ...core.facts import Capabilities, describe_stack, parse_assume
+from ...core.facts import Capabilities, parse_assume
+from ...core.memory.memory_words import FAIL_IF_NO_FIT_HELP, fit_failure
 from ...core.precision import LOG_DIR_DESTS
 from ...core.profile import Profile
 from ...core.registry import format_value
+from ...errors import report
 from ...frontends import explain as explain_frontends
 from ...runtime import provenance
 from ...runtime.machine import target as planned
@@ -66,7 +69,7 @@ def _explain_header(ns: argparse.Namespace, caps: Capabilities, label: str, targ
     _say(f"Megatron: {label}", width)
     _say(f"Plan for: {planned.describe(target)}", width)
     # A plan for another machine names its planned stack alone: nothing of this machine's software.
-    _say(f"Stack:    {describe_stack(caps, hint=False)}" if caps.stack else f"Machine:  {_caps_summary(caps)}", width)
+    _say(f"Stack:    {caps.stack}" if caps.stack else f"Machine:  {_caps_summary(caps)}", width)
     if profile is not None:
         _say(f"Profile:  {_profile_summary(profile)}", width)
     if ns.verbose:
@@ -99,7 +102,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
             sources=fact_sources(caps, megatron_source), stack=caps.stack or None,
             launch_environment=[v.to_record() for v in launch])
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
-        return 0
+        return _status(ns, plan)
     width = _width()
     _explain_header(ns, caps, label, target, profile, width, megatron_source, bool(front))
     print()
@@ -110,7 +113,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         _say(f"MoE toggles: not a mixture-of-experts model ({', '.join(plan.not_applicable)} left as Megatron's)",
              width)
     if plan.memory is not None:
-        from ...core.memory.memory_guard import summary
+        from ...core.memory.memory_words import summary
 
         _say(summary(plan.memory), width)
     _say(f"precision tag: {plan.precision}; fused wgrad path: {WGRAD_WORDS[plan.wgrad_path]}", width)
@@ -118,12 +121,20 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         if args.get(dest):
             _say(f"{dest}: {args[dest]}", width)
     if not plan.log_dirs and any(args.get(d) for d in LOG_DIR_DESTS):
-        _say("(log directories not tagged: MEGATRON_PERF_TOGGLES_TAG_LOG_DIR=0)", width)
+        _say(f"(log directories not tagged: {stock_off.untagged_because(read_env(os.environ))})", width)
     for var in launch:
         _say_export(var.name, var.value, var.why, width)
     for m in plan.messages:
         _say(f"{m.level}: {m.text}", width)
-    return 0
+    return _status(ns, plan)
+
+
+def _status(ns: argparse.Namespace, plan: Plan) -> int:
+    """0, or where --fail-if-no-fit (MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT=1) asks and the plan does not
+    fit the GPU's memory, one line on stderr and errors.DoesNotFitError's status: a plan that does not
+    fit is still a plan, so by default explain exits 0."""
+    failure = fit_failure(plan.memory) if ns.fail_if_no_fit or read_env(os.environ).fail_if_no_fit else None
+    return 0 if failure is None else report(failure)
 
 
 def _add_explain(sub: Any) -> None:
@@ -137,6 +148,7 @@ def _add_explain(sub: Any) -> None:
     ex.add_argument("--json", action="store_true", help="print the plan's full JSON record on stdout, and nothing "
                     "else (no table)")
     ex.add_argument("--verbose", action="store_true", help="also say where each fact the plan rests on came from")
+    ex.add_argument("--fail-if-no-fit", action="store_true", help=FAIL_IF_NO_FIT_HELP)
     explain_frontends.add_options(ex)
     _planning_options(ex, "a Megatron-LM checkout: use its real parser",
                       "plan against a recorded Megatron surface instead (default: main; for --primus-config "

@@ -17,8 +17,8 @@ WGRAD_WORDS = {
     "apex": "APEX fused_weight_gradient_mlp_cuda",
     "fallback": "torch fallback (addmm, fp32 accumulation) in place of APEX",
     "off": "off (gradient accumulation fusion is off)",
-    "missing": "none: fusion is on as Megatron's own default (MEGATRON_PERF_TOGGLES=0), and Megatron will need "
-               "APEX's fused_weight_gradient_mlp_cuda at the first backward",
+    "missing": "none: fusion is on with neither APEX nor the torch fallback, and Megatron will need "
+               "APEX's fused_weight_gradient_mlp_cuda at the first backward (the note says why)",
 }
 
 
