@@ -116,7 +116,7 @@ def plan_target(ns: argparse.Namespace, dry_run: bool) -> planned.Target | None:
             raise PerfTogglesError(f"{given[0]} plans a dry run: add --dry-run",
                                    "a real launch takes its world from torchrun and its GPU from the machine")
         return None
-    return planned.from_options(ns)
+    return planned.from_options(ns, entry="launcher")
 
 
 @dataclass(slots=True)
