@@ -83,3 +83,30 @@ def _check_shape(args: Mapping[str, Any], tp: int, ep: int, groups_may_divide_tp
     if isinstance(experts, int) and experts > 0 and experts % ep:
         raise LayoutError(f"{experts} experts (num_experts) are not divisible by expert parallelism {ep}",
                           "choose an EP that divides them", ("experts", "expert model parallel"))
+
+
+def parallel(world: int, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The job's parallel layout as a plan shows it (``explain``'s text and JSON, the dry run's
+    summary and record): TP, PP, CP, EP (with ETP where it differs from TP), the data-parallel size
+    the world leaves (None where the world does not divide), virtual pipeline stages and sequence
+    parallelism where set. A configuration front end's recipe says its layout only here."""
+    tp, pp, cp = (_size(args, d) for d in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                            "context_parallel_size"))
+    ep = _size(args, "expert_model_parallel_size")
+    vpp = args.get("virtual_pipeline_model_parallel_size")
+    return {"world": world, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+            "etp": _size(args, "expert_tensor_parallel_size", tp),
+            "dp": world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None,
+            "vpp": vpp if isinstance(vpp, int) and not isinstance(vpp, bool) and vpp > 1 else None,
+            "sequence_parallel": bool(args.get("sequence_parallel")) and tp > 1}
+
+
+def words(layout: Mapping[str, Any]) -> str:
+    """``TP 2, PP 4, CP 1, EP 1, DP 8 (world 64), sequence parallel``: :func:`parallel` in one line."""
+    parts = [f"TP {layout['tp']}", f"PP {layout['pp']}"]
+    parts += [f"VPP {layout['vpp']}"] if layout.get("vpp") else []
+    parts += [f"CP {layout['cp']}", f"EP {layout['ep']}"]
+    parts += [f"ETP {layout['etp']}"] if layout["ep"] > 1 and layout["etp"] != layout["tp"] else []
+    dp = layout["dp"] if layout["dp"] is not None else "-"
+    out = f"{', '.join(parts)}, DP {dp} (world {layout['world']})"
+    return out + (", sequence parallel" if layout.get("sequence_parallel") else "")

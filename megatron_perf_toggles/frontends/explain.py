@@ -120,7 +120,9 @@ def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
     if not installed(module.partition(".")[0]) or (module.startswith("megatron.") and not installed("megatron.bridge")):
         raise PerfTogglesError(f"--bridge-recipe {ns.bridge_recipe}: {module} is not importable here",
                                "install Megatron-Bridge (pip install megatron-bridge) or run with its Python")
-    with megatron_importable(ns.megatron), transformer_engine(), planned.stand_ins(target):
+    # a plan for another machine never rests on this machine's TE: the stand-in serves it, whatever
+    # is installed here (none, the empty meta package, a build that cannot load)
+    with megatron_importable(ns.megatron), transformer_engine(planned.elsewhere(target)), planned.stand_ins(target):
         fn = bridge_recipe.resolve(ns.bridge_recipe)
         cfg = bridge_recipe.build(fn, **kwargs)
         result, caps, args = bridge.explain(cfg, target=target)
@@ -188,7 +190,7 @@ def _elsewhere() -> Iterator[None]:
             os.chdir(here)
 
 
-def _primus_megatron(ns: argparse.Namespace, root: Path | None) -> tuple[Any, str]:
+def _primus_megatron(ns: argparse.Namespace, root: Path | None, target: planned.Target) -> tuple[Any, str]:
     """The Megatron Primus builds on (a block to run the build in) and, for a recorded surface, why it."""
     from ..launcher.import_shims import megatron_importable
     from .primus import offline as primus_offline
@@ -196,7 +198,7 @@ def _primus_megatron(ns: argparse.Namespace, root: Path | None) -> tuple[Any, st
     if getattr(ns, "megatron_version", None):
         return primus_offline.recorded_megatron(ns.megatron_version), "as --megatron-version asks"
     try:
-        return megatron_importable(_megatron_for(ns, root)), ""
+        return megatron_importable(_megatron_for(ns, root), elsewhere=planned.elsewhere(target)), ""
     except PerfTogglesError:  # no Megatron-LM here: Primus builds on a recorded surface's parser, its pin's
         name, why = primus_offline.served(root)
         return primus_offline.recorded_megatron(name), f"no Megatron-LM here; {why}"
@@ -216,7 +218,7 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
                                "importable here", "pass a file inside a Primus checkout, or install Primus")
     from .primus import offline as primus_offline
 
-    megatron, why = _primus_megatron(ns, root)
+    megatron, why = _primus_megatron(ns, root, target)
     if root is not None and str(root) not in sys.path:
         sys.path.insert(0, str(root))
     with megatron as surface, planned.stand_ins(target), _elsewhere():

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..core import launch_env
+from ..core import launch_env, layout
 from ..core.env import rank_of
 from ..core.facts import parse_assume
 from ..core.registry import TOGGLES
@@ -83,8 +83,17 @@ def dry_run_record(hooks: Hooks, args: argparse.Namespace, args_defaults: Mappin
         # The GPU this process sees (not the planned one): what `tune` writes into a profile.
         gpu_visible=gpu_name_here(),
         target={**(hooks.target or planned.Target()).to_record(), "summary": planned.describe(hooks.target)},
+        layout=layout.parallel(_world(names, hooks), names),
         launch_environment=[v.to_record() for v in launch],
     )
+
+
+def _world(names: Mapping[str, Any], hooks: Hooks) -> int:
+    """The world Megatron parsed (its ``world_size``), else the one planned."""
+    world = names.get("world_size")
+    if isinstance(world, int) and world > 0:
+        return world
+    return planned.planned_world(hooks.target, os.environ) or 1
 
 
 class ReportedExit(SystemExit):
@@ -130,8 +139,6 @@ def layout_fix(hooks: Hooks, args: argparse.Namespace, refused: BaseException) -
     ``explain`` names for the same mistake (``core.layout``, by the rules of the Megatron planned),
     in the words of the command that asked (``Target.how_world``); None where Megatron refused
     something else."""
-    from ..core import layout
-
     outcome = hooks.outcome()
     caps = outcome.capabilities if outcome is not None else None
     target = hooks.target or planned.Target()

@@ -347,7 +347,9 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
         if dry:
             from .import_shims import install_stand_ins
 
-            install_stand_ins()  # triton, which core 0.16+ import, on a machine without it
+            # triton, which core 0.16+ import, on a machine without it; for another machine's plan, no
+            # Transformer Engine of this machine's that does not import
+            install_stand_ins(elsewhere=planned.elsewhere(target))
         # The patched script's entry point: its run context, installed for the process.
         ctx = new_context("script", environ, mode=context_mode(dry, False), target=target, controller=False).install()
         hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry, target=target,
@@ -373,10 +375,10 @@ def prepare_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
         for spec in pull_provider_specs(argv)[0]:
             check_provider_spec(spec)
         if dry_run_requested(environ):
-            planned.from_environment(environ)
+            target = planned.from_environment(environ)
             from .import_shims import install_stand_ins
 
-            install_stand_ins()
+            install_stand_ins(elsewhere=planned.elsewhere(target))
     except PerfTogglesError as error:
         fail(error)
 

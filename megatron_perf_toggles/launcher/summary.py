@@ -1,6 +1,6 @@
 """A dry run's report for people: the plan on one screen.
 
-The planned machine and software stack, the decision table (once, after Megatron's validation,
+The planned machine, layout and software stack, the decision table (once, after Megatron's validation,
 so a run-time back-off shows as the final value), the launch environment the layout needs, and
 the warnings; then where the full record and Megatron's own output went. Everything longer (the
 argument dump, the JSON record) is a file or ``--verbose`` / ``--json``.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..core import layout
 from ..core.decision.decide import Plan
 from ..core.facts import Capabilities
 from ..core.launch_env import LaunchVar
@@ -43,6 +44,7 @@ def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None,
     out = [f"dry run: Megatron-LM {megatron.get('version') or '?'} at {megatron.get('path') or '?'} "
            f"(parse and validate_args passed)",
            f"planned for: {payload.get('target', {}).get('summary', '?')}",
+           *([f"layout:      {layout.words(payload['layout'])}"] if payload.get("layout") else []),
            f"stack:       {_stack(caps)}", ""]
     if plan is None:
         out.append("no decisions: megatron_perf_toggles.extra_args_provider is not in the provider chain")

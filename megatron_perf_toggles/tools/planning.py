@@ -75,7 +75,8 @@ def _megatron_run(tree: str, megatron_args: Sequence[str], target: planned.Targe
     # what the planning run changed (parse hooks, safety net, import shims) and restores the slot.
     ctx = new_context("planning", mode="plan", target=target, controller=False)
     try:
-        with ctx, ctx.until_stopped(), megatron_importable(tree), contextlib.redirect_stdout(chatter), \
+        with ctx, ctx.until_stopped(), megatron_importable(tree, elsewhere=planned.elsewhere(target)), \
+                contextlib.redirect_stdout(chatter), \
                 contextlib.redirect_stderr(chatter):
             hooks.hook_parse_path([extra_args_provider], dry_run=True, target=target, capture=True, context=ctx)
             sys.argv = [str(script), *megatron_args]

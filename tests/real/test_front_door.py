@@ -235,6 +235,9 @@ def _check_summary(code: int, stdout: str, stderr: str, tree: str) -> None:
     record = json.loads(Path(next(line.split(": ", 1)[1] for line in lines
                                   if line.startswith("full record (JSON): "))).read_text())
     assert record["target"]["world_size"] == 64
+    # the layout planned (TP 8 x PP 4 of 64 ranks), on the screen and in the record
+    assert any(line.startswith("layout:") and "TP 8, PP 4, CP 1, EP 1, DP 2 (world 64)" in line for line in lines), stdout
+    assert (record["layout"]["tp"], record["layout"]["pp"], record["layout"]["dp"]) == (8, 4, 2)
     # each decision's memory change, as the record has it (issue: every plan shows memory)
     assert any(line.split() == ["toggle", "value", "source", "peak", "memory", "reason"] for line in lines)
     ce = next(line for line in lines if line.strip().startswith("cross_entropy_loss_fusion "))
