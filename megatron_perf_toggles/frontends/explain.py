@@ -101,6 +101,27 @@ def _keywords(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def _check_keywords(spec: str, fn: Any, kwargs: dict[str, Any]) -> None:
+    """A keyword the recipe function does not take is one line naming the one it most likely meant
+    (the function would raise a TypeError that says nothing of what it takes)."""
+    import inspect
+
+    from ..errors import did_you_mean
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: the call itself will say
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in named:
+            takes = f"it takes: {', '.join(named)}" if named else "it takes none: change the configuration it builds"
+            raise PerfTogglesError(f"--bridge-recipe {spec} takes no keyword argument {key!r}",
+                                   f"{did_you_mean(key, named)}{takes}")
+
+
 def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
     from ..launcher.import_shims import megatron_importable
     from ..runtime.machine.probe import installed
@@ -124,6 +145,7 @@ def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
     # is installed here (none, the empty meta package, a build that cannot load)
     with megatron_importable(ns.megatron), transformer_engine(planned.elsewhere(target)), planned.stand_ins(target):
         fn = bridge_recipe.resolve(ns.bridge_recipe)
+        _check_keywords(ns.bridge_recipe, fn, kwargs)
         cfg = bridge_recipe.build(fn, **kwargs)
         result, caps, args = bridge.explain(cfg, target=target)
     version = getattr(sys.modules.get("megatron.bridge.package_info"), "__version__", "?")
@@ -209,7 +231,13 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
 
     config = Path(ns.primus_config).resolve()
     if not config.is_file():
-        raise PerfTogglesError(f"--primus-config {config}: no such file")
+        from ..errors import did_you_mean
+
+        near = sorted(p.name for p in config.parent.glob("*.y*ml")) if config.parent.is_dir() else []
+        close = did_you_mean(config.name, near).strip()
+        raise PerfTogglesError(f"--primus-config {config}: no such file",
+                               close or ("check the path" if not config.parent.is_dir() else
+                                         f"{config.parent} holds no file of that name"))
     root = _primus_root(config)
     from ..runtime.machine.probe import installed
 

@@ -235,3 +235,9 @@ def test_every_reason_in_a_dry_runs_table_is_whole_at_every_width(width):
         # export kept whole so that it pastes into a shell
         assert all(len(line) <= width or len(line.split()) == 1 or line.strip().startswith("export ")
                    for line in lines), lines
+
+
+def test_a_misspelt_primus_file_names_the_one_beside_it(capsys, tmp_path):
+    (tmp_path / "llama3.1_8B-BF16-pretrain.yaml").write_text("modules: {}\n")
+    line = _one_line(*_run(capsys, "explain", "--primus-config", str(tmp_path / "llama3.1_8B-BF16-pretrain.yml"))[::2])
+    assert "no such file (did you mean 'llama3.1_8B-BF16-pretrain.yaml'?)" in line
