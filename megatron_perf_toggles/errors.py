@@ -99,19 +99,28 @@ def unknown_flags(message: str) -> list[str]:
     return [word.split("=", 1)[0] for word in words if word.startswith("-")]
 
 
+def closest_flag(flag: str, options: Sequence[str]) -> str:
+    """:func:`did_you_mean` for a flag, judged by its name without the dashes (every flag shares
+    them, which made ``--bogus`` look near ``--gpu``)."""
+    names = {option.lstrip("-"): option for option in options if option.startswith("-")}
+    close = did_you_mean(flag.lstrip("-"), list(names))
+    return f"did you mean {names[close.split(chr(39))[1]]!r}? " if close else ""
+
+
 def _choices(listed: str) -> list[str]:
     return re.findall(r"'([^']*)'", listed) or [c.strip() for c in listed.split(",")]
 
 
-def argparse_fix(message: str, options: Sequence[str] = ()) -> tuple[str, bool]:
+def argparse_fix(message: str, options: Sequence[str] = (), whose: str = "this Megatron version") -> tuple[str, bool]:
     """The fix for argparse's refusal ``message``, and whether it is the whole hint (False: the
-    caller adds where to look). ``options``: the parser's option strings, for the closest flag.
+    caller adds where to look). ``options``: the parser's option strings, for the closest flag;
+    ``whose``: whose flags they are, for a flag with none near it.
     The one reading of argparse's words, for every parser the package answers for: its own,
     a recorded Megatron surface in ``explain``, and Megatron's own in a dry run."""
     flags = unknown_flags(message)
     if flags:
-        close = did_you_mean(flags[0], options).strip()
-        return (close, True) if close else (f"{flags[0]} is not a flag of this Megatron version", False)
+        close = closest_flag(flags[0], options).strip()
+        return (close, True) if close else (f"{flags[0]} is not a flag of {whose}", False)
     patterns: list[tuple[str, Any]] = [
         (r"invalid choice: '([^']*)' \(choose from (.*)\)",
          lambda m: did_you_mean(m.group(2), _choices(m.group(3))).strip() or
@@ -135,10 +144,10 @@ def argparse_fix(message: str, options: Sequence[str] = ()) -> tuple[str, bool]:
     return "", False
 
 
-def with_fix(message: str, options: Sequence[str], usage: str) -> str:
+def with_fix(message: str, options: Sequence[str], usage: str, whose: str = "this Megatron version") -> str:
     """The hint for argparse's refusal ``message``: its fix (:func:`argparse_fix`), with ``usage``
     (where to look) where the fix alone does not say what to type."""
-    fix, whole = argparse_fix(message, options)
+    fix, whole = argparse_fix(message, options, whose)
     if whole:
         return fix
     return f"{fix}; {usage}" if fix else usage
@@ -151,7 +160,10 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     the class.
 
     ``usage_hint`` replaces the default "see PROG --help"; ``message_prefix`` (default: the prog)
-    starts the message, or nothing where the caller's own error line names the program."""
+    starts the message, or nothing where the caller's own error line names the program;
+    ``flags_of`` says whose flags an unknown one is not one of (default: the prog)."""
+
+    flags_of: str | None = None
 
     def __init__(self, *args: Any, usage_hint: str | None = None, message_prefix: str | None = None,
                  **kwargs: Any) -> None:
@@ -160,16 +172,11 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.message_prefix = message_prefix
 
     def option_strings(self) -> list[str]:
-        """Every option this parser (and each of its subcommands) takes."""
-        out: list[str] = []
-        for action in self._actions:
-            out += action.option_strings
-            if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    out += [o for a in sub._actions for o in a.option_strings if o not in out]
-        return out
+        """Every option this parser takes (a subcommand's are its own parser's)."""
+        return [option for action in self._actions for option in action.option_strings]
 
     def error(self, message: str) -> NoReturn:
-        hint = with_fix(message, self.option_strings(), self.usage_hint or f"see {self.prog} --help")
+        hint = with_fix(message, self.option_strings(), self.usage_hint or f"see {self.prog} --help",
+                        self.flags_of or self.prog)
         prefix = self.prog if self.message_prefix is None else self.message_prefix
         raise PerfTogglesError(f"{prefix}: {message}" if prefix else message, hint)

@@ -373,7 +373,8 @@ def test_a_rejection_for_a_world_of_one_says_how_to_name_the_job() -> None:
 
 def test_the_first_screen_fits_and_warns_of_nothing() -> None:
     """A newcomer's first command, with no torch to import: the built-in example fits the GPU it plans
-    for, so no warning; at most 30 lines of at most 100 columns."""
+    for, so no warning; at most 31 lines of at most 100 columns (30 until the plan's layout line,
+    which every plan shows since issue 50)."""
     code = ("import sys; sys.modules['torch'] = None\n"
             "from megatron_perf_toggles.tools.cli import main\n"
             "sys.exit(main(['explain']))")
@@ -381,6 +382,6 @@ def test_the_first_screen_fits_and_warns_of_nothing() -> None:
                           env={**_env(), "COLUMNS": "100"}, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) <= 30 and max(map(len, lines)) <= 100, done.stdout
+    assert len(lines) <= 31 and max(map(len, lines)) <= 100, done.stdout
     assert "warning" not in done.stdout.lower() and not done.stderr.strip(), done.stdout + done.stderr
     assert "stock fits, plan fits" in done.stdout

@@ -127,5 +127,5 @@ def test_a_torchrun_launch_with_no_gpu_says_how_its_command_names_one(tmp_path):
     source = _dry_run("torchrun", tmp_path)["target"]["gpu_source"]
     if source is None:
         pytest.skip("a GPU is visible here: the launch plans for it")
-    assert source == ("no GPU visible here; name one with --gpu NAME before the script, or "
-                      "MEGATRON_PERF_TOGGLES_PLAN=:NAME")
+    assert source == ("no GPU visible here; --gpu NAME before the script (or MEGATRON_PERF_TOGGLES_PLAN=:NAME) "
+                      "picks another")

@@ -241,3 +241,24 @@ def test_a_misspelt_primus_file_names_the_one_beside_it(capsys, tmp_path):
     (tmp_path / "llama3.1_8B-BF16-pretrain.yaml").write_text("modules: {}\n")
     line = _one_line(*_run(capsys, "explain", "--primus-config", str(tmp_path / "llama3.1_8B-BF16-pretrain.yml"))[::2])
     assert "no such file (did you mean 'llama3.1_8B-BF16-pretrain.yaml'?)" in line
+
+
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["doctor", "--jsn"], "did you mean '--json'? see megatron-perf-toggles doctor --help"),  # the command's own
+    (["doctor", "--bogus"], "--bogus is not an option of megatron-perf-toggles doctor; "
+                            "see megatron-perf-toggles doctor --help"),  # not ablate's --out, nor any other's
+    (["--bogus"], "--bogus is not a flag of megatron-perf-toggles; see megatron-perf-toggles --help"),
+])
+def test_a_flag_a_command_does_not_know_names_that_commands_own(capsys, argv, hint):
+    line = _one_line(*_run(capsys, *argv)[::2])
+    assert line.endswith(f"({hint})"), line
+
+
+def test_a_launcher_flag_is_judged_by_its_name_not_its_dashes(capsys):
+    from megatron_perf_toggles.launcher import launch
+
+    assert launch.main(["--dryrun", "train.py"]) == 2
+    assert "(did you mean '--dry-run'?)" in capsys.readouterr().err
+    assert launch.main(["--bogus", "train.py"]) == 2
+    said = capsys.readouterr().err
+    assert "did you mean" not in said and "--bogus is not a flag of python -m megatron_perf_toggles.run" in said

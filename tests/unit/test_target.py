@@ -182,9 +182,9 @@ def test_a_build_file_that_is_not_plain_assignments_is_no_answer(tmp_path, monke
 
 
 @pytest.mark.parametrize(("entry", "says", "never"), [
-    ("explain", "name one with --gpu NAME", "MEGATRON_PERF_TOGGLES_PLAN"),
-    ("launcher", "name one with --gpu NAME before the script, or MEGATRON_PERF_TOGGLES_PLAN=:NAME", None),
-    ("script", "name one with MEGATRON_PERF_TOGGLES_PLAN=:NAME", "--gpu"),
+    ("explain", "--gpu picks another", "MEGATRON_PERF_TOGGLES_PLAN"),
+    ("launcher", "--gpu NAME before the script (or MEGATRON_PERF_TOGGLES_PLAN=:NAME) picks another", None),
+    ("script", "MEGATRON_PERF_TOGGLES_PLAN=:NAME picks another", "--gpu"),
 ])
 def test_no_visible_gpu_says_how_this_command_names_one(entry, says, never):
     """A torchrun launch or a patched checkout has no --gpu of its own: the plan said "--gpu picks

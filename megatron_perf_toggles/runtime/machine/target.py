@@ -58,8 +58,8 @@ PLAN_ENV = "MEGATRON_PERF_TOGGLES_PLAN"  # registered in core.registry.SETTINGS
 # (which go before the training script, and which MEGATRON_PERF_TOGGLES_PLAN also sets, as under
 # torchrun); a patched checkout's script, which has only the variable.
 NAMING = {
-    "explain": ("--world-size N", "--gpu NAME"),
-    "launcher": ("--world-size N", f"--gpu NAME before the script, or {PLAN_ENV}=:NAME"),
+    "explain": ("--world-size N", "--gpu"),
+    "launcher": ("--world-size N", f"--gpu NAME before the script (or {PLAN_ENV}=:NAME)"),
     "script": (f"{PLAN_ENV}=N:GPU", f"{PLAN_ENV}=:NAME"),
 }
 
@@ -163,7 +163,7 @@ def make_target(world_size: int | None = None, nnodes: int | None = None, nproc_
         chosen, gpu_source = gpu_named(gpu), f"--gpu {gpu}"
     elif not (_visible_gpu() if gpu_visible is None else gpu_visible):
         chosen = GPUS[DEFAULT_GPU.get(assumed_device or "", "h100")]
-        gpu_source = f"no GPU visible here; name one with {NAMING[entry][1]}"
+        gpu_source = f"no GPU visible here; {NAMING[entry][1]} picks another"
     return Target(world_size=size, per_node=per_node, gpu=chosen, gpu_source=gpu_source, world_source=world_source,
                   entry=entry)
 
