@@ -97,13 +97,82 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
     return f"did you mean {close[0]!r}? " if close else ""
 
 
+UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
+ARGUMENT = r"argument ([^:]+): "
+
+
+def unknown_flags(message: str) -> list[str]:
+    """The flags argparse's "unrecognized arguments: ..." names (each without its ``=value``)."""
+    match = UNRECOGNIZED.search(message)
+    words = match.group(1).split() if match else []
+    return [word.split("=", 1)[0] for word in words if word.startswith("-")]
+
+
+def closest_flag(flag: str, options: Sequence[str]) -> str:
+    """:func:`did_you_mean` for a flag, judged by its name without the dashes (every flag shares
+    them, which made ``--bogus`` look near ``--gpu``)."""
+    names = {option.lstrip("-"): option for option in options if option.startswith("-")}
+    close = did_you_mean(flag.lstrip("-"), list(names))
+    return f"did you mean {names[close.split(chr(39))[1]]!r}? " if close else ""
+
+
+def _choices(listed: str) -> list[str]:
+    return re.findall(r"'([^']*)'", listed) or [c.strip() for c in listed.split(",")]
+
+
+def argparse_fix(message: str, options: Sequence[str] = (), whose: str = "this Megatron version") -> tuple[str, bool]:
+    """The fix for argparse's refusal ``message``, and whether it is the whole hint (False: the
+    caller adds where to look). ``options``: the parser's option strings, for the closest flag;
+    ``whose``: whose flags they are, for a flag with none near it.
+    The one reading of argparse's words, for every parser the package answers for: its own,
+    a recorded Megatron surface in ``explain``, and Megatron's own in a dry run."""
+    flags = unknown_flags(message)
+    if flags:
+        close = closest_flag(flags[0], options).strip()
+        return (close, True) if close else (f"{flags[0]} is not a flag of {whose}", False)
+    patterns: list[tuple[str, Any]] = [
+        (r"invalid choice: '([^']*)' \(choose from (.*)\)",
+         lambda m: did_you_mean(m.group(2), _choices(m.group(3))).strip() or
+         f"choose one of {', '.join(_choices(m.group(3)))}"),
+        (r"invalid (\w+) value: ", lambda m: f"give {m.group(1)} a value of type {m.group(2)}"),
+        (r"expected one argument", lambda m: f"give {m.group(1)} a value"),
+        (r"expected (\d+) arguments?", lambda m: f"give {m.group(1)} {m.group(2)} values"),
+        (r"ignored explicit argument", lambda m: f"{m.group(1)} takes no value"),
+        (r"not allowed with argument (.*)", lambda m: f"give {m.group(1)} or {m.group(2)}, not both"),
+    ]
+    for pattern, fix in patterns:
+        match = re.search(ARGUMENT + pattern, message)
+        if match:
+            return fix(match), True
+    required = re.search(r"the following arguments are required: (.*)", message)
+    if required:
+        return f"add {required.group(1)}", False
+    ambiguous = re.search(r"ambiguous option: (\S+) could match (.*)", message)
+    if ambiguous:
+        return f"spell {ambiguous.group(1)} out: {ambiguous.group(2)}", True
+    return "", False
+
+
+def with_fix(message: str, options: Sequence[str], usage: str, whose: str = "this Megatron version") -> str:
+    """The hint for argparse's refusal ``message``: its fix (:func:`argparse_fix`), with ``usage``
+    (where to look) where the fix alone does not say what to type."""
+    fix, whole = argparse_fix(message, options, whose)
+    if whole:
+        return fix
+    return f"{fix}; {usage}" if fix else usage
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """The package's one argparse class: a usage error raises PerfTogglesError instead of printing a
-    usage block, so it reaches :func:`report` like every other error; an invalid choice gets a
-    "did you mean". Subparsers inherit the class.
+    usage block, so it reaches :func:`report` like every other error, with its fix
+    (:func:`with_fix`: the closest flag or choice, the value a flag wants). Subparsers inherit
+    the class.
 
     ``usage_hint`` replaces the default "see PROG --help"; ``message_prefix`` (default: the prog)
-    starts the message, or nothing where the caller's own error line names the program."""
+    starts the message, or nothing where the caller's own error line names the program;
+    ``flags_of`` says whose flags an unknown one is not one of (default: the prog)."""
+
+    flags_of: str | None = None
 
     def __init__(self, *args: Any, usage_hint: str | None = None, message_prefix: str | None = None,
                  **kwargs: Any) -> None:
@@ -111,11 +180,12 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.usage_hint = usage_hint
         self.message_prefix = message_prefix
 
+    def option_strings(self) -> list[str]:
+        """Every option this parser takes (a subcommand's are its own parser's)."""
+        return [option for action in self._actions for option in action.option_strings]
+
     def error(self, message: str) -> NoReturn:
-        hint = self.usage_hint or f"see {self.prog} --help"
-        match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
-        if match:
-            choices = re.findall(r"'([^']*)'", match.group(2)) or [c.strip() for c in match.group(2).split(",")]
-            hint = f"{did_you_mean(match.group(1), choices)}{hint}"
+        hint = with_fix(message, self.option_strings(), self.usage_hint or f"see {self.prog} --help",
+                        self.flags_of or self.prog)
         prefix = self.prog if self.message_prefix is None else self.message_prefix
         raise PerfTogglesError(f"{prefix}: {message}" if prefix else message, hint)

@@ -101,6 +101,27 @@ def _keywords(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def _check_keywords(spec: str, fn: Any, kwargs: dict[str, Any]) -> None:
+    """A keyword the recipe function does not take is one line naming the one it most likely meant
+    (the function would raise a TypeError that says nothing of what it takes)."""
+    import inspect
+
+    from ..errors import did_you_mean
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: the call itself will say
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in named:
+            takes = f"it takes: {', '.join(named)}" if named else "it takes none: change the configuration it builds"
+            raise PerfTogglesError(f"--bridge-recipe {spec} takes no keyword argument {key!r}",
+                                   f"{did_you_mean(key, named)}{takes}")
+
+
 def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capabilities, str, dict[str, Any]]:
     from ..launcher.import_shims import megatron_importable
     from ..runtime.machine.probe import installed
@@ -120,8 +141,11 @@ def _bridge(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
     if not installed(module.partition(".")[0]) or (module.startswith("megatron.") and not installed("megatron.bridge")):
         raise PerfTogglesError(f"--bridge-recipe {ns.bridge_recipe}: {module} is not importable here",
                                "install Megatron-Bridge (pip install megatron-bridge) or run with its Python")
-    with megatron_importable(ns.megatron), transformer_engine(), planned.stand_ins(target):
+    # a plan for another machine never rests on this machine's TE: the stand-in serves it, whatever
+    # is installed here (none, the empty meta package, a build that cannot load)
+    with megatron_importable(ns.megatron), transformer_engine(planned.elsewhere(target)), planned.stand_ins(target):
         fn = bridge_recipe.resolve(ns.bridge_recipe)
+        _check_keywords(ns.bridge_recipe, fn, kwargs)
         cfg = bridge_recipe.build(fn, **kwargs)
         result, caps, args = bridge.explain(cfg, target=target)
     version = getattr(sys.modules.get("megatron.bridge.package_info"), "__version__", "?")
@@ -188,7 +212,7 @@ def _elsewhere() -> Iterator[None]:
             os.chdir(here)
 
 
-def _primus_megatron(ns: argparse.Namespace, root: Path | None) -> tuple[Any, str]:
+def _primus_megatron(ns: argparse.Namespace, root: Path | None, target: planned.Target) -> tuple[Any, str]:
     """The Megatron Primus builds on (a block to run the build in) and, for a recorded surface, why it."""
     from ..launcher.import_shims import megatron_importable
     from .primus import offline as primus_offline
@@ -196,7 +220,7 @@ def _primus_megatron(ns: argparse.Namespace, root: Path | None) -> tuple[Any, st
     if getattr(ns, "megatron_version", None):
         return primus_offline.recorded_megatron(ns.megatron_version), "as --megatron-version asks"
     try:
-        return megatron_importable(_megatron_for(ns, root)), ""
+        return megatron_importable(_megatron_for(ns, root), elsewhere=planned.elsewhere(target)), ""
     except PerfTogglesError:  # no Megatron-LM here: Primus builds on a recorded surface's parser, its pin's
         name, why = primus_offline.served(root)
         return primus_offline.recorded_megatron(name), f"no Megatron-LM here; {why}"
@@ -207,7 +231,13 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
 
     config = Path(ns.primus_config).resolve()
     if not config.is_file():
-        raise PerfTogglesError(f"--primus-config {config}: no such file")
+        from ..errors import did_you_mean
+
+        near = sorted(p.name for p in config.parent.glob("*.y*ml")) if config.parent.is_dir() else []
+        close = did_you_mean(config.name, near).strip()
+        raise PerfTogglesError(f"--primus-config {config}: no such file",
+                               close or ("check the path" if not config.parent.is_dir() else
+                                         f"{config.parent} holds no file of that name"))
     root = _primus_root(config)
     from ..runtime.machine.probe import installed
 
@@ -216,7 +246,7 @@ def _primus(ns: argparse.Namespace, target: planned.Target) -> tuple[Plan, Capab
                                "importable here", "pass a file inside a Primus checkout, or install Primus")
     from .primus import offline as primus_offline
 
-    megatron, why = _primus_megatron(ns, root)
+    megatron, why = _primus_megatron(ns, root, target)
     if root is not None and str(root) not in sys.path:
         sys.path.insert(0, str(root))
     with megatron as surface, planned.stand_ins(target), _elsewhere():

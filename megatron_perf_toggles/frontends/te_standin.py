@@ -2,8 +2,10 @@
 
 Megatron-Bridge (and the Megatron code its recipes import) imports Transformer Engine at module
 level, and TE needs a GPU build. Planning a recipe only builds configuration objects, so where TE
-is not installed, any ``transformer_engine.*`` module is made on demand for the length of the
-plan: lower-case names are submodules (also callable), capitalised ones placeholder classes. The
+is not installed, cannot be imported (the empty ``transformer-engine`` meta package that a plain
+``pip install transformer-engine`` leaves raises at import), or the plan is for another machine
+whatever is installed here, any ``transformer_engine.*`` module is made on demand for the length
+of the plan: lower-case names are submodules (also callable), capitalised ones placeholder classes. The
 launcher's dry run stands in for triton the same way (``import_shims``). Nothing of it reaches the
 decisions: the capabilities of a plan come from the planned stack (``capabilities.for_plan``), not
 from this stand-in; its version is ``VERSION`` only so that import-time version checks pass.
@@ -23,7 +25,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from ..core.facts import version_tuple
-from ..runtime.machine.probe import dist_version, installed
+from ..runtime.machine.probe import dist_version, import_failure, installed
 
 VERSION = "2.8.0"
 PACKAGE = "transformer_engine"
@@ -87,14 +89,19 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 @contextmanager
-def stand_in(package: str, version: str, *, forget: bool = False) -> Iterator[bool]:
+def stand_in(package: str, version: str, *, forget: bool = False, replace: bool = False) -> Iterator[bool]:
     """Within the block, ``import package...`` works where ``package`` is not installed (yields
-    whether the stand-in is in place). Afterwards the finder is gone; with ``forget``, so is every
-    stand-in module imported meanwhile (else modules that imported it keep their placeholders)."""
-    if installed(package):
+    whether the stand-in is in place); with ``replace``, where it is installed too (the installed
+    one, and any of its modules already imported, are out of sight for the block and back after
+    it). Afterwards the finder is gone; with ``forget``, so is every stand-in module imported
+    meanwhile (else modules that imported it keep their placeholders)."""
+    if installed(package) and not replace:
         yield False
         return
     finder = _Finder(package, version)
+    hidden = {n: m for n, m in sys.modules.items() if finder.owns(n)}
+    for name in hidden:
+        del sys.modules[name]
     sys.meta_path.insert(0, finder)
     try:
         yield True
@@ -104,6 +111,7 @@ def stand_in(package: str, version: str, *, forget: bool = False) -> Iterator[bo
         if forget:
             for name in [n for n, m in sys.modules.items() if isinstance(m, _Module) and finder.owns(n)]:
                 del sys.modules[name]
+        sys.modules.update(hidden)
 
 
 # The Megatron-Bridge releases that import NVIDIA ModelOpt at module level (0.6 no longer does).
@@ -129,14 +137,24 @@ def _bridge_release() -> tuple[int, ...]:
     return version_tuple(found)[:2] if found else ()
 
 
+def loads(package: str = PACKAGE) -> bool:
+    """Whether ``package`` is installed and imports here (``probe.import_failure``: the empty
+    ``transformer-engine`` meta package raises at import, and so does a build for another CUDA)."""
+    return installed(package) and import_failure(package) is None
+
+
 @contextmanager
-def transformer_engine() -> Iterator[bool]:
-    """Within the block, ``import transformer_engine...`` works where TE is not installed (yields
-    whether the stand-in is in place), and then so does TE's compiled ``transformer_engine_torch``
-    (which Megatron-Bridge 0.5 imports at module level); ModelOpt, where installed, is imported first
-    (``modelopt_first``). Afterwards the finders are gone; modules imported meanwhile keep the
-    placeholders they bound, which is all a plan that then ends needs."""
-    if not installed(PACKAGE):
+def transformer_engine(elsewhere: bool = False) -> Iterator[bool]:
+    """Within the block, ``import transformer_engine...`` works (yields whether the stand-in is in
+    place), and then so does TE's compiled ``transformer_engine_torch`` (which Megatron-Bridge 0.5
+    imports at module level). The stand-in serves where TE is not installed, where it does not
+    import (:func:`loads`), and, with ``elsewhere``, whatever is installed: a plan for another
+    machine describes that machine's planned stack, never this one's TE. ModelOpt, where installed,
+    is imported first (``modelopt_first``). Afterwards the finders are gone; modules imported
+    meanwhile keep the placeholders they bound, which is all a plan that then ends needs."""
+    replace = elsewhere or not loads(PACKAGE)
+    if replace:
         modelopt_first()
-    with stand_in(PACKAGE, VERSION) as placed, (stand_in(EXTENSION, VERSION) if placed else nullcontext()):
+    with stand_in(PACKAGE, VERSION, replace=replace) as placed, \
+            (stand_in(EXTENSION, VERSION, replace=replace) if placed else nullcontext()):
         yield placed

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..core import launch_env
+from ..core import launch_env, layout
 from ..core.env import rank_of
 from ..core.facts import parse_assume
 from ..core.memory.memory_words import fit_failure
@@ -84,8 +84,17 @@ def dry_run_record(hooks: Hooks, args: argparse.Namespace, args_defaults: Mappin
         # The GPU this process sees (not the planned one): what `tune` writes into a profile.
         gpu_visible=gpu_name_here(),
         target={**(hooks.target or planned.Target()).to_record(), "summary": planned.describe(hooks.target)},
+        layout=layout.parallel(_world(names, hooks), names),
         launch_environment=[v.to_record() for v in launch],
     )
+
+
+def _world(names: Mapping[str, Any], hooks: Hooks) -> int:
+    """The world Megatron parsed (its ``world_size``), else the one planned."""
+    world = names.get("world_size")
+    if isinstance(world, int) and world > 0:
+        return world
+    return planned.planned_world(hooks.target, os.environ) or 1
 
 
 class ReportedExit(SystemExit):
@@ -110,16 +119,38 @@ def assertion_site(error: BaseException) -> str:
     return f"{where}:{last.lineno}: {source or 'assert'}"
 
 
-def _rejection(error: BaseException, target: planned.Target | None, log: str | None) -> MegatronRejectedError:
+def _rejection(error: BaseException, target: planned.Target | None, log: str | None,
+               fix: str | None = None) -> MegatronRejectedError:
+    """The one line for Megatron's refusal: its words, then the fix (``fix``: the layout's, as
+    ``explain`` names it), then where Megatron's own output went."""
     text = " ".join(str(error).split())
     if isinstance(error, AssertionError) and not text:
         text = f"failed assertion at {assertion_site(error)}"
-    hints = [f"Megatron's output: {log}"] if log else []
-    if (target is None or target.world_size is None) and "world size" in text.lower():
+    hints = [fix] if fix else []
+    hints += [f"Megatron's output: {log}"] if log else []
+    if not fix and (target is None or target.world_size is None) and "world size" in text.lower():
         hints.append(f"plan for the job's size with --world-size N or {planned.PLAN_ENV}=WORLD:GPU")
     hint = "; ".join(hints) or None
     return MegatronRejectedError(f"Megatron's validate_args rejects this command line for "
                                  f"{planned.describe(target)}: {type(error).__name__}: {text}", hint)
+
+
+def layout_fix(hooks: Hooks, args: argparse.Namespace, refused: BaseException) -> str | None:
+    """Where Megatron refused (``refused``) a layout the planned world cannot hold, the fix
+    ``explain`` names for the same mistake (``core.layout``, by the rules of the Megatron planned),
+    in the words of the command that asked (``Target.how_world``); None where Megatron refused
+    something else."""
+    outcome = hooks.outcome()
+    caps = outcome.capabilities if outcome is not None else None
+    target = hooks.target or planned.Target()
+    source = target.world_source or ("WORLD_SIZE" if "WORLD_SIZE" in os.environ else "")
+    try:
+        layout.check(planned.planned_world(hooks.target, os.environ) or 1, vars(args), source,
+                     groups_may_divide_tp=caps is None or caps.megatron.has_rule("gqa_groups_divide_tp"),
+                     resize=target.how_world(os.environ))
+    except layout.LayoutError as error:
+        return error.hint if error.about(str(refused)) else None
+    return None
 
 
 def _launch_vars(args: argparse.Namespace, hooks: Hooks) -> list[launch_env.LaunchVar]:
@@ -152,7 +183,8 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
         with contextlib.redirect_stdout(chatter if quiet else sys.stderr), \
                 contextlib.redirect_stderr(chatter) if quiet else contextlib.nullcontext(), \
                 planned.stand_ins(hooks.target, te_version):
-            with parse_refusal.said_in_one_line(hooks, ReportedExit):  # a refused parse: one line, exit 2
+            # a refused parse: one line with its fix (the closest of the parser's flags), exit 2
+            with parse_refusal.said_in_one_line(hooks, ReportedExit, lambda: _options(hooks)):
                 args = _parsed(hooks, caller, ignore_unknown_args, parsed_args, via, notes)
             if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args"):
                 notes.append("--use-checkpoint-args: a dry run does not load arguments from the checkpoint")
@@ -176,6 +208,11 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     if failure is not None:  # every rank ends with the status; rank 0 says why, after the report
         raise ReportedExit(report(failure) if rank0 else failure.exit_code)
     raise SystemExit(0)
+
+
+def _options(hooks: Hooks) -> list[str]:
+    chain = hooks.last_chain
+    return chain.options() if chain is not None else []
 
 
 def _parsed(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool,
@@ -204,7 +241,7 @@ def _validated(hooks: Hooks, args: argparse.Namespace, args_defaults: dict[str, 
         return args
     except (AssertionError, ValueError, RuntimeError, TypeError, KeyError) as error:
         log = _write_files(None, chatter.getvalue())[1] if chatter is not None else None
-        rejected = _rejection(error, hooks.target, log)
+        rejected = _rejection(error, hooks.target, log, layout_fix(hooks, args, error))
         if hooks.capture:
             raise rejected from None
         # One line and exit status 2 on every path, a patched script's too (nobody above

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import importlib.abc
 import os
 import sys
 import traceback
@@ -28,10 +29,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..runtime.machine.probe import import_failure as does_not_import
 from ..runtime.machine.probe import installed
 from ..runtime.process_changes import PROCESS_CHANGES, ProcessChanges
 
 STAND_IN_PACKAGES = ("triton",)
+# Imported by Megatron where installed, taken as absent where it does not import (a plan for another
+# machine): Transformer Engine, and its compiled extension.
+ABSENT_IF_BROKEN = ("transformer_engine", "transformer_engine_torch")
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
@@ -110,6 +115,31 @@ def _stand_in_import(real_import: Callable[..., types.ModuleType]) -> Callable[.
     return importer
 
 
+class _Absent(importlib.abc.MetaPathFinder):
+    """Answers an import of ``packages`` (and their modules) as of a package that is not installed."""
+
+    def __init__(self, packages: Sequence[str]) -> None:
+        self.packages = tuple(packages)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname.partition(".")[0] in self.packages:
+            raise ModuleNotFoundError(f"No module named {fullname!r} (it does not import here: a plan for another "
+                                      "machine takes it as absent)", name=fullname)
+        return None
+
+
+def _broken_as_absent(changes: ProcessChanges) -> None:
+    """A plan for another machine does not rest on this machine's Transformer Engine: where the one
+    installed here does not import (the empty ``transformer-engine`` meta package raises "Found
+    empty `transformer-engine` meta package installed"), Megatron sees none, as on a machine
+    without it, instead of stopping at its import."""
+    broken = [name for name in ABSENT_IF_BROKEN if does_not_import(name) is not None]
+    if broken and not any(isinstance(f, _Absent) for f in sys.meta_path):
+        finder = _Absent(broken)
+        changes.install(f"{', '.join(broken)} taken as absent (it does not import)",
+                        lambda: sys.meta_path.insert(0, finder), lambda: sys.meta_path.remove(finder))
+
+
 def _as_is(fn: Any = None, *args: Any, **options: Any) -> Any:
     """``torch.compile`` and ``torch.compiler.disable`` while planning: the function as it is,
     used bare (``@torch.compile``) or with options (``@torch.compile(mode=...)``)."""
@@ -135,13 +165,15 @@ def _no_compiling(changes: ProcessChanges) -> None:
 
 @contextmanager
 def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: bool = True,
-                        uncompiled: bool = False) -> Iterator[None]:
+                        uncompiled: bool = False, elsewhere: bool = False) -> Iterator[None]:
     """Within this block, ``import megatron.training.arguments`` works from ``tree`` on a CPU box.
 
     ``stand_ins=False`` keeps only the harmless ``typing.override`` shim: a real training run must
     see a missing triton as missing, not get a stand-in whose kernels would fail later.
     ``uncompiled=True``, for a process that ends in this plan only: Megatron's ``torch.compile``
     decorators leave their functions as they are (see the module's docstring).
+    ``elsewhere=True``, for a plan for another machine: a Transformer Engine installed here that does
+    not import is taken as absent (``_broken_as_absent``).
     """
     if tree is not None:
         entry = str(Path(tree).resolve())
@@ -154,19 +186,23 @@ def megatron_importable(tree: str | os.PathLike[str] | None = None, stand_ins: b
         _stand_in_imports(scoped)
     if uncompiled:
         _no_compiling(scoped)
+    if elsewhere:
+        _broken_as_absent(scoped)
     try:
         yield
     finally:
         scoped.uninstall()
 
 
-def install_stand_ins() -> None:
+def install_stand_ins(elsewhere: bool = False) -> None:
     """For a patched checkout's dry run: the stand-ins ``megatron_importable`` gives the launcher,
     for the rest of the process (which ends in the dry run), undone by ``PROCESS_CHANGES.uninstall()``."""
     if not hasattr(typing, "override"):
         PROCESS_CHANGES.set_attr(typing, "override", _override, "typing.override (Python < 3.12)")
     _stand_in_imports(PROCESS_CHANGES)
     _no_compiling(PROCESS_CHANGES)
+    if elsewhere:
+        _broken_as_absent(PROCESS_CHANGES)
 
 
 def _gpu_build_without_gpu() -> bool:

@@ -121,7 +121,7 @@ def plan_target(ns: argparse.Namespace, dry_run: bool) -> planned.Target | None:
             raise PerfTogglesError(f"{given[0]} plans a dry run: add --dry-run",
                                    "a real launch takes its world from torchrun and its GPU from the machine")
         return None
-    return planned.from_options(ns)
+    return planned.from_options(ns, entry="launcher")
 
 
 @dataclass(slots=True)
@@ -196,9 +196,11 @@ def _launch(ns: argparse.Namespace, state: _Launch) -> int:
     stdout, stderr = sys.stdout, sys.stderr
     # Stand-ins for GPU-only imports (triton) only for a dry run, which stops before any kernel.
     # The dry run ends the process: Megatron's compile decorators stay uncompiled (import_shims).
+    # A plan for another machine takes a Transformer Engine of this one's that does not import as absent.
+    elsewhere = dry_run and planned.elsewhere(target)
     with contextlib.redirect_stdout(chatter or sys.stderr) if dry_run else contextlib.nullcontext(), \
             contextlib.redirect_stderr(chatter) if chatter is not None else contextlib.nullcontext(), \
-            megatron_importable(stand_ins=dry_run, uncompiled=dry_run):
+            megatron_importable(stand_ins=dry_run, uncompiled=dry_run, elsewhere=elsewhere):
         providers = [hooks.resolve_provider(spec) for spec in [*ns.providers, *more]]
         # The launcher's entry point: one run context for the process, which the script runs in.
         ctx = new_context("launcher", mode="dry-run" if dry_run else "run", target=target, controller=False).install()

@@ -83,9 +83,11 @@ class Chain:
         self.providers = tuple(providers)
         self.hooks = hooks
         self.runs: list[ProviderRun] = []
+        self.parser: argparse.ArgumentParser | None = None  # the parser Megatron built, once it has
 
     def __call__(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         self.runs = []
+        self.parser = parser
         if self.includes_plugin:
             self.hooks.controller_for_parse()
         for p in self.providers:
@@ -99,7 +101,14 @@ class Chain:
             parser = parser if result is None else result
             added = [a.dest for a in parser._actions if id(a) not in before and a.dest != argparse.SUPPRESS]
             self.runs.append(ProviderRun(provider_name(p), list(dict.fromkeys(added))))
+        self.parser = parser
         return parser
+
+    def options(self) -> list[str]:
+        """Every flag of the parser Megatron built (none before it has): what a refusal's
+        "did you mean" picks from."""
+        parser = self.parser
+        return [] if parser is None else [o for action in parser._actions for o in action.option_strings]
 
     @property
     def includes_plugin(self) -> bool:
@@ -211,8 +220,15 @@ def _wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
         bound = sig.bind(*args, **kwargs)
         caller = bound.arguments.get("extra_args_provider")
         if caller is None and bound.arguments.get("ignore_unknown_args"):
-            # Megatron's own peeks (in-process restart, fault tolerance) parse without any provider.
-            return original(*args, **kwargs)
+            # Megatron's own peeks (in-process restart, fault tolerance) parse without any provider;
+            # in a dry run, a value one of them refuses is the dry run's one line too.
+            if not hooks.dry_run:
+                return original(*args, **kwargs)
+            from . import parse_refusal
+            from .dry_run import ReportedExit
+
+            with parse_refusal.said_in_one_line(hooks, ReportedExit):
+                return original(*args, **kwargs)
         chain = hooks.chain(caller)
         bound.arguments["extra_args_provider"] = chain
         hooks.last_chain = chain
@@ -332,7 +348,9 @@ def install_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
         if dry:
             from .import_shims import install_stand_ins
 
-            install_stand_ins()  # triton, which core 0.16+ import, on a machine without it
+            # triton, which core 0.16+ import, on a machine without it; for another machine's plan, no
+            # Transformer Engine of this machine's that does not import
+            install_stand_ins(elsewhere=planned.elsewhere(target))
         # The patched script's entry point: its run context, installed for the process.
         ctx = new_context("script", environ, mode=context_mode(dry, False), target=target, controller=False).install()
         hook_parse_path([resolve_provider(spec) for spec in specs], dry_run=dry, target=target,
@@ -359,10 +377,10 @@ def prepare_from_argv(argv: Sequence[str], environ: Mapping[str, str] | None = N
         for spec in pull_provider_specs(argv)[0]:
             check_provider_spec(spec)
         if dry_run_requested(environ):
-            planned.from_environment(environ)
+            target = planned.from_environment(environ)
             from .import_shims import install_stand_ins
 
-            install_stand_ins()
+            install_stand_ins(elsewhere=planned.elsewhere(target))
     except PerfTogglesError as error:
         fail(error)
 

@@ -1,10 +1,13 @@
-"""A dry run's command line that Megatron's own argparse refuses, said in one line.
+"""A dry run's command line that Megatron's own argparse refuses, said in one line with its fix.
 
 Argparse answers an unknown or malformed argument with Megatron's whole usage block and exit
 status 2. In a dry run that block either vanished into the held output (a patched checkout's dry
 run exited 2 saying nothing) or filled the screen (``--json``). Here the parse's own stderr is
-held, and a refusal becomes one ``[perf-toggles] error:`` line with argparse's own message, on the
-stderr the dry run was started with; a parse that passes hands its stderr on unchanged.
+held, and a refusal becomes one ``[perf-toggles] error:`` line with argparse's own message and
+the fix (``errors.with_fix``: the closest flag of the parser Megatron built, the closest choice,
+the value a flag wants), the same fix ``explain`` names for the same mistake. A planning run
+(``explain --megatron``) gets the same error raised; a parse that passes hands its stderr on
+unchanged.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import PREFIX, PerfTogglesError, report
+from ..errors import PREFIX, PerfTogglesError, report, with_fix
 
 OWN = f"{PREFIX} error: "  # how the plugin's own refusals start (errors.report)
+USAGE = "the script's --help lists Megatron's flags"
 
 if TYPE_CHECKING:  # types only: the hooks call the dry run, which calls this
     from .parse_hooks import Hooks
@@ -33,14 +37,22 @@ def argparse_message(held: str) -> str:
     return last.split(": error: ", 1)[1] if ": error: " in last else last
 
 
+def refusal(held: str, options: Sequence[str] = ()) -> PerfTogglesError:
+    """The error for a parse that stopped with ``held`` on its stderr: the plugin's own one line
+    as it was said, else argparse's message with its fix (``options``: the parser's flags)."""
+    said = argparse_message(held)
+    if said.startswith(OWN):
+        return PerfTogglesError(said.removeprefix(OWN))
+    return PerfTogglesError(f"Megatron's parser: {said}", with_fix(said, options, USAGE))
+
+
 @contextlib.contextmanager
-def said_in_one_line(hooks: Hooks, exit_type: type[SystemExit]) -> Iterator[None]:
+def said_in_one_line(hooks: Hooks, exit_type: type[SystemExit],
+                     options: Callable[[], Sequence[str]] = tuple) -> Iterator[None]:
     """Hold the parse's stderr; on argparse's exit with an error, print one line and raise
-    ``exit_type(2)`` (the dry run's "already reported" exit). A planning run (``hooks.capture``)
-    reads the parse's output itself, so it is left alone."""
-    if hooks.capture:
-        yield
-        return
+    ``exit_type(2)`` (the dry run's "already reported" exit); a planning run (``hooks.capture``)
+    gets the error raised instead, for its caller to report. ``options`` gives the option strings
+    of the parser that refused, once it has."""
     held = io.StringIO()
     try:
         with contextlib.redirect_stderr(held):
@@ -49,11 +61,9 @@ def said_in_one_line(hooks: Hooks, exit_type: type[SystemExit]) -> Iterator[None
         if done.code in (0, None):  # --help: its text, where it was going
             sys.stderr.write(held.getvalue())
             raise
-        said = argparse_message(held.getvalue())
+        refused = refusal(held.getvalue(), options())
+        if hooks.capture:
+            raise refused from None
         with contextlib.redirect_stderr(hooks.err or sys.__stderr__):
-            if said.startswith(OWN):  # the plugin's own refusal inside the parse: already its one line
-                print(said, file=sys.stderr, flush=True)
-                raise exit_type(done.code) from None
-            refused = PerfTogglesError(f"Megatron's parser: {said}", "the script's --help lists Megatron's flags")
             raise exit_type(report(refused)) from None
     sys.stderr.write(held.getvalue())

@@ -1,6 +1,6 @@
 """A dry run's report for people: the plan on one screen.
 
-The planned machine and software stack, the decision table (once, after Megatron's validation,
+The planned machine, layout and software stack, the decision table (once, after Megatron's validation,
 so a run-time back-off shows as the final value), the launch environment the layout needs, and
 the warnings; then where the full record and Megatron's own output went. Everything longer (the
 argument dump, the JSON record) is a file or ``--verbose`` / ``--json``.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..core import layout
 from ..core.decision.decide import Plan
 from ..core.facts import STACK_HINT, Capabilities
 from ..core.launch_env import LaunchVar
@@ -19,13 +20,8 @@ from ..core.registry import format_value
 from ..runtime import provenance
 from . import screen
 
-REASON_WIDTH = 100  # a reason longer than this is cut in the table; the record has it whole
 WGRAD_WORDS = {"apex": "APEX", "fallback": "torch fallback in place of APEX", "off": "off",
                "missing": "none (Megatron will need APEX at the first backward)"}
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= REASON_WIDTH else text[:REASON_WIDTH - 3] + "..."
 
 
 def _stack(caps: Capabilities | None) -> str:
@@ -42,17 +38,19 @@ def lines(payload: dict[str, Any], plan: Plan | None, caps: Capabilities | None,
           set_here: list[LaunchVar], record: str | None, log: str | None, output: str,
           width: int | None = None) -> list[str]:
     """The summary, line by line (about 20 lines for a plain job), fitted to ``width`` columns
-    where one is given (``screen.width``: COLUMNS, else the terminal's)."""
+    where one is given (``screen.width``: COLUMNS, else the terminal's). Every reason is whole:
+    wrapped to the width, never cut (without one, each row is one line, for grep)."""
     megatron = payload.get("megatron") or {}
     out = [f"dry run: Megatron-LM {megatron.get('version') or '?'} at {megatron.get('path') or '?'} "
            f"(parse and validate_args passed)",
            f"planned for: {payload.get('target', {}).get('summary', '?')}",
+           *([f"layout:      {layout.words(payload['layout'])}"] if payload.get("layout") else []),
            f"stack:       {_stack(caps)}", ""]
     if plan is None:
         out.append("no decisions: megatron_perf_toggles.extra_args_provider is not in the provider chain")
     else:
         out.append("decisions (final, after Megatron's validate_args):")
-        rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", _cut(d.reason)]
+        rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", d.reason]
                 for dest, d in plan.shown().items()]
         header = ["toggle", "value", "source", "peak memory", "reason"]
         shown = screen.table(rows, header, width - 2 if width is not None else None)

@@ -2,45 +2,30 @@
 
 A recorded Megatron surface is replayed as a plain argparse parser, which answers a misspelt flag
 with Megatron's whole usage block (hundreds of lines). :class:`SurfaceParser` raises the package's
-one-line error instead, with the closest real flag; :func:`dash_hint` adds the hint a newcomer
-needs when Megatron's arguments were given without the ``--`` that separates them from ours.
+one-line error instead, with the closest real flag (the fix a dry run's refusal names too);
+:func:`dash_hint` adds the hint a newcomer needs when Megatron's arguments were given without the
+``--`` that separates them from ours.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-from ..errors import OneLineArgumentParser, PerfTogglesError, did_you_mean
-
-UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
-
-
-def _flags_in(message: str) -> list[str]:
-    match = UNRECOGNIZED.search(message)
-    words = match.group(1).split() if match else []
-    return [word.split("=", 1)[0] for word in words if word.startswith("-")]
+from ..errors import OneLineArgumentParser, PerfTogglesError, closest_flag, unknown_flags
 
 
 class SurfaceParser(OneLineArgumentParser):
-    """The parser a recorded surface is replayed into: a usage error is one line, and an
-    unrecognized flag names the closest flag this Megatron has."""
+    """The parser a recorded surface is replayed into: a usage error is one line, with its fix
+    (``errors.with_fix``: the closest flag this Megatron has, as a dry run's refusal names it)."""
+
+    flags_of = "this Megatron version"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("message_prefix", "Megatron's parser (recorded surface)")
         kwargs.setdefault("usage_hint", "--megatron PATH plans with a checkout's own parser")
         super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        flags = _flags_in(message)
-        if flags:
-            known = [option for action in self._actions for option in action.option_strings]
-            close = did_you_mean(flags[0], known)
-            hint = f"{close}{self.usage_hint}" if close else f"not a flag of this Megatron version; {self.usage_hint}"
-            raise PerfTogglesError(f"{self.message_prefix}: {message}", hint)
-        super().error(message)
 
 
 def named(surface: str) -> type[SurfaceParser]:
@@ -63,17 +48,22 @@ def own_options(parser: argparse.ArgumentParser, command: str) -> list[str]:
 
 
 def dash_hint(error: PerfTogglesError, argv: Sequence[str], parser: argparse.ArgumentParser) -> PerfTogglesError:
-    """``explain --tensor-model-parallel-size 2``: the flag is Megatron's, not ours. Where a
-    command that takes Megatron's arguments meets flags it does not know and no ``--`` was
-    given, the hint says where they go (or, for a near miss of the command's own option, which
-    one was meant); any other error is returned as it was."""
+    """A flag the command line's subcommand does not know (argparse reports it at the top, where
+    only the top's options are known): the hint names the subcommand's own option it most likely
+    meant; for ``explain --tensor-model-parallel-size 2`` (Megatron's flag, given to a command that
+    takes Megatron's arguments without the ``--`` before them), where they go. Any other error is
+    returned as it was."""
     words = list(argv)
     command = next((w for w in words if not w.startswith("-")), None)
-    flags = _flags_in(error.message)
-    if command not in ("explain", "flags") or "--" in words or not flags:
+    flags = unknown_flags(error.message)
+    own = own_options(parser, command) if command else []
+    if not flags or not own or (command in ("explain", "flags") and "--" in words):
         return error
-    close = did_you_mean(flags[0], own_options(parser, command))
+    close = closest_flag(flags[0], own)
     if close:
         return PerfTogglesError(error.message, f"{close}see megatron-perf-toggles {command} --help")
-    return PerfTogglesError(error.message, f"Megatron's arguments go after --: megatron-perf-toggles {command} "
-                            f"[options] -- {flags[0]} ...")
+    if command in ("explain", "flags"):
+        return PerfTogglesError(error.message, f"Megatron's arguments go after --: megatron-perf-toggles {command} "
+                                f"[options] -- {flags[0]} ...")
+    return PerfTogglesError(error.message, f"{flags[0]} is not an option of megatron-perf-toggles {command}; "
+                            f"see megatron-perf-toggles {command} --help")

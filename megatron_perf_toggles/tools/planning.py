@@ -19,14 +19,13 @@ from ..core.decision.decide import Plan
 from ..core.facts import Capabilities, megatron_facts_from_surface
 from ..core.launch_env import LaunchVar
 from ..core.registry import BY_DEST
-from ..errors import PREFIX, PerfTogglesError
+from ..errors import PerfTogglesError
 from ..runtime import surface_replay as replay
 from ..runtime.machine import target as planned
 from ..runtime.machine.capabilities import for_plan
 from . import megatron_usage
 
 DEFAULT_SURFACE = replay.DEFAULT_SURFACE
-OWN_ERROR = f"{PREFIX} error: "  # how the plugin's own refusals start (errors.report)
 
 
 def checkout_script(tree: str) -> Path:
@@ -40,14 +39,12 @@ def checkout_script(tree: str) -> Path:
     return script
 
 
-def parse_refusal(output: str, code: object) -> str:
-    """What a planning parse that stopped says: Megatron's argparse puts its message on the last
-    line; a refusal of the plugin's own (already one ``[perf-toggles] error:`` line) is said as is."""
-    said = [line for line in output.splitlines() if line.strip()]
-    last = said[-1] if said else f"exit {code}"
-    if last.startswith(OWN_ERROR):
-        return last.removeprefix(OWN_ERROR)
-    return f"Megatron's parser: {last}"
+def parse_refusal(output: str, code: object) -> PerfTogglesError:
+    """What a planning parse that stopped outside the dry run's own refusal says: the last line of
+    its output, read as the dry run reads a refusal (``launcher.parse_refusal``)."""
+    from ..launcher.parse_refusal import refusal
+
+    return refusal(output if output.strip() else f"exit {code}")
 
 
 Planned = tuple[Plan, Capabilities, str, dict[str, Any], list[LaunchVar]]
@@ -81,14 +78,15 @@ def _captured(tree: str, megatron_args: Sequence[str], target: planned.Target | 
     # what the planning run changed (parse hooks, safety net, import shims) and restores the slot.
     ctx = new_context("planning", mode="plan", target=target, controller=False)
     try:
-        with ctx, ctx.until_stopped(), megatron_importable(tree), contextlib.redirect_stdout(chatter), \
+        with ctx, ctx.until_stopped(), megatron_importable(tree, elsewhere=planned.elsewhere(target)), \
+                contextlib.redirect_stdout(chatter), \
                 contextlib.redirect_stderr(chatter):
             hooks.hook_parse_path([extra_args_provider], dry_run=True, target=target, capture=True, context=ctx)
             sys.argv = [str(script), *megatron_args]
             sys.path.insert(0, str(script.resolve().parent))
             runpy.run_path(str(script), run_name="__main__")
     except SystemExit as done:  # Megatron's argparse refused the command line (its message is the last line)
-        raise PerfTogglesError(parse_refusal(chatter.getvalue(), done.code)) from None
+        raise parse_refusal(chatter.getvalue(), done.code) from None
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path

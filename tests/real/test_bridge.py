@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import broken_te
 import pytest
 import tree_driver
 from conftest import REPO
@@ -26,6 +27,7 @@ from megatron_perf_toggles.runtime.machine.target import make_target
 
 H100_64 = make_target(64, gpu="h100")
 QWEN3 = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_pretrain_1gpu_h100_bf16_config"
+MISSPELT = "megatron.bridge.recipes.llama:llama3_8b_pretrain_confg"  # one letter off the recipe users name
 QWEN3_SFT = "megatron.bridge.recipes.qwen.h100.qwen3.qwen3_600m_sft_1gpu_h100_bf16_config"
 ENABLE = ("set BRIDGE_PYTHON to a Python 3.12 with megatron-bridge installed (pip install --no-deps "
           "megatron-bridge; .ci/run builds one where Python 3.12 is found)")
@@ -134,9 +136,15 @@ def _explain_commands() -> list[dict]:
                    PYTHONDONTWRITEBYTECODE="1", COLUMNS="100", HF_HOME=str(hf), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1")
         recipe = QWEN3.replace(".qwen3.", ".qwen3:")
-        for extra in (["--world-size", "64", "--gpu", "h100"], ["--world-size", "8", "--", "no_such_keyword=1"]):
-            proc = subprocess.run([python, "-m", "megatron_perf_toggles", "explain", "--bridge-recipe", recipe, *extra],
-                                  capture_output=True, text=True, env=env, timeout=600, cwd=scratch)
+        # the empty transformer-engine meta package, first on the path: a plan for another machine
+        # does not rest on it
+        broken = os.pathsep.join([str(broken_te.meta_package(Path(scratch) / "broken-te")), env["PYTHONPATH"]])
+        for extra, more in (([recipe, "--world-size", "64", "--gpu", "h100"], {}),
+                            ([recipe, "--world-size", "8", "--", "no_such_keyword=1"], {}),
+                            ([recipe, "--world-size", "64", "--gpu", "h100"], {"PYTHONPATH": broken}),
+                            ([MISSPELT, "--world-size", "8"], {})):
+            proc = subprocess.run([python, "-m", "megatron_perf_toggles", "explain", "--bridge-recipe", *extra],
+                                  capture_output=True, text=True, env={**env, **more}, timeout=600, cwd=scratch)
             out.append({"code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr})
     return out
 
@@ -360,7 +368,7 @@ def test_explain_plans_the_recipe_as_apply_decides_it():
 
 
 def test_explain_bridge_recipe_on_a_cpu_machine_fits_a_screen():
-    planned, broken = tree_driver.SESSION.outcome(EXPLAIN)
+    planned, broken, _, _ = tree_driver.SESSION.outcome(EXPLAIN)
     assert planned["code"] == 0, planned["stderr"][-2000:]
     lines = planned["stdout"].splitlines()
     assert len(lines) <= 50 and max(len(line) for line in lines) <= 100, planned["stdout"]
@@ -369,7 +377,29 @@ def test_explain_bridge_recipe_on_a_cpu_machine_fits_a_screen():
     # A recipe that cannot be built here: one line, exit 2.
     assert broken["code"] == 2 and broken["stdout"] == ""
     said = broken["stderr"].strip().splitlines()
-    assert len(said) == 1 and "cannot be built here: TypeError" in said[0], broken["stderr"][-2000:]
+    assert len(said) == 1 and "takes no keyword argument 'no_such_keyword'" in said[0], broken["stderr"][-2000:]
+    assert "it takes" in said[0]  # the fix: what the recipe takes
+
+
+def test_explain_shows_the_recipes_layout():
+    planned = tree_driver.SESSION.outcome(EXPLAIN)[0]
+    layout = next(line for line in planned["stdout"].splitlines() if line.startswith("Layout:"))
+    assert "TP 1, PP 1, CP 1, EP 1, DP 64 (world 64)" in layout  # Qwen3 0.6B's recipe: one GPU per replica
+
+
+def test_a_recipe_plans_for_another_machine_with_the_empty_te_meta_package_installed():
+    """``pip install transformer-engine`` alone leaves a package whose import raises; planning a
+    recipe for an H100 refused with "Found empty `transformer-engine` meta package installed"."""
+    plain, _, beside_broken_te, _ = tree_driver.SESSION.outcome(EXPLAIN)
+    assert beside_broken_te["code"] == 0, beside_broken_te["stderr"][-2000:]
+    assert beside_broken_te["stdout"] == plain["stdout"]  # the same plan as without it
+
+
+def test_a_recipe_one_letter_off_gets_the_one_it_meant_from_the_installed_bridge():
+    misspelt = tree_driver.SESSION.outcome(EXPLAIN)[3]
+    said = misspelt["stderr"].strip().splitlines()
+    assert misspelt["code"] == 2 and len(said) == 1, misspelt["stderr"][-2000:]
+    assert "did you mean 'megatron.bridge.recipes.llama:llama3_8b_pretrain_config'?" in said[0]
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look at the driver's output

@@ -238,6 +238,9 @@ def _check_summary(code: int, stdout: str, stderr: str, tree: str) -> None:
     record = json.loads(Path(next(line.split(": ", 1)[1] for line in lines
                                   if line.startswith("full record (JSON): "))).read_text())
     assert record["target"]["world_size"] == 64
+    # the layout planned (TP 8 x PP 4 of 64 ranks), on the screen and in the record
+    assert any(line.startswith("layout:") and "TP 8, PP 4, CP 1, EP 1, DP 2 (world 64)" in line for line in lines), stdout
+    assert (record["layout"]["tp"], record["layout"]["pp"], record["layout"]["dp"]) == (8, 4, 2)
     # each decision's memory change, as the record has it (issue: every plan shows memory)
     assert any(line.split() == ["toggle", "value", "source", "peak", "memory", "reason"] for line in lines)
     # each row is its toggle's share of the planned peak's change, and the shares add up to it; PP 4:
@@ -380,7 +383,8 @@ def test_a_rejection_for_a_world_of_one_says_how_to_name_the_job() -> None:
 
 def test_the_first_screen_fits_and_warns_of_nothing() -> None:
     """A newcomer's first command, with no torch to import: the built-in example fits the GPU it plans
-    for, so no warning; at most 30 lines of at most 100 columns."""
+    for, so no warning; at most 31 lines of at most 100 columns (30 until the plan's layout line,
+    which every plan shows since issue 50)."""
     code = ("import sys; sys.modules['torch'] = None\n"
             "from megatron_perf_toggles.tools.cli import main\n"
             "sys.exit(main(['explain']))")
@@ -388,6 +392,6 @@ def test_the_first_screen_fits_and_warns_of_nothing() -> None:
                           env={**_env(), "COLUMNS": "100"}, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) <= 30 and max(map(len, lines)) <= 100, done.stdout
+    assert len(lines) <= 31 and max(map(len, lines)) <= 100, done.stdout
     assert "warning" not in done.stdout.lower() and not done.stderr.strip(), done.stdout + done.stderr
     assert "stock fits, plan fits" in done.stdout

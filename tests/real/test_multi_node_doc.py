@@ -96,14 +96,36 @@ def _dry_run(name: str, tmp_path: Path) -> dict:
 
 
 def test_the_page_has_every_launch():
-    assert set(_blocks()) == {"job.sh", "plan", "torchrun", "slurm-torchrun", "slurm-tasks"}
+    assert set(_blocks()) == {"job.sh", "plan", "one-machine", "torchrun", "torchrun-dry-run", "slurm-torchrun",
+                              "slurm-tasks"}
 
 
-@pytest.mark.parametrize("name", ["plan", "torchrun", "slurm-torchrun", "slurm-tasks"])
+# (block, ranks, data-parallel size): 8 nodes x 8 GPUs, TP 4 x PP 2; the one-machine try of 2 nodes
+WORLDS = {"plan": (64, 8), "one-machine": (16, 2), "torchrun": (64, 8), "torchrun-dry-run": (64, 8),
+          "slurm-torchrun": (64, 8), "slurm-tasks": (64, 8)}
+
+
+@pytest.mark.parametrize("name", list(WORLDS))
 def test_each_launch_plans_the_whole_job(name, tmp_path):
     record = _dry_run(name, tmp_path)
     args = record["effective_args"]
-    assert (args["world_size"], args["data_parallel_size"]) == (64, 8)  # 8 nodes x 8 GPUs, TP 4 x PP 2
+    assert (args["world_size"], args["data_parallel_size"]) == WORLDS[name]
     assert args["rank"] == 0 and record["megatron"]["version"]
     assert record["decisions"]["grad_reduce_in_bf16"]["value"] is True  # the plugin planned it
     assert any(v["name"] == "CUDA_DEVICE_MAX_CONNECTIONS" for v in record["launch_environment"])
+    assert (record["layout"]["tp"], record["layout"]["pp"], record["layout"]["dp"]) == (4, 2, WORLDS[name][1])
+
+
+@pytest.mark.parametrize("name", ["one-machine", "torchrun-dry-run"])
+def test_the_gpu_is_the_one_the_page_names(name, tmp_path):
+    target = _dry_run(name, tmp_path)["target"]
+    assert target["gpu"]["name"] == "h100" and target["gpu_source"] == "--gpu h100"
+
+
+def test_a_torchrun_launch_with_no_gpu_says_how_its_command_names_one(tmp_path):
+    """The plan said "--gpu picks another" for a torchrun command that has no --gpu of its own."""
+    source = _dry_run("torchrun", tmp_path)["target"]["gpu_source"]
+    if source is None:
+        pytest.skip("a GPU is visible here: the launch plans for it")
+    assert source == ("no GPU visible here; --gpu NAME before the script (or MEGATRON_PERF_TOGGLES_PLAN=:NAME) "
+                      "picks another")

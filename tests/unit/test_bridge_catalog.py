@@ -73,8 +73,43 @@ def test_a_recipe_that_needs_a_hugging_face_config_says_which_and_how(capsys):
     assert f"Hugging Face config of {entry['needs']}" in line and "HF_HOME" in line
 
 
+def test_a_recipe_one_letter_off_gets_the_recipe_it_meant(capsys):
+    """One letter off used to suggest the canonical module's 2-GPU recipe; the re-exported names
+    count too, and the nearest function name wins."""
+    line = _one_line(*_explain(capsys, "--bridge-recipe", "megatron.bridge.recipes.llama:llama3_8b_pretrain_confg")[::2])
+    assert "did you mean 'megatron.bridge.recipes.llama:llama3_8b_pretrain_config'?" in line
+
+
+@pytest.mark.parametrize(("asked", "meant"), [
+    ("m.llama:llama3_8b_pretrain_confg", "m.llama:llama3_8b_pretrain_config"),  # the function name first
+    ("m.llama.llama3:llama3_8b_pretrain_confg", "m.llama.llama3:llama3_8b_pretrain_config"),  # then the whole name
+    ("m.lama:llama3_8b_pretrain_2gpu_h100_bf16_config", "m.llama.h100.llama3:llama3_8b_pretrain_2gpu_h100_bf16_config"),
+    ("m.llama:qwen3_8b_sft_config", None),  # nothing near: no guess
+])
+def test_the_nearest_function_name_wins(asked, meant):
+    from megatron_perf_toggles.frontends.bridge.recipe import nearest
+
+    known = ["m.llama.h100.llama3:llama3_8b_pretrain_2gpu_h100_bf16_config", "m.llama.llama3:llama3_8b_pretrain_config",
+             "m.llama:llama3_8b_pretrain_config", "m:llama3_8b_pretrain_config", "m.llama:llama3_70b_pretrain_config"]
+    assert nearest(asked, known) == meant
+
+
+@pytest.mark.parametrize("verbose", [[], ["--verbose"]])
+def test_the_plan_shows_the_recipes_layout(capsys, verbose):
+    """TP, PP, CP, EP and DP were never shown: a user learnt the recipe's layout only from an error."""
+    args = bridge_catalog.found(LLAMA, bridge_catalog.load()).args
+    tp, pp, cp = (args[d] for d in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                    "context_parallel_size"))
+    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", *verbose)
+    assert code == 0, err
+    layout_line = next(line for line in out.splitlines() if line.startswith("Layout:"))
+    assert f"TP {tp}, PP {pp}, CP {cp}, EP 1, DP {64 // (tp * pp * cp)} (world 64)" in layout_line
+    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json", *verbose)
+    shown = json.loads(out)["layout"]
+    assert (shown["tp"], shown["pp"], shown["cp"], shown["dp"], shown["world"]) == (tp, pp, cp, 64 // (tp * pp * cp), 64)
+
+
 @pytest.mark.parametrize(("argv", "words"), [
-    (["--bridge-recipe", "megatron.bridge.recipes.llama:llama3_8b_pretrain_confg"], "did you mean"),
     (["--bridge-recipe", LLAMA, "--", "seq_length=4096"], "keyword arguments"),
 ])
 def test_mistakes_without_bridge_are_one_line(capsys, argv, words):
@@ -151,3 +186,19 @@ def test_the_catalog_of_the_installed_bridge_serves_else_the_newest(monkeypatch)
 def test_a_catalog_not_recorded_is_one_line(capsys):
     line = _one_line(*_explain(capsys, "--bridge-recipe", LLAMA, "--bridge-version", "0.0.1")[::2])
     assert "no recorded catalog for Megatron-Bridge 0.0.1" in line and ", ".join(bridge_catalog.versions()) in line
+
+
+def test_the_catalog_plans_with_the_empty_te_meta_package_installed(capsys, monkeypatch, tmp_path):
+    """The plan is for the target's stack: a laptop's ``pip install transformer-engine`` (a package
+    whose import raises) changes nothing of it."""
+    import importlib
+
+    import broken_te
+
+    code, plain, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
+    assert code == 0, err
+    monkeypatch.syspath_prepend(str(broken_te.meta_package(tmp_path)))
+    importlib.invalidate_caches()
+    code, beside, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
+    assert code == 0, err
+    assert json.loads(beside)["decisions"] == json.loads(plain)["decisions"]

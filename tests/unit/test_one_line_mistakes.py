@@ -12,8 +12,9 @@ import pytest
 
 from megatron_perf_toggles.core import layout
 from megatron_perf_toggles.core.memory.memory_words import summary
+from megatron_perf_toggles.errors import PerfTogglesError
 from megatron_perf_toggles.launcher import parse_refusal, screen
-from megatron_perf_toggles.tools import cli
+from megatron_perf_toggles.tools import cli, megatron_usage
 
 pytestmark = pytest.mark.usefixtures("clean_environment")
 
@@ -104,10 +105,21 @@ class _Hooks(SimpleNamespace):
     pass
 
 
-def _refusing_parse() -> None:
+def _megatron_like_parser() -> argparse.ArgumentParser:
+    """A plain argparse parser, as Megatron builds its own (not the package's one-line class)."""
     parser = argparse.ArgumentParser(prog="pretrain_gpt.py")
     parser.add_argument("--num-layers", type=int)
-    parser.parse_args(["--bogus-flag", "3"])
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true")
+    parser.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"])
+    return parser
+
+
+def _refusing_parse(*argv: str) -> None:
+    _megatron_like_parser().parse_args(list(argv or ["--bogus-flag", "3"]))
+
+
+def _options() -> list[str]:
+    return [o for a in _megatron_like_parser()._actions for o in a.option_strings]
 
 
 def test_a_dry_runs_refused_parse_is_one_line_on_the_dry_runs_stderr():
@@ -117,12 +129,43 @@ def test_a_dry_runs_refused_parse_is_one_line_on_the_dry_runs_stderr():
     assert done.value.code == 2
     assert err.getvalue().splitlines() == [
         "[perf-toggles] error: Megatron's parser: unrecognized arguments: --bogus-flag 3 "
-        "(the script's --help lists Megatron's flags)"]
+        "(--bogus-flag is not a flag of this Megatron version; the script's --help lists Megatron's flags)"]
 
 
-def test_a_planning_parse_is_left_to_its_caller():
-    with pytest.raises(SystemExit), parse_refusal.said_in_one_line(_Hooks(capture=True, err=None), SystemExit):
-        _refusing_parse()
+# The same mistakes as the dry run's parser (Megatron's own argparse) and explain's (a recorded
+# surface, the package's one-line class) meet them, with the fix each must name.
+MISTAKES = [
+    (["--grad-reduce-in-bf17"], "did you mean '--grad-reduce-in-bf16'?"),
+    (["--cross-entropy-fusion-impl", "tee"], "did you mean 'te'?"),
+    (["--num-layers", "two"], "give --num-layers a value of type int"),
+    (["--num-layers"], "give --num-layers a value"),
+]
+
+
+@pytest.mark.parametrize(("argv", "fix"), MISTAKES)
+def test_a_dry_runs_refusal_names_the_fix_explain_names(argv, fix):
+    """A misspelt flag in a dry run got "(the script's --help lists Megatron's flags)" where explain
+    said "did you mean ...": both now read argparse's words one way (errors.with_fix)."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit), parse_refusal.said_in_one_line(_Hooks(capture=False, err=err), SystemExit,
+                                                                   _options):
+        _refusing_parse(*argv)
+    dry_run = err.getvalue().splitlines()
+    assert len(dry_run) == 1 and dry_run[0].endswith(f"({fix})"), dry_run
+    parser = megatron_usage.named("main")(prog="pretrain_gpt.py")
+    for action in _megatron_like_parser()._actions[1:]:
+        parser._add_action(action)
+    with pytest.raises(PerfTogglesError) as explain:
+        parser.parse_args(argv)
+    assert explain.value.hint == fix
+    assert dry_run[0].split(": ", 2)[2] == str(explain.value).split(": ", 1)[1]  # the same words after the prefix
+
+
+def test_a_planning_parse_raises_the_same_refusal_for_its_caller():
+    with pytest.raises(PerfTogglesError) as refused, parse_refusal.said_in_one_line(
+            _Hooks(capture=True, err=None), SystemExit, _options):
+        _refusing_parse("--grad-reduce-in-bf17")
+    assert refused.value.hint == "did you mean '--grad-reduce-in-bf16'?"
 
 
 def test_a_dry_run_summary_fits_columns(monkeypatch):
@@ -176,3 +219,58 @@ def test_a_refusal_of_the_plugins_own_inside_the_parse_is_said_once():
         refuse()
     assert done.value.code == 2
     assert err.getvalue().splitlines() == ["[perf-toggles] error: --x was requested, but it cannot run here"]
+
+
+@pytest.mark.parametrize("width", [None, 30, 50, 80, 100, 132, 250])
+def test_every_reason_in_a_dry_runs_table_is_whole_at_every_width(width):
+    """The table cut reasons at 100 characters ("APEX's fused_weight_gradient_mlp_cud..."): each is
+    now wrapped to the width (or beside nothing, on a pipe), every word of it there, in order."""
+    from megatron_perf_toggles.launcher import summary as dry_run_summary
+    from megatron_perf_toggles.runtime.machine import target as planned
+    from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_EXAMPLE
+    from megatron_perf_toggles.tools.planning import plan_command_line
+
+    target = planned.make_target(8, gpu="h100")
+    plan, caps, _, _, launch = plan_command_line(LLAMA3_8B_EXAMPLE, target=target)
+    reasons = {dest: d.reason for dest, d in plan.shown().items()}
+    assert max(map(len, reasons.values())) > 100  # the one the old table cut
+    payload = {"megatron": {"version": "0.20.0", "path": "/m"}, "target": {"summary": planned.describe(target)}}
+    lines = dry_run_summary.lines(payload, plan, caps, launch, [], "record.json", "megatron.log", "summary", width)
+    words = " ".join(lines).split()
+    for dest, reason in reasons.items():
+        start = words.index(dest)
+        said = reason.split()
+        assert any(words[i:i + len(said)] == said for i in range(start, start + 12)), (dest, lines)
+    assert not any(line.rstrip().endswith("...") for line in lines)
+    if width is not None:
+        # over the width: one word too long for it (a flag, a path; never cut either), or an
+        # export kept whole so that it pastes into a shell
+        assert all(len(line) <= width or len(line.split()) == 1 or line.strip().startswith("export ")
+                   for line in lines), lines
+
+
+def test_a_misspelt_primus_file_names_the_one_beside_it(capsys, tmp_path):
+    (tmp_path / "llama3.1_8B-BF16-pretrain.yaml").write_text("modules: {}\n")
+    line = _one_line(*_run(capsys, "explain", "--primus-config", str(tmp_path / "llama3.1_8B-BF16-pretrain.yml"))[::2])
+    assert "no such file (did you mean 'llama3.1_8B-BF16-pretrain.yaml'?)" in line
+
+
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["doctor", "--jsn"], "did you mean '--json'? see megatron-perf-toggles doctor --help"),  # the command's own
+    (["doctor", "--bogus"], "--bogus is not an option of megatron-perf-toggles doctor; "
+                            "see megatron-perf-toggles doctor --help"),  # not ablate's --out, nor any other's
+    (["--bogus"], "--bogus is not a flag of megatron-perf-toggles; see megatron-perf-toggles --help"),
+])
+def test_a_flag_a_command_does_not_know_names_that_commands_own(capsys, argv, hint):
+    line = _one_line(*_run(capsys, *argv)[::2])
+    assert line.endswith(f"({hint})"), line
+
+
+def test_a_launcher_flag_is_judged_by_its_name_not_its_dashes(capsys):
+    from megatron_perf_toggles.launcher import launch
+
+    assert launch.main(["--dryrun", "train.py"]) == 2
+    assert "(did you mean '--dry-run'?)" in capsys.readouterr().err
+    assert launch.main(["--bogus", "train.py"]) == 2
+    said = capsys.readouterr().err
+    assert "did you mean" not in said and "--bogus is not a flag of python -m megatron_perf_toggles.run" in said

@@ -179,3 +179,26 @@ def test_a_build_file_that_is_not_plain_assignments_is_no_answer(tmp_path, monke
     assert probe.torch_build() is None
     (package / "version.py").unlink()
     assert probe.torch_build() is None
+
+
+@pytest.mark.parametrize(("entry", "says", "never"), [
+    ("explain", "--gpu picks another", "MEGATRON_PERF_TOGGLES_PLAN"),
+    ("launcher", "--gpu NAME before the script (or MEGATRON_PERF_TOGGLES_PLAN=:NAME) picks another", None),
+    ("script", "MEGATRON_PERF_TOGGLES_PLAN=:NAME picks another", "--gpu"),
+])
+def test_no_visible_gpu_says_how_this_command_names_one(entry, says, never):
+    """A torchrun launch or a patched checkout has no --gpu of its own: the plan said "--gpu picks
+    another" there too; each command now says its own way."""
+    planned = target.make_target(gpu_visible=False, entry=entry)
+    assert planned.gpu_source == f"no GPU visible here; {says}"
+    assert never is None or never not in planned.gpu_source
+    assert target.from_environment({}, entry).gpu_source.endswith(says) or target._visible_gpu()
+
+
+def test_a_world_torchrun_set_is_changed_with_torchrun():
+    launch = target.make_target(gpu="h100", entry="launcher")
+    assert launch.how_world({"WORLD_SIZE": "16"}) == "torchrun's --nnodes x --nproc-per-node"
+    assert launch.how_world({}) == "--world-size N"
+    assert target.make_target(world_size=16, gpu="h100", entry="launcher").how_world({"WORLD_SIZE": "16"}) == (
+        "--world-size N")
+    assert target.make_target(gpu="h100", entry="script").how_world({}) == "MEGATRON_PERF_TOGGLES_PLAN=N:GPU"

@@ -100,10 +100,11 @@ def entry(recipe: str, catalog: dict[str, Any]) -> dict[str, Any]:
     name = catalog.get("aliases", {}).get(name, name)  # a package's re-export: the recipe it names
     recipes = catalog["recipes"]
     if name not in recipes:
-        from ...errors import did_you_mean
+        from .recipe import suggestion
 
+        known = [*recipes, *catalog.get("aliases", {})]  # a re-export's name is as good as the recipe's
         raise PerfTogglesError(f"--bridge-recipe {recipe}: Megatron-Bridge {catalog['bridge']} has no recipe "
-                               "of that name", f"{did_you_mean(name, list(recipes))}or install Megatron-Bridge")
+                               "of that name", f"{suggestion(name, known)}or install Megatron-Bridge")
     found = recipes[name]
     if "needs" in found:
         raise PerfTogglesError(f"--bridge-recipe {recipe} builds its model from the Hugging Face config of "

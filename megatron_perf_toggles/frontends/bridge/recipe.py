@@ -16,10 +16,11 @@ log) and records ids only; nothing of the recipe's behaviour changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ...core.config_fields import BRIDGE_SECTIONS
@@ -45,15 +46,57 @@ def split(spec: str) -> tuple[str, str]:
     return module, name
 
 
+def nearest(spec: str, candidates: Iterable[str]) -> str | None:
+    """The recipe among ``candidates`` (``MODULE:FUNCTION``) that ``spec`` most likely meant: the
+    nearest function name wins, and among recipes of that name (a package re-exports one under
+    several modules) the nearest whole name; None where no function name is near (difflib's
+    ratio under 0.6, as ``errors.did_you_mean`` takes it)."""
+    import difflib
+
+    module, name = split(spec)
+    whole = f"{module}:{name}"
+    best: tuple[float, float, str] | None = None
+    for candidate in candidates:
+        function = candidate.rpartition(":")[2]
+        score = (difflib.SequenceMatcher(None, name, function).ratio(),
+                 difflib.SequenceMatcher(None, whole, candidate).ratio(), candidate)
+        if best is None or score[:2] > best[:2]:
+            best = score
+    return best[2] if best is not None and best[0] >= 0.6 else None
+
+
+def suggestion(spec: str, candidates: Iterable[str]) -> str:
+    """``"did you mean 'M:F'? "`` for :func:`nearest`, else ``""``: the start of a hint."""
+    close = nearest(spec, candidates)
+    return f"did you mean {close!r}? " if close else ""
+
+
+RECIPES = "megatron.bridge.recipes"  # Bridge's recipe package, which re-exports every recipe
+
+
+def _known(module: str) -> list[str]:
+    """What a misspelt recipe is matched against with Bridge installed: the recipe functions
+    ``module`` has, and those Bridge's recipe package exports (for a module that does not import)."""
+    names: list[str] = []
+    for where in dict.fromkeys((module, RECIPES)):
+        with contextlib.suppress(Exception):  # a module that does not import offers nothing
+            names += [f"{where}:{n}" for n, fn in vars(importlib.import_module(where)).items()
+                      if n.endswith("_config") and callable(fn)]
+    return names
+
+
 def resolve(spec: str) -> Callable[..., Any]:
-    """``MODULE:FUNCTION`` (or ``MODULE.FUNCTION``) to the function; one line where it is none."""
+    """``MODULE:FUNCTION`` (or ``MODULE.FUNCTION``) to the function; one line where it is none,
+    naming the recipe it most likely meant (:func:`nearest`)."""
     module, name = split(spec)
     try:
         fn = getattr(importlib.import_module(module), name)
     except ImportError as error:
-        raise PerfTogglesError(f"--bridge-recipe {spec}: cannot import {module}: {error}") from None
+        raise PerfTogglesError(f"--bridge-recipe {spec}: cannot import {module}: {error}",
+                               suggestion(spec, _known(module)).strip() or None) from None
     except AttributeError:
-        raise PerfTogglesError(f"--bridge-recipe {spec}: {module} has no {name!r}") from None
+        raise PerfTogglesError(f"--bridge-recipe {spec}: {module} has no {name!r}",
+                               suggestion(spec, _known(module)).strip() or None) from None
     if not callable(fn):
         raise PerfTogglesError(f"--bridge-recipe {spec}: {name} is not a function")
     return fn

@@ -29,6 +29,22 @@ if TYPE_CHECKING:  # types only
     from .target import Target
 
 
+TE_BROKEN = "is installed but does not import"  # doctor's word for such a Transformer Engine
+
+
+def _te_import_failure(version: str) -> str | None:
+    """Where the installed Transformer Engine does not import (the empty ``transformer-engine``
+    meta package that ``pip install transformer-engine`` alone leaves raises at import; so does a
+    build for another CUDA), why, in one line; None where it imports."""
+    from .probe import import_failure
+
+    error = import_failure("transformer_engine")
+    if error is None:
+        return None
+    first = str(error).strip().split(". ")[0].splitlines()[0] if str(error).strip() else "no message"
+    return f"Transformer Engine {version} {TE_BROKEN} ({type(error).__name__}: {first})"
+
+
 def _te_version() -> str | None:
     module = sys.modules.get("transformer_engine")
     version = getattr(module, "__version__", None) if module is not None else None
@@ -167,6 +183,9 @@ def detect(deep: bool = False, target: Target | None = None, megatron: MegatronF
     ``megatron`` given answers Megatron's (none is imported)."""
     te_version = _te_version() if "transformer_engine" in sys.modules or _installed("transformer_engine") else None
     notes: dict[str, str] = {} if te_version is not None else {"te": "Transformer Engine is not installed"}
+    broken = _te_import_failure(te_version) if deep and te_version and "transformer_engine" not in sys.modules else None
+    if broken:  # its kernels answer no, and the note says why once
+        te_version, notes["te"] = None, broken
     have: dict[str, bool] = {}
     for cap in list(BY_CAPABILITY.values()):
         if cap.stored:

@@ -36,6 +36,20 @@ def installed(module: str) -> bool:
         return False
 
 
+def import_failure(module: str) -> BaseException | None:
+    """Why ``module``, installed here, does not import (None where it imports or is not installed).
+    Transformer Engine's empty ``transformer-engine`` meta package, which ``pip install
+    transformer-engine`` alone leaves, is installed and raises at import; so does a build for
+    another CUDA."""
+    if module in sys.modules or not installed(module):
+        return None
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 - whatever it raises, it cannot serve
+        return error
+    return None
+
+
 def torch_module(import_it: bool = True) -> Any | None:
     """The torch this process has imported, else (with ``import_it``) torch imported now; None where
     it is not installed or does not import."""

@@ -53,6 +53,15 @@ GPUS: dict[str, Gpu] = {g.name: g for g in (
 # AMD architectures torch reports on ROCm, with the (major, minor) it gives for them.
 ROCM_ARCHS = {"gfx90a": (9, 0), "gfx942": (9, 4), "gfx950": (9, 5)}
 DEFAULT_GPU = {"cuda": "h100", "rocm": "mi300x"}  # planned for when no GPU is visible and none is named
+PLAN_ENV = "MEGATRON_PERF_TOGGLES_PLAN"  # registered in core.registry.SETTINGS
+# How each command that plans names the job's world and GPU: explain's options; the launcher's
+# (which go before the training script, and which MEGATRON_PERF_TOGGLES_PLAN also sets, as under
+# torchrun); a patched checkout's script, which has only the variable.
+NAMING = {
+    "explain": ("--world-size N", "--gpu"),
+    "launcher": ("--world-size N", f"--gpu NAME before the script (or {PLAN_ENV}=:NAME)"),
+    "script": (f"{PLAN_ENV}=N:GPU", f"{PLAN_ENV}=:NAME"),
+}
 
 
 class TargetError(PerfTogglesError):
@@ -88,6 +97,18 @@ class Target:
     gpu: Gpu | None = None
     gpu_source: str = ""  # "--gpu h100", "no GPU visible: planned for h100", ...
     world_source: str = ""
+    entry: str = "explain"  # whose command names the job: explain, launcher or script (NAMING)
+
+    def how_gpu(self) -> str:
+        """How the command this plan came from names another GPU."""
+        return NAMING[self.entry][1]
+
+    def how_world(self, environ: Mapping[str, str]) -> str:
+        """How the command this plan came from names another world (torchrun's own options, for
+        a launch whose world torchrun set in ``WORLD_SIZE``)."""
+        if self.world_size is None and self.entry != "explain" and "WORLD_SIZE" in environ:
+            return "torchrun's --nnodes x --nproc-per-node"
+        return NAMING[self.entry][0]
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -118,9 +139,10 @@ def _visible_gpu() -> bool:
 
 def make_target(world_size: int | None = None, nnodes: int | None = None, nproc_per_node: int | None = None,
                 gpu: str | None = None, assumed_device: str | None = None,
-                gpu_visible: bool | None = None) -> Target:
+                gpu_visible: bool | None = None, entry: str = "explain") -> Target:
     """The target from the command-line options. With none given on a GPU box, the real world and
-    GPU stand; on a machine with no visible GPU, one is planned for (``DEFAULT_GPU``) and said so."""
+    GPU stand; on a machine with no visible GPU, one is planned for (``DEFAULT_GPU``) and said so,
+    with how ``entry``'s command (``NAMING``) names another."""
     _positive("--world-size", world_size)
     _positive("--nnodes", nnodes)
     _positive("--nproc-per-node", nproc_per_node)
@@ -141,12 +163,12 @@ def make_target(world_size: int | None = None, nnodes: int | None = None, nproc_
         chosen, gpu_source = gpu_named(gpu), f"--gpu {gpu}"
     elif not (_visible_gpu() if gpu_visible is None else gpu_visible):
         chosen = GPUS[DEFAULT_GPU.get(assumed_device or "", "h100")]
-        gpu_source = "no GPU visible here; --gpu picks another"
-    return Target(world_size=size, per_node=per_node, gpu=chosen, gpu_source=gpu_source, world_source=world_source)
+        gpu_source = f"no GPU visible here; {NAMING[entry][1]} picks another"
+    return Target(world_size=size, per_node=per_node, gpu=chosen, gpu_source=gpu_source, world_source=world_source,
+                  entry=entry)
 
 
 OPTION_DESTS = ("world_size", "nnodes", "nproc_per_node", "gpu")
-PLAN_ENV = "MEGATRON_PERF_TOGGLES_PLAN"  # registered in core.registry.SETTINGS
 
 
 def parse_plan(text: str) -> tuple[int | None, str | None]:
@@ -172,14 +194,15 @@ def parse_plan(text: str) -> tuple[int | None, str | None]:
     return world, gpu
 
 
-def from_environment(environ: Mapping[str, str] | None = None) -> Target:
-    """The target ``MEGATRON_PERF_TOGGLES_PLAN`` names (unset: this machine, as with no options)."""
+def from_environment(environ: Mapping[str, str] | None = None, entry: str = "script") -> Target:
+    """The target ``MEGATRON_PERF_TOGGLES_PLAN`` names (unset: this machine, as with no options),
+    for ``entry``'s command (a patched checkout's script, unless the launcher or explain asks)."""
     from ...core.env import read_text_setting
     from .assume import assumed_device
 
     text = read_text_setting(PLAN_ENV, os.environ if environ is None else environ)
     world, gpu = parse_plan(text) if text else (None, None)
-    target = make_target(world, None, None, gpu, assumed_device())
+    target = make_target(world, None, None, gpu, assumed_device(), entry=entry)
     if not text:
         return target
     return replace(target, world_source=f"{PLAN_ENV}={text}" if world is not None else "",
@@ -205,14 +228,15 @@ def add_options(group: Any) -> None:
                        "MEGATRON_PERF_TOGGLES_ASSUME=rocm)")
 
 
-def from_options(ns: Any, environ: Mapping[str, str] | None = None) -> Target:
-    """The target the parsed planning options (``add_options``) ask for; with none given, the one
-    ``MEGATRON_PERF_TOGGLES_PLAN`` names, so the launcher and a patched checkout plan alike."""
+def from_options(ns: Any, environ: Mapping[str, str] | None = None, entry: str = "explain") -> Target:
+    """The target the parsed planning options (``add_options``) of ``entry``'s command ask for;
+    with none given, the one ``MEGATRON_PERF_TOGGLES_PLAN`` names, so the launcher and a patched
+    checkout plan alike."""
     from .assume import assumed_device
 
     if all(getattr(ns, name, None) is None for name in OPTION_DESTS):
-        return from_environment(environ)
-    return make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device())
+        return from_environment(environ, entry)
+    return make_target(ns.world_size, ns.nnodes, ns.nproc_per_node, ns.gpu, assumed_device(), entry=entry)
 
 
 def elsewhere(target: Target | None) -> bool:

@@ -19,7 +19,7 @@ from ...core.profile import Profile
 from ...core.registry import format_value
 from ...errors import PerfTogglesError
 from ...runtime.controller import Registration, new_context
-from ...runtime.machine.capabilities import detect, megatron_facts, resolve
+from ...runtime.machine.capabilities import TE_BROKEN, detect, megatron_facts, resolve
 from ...runtime.machine.probe import installed, torch_module
 from ..llama3_8b import llama3_8b_args
 from .output import WGRAD_WORDS, _profile_summary, _say, _table, _width
@@ -118,7 +118,8 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     backend = {"rocm": "ROCm/HIP", "cuda": "CUDA", "cpu": "CPU only"}.get(caps.device or "", "")
     _say(f"torch:              {caps.torch_version or 'not installed'} {backend}".rstrip(), width)
     _say(f"GPU architecture:   {caps.gpu_arch or 'none visible'}", width)
-    _say(f"Transformer Engine: {caps.te_version or 'not installed'}"
+    te_missing = "does not import (see the note below)" if TE_BROKEN in caps.notes.get("te", "") else "not installed"
+    _say(f"Transformer Engine: {caps.te_version or te_missing}"
          + (f" (fused QKV RoPE kernel: {yes[caps.te_fused_qkv_rope]}, cross-entropy kernel: "
             f"{yes[caps.te_cross_entropy]}; MoE: grouped linear {yes[caps.te_grouped_linear]}, permutation "
             f"{yes[caps.te_fused_permute]}, router {yes[caps.te_fused_router]} (used from TE 2.7))"

@@ -63,11 +63,19 @@ def _check_world(ns: argparse.Namespace, target: planned.Target, args: dict[str,
                  groups_may_divide_tp=caps.megatron.has_rule("gqa_groups_divide_tp"))
 
 
+def planned_layout(target: planned.Target, args: dict[str, Any]) -> dict[str, Any]:
+    """The layout the plan is for (``core.layout.parallel``): the command line's, or the recipe's or
+    experiment file's, on the planned world."""
+    return layout.parallel(planned.planned_world(target, os.environ) or 1, args)
+
+
 def _explain_header(ns: argparse.Namespace, caps: Capabilities, label: str, target: planned.Target,
-                    profile: Profile | None, width: int | None, megatron_source: str, front: bool) -> None:
-    """Who plans (Megatron), for what (world, GPU), on which stack (one line), and the command."""
+                    profile: Profile | None, width: int | None, megatron_source: str, front: bool,
+                    parallel: dict[str, Any]) -> None:
+    """Who plans (Megatron), for what (world, GPU, layout), on which stack (one line), and the command."""
     _say(f"Megatron: {label}", width)
     _say(f"Plan for: {planned.describe(target)}", width)
+    _say(f"Layout:   {layout.words(parallel)}", width)
     # A plan for another machine names its planned stack alone: nothing of this machine's software.
     _say(f"Stack:    {caps.stack}" if caps.stack else f"Machine:  {_caps_summary(caps)}", width)
     if profile is not None:
@@ -92,19 +100,20 @@ def cmd_explain(ns: argparse.Namespace) -> int:
         plan, caps, label, args, launch = plan_command_line(megatron_args, tree=ns.megatron,
                                                             surface=ns.megatron_version, target=target)
     _check_world(ns, target, args, bool(front), caps)
+    parallel = planned_layout(target, args)
     megatron_source = (f"Megatron {caps.megatron.version}, as the front end imports it" if front
                        else f"detected in the checkout {caps.megatron.path}" if ns.megatron
                        else f"recorded surface {ns.megatron_version or DEFAULT_SURFACE!r}")
     if ns.json:
         payload = provenance.build_record(
             plan, caps, read_env(os.environ).raw_for_record(os.environ), megatron_args, megatron=label,
-            target={**target.to_record(), "summary": planned.describe(target)},
+            target={**target.to_record(), "summary": planned.describe(target)}, layout=parallel,
             sources=fact_sources(caps, megatron_source), stack=caps.stack or None,
             launch_environment=[v.to_record() for v in launch])
         print(json.dumps(payload, indent=1, sort_keys=True, default=str))
         return _status(ns, plan)
     width = _width()
-    _explain_header(ns, caps, label, target, profile, width, megatron_source, bool(front))
+    _explain_header(ns, caps, label, target, profile, width, megatron_source, bool(front), parallel)
     print()
     rows = [[dest, format_value(d.value), d.source, provenance.memory_words(plan, dest) or "-", d.reason]
             for dest, d in plan.shown().items()]

@@ -13,18 +13,20 @@ from ...core.decision.decide import requested
 from ...core.env import read_env
 from ...core.registry import TOGGLES
 from ...runtime import surface_replay as replay
+from ...runtime.machine import target as planned
 from ..planning import DEFAULT_SURFACE, plan_command_line
 from .options import _explain_target, _megatron_args, _planning_options, profile_named
 
 
-def _stock_flags(tree: str | None, surface: str | None) -> tuple[set[str], dict[str, Any]]:
-    """The option strings the target Megatron has by itself (without the plugin), and its defaults."""
+def _stock_flags(tree: str | None, surface: str | None, elsewhere: bool) -> tuple[set[str], dict[str, Any]]:
+    """The option strings the target Megatron has by itself (without the plugin), and its defaults
+    (``elsewhere``: for another machine's plan, as ``explain`` reads the checkout)."""
     if tree:
         from ...launcher.import_shims import megatron_importable
         from ...runtime.process_changes import PROCESS_CHANGES
         from ..surfaces.record import describe_parser, megatron_parser
 
-        with PROCESS_CHANGES.scope(), megatron_importable(tree):  # reading the flags leaves the process as it was
+        with PROCESS_CHANGES.scope(), megatron_importable(tree, elsewhere=elsewhere):  # leaves the process as it was
             actions = describe_parser(megatron_parser())
     else:
         actions = replay.load_surface(surface or DEFAULT_SURFACE)["actions"]
@@ -39,9 +41,9 @@ def cmd_flags(ns: argparse.Namespace) -> int:
     env = read_env(os.environ)
     profile = profile_named(env)
     megatron_args = _megatron_args(ns)
-    plan = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version,
-                             target=_explain_target(ns))[0]
-    stock, defaults = _stock_flags(ns.megatron, ns.megatron_version)
+    target = _explain_target(ns)
+    plan = plan_command_line(megatron_args, tree=ns.megatron, surface=ns.megatron_version, target=target)[0]
+    stock, defaults = _stock_flags(ns.megatron, ns.megatron_version, planned.elsewhere(target))
     words: list[str] = []
     why_not: list[str] = []
     for t in TOGGLES:
