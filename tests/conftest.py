@@ -25,6 +25,13 @@ if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
 
+def last_line(text: str) -> str:
+    """What a failed command says last, whole: the exception of a traceback, pip's own error line (a
+    skip reason is that line, never a cut-off tail)."""
+    said = [line.strip() for line in text.splitlines() if line.strip()]
+    return said[-1] if said else "no output"
+
+
 def megatron_trees() -> list[Path]:
     raw = os.environ.get("MEGATRON_LM_TREES", "")
     return [Path(p) for p in raw.split(os.pathsep) if p.strip()]

@@ -205,8 +205,10 @@ def dry_run(hooks: Hooks, caller: Provider | None, ignore_unknown_args: bool, ar
     if rank0:  # one report per job, from rank 0
         _report(hooks, payload, chatter.getvalue() if quiet else None, launch, set_here)
     failure = fit_failure(plan.memory) if hooks.fail_if_no_fit and plan is not None else None
-    if failure is not None:  # every rank ends with the status; rank 0 says why, after the report
-        raise ReportedExit(report(failure) if rank0 else failure.exit_code)
+    if failure is not None:  # every rank ends with the status; rank 0 says why, after the report, on the
+        # real stderr (in summary mode this process's stderr is held for Megatron's output file)
+        with contextlib.redirect_stderr(hooks.err or sys.__stderr__):
+            raise ReportedExit(report(failure) if rank0 else failure.exit_code)
     raise SystemExit(0)
 
 

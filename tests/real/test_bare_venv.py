@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, last_line
 from sandbox import clean_environ
 
 pytestmark = pytest.mark.own_process
@@ -40,12 +40,6 @@ def _python312() -> str:
         if probe.stdout.strip() == "True":
             return python
     return sys.executable
-
-
-def _last_line(text: str) -> str:
-    """What a failed command says last: the exception of a traceback, pip's own error line."""
-    said = [line.strip() for line in text.splitlines() if line.strip()]
-    return said[-1] if said else "no output"
 
 
 def _setuptools_here() -> bool:
@@ -70,7 +64,7 @@ def _wheel(tmp_path: Path) -> Path:
                            capture_output=True, text=True, timeout=300)
     if wheel.returncode != 0 and not offline:
         pytest.skip("cannot build the wheel here: this Python has no setuptools>=61 (pip install -e '.[test]' "
-                    f"installs it), and pip's isolated build could not get it: {_last_line(wheel.stderr)}")
+                    f"installs it), and pip's isolated build could not get it: {last_line(wheel.stderr)}")
     assert wheel.returncode == 0, wheel.stderr[-2000:]
     return out
 
@@ -86,7 +80,7 @@ def _bare_venv(tmp_path: Path, extra: str) -> tuple[str, dict[str, str]]:
     install = subprocess.run([python, "-m", "pip", "install", "-q", *offline, "--find-links", str(wheel),
                               f"megatron-perf-toggles[{extra}]"], capture_output=True, text=True, timeout=300, env=bare)
     if install.returncode != 0 and not offline:
-        pytest.skip(f"the package registry is not reachable for the {extra} extra: {_last_line(install.stderr)}")
+        pytest.skip(f"the package registry is not reachable for the {extra} extra: {last_line(install.stderr)}")
     assert install.returncode == 0, install.stderr[-2000:]
     listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True,
                             env=bare)

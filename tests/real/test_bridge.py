@@ -20,7 +20,7 @@ from pathlib import Path
 import broken_te
 import pytest
 import tree_driver
-from conftest import REPO
+from conftest import REPO, last_line
 
 from megatron_perf_toggles.runtime.machine.capabilities import effective_assume
 from megatron_perf_toggles.runtime.machine.target import make_target
@@ -105,7 +105,7 @@ def _run(cases: dict, tree: Path | None) -> dict:
     out = json.loads(proc.stdout)
     if "import_error" in out:
         pytest.skip(f"Megatron-Bridge does not import under {python} with {tree or 'its own megatron-core'}: "
-                    f"{out['import_error'][-400:]}")
+                    f"{last_line(out['import_error'])}")
     return dict(zip(cases, out["results"], strict=True))
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import tree_driver
-from conftest import REPO
+from conftest import REPO, last_line
 from sandbox import clean_environ
 
 from megatron_perf_toggles.runtime.machine.capabilities import effective_assume
@@ -60,7 +60,7 @@ def _runs() -> dict:
         pytest.fail(f"bridge driver failed ({cases.returncode}): {cases.stderr[-3000:]}")
     out = json.loads(cases.stdout)
     if "import_error" in out:
-        pytest.skip(f"Megatron-Bridge does not import under {python}: {out['import_error'][-400:]}")
+        pytest.skip(f"Megatron-Bridge does not import under {python}: {last_line(out['import_error'])}")
     return {"cases": out["results"], "explain": {"code": explain.returncode, "stdout": explain.stdout,
                                                  "stderr": explain.stderr}}
 

@@ -514,6 +514,17 @@ def test_real_dry_run_with_the_plugin_off_leaves_the_log_directory_as_given(tree
 
 @pytest.mark.real_megatron
 @pytest.mark.parametrize("tree", TREE_PARAMS)
+def test_real_dry_run_summary_says_why_it_exits_3(tree: str) -> None:
+    """In the default summary output this process's stderr is held for Megatron's output file: the
+    --fail-if-no-fit line must still reach the real stderr."""
+    result = runs.results(tree)["no-fit-summary"]
+    assert result["code"] == 3, result["stderr"][-3000:]
+    said = [line for line in result["stderr"].splitlines() if line.startswith("[perf-toggles] error:")]
+    assert len(said) == 1 and "does not fit" in said[0], result["stderr"][-3000:]
+
+
+@pytest.mark.real_megatron
+@pytest.mark.parametrize("tree", TREE_PARAMS)
 @pytest.mark.parametrize("case", ["no-fit", "patched-no-fit"])
 def test_real_dry_run_exits_3_after_a_plan_that_does_not_fit_when_asked(tree: str, case: str) -> None:
     """--fail-if-no-fit (the launcher) or MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT=1 (a patched

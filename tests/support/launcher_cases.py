@@ -153,6 +153,9 @@ def stock_cases(tree: str, work: Path) -> list[dict[str, Any]]:
          "argv": ["--dry-run", script, *base, "--tensorboard-dir", str(work / "tb")]},
         {"name": "no-fit", "mode": "launcher",
          "argv": ["--dry-run", "--fail-if-no-fit", "--world-size", "8", "--gpu", "h100", script, *base, *DOES_NOT_FIT]},
+        # the default output (the summary holds this process's stderr for Megatron's file): the line still shows
+        {"name": "no-fit-summary", "mode": "launcher", "env": {"MEGATRON_PERF_TOGGLES_DRY_RUN_OUTPUT": "summary"},
+         "argv": ["--dry-run", "--fail-if-no-fit", "--world-size", "8", "--gpu", "h100", script, *base, *DOES_NOT_FIT]},
         {"name": "mimic-upstream", "mode": "launcher", "env": {"PTT_STYLE": "upstream"},
          "argv": ["--dry-run", "--extra-args-provider", "megatron_perf_toggles:extra_args_provider", mimic,
                   *BASE_ARGS, "--standin-flag"]},

@@ -144,3 +144,27 @@ def test_fail_if_no_fit_exits_3_after_the_plan(capsys, monkeypatch):
     assert explain(capsys, "--fail-if-no-fit")[0] == 0  # the built-in example fits its eight H100s
     monkeypatch.setenv("MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT", "1")
     assert explain(capsys, "--json", *argv)[0] == 3
+
+
+def test_a_peak_moved_to_a_stages_step_reads_as_one_phrase():
+    spot = peaks.Spot(stage="last", phase="step", mb=1.0)
+    assert spot.place(1) == "the optimizer step"
+    assert spot.place(2) == "the last stage's optimizer step"
+
+
+MOE_TP2 = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "4096",
+           "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+           "--vocab-size", "50257", "--num-experts", "8", "--moe-router-topk", "2", "--disable-bias-linear",
+           "--moe-token-dispatcher-type", "alltoall", "--tensor-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("pp", ["1", "2"])
+def test_no_note_reads_zero_mb_and_only_the_logits_sit_on_the_last_stage(capsys, pp):
+    """The router's term (under 1 MB) is no note; with two stages only the logits' toggles are said to
+    sit on the last stage (a MoE toggle acts on every stage)."""
+    code, out, err = explain(capsys, "--json", "--world-size", "8", "--gpu", "h100", "--", *MOE_TP2,
+                             "--pipeline-model-parallel-size", pp)
+    assert code == 0, err
+    notes = json.loads(out)["memory"].get("peak_memory_notes") or {}
+    assert notes and not any("+0 MB" in n or "-0 MB" in n for n in notes.values()), notes
+    assert all(d.startswith("cross_entropy") for d, n in notes.items() if "on the last stage" in n), notes

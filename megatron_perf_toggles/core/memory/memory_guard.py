@@ -69,6 +69,10 @@ def stock_values(stock: Mapping[str, Any], caps: Capabilities, args: Mapping[str
     return out
 
 
+# the toggles whose term is the logits' (the output layer and the loss live on the last stage alone)
+LAST_STAGE_TERMS = ("cross_entropy_loss_fusion", "cross_entropy_fusion_impl")
+
+
 @dataclass(slots=True)
 class MemoryPlan:
     """The record of what the plan does to peak memory (``Plan.memory``)."""
@@ -112,9 +116,10 @@ class MemoryPlan:
         planned = self.planned_at
         for dest, share in self.deltas.items():
             term = self.terms.get(dest)
-            if dest in out or planned is None or share is None or term is None or abs(share) >= 0.5 or abs(term) < 0.5:
+            if dest in out or planned is None or share is None or term is None or abs(share) >= 0.5 \
+                    or round(abs(term)) < 1:  # a term that reads "0 MB" is no note
                 continue
-            where = ("on the last stage" if self.stages > 1 and planned.stage != "last"
+            where = ("on the last stage" if self.stages > 1 and planned.stage != "last" and dest in LAST_STAGE_TERMS
                      else "in forward and backward" if planned.phase == "step" else "elsewhere")
             out[dest] = f"its {signed(term)} is {where}"
         return out

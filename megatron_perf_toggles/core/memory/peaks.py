@@ -47,7 +47,7 @@ class Spot:
         """Where to, for a peak that moves: ``the optimizer step``; with pipeline parallelism
         ``the first stage's forward and backward``."""
         phase = PLACE_WORDS[self.phase]
-        return phase if pp == 1 else f"the {self.stage} stage's {phase}"
+        return phase if pp == 1 else f"the {self.stage} stage's {phase.removeprefix('the ')}"
 
     def same_place(self, other: Spot) -> bool:
         return (self.stage, self.phase) == (other.stage, other.phase)

@@ -104,7 +104,8 @@ def entry(recipe: str, catalog: dict[str, Any]) -> dict[str, Any]:
 
         known = [*recipes, *catalog.get("aliases", {})]  # a re-export's name is as good as the recipe's
         raise PerfTogglesError(f"--bridge-recipe {recipe}: Megatron-Bridge {catalog['bridge']} has no recipe "
-                               "of that name", f"{suggestion(name, known)}or install Megatron-Bridge")
+                               "of that name", suggestion(name, known) + "name one of its recipes (the catalog's keys, "
+                               "megatron_perf_toggles/data/bridge_recipes/), or install Megatron-Bridge for its own")
     found = recipes[name]
     if "needs" in found:
         raise PerfTogglesError(f"--bridge-recipe {recipe} builds its model from the Hugging Face config of "

@@ -17,6 +17,7 @@ from ...core.memory.memory_words import FAIL_IF_NO_FIT_HELP, fit_failure
 from ...core.precision import LOG_DIR_DESTS
 from ...core.profile import Profile
 from ...core.registry import format_value
+from ...core.stock_off import fallback_installed
 from ...errors import report
 from ...frontends import explain as explain_frontends
 from ...runtime import provenance
@@ -46,6 +47,8 @@ def fact_sources(caps: Capabilities, megatron_source: str) -> list[str]:
         else:
             source = "detected"
         shown = ("yes" if value else "no") if isinstance(value, bool) else (value or "none")
+        if name == "wgrad_fallback" and value and not fallback_installed(caps, read_env(os.environ)):
+            shown = "can run here, not installed (the plugin is off or MEGATRON_PERF_TOGGLES_WGRAD_FALLBACK=0)"
         out.append(f"{words}: {shown} ({source})")
     return out
 
@@ -119,7 +122,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
             for dest, d in plan.shown().items()]
     print(_table(rows, ["toggle", "value", "source", "peak memory", "reason"], width))
     if ns.verbose and plan.not_applicable:  # the MoE toggles on a dense model: one line, nothing more
-        _say(f"MoE toggles: not a mixture-of-experts model ({', '.join(plan.not_applicable)} left as Megatron's)",
+        _say(f"MoE toggles: not a mixture-of-experts model ({', '.join(plan.not_applicable)} stock's own values stand)",
              width)
     if plan.memory is not None:
         from ...core.memory.memory_words import summary
