@@ -32,6 +32,18 @@ def last_line(text: str) -> str:
     return said[-1] if said else "no output"
 
 
+def explain_in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """``megatron-perf-toggles explain ARGV`` in this process: its exit status, stdout and stderr."""
+    from megatron_perf_toggles.tools import cli
+
+    try:
+        code = cli.main(["explain", *argv])
+    except SystemExit as done:
+        code = int(done.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def megatron_trees() -> list[Path]:
     raw = os.environ.get("MEGATRON_LM_TREES", "")
     return [Path(p) for p in raw.split(os.pathsep) if p.strip()]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import explain_in_process
 
 from megatron_perf_toggles.frontends.bridge import catalog as bridge_catalog
 from megatron_perf_toggles.runtime.machine.probe import installed
-from megatron_perf_toggles.tools import cli
 
 LLAMA = "megatron.bridge.recipes.llama:llama3_8b_pretrain_config"
 GPT175 = "megatron.bridge.recipes.gpt.gpt3_175b:gpt3_175b_pretrain_config"
@@ -22,15 +22,6 @@ pytestmark = [pytest.mark.skipif(installed("megatron.bridge"), reason="Megatron-
               pytest.mark.usefixtures("clean_environment")]
 
 
-
-
-def _explain(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = cli.main(["explain", *argv])
-    except SystemExit as done:
-        code = int(done.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _one_line(code: int, err: str) -> str:
@@ -46,7 +37,7 @@ def test_the_catalog_is_a_recorded_bridge_with_its_core():
 
 
 def test_llama3_8b_plans_from_the_catalog(capsys):
-    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
+    code, out, err = explain_in_process(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
     assert code == 0, err
     record = json.loads(out)
     assert record["target"]["world_size"] == 64 and "as recorded" in record["megatron"]
@@ -59,9 +50,9 @@ def test_llama3_8b_plans_from_the_catalog(capsys):
 
 
 def test_the_175b_recipe_is_refused_on_eight_gpus_and_plans_on_32(capsys):
-    line = _one_line(*_explain(capsys, "--bridge-recipe", GPT175, "--world-size", "8", "--gpu", "h100")[::2])
+    line = _one_line(*explain_in_process(capsys, "--bridge-recipe", GPT175, "--world-size", "8", "--gpu", "h100")[::2])
     assert "world size 8 is not divisible by TP x PP x CP = 32" in line
-    code, out, err = _explain(capsys, "--bridge-recipe", GPT175, "--world-size", "32", "--gpu", "h100", "--json")
+    code, out, err = explain_in_process(capsys, "--bridge-recipe", GPT175, "--world-size", "32", "--gpu", "h100", "--json")
     assert code == 0, err
     assert json.loads(out)["decisions"]["gradient_accumulation_fusion"]["value"] is True  # deferral keeps it on
 
@@ -69,14 +60,14 @@ def test_the_175b_recipe_is_refused_on_eight_gpus_and_plans_on_32(capsys):
 def test_a_recipe_that_needs_a_hugging_face_config_says_which_and_how(capsys):
     catalog = bridge_catalog.load()
     name, entry = next((k, v) for k, v in sorted(catalog["recipes"].items()) if "needs" in v)
-    line = _one_line(*_explain(capsys, "--bridge-recipe", name, "--world-size", "8")[::2])
+    line = _one_line(*explain_in_process(capsys, "--bridge-recipe", name, "--world-size", "8")[::2])
     assert f"Hugging Face config of {entry['needs']}" in line and "HF_HOME" in line
 
 
 def test_a_recipe_one_letter_off_gets_the_recipe_it_meant(capsys):
     """One letter off used to suggest the canonical module's 2-GPU recipe; the re-exported names
     count too, and the nearest function name wins."""
-    line = _one_line(*_explain(capsys, "--bridge-recipe", "megatron.bridge.recipes.llama:llama3_8b_pretrain_confg")[::2])
+    line = _one_line(*explain_in_process(capsys, "--bridge-recipe", "megatron.bridge.recipes.llama:llama3_8b_pretrain_confg")[::2])
     assert "did you mean 'megatron.bridge.recipes.llama:llama3_8b_pretrain_config'?" in line
 
 
@@ -100,11 +91,11 @@ def test_the_plan_shows_the_recipes_layout(capsys, verbose):
     args = bridge_catalog.found(LLAMA, bridge_catalog.load()).args
     tp, pp, cp = (args[d] for d in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                     "context_parallel_size"))
-    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", *verbose)
+    code, out, err = explain_in_process(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", *verbose)
     assert code == 0, err
     layout_line = next(line for line in out.splitlines() if line.startswith("Layout:"))
     assert f"TP {tp}, PP {pp}, CP {cp}, EP 1, DP {64 // (tp * pp * cp)} (world 64)" in layout_line
-    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json", *verbose)
+    code, out, err = explain_in_process(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json", *verbose)
     shown = json.loads(out)["layout"]
     assert (shown["tp"], shown["pp"], shown["cp"], shown["dp"], shown["world"]) == (tp, pp, cp, 64 // (tp * pp * cp), 64)
 
@@ -113,12 +104,12 @@ def test_the_plan_shows_the_recipes_layout(capsys, verbose):
     (["--bridge-recipe", LLAMA, "--", "seq_length=4096"], "keyword arguments"),
 ])
 def test_mistakes_without_bridge_are_one_line(capsys, argv, words):
-    assert words in _one_line(*_explain(capsys, *argv, )[::2])
+    assert words in _one_line(*explain_in_process(capsys, *argv, )[::2])
 
 
 def test_off_means_stock_from_the_catalog_too(capsys, monkeypatch):
     monkeypatch.setenv("MEGATRON_PERF_TOGGLES", "0")
-    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
+    code, out, err = explain_in_process(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
     assert code == 0, err
     record = json.loads(out)
     assert all(mb in (0, None) for mb in record["memory"]["peak_memory_delta_mb"].values()), record["memory"]
@@ -154,7 +145,7 @@ def test_each_shipped_catalog_is_well_formed_and_plans_offline(capsys, version):
     assert built and all(bridge_catalog.found(name, catalog).args for name in built)
     name = bridge_catalog.key(LLAMA)
     assert catalog["aliases"].get(name, name) in built  # the recipe the issue plans, in every version
-    code, out, err = _explain(capsys, "--bridge-recipe", LLAMA, "--bridge-version", version, "--world-size", "64",
+    code, out, err = explain_in_process(capsys, "--bridge-recipe", LLAMA, "--bridge-version", version, "--world-size", "64",
                               "--gpu", "h100", "--json")
     assert code == 0, err
     record = json.loads(out)
@@ -184,7 +175,7 @@ def test_the_catalog_of_the_installed_bridge_serves_else_the_newest(monkeypatch)
 
 
 def test_a_catalog_not_recorded_is_one_line(capsys):
-    line = _one_line(*_explain(capsys, "--bridge-recipe", LLAMA, "--bridge-version", "0.0.1")[::2])
+    line = _one_line(*explain_in_process(capsys, "--bridge-recipe", LLAMA, "--bridge-version", "0.0.1")[::2])
     assert "no recorded catalog for Megatron-Bridge 0.0.1" in line and ", ".join(bridge_catalog.versions()) in line
 
 
@@ -195,10 +186,10 @@ def test_the_catalog_plans_with_the_empty_te_meta_package_installed(capsys, monk
 
     import broken_te
 
-    code, plain, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
+    code, plain, err = explain_in_process(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
     assert code == 0, err
     monkeypatch.syspath_prepend(str(broken_te.meta_package(tmp_path)))
     importlib.invalidate_caches()
-    code, beside, err = _explain(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
+    code, beside, err = explain_in_process(capsys, "--bridge-recipe", LLAMA, "--world-size", "64", "--gpu", "h100", "--json")
     assert code == 0, err
     assert json.loads(beside)["decisions"] == json.loads(plain)["decisions"]

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import full_caps
+from conftest import explain_in_process, full_caps
 
 from megatron_perf_toggles.core.decision.decide import decide
 from megatron_perf_toggles.core.env import read_env
 from megatron_perf_toggles.core.memory import peaks
 from megatron_perf_toggles.core.registry import TOGGLES
 from megatron_perf_toggles.errors import EXIT_DOES_NOT_FIT
-from megatron_perf_toggles.tools import cli
 from megatron_perf_toggles.tools.llama3_8b import LLAMA3_8B_EXAMPLE
 
 pytestmark = pytest.mark.usefixtures("clean_environment")
@@ -26,15 +25,6 @@ GPT_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-hea
 H100 = full_caps(apex_fused_wgrad=False, wgrad_fallback=True, gpu_memory_mb=81920.0, gpu_name="NVIDIA H100")
 
 
-def explain(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = cli.main(["explain", *argv])
-    except SystemExit as done:
-        code = int(done.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def adds_up(memory: dict) -> None:
     """The shares (the known ones) add up to the planned peak less stock's, and to the total."""
     change = memory["planned_peak_mb"] - memory["stock_peak_mb"]
@@ -44,7 +34,7 @@ def adds_up(memory: dict) -> None:
 
 
 def test_the_175b_example_adds_up_and_says_that_the_peak_moved(capsys):
-    code, out, err = explain(capsys, "--json", "--world-size", "8", "--gpu", "h100", "--", *GPT_175B)
+    code, out, err = explain_in_process(capsys, "--json", "--world-size", "8", "--gpu", "h100", "--", *GPT_175B)
     assert code == 0, err
     memory = json.loads(out)["memory"]
     adds_up(memory)
@@ -61,7 +51,7 @@ def test_the_175b_example_adds_up_and_says_that_the_peak_moved(capsys):
 
 
 def test_the_175b_table_says_one_thing(capsys):
-    code, out, _ = explain(capsys, "--world-size", "8", "--gpu", "h100", "--", *GPT_175B)
+    code, out, _ = explain_in_process(capsys, "--world-size", "8", "--gpu", "h100", "--", *GPT_175B)
     assert code == 0
     row = next(line for line in out.splitlines() if line.startswith("grad_reduce_in_bf16"))
     assert "+11.2 GB peak per GPU (moves the peak to the optimizer step)" in row
@@ -77,7 +67,7 @@ def test_pipeline_stages_name_their_figures(capsys):
     allocation is the first stage's, named so."""
     argv = [w if w != "1" or LLAMA3_8B_EXAMPLE[i - 1] != "--pipeline-model-parallel-size" else "2"
             for i, w in enumerate(LLAMA3_8B_EXAMPLE)]
-    code, out, err = explain(capsys, "--json", "--nnodes", "2", "--nproc-per-node", "8", "--gpu", "h100", "--", *argv)
+    code, out, err = explain_in_process(capsys, "--json", "--nnodes", "2", "--nproc-per-node", "8", "--gpu", "h100", "--", *argv)
     assert code == 0, err
     memory = json.loads(out)["memory"]
     adds_up(memory)
@@ -133,17 +123,17 @@ def test_the_guard_backs_off_what_moves_the_peak_past_the_card(layers):
 
 def test_fail_if_no_fit_exits_3_after_the_plan(capsys, monkeypatch):
     argv = ["--world-size", "8", "--gpu", "h100", "--", *GPT_175B]
-    code, out, err = explain(capsys, "--json", *argv)
+    code, out, err = explain_in_process(capsys, "--json", *argv)
     assert code == 0 and json.loads(out)["memory"]["verdict"]["plan"] == "does_not_fit"  # explain's default
-    code, out, err = explain(capsys, "--json", "--fail-if-no-fit", *argv)
+    code, out, err = explain_in_process(capsys, "--json", "--fail-if-no-fit", *argv)
     assert code == EXIT_DOES_NOT_FIT == 3 and json.loads(out)["memory"]["planned_peak_mb"] > 0  # the plan, whole
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("[perf-toggles] error: the plan does not fit: planned peak 407.1 GB")
-    code, out, _ = explain(capsys, "--fail-if-no-fit", *argv)
+    code, out, _ = explain_in_process(capsys, "--fail-if-no-fit", *argv)
     assert code == 3 and out.startswith("Megatron:")
-    assert explain(capsys, "--fail-if-no-fit")[0] == 0  # the built-in example fits its eight H100s
+    assert explain_in_process(capsys, "--fail-if-no-fit")[0] == 0  # the built-in example fits its eight H100s
     monkeypatch.setenv("MEGATRON_PERF_TOGGLES_FAIL_IF_NO_FIT", "1")
-    assert explain(capsys, "--json", *argv)[0] == 3
+    assert explain_in_process(capsys, "--json", *argv)[0] == 3
 
 
 def test_a_peak_moved_to_a_stages_step_reads_as_one_phrase():
@@ -162,7 +152,7 @@ MOE_TP2 = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads"
 def test_no_note_reads_zero_mb_and_only_the_logits_sit_on_the_last_stage(capsys, pp):
     """The router's term (under 1 MB) is no note; with two stages only the logits' toggles are said to
     sit on the last stage (a MoE toggle acts on every stage)."""
-    code, out, err = explain(capsys, "--json", "--world-size", "8", "--gpu", "h100", "--", *MOE_TP2,
+    code, out, err = explain_in_process(capsys, "--json", "--world-size", "8", "--gpu", "h100", "--", *MOE_TP2,
                              "--pipeline-model-parallel-size", pp)
     assert code == 0, err
     notes = json.loads(out)["memory"].get("peak_memory_notes") or {}
