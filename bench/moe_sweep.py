@@ -81,23 +81,16 @@ def shape_args(base: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
 
 def measure_shape(args: dict[str, Any], blocks: int, warmup: int, seed: int) -> dict[str, Any]:
     from megatron_perf_toggles.core.registry import BY_DEST
-    from megatron_perf_toggles.tools.layers import gpu_timing, gpu_units
-    from megatron_perf_toggles.tools.layers.analysis import summarise
+    from megatron_perf_toggles.tools.layers import gpu_units
     from megatron_perf_toggles.tools.layers.shard import one_gpu_args, shard_of
 
     shard = shard_of(args)
     one = one_gpu_args(args, shard)
     out = {}
     for dest, unit in (("moe_router_fusion", "router"), ("moe_permute_fusion", "dispatcher")):
-        try:
-            pair = gpu_units.BUILDERS[unit](gpu_units.Job(one, shard, BY_DEST[dest], seed, True))
-            timed = gpu_timing.time_pair(pair.stock, pair.toggle, blocks, warmup, seed)
-        except Exception as error:  # noqa: BLE001 (a shape Megatron refuses is a row that says so)
-            out[dest] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
-            continue
-        result = summarise(timed)
-        result["peak_mb"] = timed["peak_mb"]
-        out[dest] = result
+        result = gpu_units.measured(gpu_units.Job(one, shard, BY_DEST[dest], seed, True), unit, blocks, warmup, seed)
+        # the sweep keeps the speedups and peaks of each shape (its file stays small: no per-block timings)
+        out[dest] = {k: v for k, v in result.items() if k in ("error", "gpu", "wall", "peak_mb")}
     return out
 
 

@@ -333,3 +333,23 @@ def test_the_permute_rule_covers_only_the_layout_measured(over):
 def test_the_permute_rule_covers_only_the_platform_measured():
     plan = decide(_moe(), {}, read_env({}), full_caps(device="rocm"))
     assert plan.decisions["moe_permute_fusion"].value is True
+
+
+def test_a_measured_unit_is_summarised_and_a_failing_one_is_one_line(monkeypatch):
+    """The one path the command and the sweep both time through (the GPU parts stood in for)."""
+    from megatron_perf_toggles.tools.layers import gpu_timing, gpu_units
+
+    stock, toggle = [2.0 + 0.001 * (i % 5) for i in range(20)], [1.0 + 0.001 * (i % 3) for i in range(20)]
+    timed = {"stock_gpu": stock, "toggle_gpu": toggle, "stock_wall": stock, "toggle_wall": toggle,
+             "peak_mb": {"stock": 1.0, "toggle": 2.0}}
+    monkeypatch.setattr(gpu_timing, "time_pair", lambda *a: timed)
+    monkeypatch.setitem(gpu_units.BUILDERS, "router", lambda job: gpu_units.Pair(lambda: None, lambda: None, True, "n"))
+    got = gpu_units.measured(None, "router", 20, 1, 0)
+    assert got["gpu"]["speedup"]["verdict"] == "faster" and got["peak_mb"] == timed["peak_mb"] and got["note"] == "n"
+
+    def refuses(job):
+        raise ValueError("num_moe_experts (4) should be divisible by moe_router_num_groups (8).\nmore")
+
+    monkeypatch.setitem(gpu_units.BUILDERS, "router", refuses)
+    assert gpu_units.measured(None, "router", 20, 1, 0) == {
+        "error": "ValueError: num_moe_experts (4) should be divisible by moe_router_num_groups (8)."}

@@ -192,8 +192,8 @@ def _why_no_gpu(ns: argparse.Namespace) -> str:
 def measure(ns: argparse.Namespace, todo: list[Row], args: dict[str, Any], shard: Any, step: dict[str, Any],
             plan: Any) -> dict[str, Any]:
     """Build and time each measured row on this GPU; a row that fails says why in one line."""
-    from . import gpu_build, gpu_timing, gpu_units
-    from .analysis import resolved_within, step_share, summarise
+    from . import gpu_build, gpu_units
+    from .analysis import resolved_within, step_share
     from .shard import one_gpu_args
 
     sys.path.insert(0, str(Path(ns.megatron).resolve()))
@@ -205,18 +205,11 @@ def measure(ns: argparse.Namespace, todo: list[Row], args: dict[str, Any], shard
     for i, row in enumerate(measured, 1):
         started = time.monotonic()
         job = gpu_units.Job(one, shard, row.toggle, ns.seed, bf16_main_grads(plan))
-        try:
-            pair = gpu_units.BUILDERS[row.unit.name](job)
-            timed = gpu_timing.time_pair(pair.stock, pair.toggle, ns.blocks, ns.warmup, ns.seed + i)
-        except Exception as error:  # noqa: BLE001 (one unit failing must not hide the others' results)
-            out[row.toggle.dest] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
-        else:
-            result = summarise(timed)
-            result.update(peak_mb=timed["peak_mb"], same_weights=pair.same_weights, note=pair.note,
-                          unit=row.unit.name, resolved_within_1pct=resolved_within(result),
-                          step_share=step_share(result["gpu"]["saved_ms"], row.per_microbatch * per_step, step["ms"]),
-                          timings=timed)
-            out[row.toggle.dest] = result
+        result = gpu_units.measured(job, row.unit.name, ns.blocks, ns.warmup, ns.seed + i)
+        if "error" not in result:
+            result.update(unit=row.unit.name, resolved_within_1pct=resolved_within(result),
+                          step_share=step_share(result["gpu"]["saved_ms"], row.per_microbatch * per_step, step["ms"]))
+        out[row.toggle.dest] = result
         print(f"[{i}/{len(measured)}] {row.toggle.dest}: {row.unit.name}, {time.monotonic() - started:.0f} s",
               file=sys.stderr, flush=True)
     return out

@@ -219,3 +219,20 @@ BUILDERS: dict[str, Callable[[Job], Pair]] = {
     "router": router, "dispatcher": dispatcher, "moe_layer": moe_layer, "attention": attention,
     "output_loss": output_loss, "layer_wgrad": layer_wgrad,
 }
+
+
+def measured(job: Job, unit: str, blocks: int, warmup: int, seed: int) -> dict[str, Any]:
+    """One unit built and timed for ``job``'s toggle, summarised (speedups, time saved, each arm's peak
+    memory, the timings); a unit that cannot be built or run is one line, ``{"error": ...}``, so that it
+    hides no other unit's result."""
+    from .analysis import summarise
+    from .gpu_timing import time_pair
+
+    try:
+        pair = BUILDERS[unit](job)
+        timed = time_pair(pair.stock, pair.toggle, blocks, warmup, seed)
+    except Exception as error:  # noqa: BLE001 (Megatron refusing a shape, or a kernel failing, is a row)
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+    result = summarise(timed)
+    result.update(peak_mb=timed["peak_mb"], same_weights=pair.same_weights, note=pair.note, timings=timed)
+    return result
