@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..stats import t_quantile
@@ -137,11 +137,41 @@ def seeds_needed(sd: float, margin: float, alpha: float = 0.05, power: float = P
     if sd <= 0:
         return 2
     beta_q = 1.0 - (1.0 - power) / 2.0
-    # the normal approximation gives a lower bound to start from; t only adds seeds
-    z = statistics.NormalDist().inv_cdf(1.0 - alpha) + statistics.NormalDist().inv_cdf(beta_q)
-    n = max(2, int((z * sd / margin) ** 2))
+    return _fewest(lambda n: t_quantile(1.0 - alpha, n - 1) + t_quantile(beta_q, n - 1), sd, margin,
+                   _z(1.0 - alpha) + _z(beta_q), limit)
+
+
+def seeds_to_fit(estimate: float, sd: float, margin: float, alpha: float = 0.05, limit: int = SEED_LIMIT
+                 ) -> int | None:
+    """Seeds at which the interval would lie inside +-``margin`` if the mean difference stayed at
+    ``estimate`` and the per-seed differences kept spreading by ``sd`` (all in %): the smallest
+    n >= 2 with
+
+        t(1 - alpha, n - 1) * sd / sqrt(n) <= margin - |estimate|
+
+    None where ``|estimate| >= margin``: no number of seeds brings that interval inside. Where
+    :func:`seeds_needed` sizes a new experiment (a true change of 0, with power), this answers an
+    experiment continued over sessions: how far its interval is, at what it measured so far, from
+    an equivalence claim (about even odds of making it there: the mean moves as seeds come)."""
+    room = margin - abs(estimate)
+    if room <= 0:
+        return None
+    if sd <= 0:
+        return 2
+    return _fewest(lambda n: t_quantile(1.0 - alpha, n - 1), sd, room, _z(1.0 - alpha), limit)
+
+
+def _z(p: float) -> float:
+    return statistics.NormalDist().inv_cdf(p)
+
+
+def _fewest(quantile: Callable[[int], float], sd: float, half: float, z: float, limit: int) -> int:
+    """The smallest n >= 2 with ``quantile(n) * sd / sqrt(n) <= half`` (``limit`` where none below
+    it does). ``z``: the normal approximation of ``quantile``, whose answer is a lower bound to start
+    from (t only adds seeds)."""
+    n = max(2, int((z * sd / half) ** 2))
     while n < limit:
-        if (t_quantile(1.0 - alpha, n - 1) + t_quantile(beta_q, n - 1)) * sd / math.sqrt(n) <= margin:
+        if quantile(n) * sd / math.sqrt(n) <= half:
             return n
         n += 1
     return limit
