@@ -3,9 +3,10 @@ one of a later stage, read from every import statement, the ones inside function
 
 1 spec (options to a checked spec), 2 design (its arms), 3 runs (each run's command and environment,
 resolved through the dry run once; confounds.py and loss/common_start.py are its parts), 4 schedule,
-5 execution (each run measured once), 6 analysis (loss/loss_test.py is its part), 7 report. Below them
-the libraries every stage may use (stats.py, loss/equivalence.py); above them the drivers, which call
-the stages in order (ablate's command, the re-analysis of a finished directory, tune's phases).
+5 execution (each run measured once), 6 analysis (loss/loss_test.py and loss/pool.py are its parts),
+7 report. Below them the libraries every stage may use (stats.py, loss/equivalence.py); above them the
+drivers, which call the stages in order (ablate's command, the re-analysis of a finished directory
+and its pooling over sessions, tune's phases).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ TOOLS = REPO / "megatron_perf_toggles" / "tools"
 LIBRARY, DRIVER = 0, 8
 STAGES = {"stats": LIBRARY, "loss": LIBRARY, "loss.equivalence": LIBRARY,
           "spec": 1, "design": 2, "runs": 3, "confounds": 3, "loss.common_start": 3, "schedule": 4,
-          "execution": 5, "analysis": 6, "loss.loss_test": 6, "report": 7,
+          "execution": 5, "analysis": 6, "loss.loss_test": 6, "loss.pool": 6, "report": 7,
           "": DRIVER, "command": DRIVER, "reanalyse": DRIVER}
 MODULES = sorted(ABLATE.rglob("*.py"))
 
