@@ -143,6 +143,7 @@ def write_results(out: Path, result: dict[str, Any], records: Sequence[dict[str,
     result = {**result, "versions": {
         "megatron_perf_toggles": __version__, "python": platform.python_version(),
         "megatron": records[0].get("megatron") if records else None,
+        "gpu": records[0].get("gpu_visible") if records else None,  # the card's name: where a pooled part ran
         "capabilities": records[0].get("capabilities") if records else None},
         # the caller's values of what can change the speed of every arm alike (the allocator and
         # torch's NCCL settings among them), and of every variable a candidate sets (unset: null)
