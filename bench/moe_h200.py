@@ -27,7 +27,9 @@ Both speed shapes: alltoall dispatcher, EP=1, seq 4096, micro-batch 4, global ba
 micro-batch a step: at micro-batch 1 the step was launch-bound and runs of one arm differed by a
 third), mock data, bf16, distributed optimizer, aux-loss load balancing, Transformer Engine, one
 fixed --seed in every arm. --headline narrows a speed part to stock against the defaults (2 arms);
---no-warmup-run drops the warm-up run where a part ran just before on the same machine.
+--no-warmup-run drops the warm-up run where a part ran just before on the same machine (for a loss
+part: ablate's compile warm-up, one short run of each arm before the runs at once, which fills the
+compile caches so that the runs starting together do not all compile the fused kernels at once).
 --force-balance gives every speed arm random, on-average balanced routing: with learnt routing the
 step time follows how balanced the routing happens to be, which changes within a run and differs
 between arms (their numerics differ, so their routing does); on speed-a at micro-batch 4 the same
@@ -185,7 +187,9 @@ def estimate_s(part: str, repeats: int, iters: int | None = None, headline: bool
     p = PARTS[part]
     iters_s = (iters or p.iters) * p.seconds_per_iter
     if p.loss:  # one batch of every run at once: about as long as one run, slowed by the sharing
-        return DRY_RUNS_S + LOSS_STARTUP_S + iters_s
+        # the compile warm-up is a wave of its own, about one start-up, unless it rides with the common starts
+        warm_s = STARTUP_S if warmup_run and not p.common_start else 0.0
+        return DRY_RUNS_S + warm_s + LOSS_STARTUP_S + iters_s
     return DRY_RUNS_S + (int(warmup_run) + repeats * arms(headline, part=part)) * (STARTUP_S + iters_s)
 
 
@@ -213,10 +217,10 @@ def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) 
     if p.loss:
         runs_at_once = ns.concurrent or ns.repeats * arms(part=part)
         cmd += ["--block-seeds", str(ns.base_seed), "--loss-window", str(min(ns.loss_window, iters)),
-                "--loss-margin", f"{ns.loss_margin:g}", "--concurrent", str(runs_at_once), "--no-warmup-run"]
+                "--loss-margin", f"{ns.loss_margin:g}", "--concurrent", str(runs_at_once)]
         if p.common_start:
             cmd.append("--common-start")
-    elif ns.no_warmup_run:
+    if ns.no_warmup_run:
         cmd.append("--no-warmup-run")
     if budget_min is not None:  # ablate's clock starts after its dry runs; a speed part may stop mid-block
         cmd += ["--budget", f"{max(budget_min - DRY_RUNS_S / 60, 0.1):.2f}", *([] if p.loss else ["--split-blocks"])]
@@ -287,7 +291,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="speed parts: Megatron's --moe-router-force-load-balancing (random routing, balanced on "
                     "average) in every arm, so that step times do not follow the routing each run has learnt")
     ap.add_argument("--no-warmup-run", action="store_true",
-                    help="speed parts: no unmeasured warm-up run (where a part ran just before on the same machine)")
+                    help="speed parts: no unmeasured warm-up run (where a part ran just before on the same machine); "
+                    "loss parts: no compile warm-up (one short run of each arm that fills the compile caches before "
+                    "the runs start at once)")
     ap.add_argument("--smoke", action="store_true", help="CPU: stand-in runs (tests/support/fake_megatron_run.py)")
     ap.add_argument("--print-only", action="store_true", help="print the plan and the commands, run nothing")
     ap.add_argument("--collect", metavar="DIR", help="copy each part's results, each run's status and log to DIR; run nothing")
@@ -316,11 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     total = 0.0
     for part in ns.part_list:
         loss, headline = PARTS[part].loss, ns.headline and not PARTS[part].loss
-        warm = not (loss or ns.no_warmup_run)
+        warm = not ns.no_warmup_run
         est = estimate_s(part, ns.repeats, ns.iters, headline, warm)
         total += est
-        how = "all at once" if loss else ("1 warm-up run, then " if warm else "") + "one at a time"
-        print(f"  {part:<8} {ns.repeats * arms(headline, part=part) + int(warm):>3} runs ({how})  "
+        how = (("all at once, after a compile warm-up" if warm else "all at once") if loss else
+               ("1 warm-up run, then " if warm else "") + "one at a time")
+        print(f"  {part:<8} {ns.repeats * arms(headline, part=part) + int(warm and not loss):>3} runs ({how})  "
               f"~{est / 60:5.1f} min  -> {out / part}")
     print(f"expected: ~{total / 60:.1f} min on the H200" + (f" (budget {ns.budget:g} min)" if ns.budget else ""),
           flush=True)

@@ -25,13 +25,19 @@ FAKE_LOSS_SCALE=VAR=f[,VAR=f]: the arm's effect, f - 1 where VAR is 1 (1.03: a 3
 FAKE_VALIDATION=k: also print Megatron's validation loss line every k iterations, and after the last
   one the "on validation set" and "on test set" lines (the validation loss is the training loss
   plus 0.25, the test set's plus 5, so a test can tell which was read).
+--exit-interval N: stops after iteration N, as Megatron does (saving where --save is given).
 --save DIR: after the last iteration, writes DIR/latest_checkpointed_iteration.txt (a checkpoint).
 --load DIR: starts from that checkpoint, which must exist (else it fails as Megatron would); the
   seed part then comes from the checkpoint's seed, never redrawn (every run that loads it starts
   from the same weights).
+FAKE_TRACE=path: appends "start PORT DIR" as the run starts and "end PORT DIR" as it ends (DIR: the
+  parent of its --tensorboard-dir, the run's own directory; PORT: its MASTER_PORT), so a test can
+  tell which runs overlapped and in which waves.
+FAKE_CRASH_FLAG=--flag[=value]: a run whose arguments hold that flag (with that value) fails at start.
 Invoked as: python fake_megatron_run.py -m megatron_perf_toggles.run SCRIPT [args...]
 """
 
+import atexit
 import os
 import random
 import sys
@@ -39,6 +45,23 @@ import time
 
 argv = sys.argv[1:]
 iters = int(argv[argv.index("--train-iters") + 1]) if "--train-iters" in argv else 6
+stop = int(argv[argv.index("--exit-interval") + 1]) if "--exit-interval" in argv else iters
+trace = os.environ.get("FAKE_TRACE")
+here = os.path.dirname(argv[argv.index("--tensorboard-dir") + 1]) if "--tensorboard-dir" in argv else "?"
+
+
+def traced(event: str) -> None:
+    if trace:
+        with open(trace, "a") as fh:
+            fh.write(f"{event} {os.environ.get('MASTER_PORT', '?')} {here}\n")
+
+
+traced("start")
+atexit.register(traced, "end")
+flag, _, value = os.environ.get("FAKE_CRASH_FLAG", "").partition("=")
+if flag and flag in argv and (not value or argv[argv.index(flag) + 1] == value):
+    print(f"Traceback (most recent call last):\nRuntimeError: planted failure ({flag} {value})", flush=True)
+    sys.exit(1)
 fast = os.environ.get("GRAD_REDUCE_IN_BF16") == "1"
 ms = 900.0 if fast else 1000.0
 for item in filter(None, os.environ.get("FAKE_EXTRA_MS", "").split(",")):
@@ -103,7 +126,9 @@ for i in range(1, iters + 1):
         sys.exit(1)
     if every and i % every == 0:
         validation(i)
-if every:
+    if i % stop == 0:
+        break
+if every and i == iters:  # a run stopped by --exit-interval evaluates nothing at the end
     validation(iters, " on validation set")
     validation(iters, " on test set", add=5.0)
 if "--save" in argv:

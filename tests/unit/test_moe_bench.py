@@ -37,7 +37,7 @@ def test_the_plan_comes_first_with_the_expected_time(tmp_path, capsys):
     out, cmds = _plan(tmp_path, capsys, "--budget", "9")
     assert set(cmds) == {"loss", "speed-a", "speed-b"}
     assert out.index("expected: ~") < out.index("[loss]") and "min on the H200 (budget 9 min)" in out
-    assert "loss      15 runs (all at once)" in out and "speed-a   16 runs (1 warm-up run" in out
+    assert "loss      15 runs (all at once, after a compile warm-up)" in out and "speed-a   16 runs (1 warm-up run" in out
     for cmd in cmds.values():
         flags = [w for w in _megatron(cmd) if w.startswith("--")]
         assert len(flags) == len(set(flags))  # each Megatron argument once
@@ -83,11 +83,22 @@ def test_the_loss_part_runs_seeds_at_once_on_real_text(tmp_path, capsys):
     _, cmds = _plan(tmp_path, capsys, "--parts", "loss", "--repeats", "2", "--loss-window", "40")
     cmd = cmds["loss"]
     assert (_value(cmd, "--iters"), _value(cmd, "--block-seeds"), _value(cmd, "--loss-window")) == ("300", "1234", "40")
-    assert _value(cmd, "--concurrent") == str(2 * moe_h200.arms()) and "--no-warmup-run" in cmd
+    assert _value(cmd, "--concurrent") == str(2 * moe_h200.arms())
+    assert "--no-warmup-run" not in cmd  # ablate's compile warm-up fills the caches before the runs at once
     args = _megatron(cmd)
     assert "--mock-data" not in args and _value(args, "--vocab-size") == "257"
     assert _value(args, "--data-path") == str(tmp_path / "out" / "corpus" / "stdlib")
     assert "--log-throughput" not in args and _value(args, "--num-experts") == "8"
+
+
+def test_no_warmup_run_turns_off_the_loss_parts_compile_warm_up_and_the_speed_parts_warm_up_run(tmp_path, capsys):
+    out, cmds = _plan(tmp_path, capsys, "--parts", "loss,loss-common,speed-a", "--no-warmup-run")
+    assert all(cmd.count("--no-warmup-run") == 1 for cmd in cmds.values())
+    assert "loss      15 runs (all at once)  " in out and "speed-a   15 runs (one at a time)" in out
+    warm, cold = moe_h200.estimate_s("loss", 3), moe_h200.estimate_s("loss", 3, warmup_run=False)
+    assert warm > cold  # the warm-up is a wave of its own
+    # with a common start it rides in the starts' wave: no time of its own
+    assert moe_h200.estimate_s("loss-common", 3) == moe_h200.estimate_s("loss-common", 3, warmup_run=False)
 
 
 def test_the_dense_loss_part_is_the_same_model_without_experts_and_every_dense_toggle_alone(tmp_path, capsys):
@@ -118,7 +129,8 @@ def test_the_controls_run_the_loss_model_with_a_known_harm_and_a_known_null(tmp_
     assert _value(control, "--concurrent") == str(8 * 3) and _value(null, "--concurrent") == str(8 * 2)
     assert _value(null, "--toggles") == "ddp_average_in_collective" and _value(null, "--others") == "off"
     assert _value(control, "--block-seeds") == "1234" and _megatron(control) == _megatron(cmds["loss-null"])
-    assert "loss-control  24 runs (all at once)" in out and "loss-null  16 runs (all at once)" in out
+    assert "loss-control  24 runs (all at once, after a compile warm-up)" in out
+    assert "loss-null  16 runs (all at once, after a compile warm-up)" in out
 
 
 def test_eval_iters_holds_out_text_for_the_validation_measure(tmp_path, capsys):

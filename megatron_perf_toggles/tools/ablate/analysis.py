@@ -130,6 +130,7 @@ def analysed(measurements: Measurements) -> Analysis:
     result = {"design": spec.design, "seed": spec.seed, "repeats": spec.repeats, "blocks_run": m.blocks,
               "block_seeds": seeds, "loss_window": spec.loss_window,
               "common_start": {str(b): s for b, s in m.starts.items()} if spec.common_start else None,
+              "compile_warmup": dict(m.warmups) or None,
               "loss_test": None if loss is None else loss["settings"], **speed,
               "blocks_across_calls": m.across_calls,
               "block_order": m.orders, "world_size": gpus, "planned_world_size": spec.planned_world,

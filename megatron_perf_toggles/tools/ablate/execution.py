@@ -4,8 +4,11 @@ One run at a time: the unmeasured warm-up run, then blocks until a stopping rule
 after ``--repeats`` blocks, or with ``--target-ci`` once every speed interval is that narrow or
 ``--max-repeats`` is reached; no block starts that would end after ``--budget`` (with
 ``--split-blocks``, no run). Runs at once go K at a time in block order, no batch starting that
-would end after the budget. A run the schedule found finished in an earlier call is not run
-again; a crashed run is reported with its last lines and never stops the others. Each run's log
+would end after the budget, after a compile warm-up: one short run of each arm, unmeasured, at
+once with the common starts (in waves of at most K), so that the runs that start together find
+the compile caches warm; a warm-up that fails is said in one line, and the runs compile for
+themselves. A run the schedule found finished in an earlier call is not run again; a crashed run
+is reported with its last lines and never stops the others. Each run's log
 is parsed once, as the run ends (or is found done): that is its measurement.
 """
 
@@ -24,7 +27,7 @@ from typing import Any
 from ..megatron_log import ITERATION, parse_file, parse_lines
 from . import stats
 from .runs import Run
-from .schedule import Schedule
+from .schedule import Schedule, warmup_words
 
 ERROR_TAIL_LINES = 12
 RAW_KEYS = ("ms_per_iter", "tflops_per_gpu", "lm_loss", "grad_norm", "global_batch_size")
@@ -93,10 +96,12 @@ def run_seconds(statuses: Sequence[Mapping[str, Any] | None]) -> list[float]:
 
 
 def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, remaining: int,
-            extra_env: Mapping[str, str] | None = None, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+            extra_env: Mapping[str, str] | None = None, previous: dict[str, Any] | None = None,
+            loud: bool = True) -> dict[str, Any]:
     """Run one arm once, unless ``previous`` (the status of the same run finished in an earlier
     call, as the schedule found it) says it is done; never raises on a crash. ``extra_env``: what
-    this run alone gets besides (a port of its own)."""
+    this run alone gets besides (a port of its own). ``loud``: a crash's last lines are printed
+    (a compile warm-up's failure is its caller's one line instead)."""
     run.directory.mkdir(parents=True, exist_ok=True)
     if previous is not None:
         progress.stream.write(f"[run {index}/{progress.total}] {run.label}: done earlier, skipped\n")
@@ -128,7 +133,7 @@ def execute(run: Run, environ: dict[str, str], progress: Progress, index: int, r
         status["error_tail"] = error_tail(log_path.read_text(errors="replace"))
     (run.directory / "status.json").write_text(json.dumps(status, indent=1) + "\n")
     progress.finish_run(seconds, status["status"])
-    if code != 0:
+    if code != 0 and loud:
         report_failure(status, progress.stream)
     return status
 
@@ -137,13 +142,14 @@ def execute_together(batch: Sequence[Run], environ: dict[str, str], first_port: 
                      earlier: Mapping[Any, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Run ``batch`` at once (threads wait on the processes), each with its own MASTER_PORT from
     ``first_port`` on; their statuses in the batch's order. ``earlier``: the runs finished in an
-    earlier call, by directory."""
+    earlier call, by directory. A compile warm-up's crash (block -1) prints no last lines: its
+    caller says it in one line, and its arm's runs print their own."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> dict[str, Any]:
         progress = Progress(total, live=False)
         return execute(batch[i], environ, progress, done + i + 1, 0, {"MASTER_PORT": str(first_port + i)},
-                       (earlier or {}).get(batch[i].directory))
+                       (earlier or {}).get(batch[i].directory), loud=batch[i].block >= 0)
 
     with ThreadPoolExecutor(max_workers=max(1, len(batch))) as pool:
         return list(pool.map(one, range(len(batch))))
@@ -166,6 +172,18 @@ def measure(status: dict[str, Any], warmup: int) -> tuple[dict[str, Any], int | 
     return out, log.world_size
 
 
+def warmed_words(statuses: Sequence[Mapping[str, Any]]) -> str:
+    """The compile warm-up's outcome in one line: how long it took, or which arms' warm-ups failed
+    (their runs go on, each compiling for itself)."""
+    failed = [s for s in statuses if s.get("status") != "done"]
+    took = max((s.get("seconds") or 0.0 for s in statuses), default=0.0)
+    if not failed:
+        return f"compile warm-up: {len(statuses)} run(s) done in {took:.0f}s, unmeasured"
+    which = ", ".join(f"{s.get('arm')} (exit {s.get('returncode')}, log {s.get('log')})" for s in failed)
+    return (f"compile warm-up failed for {which}: the runs go on, compiling for themselves "
+            f"({len(statuses) - len(failed)} of {len(statuses)} done)")
+
+
 def logged_world(measured: Sequence[Mapping[str, Any]], worlds: Sequence[int | None], arm: str) -> int | None:
     """The world size Megatron printed in one of ``arm``'s finished runs (``worlds``: what each of the
     ``measured`` runs' logs said): the run's own word."""
@@ -182,8 +200,9 @@ class Measurements:
     ran: the warm-up run, then the blocks' runs), the blocks run and their orders, the blocks whose
     runs ran in two calls, each seed's start run (--common-start), why it stopped early (None:
     it did not), how long it took, whether a warm-up run finished before the blocks (this call's or
-    an earlier one's), the world size Megatron printed in one of the baseline's finished runs, and
-    each arm's finished run in each block (stats.by_block)."""
+    an earlier one's; runs at once: every compile warm-up run), the world size Megatron printed in
+    one of the baseline's finished runs, each arm's finished run in each block (stats.by_block),
+    and (runs at once) each arm's compile warm-up run's status, this call's or an earlier one's."""
 
     schedule: Schedule
     runs: list[dict[str, Any]]
@@ -196,6 +215,7 @@ class Measurements:
     warmed: bool
     logged_world: int | None
     done: dict[str, list[Mapping[str, Any] | None]]  # each arm's finished run in each block: what comparisons pair
+    warmups: dict[str, dict[str, Any]]
 
 
 def executed(schedule: Schedule, clock: Callable[[], float] = time.monotonic) -> Measurements:
@@ -216,18 +236,26 @@ class _Execution:
         self.orders: list[list[str]] = []
         self.across_calls: list[int] = []  # blocks (1-based) whose runs ran in two calls (--split-blocks)
         self.starts: dict[int, dict[str, Any]] = {}  # --common-start: each seed's start run's status
+        self.warmups: dict[str, dict[str, Any]] = {}  # --concurrent: each arm's compile warm-up run's status
 
     def carry_out(self) -> Measurements:
         start = self.clock()
         reason = self._run_together(start) if self.schedule.together else self._run_blocks(start)
         seconds = self.clock() - start
         logged = logged_world(self.measured, self.worlds, self.schedule.runs.design.baseline.name)
-        warm = self.schedule.runs.warmup
-        warmed = not self.schedule.together and (warm.directory in self.schedule.done or any(
-            m.get("block") == -1 and m.get("status") == "done" for m in self.measured))
         done = {arm.name: stats.by_block(self.measured, arm.name, self.blocks) for arm in self.schedule.runs.design.arms}
         return Measurements(self.schedule, self.measured, self.blocks, self.orders, self.across_calls, self.starts,
-                            reason, seconds, warmed, logged, done)
+                            reason, seconds, self._warmed(), logged, done, self.warmups)
+
+    def _warmed(self) -> bool:
+        """Whether the runs came after a warm-up: one at a time, the warm-up run finished (this call
+        or an earlier one); at once, every compile warm-up run did."""
+        if self.schedule.together:
+            planned = self.schedule.compile_warmups
+            return bool(planned) and all(self.warmups.get(r.arm, {}).get("status") == "done" for r in planned)
+        warm = self.schedule.runs.warmup
+        return warm.directory in self.schedule.done or any(
+            m.get("block") == -1 and m.get("status") == "done" for m in self.measured)
 
     def _record(self, statuses: Sequence[dict[str, Any]]) -> None:
         for status in statuses:
@@ -346,17 +374,19 @@ class _Execution:
     # --- runs at once, and the common starts -----------------------------------------------------------
 
     def _run_together(self, start: float) -> str | None:
-        """--concurrent K: every block's runs, K at a time (fewer where K do not fit the GPU's
-        memory), in block order; no batch starts that would end after --budget (priced by the
-        batches before it). The stop reason, if any."""
+        """--concurrent K: the common starts and the compile warm-up, then every block's runs, K at
+        a time (fewer where K do not fit the GPU's memory), in block order; no batch starts that
+        would end after --budget (priced by the batches before it). The stop reason, if any."""
         spec, k = self.spec, self.schedule.at_once
         blocks = self.schedule.blocks[:spec.repeats]
         todo = [r for block in blocks for r in block]
         self.orders = [[r.arm for r in block] for block in blocks]
-        say(f"--concurrent {spec.concurrent}: {len(todo)} runs, {k} at a time, no warm-up run; they share the GPU, "
-            "so the result keeps losses and memory but no speed figures")
+        first = warmup_words(self.schedule)
+        plan = f"{first}; then {len(todo)} runs, {k} at a time" if first else f"{len(todo)} runs, {k} at a time, no warm-up run"
+        say(f"--concurrent {spec.concurrent}: {plan}; they share the GPU, so the result keeps losses and memory but "
+            "no speed figures")
         port = int(self.environ.get("MASTER_PORT", "29500")) + 1
-        reason = self._starts(range(spec.repeats), Progress(spec.repeats, live=False))
+        reason = self._first_wave(range(spec.repeats))
         if reason:
             say(f"stopped: {reason}")
             return reason
@@ -386,22 +416,40 @@ class _Execution:
         return (f"--budget {budget:g} min: the next {len(to_run)} runs at once (about {max(seconds) / 60:.1f} min) "
                 f"would not fit after {used / 60:.1f} min")
 
-    def _starts(self, blocks: Sequence[int], progress: Progress) -> str | None:
-        """--common-start: the start runs of ``blocks`` not made yet, one at a time or K at a time
-        (None: made, or no common start; else why the experiment stops: the blocks' runs could not
-        load it)."""
+    def _first_wave(self, blocks: Sequence[int]) -> str | None:
+        """--concurrent: the start runs of ``blocks`` (--common-start) and the compile warm-up runs,
+        at once in waves of at most K: first one process of each arm where K allows (a start, then
+        the warm-ups), then the other starts. A failed warm-up is said in one line and stops
+        nothing; a failed start stops the experiment (the reason, as :meth:`_starts`)."""
         todo = [b for b in blocks if b in self.schedule.starts and b not in self.starts]
+        made, wave = [self.schedule.starts[b] for b in todo], self.schedule.warmup_wave
+        ordered = [*made[:1], *wave, *made[1:]]
+        statuses = dict(zip([r.directory for r in ordered], self._in_waves(ordered), strict=True))
+        self.warmups = {r.arm: s for r in self.schedule.compile_warmups
+                        if (s := statuses.get(r.directory) or self.schedule.done.get(r.directory)) is not None}
+        if wave:
+            say(warmed_words([statuses[r.directory] for r in wave]))
+        return self._started(todo, [statuses[r.directory] for r in made])
+
+    def _in_waves(self, runs: Sequence[Run]) -> list[dict[str, Any]]:
+        """``runs`` at once, K at a time, each wave after the last has ended; their statuses in order."""
+        port, k = int(self.environ.get("MASTER_PORT", "29500")) + 1, self.schedule.at_once
+        return [s for i in range(0, len(runs), k)
+                for s in execute_together(runs[i:i + k], self.environ, port, i, len(runs), self.schedule.done)]
+
+    def _starts(self, blocks: Sequence[int], progress: Progress) -> str | None:
+        """--common-start, one at a time: the start runs of ``blocks`` not made yet (None: made, or
+        no common start; else why the experiment stops: the blocks' runs could not load it)."""
+        todo = [b for b in blocks if b in self.schedule.starts and b not in self.starts]
+        done = self.schedule.done
+        statuses = [execute(self.schedule.starts[b], self.environ, progress, len(self.measured) + 1, 0,
+                            previous=done.get(self.schedule.starts[b].directory)) for b in todo]
+        return self._started(todo, statuses)
+
+    def _started(self, todo: Sequence[int], statuses: Sequence[dict[str, Any]]) -> str | None:
+        """The start runs of blocks ``todo`` made (their ``statuses``): None, else why the experiment stops."""
         if not todo:
             return None
-        made, done = [self.schedule.starts[b] for b in todo], self.schedule.done
-        if self.schedule.together:
-            port = int(self.environ.get("MASTER_PORT", "29500")) + 1
-            k = self.schedule.at_once
-            statuses = [s for i in range(0, len(made), k)
-                        for s in execute_together(made[i:i + k], self.environ, port, i, len(made), done)]
-        else:
-            statuses = [execute(r, self.environ, progress, len(self.measured) + 1, 0, previous=done.get(r.directory))
-                        for r in made]
         self.starts.update(zip(todo, statuses, strict=True))
         failed = [b for b, st in zip(todo, statuses, strict=True) if st.get("status") != "done"]
         if failed:

@@ -29,14 +29,26 @@ def _signed(mb: Any) -> str:
 RECORDED_ENV = ("MEGATRON_PERF_TOGGLES", "CUDA", "NCCL", "NVTE", "PYTORCH_", "TORCH_NCCL")
 
 
+def warmup_text(result: Mapping[str, Any]) -> str:
+    """What came before the blocks, in the report's first sentence: the warm-up run, or (runs at
+    once) the compile warm-up, with its failures, or neither."""
+    compiled = result.get("compile_warmup") or {}
+    if compiled:
+        failed = [arm for arm, s in compiled.items() if s.get("status") != "done"]
+        took = max((s.get("seconds") or 0.0 for s in compiled.values()), default=0.0)
+        how = (f"failed for {', '.join(failed)}, whose runs compiled for themselves" if failed else
+               f"{len(compiled)} short unmeasured run(s) at once, {took:.0f} s")
+        return f"after a compile warm-up ({how}). "
+    return "after 1 unmeasured warm-up run. " if result.get("warmup_run") else "with no warm-up run. "
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     conf = result["confidence"]
     pct = f"{conf * 100:g} %"
     lines = [f"# Ablation ({result['design']})", "",
              f"{result['blocks_run']} block(s) of {len(rows)} arms, each block in its own order (seed "
-             f"{result['seed']}), " + ("after 1 unmeasured warm-up run. " if result.get("warmup_run") else
-                                        "with no warm-up run. ") +
+             f"{result['seed']}), " + warmup_text(result) +
              f"{result['iters']} iterations per run; medians over iterations after the first {result['warmup']}. "
              f"Speedup: baseline ms / arm ms per block, geometric mean with a paired {pct} t-interval.", "",
              f"| arm | runs | ms/iter (median of run medians) | range of run medians | TFLOP/s/GPU | tokens/s/GPU "

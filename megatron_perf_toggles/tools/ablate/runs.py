@@ -6,7 +6,8 @@ ones, the arm's settings, the block's seed and the run's own paths replacing the
 candidate's additions after them) and its environment (the arm's plugin variables and a
 candidate's, over the caller's). Before any run, every arm (and each single-change probe) is
 dry-run and checked for confounds (confounds.py), the launcher and the output directory are
-checked, and the iterations a run makes must leave some to measure. :func:`resolved` is the stage.
+checked, and the iterations a run makes must leave some to measure. Runs at once (``--concurrent``)
+also get a short compile warm-up run of each arm. :func:`resolved` is the stage.
 """
 
 from __future__ import annotations
@@ -159,6 +160,27 @@ def block_args(spec: ExperimentSpec, args: Sequence[str], block: int) -> list[st
     return with_added(words, common_start.loading(Path(spec.out), seed)) if spec.common_start else words
 
 
+# A compile warm-up stops after this many iterations: the first compiles what the arm's fusions
+# compile on first use (torch.compile's Inductor code, Triton kernels), the second what is only
+# compiled then. It keeps the arguments' --train-iters, since Megatron sizes the learning-rate
+# schedule from it (a --train-iters under the learning-rate warm-up would fail Megatron's check).
+COMPILE_WARMUP_ITERS = 2
+
+
+def compile_warmup_run(spec: ExperimentSpec, arm: Arm, args: Sequence[str], effective: dict[str, Any]) -> Run:
+    """--concurrent: ``arm``'s compile warm-up, unmeasured: its command as block 1 has it, but
+    stopping after :data:`COMPILE_WARMUP_ITERS` iterations and loading and saving no checkpoint (a
+    common start it would load may not be saved yet), in its own directory (``runs/warmup/ARM``).
+    It fills the compile caches on disk (shared by the processes of one machine) before the runs
+    that start at once would all miss them and compile together."""
+    out = Path(spec.out)
+    here = run_dir(out, arm, -1)
+    words = set_args(args, {"--seed": str(spec.block_seeds)}) if spec.block_seeds is not None else list(args)
+    words = set_args(words, {"--exit-interval": str(COMPILE_WARMUP_ITERS)})
+    paths = {**arm_paths(effective, here, together=True), "--save": None, "--load": None}
+    return Run(arm.name, -1, here, arm_command(spec.launch, spec.script, words, arm, paths), arm.env)
+
+
 def start_run(spec: ExperimentSpec, baseline: Arm, args: Sequence[str], block: int) -> Run:
     """--common-start: the run that saves the start of ``block``'s seed: the baseline, one iteration,
     saved after it (loss/common_start.py)."""
@@ -268,7 +290,8 @@ class Runs:
     """The stage's value: the design's arms resolved (each arm's dry-run record, and what each
     variable derives), every run's environment and arguments, the iterations a run makes, and the
     runs themselves: each block's, one per arm in the design's order, for every block the
-    experiment may run; the baseline's warm-up run; with --common-start, each block's start run."""
+    experiment may run; the baseline's warm-up run; with --common-start, each block's start run;
+    with --concurrent, each arm's compile warm-up run (in the design's order; the schedule picks)."""
 
     spec: ExperimentSpec
     design: Design
@@ -281,6 +304,7 @@ class Runs:
     warmup: Run
     starts: list[Run]
     commands: dict[str, dict[str, Any]]
+    compile_warmups: list[Run]
 
 
 def resolved(spec: ExperimentSpec, design: Design, environ: Mapping[str, str], resolver: Resolver,
@@ -336,7 +360,10 @@ def _runs(spec: ExperimentSpec, design: Design, records: list[dict[str, Any]], d
 
     blocks = [[run(arm, b) for arm in design.arms] for b in range(most)]
     starts = [start_run(spec, design.baseline, args, b) for b in range(most)] if spec.common_start else []
+    warmups = [compile_warmup_run(spec, arm, args, records[design.arms.index(arm)].get("effective_args", {}))
+               for arm in design.arms] if together else []
     commands = {a.name: {"env": a.env, "argv": arm_command(spec.launch, spec.script, args, a),
                          **({"candidate_env": a.added_env, "candidate_args": a.added_args} if a.adds else {})}
                 for a in design.arms}
-    return Runs(spec, design, records, derived, env, args, iters, blocks, run(design.baseline, -1), starts, commands)
+    return Runs(spec, design, records, derived, env, args, iters, blocks, run(design.baseline, -1), starts, commands,
+                warmups)

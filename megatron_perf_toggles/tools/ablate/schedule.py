@@ -2,10 +2,14 @@
 
 Runs go in blocks: each block runs every arm once, in an order shuffled by ``--seed`` anew for
 every block (drift and warm-up hit every arm alike), after one unmeasured warm-up run; with
-``--common-start`` each block's seed first saves its start. ``--concurrent K`` runs K at a time,
-with no warm-up run, where K runs fit the GPU's memory (the memory model's planned peak of each
-run plus one process's own overhead, measured: ``docs/benchmarks/process_overhead.json``), else as
-many as fit. A run whose status says done with the same command and the same plugin variables was
+``--common-start`` each block's seed first saves its start. ``--concurrent K`` runs K at a time
+where K runs fit the GPU's memory (the memory model's planned peak of each run plus one process's
+own overhead, measured: ``docs/benchmarks/process_overhead.json``), else as many as fit; there, a
+compile warm-up comes first instead of the warm-up run: one short run of each arm, all at once (in
+the common starts' wave, which already compiles the baseline's code), so that the runs that then
+start together find the compile caches warm rather than all compiling at the same time. Nothing
+is timed there, so a warm-up only saves time: none where runs go one at a time, or where every
+run is done. A run whose status says done with the same command and the same plugin variables was
 finished in an earlier call and is not run again (resume); the schedule knows which. It carries
 the stopping rules (``--budget``, ``--target-ci``, ``--max-repeats``) to the execution, and says
 itself in words for a dry run. :func:`scheduled` is the stage.
@@ -14,6 +18,7 @@ itself in words for a dry run. :func:`scheduled` is the stage.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +27,7 @@ from typing import Any
 
 from ...core.registry import BY_DEST
 from ...runtime.machine.target import GPUS
-from .runs import Run, Runs
+from .runs import COMPILE_WARMUP_ITERS, Run, Runs
 from .spec import ExperimentSpec
 
 OVERHEAD_FILE = "process_overhead.json"
@@ -125,7 +130,9 @@ class Schedule:
     run), the warm-up run (None: none, as with ``--no-warmup-run`` or runs at once), each block's
     start run (``--common-start``), how many run at once, the runs finished in an earlier call (by
     directory), the run times that price a block before this call has timed one (tune's later
-    phases), and the runs the experiment plans."""
+    phases), the runs the experiment plans, and (runs at once) the compile warm-up runs: one of
+    each arm, but the baseline's where the common starts compile its code (none: ``--no-warmup-run``,
+    one at a time, or nothing runs at once)."""
 
     runs: Runs
     blocks: list[list[Run]]
@@ -135,11 +142,19 @@ class Schedule:
     done: dict[Path, dict[str, Any]]
     prior_seconds: list[float]
     planned_runs: int
+    compile_warmups: list[Run]
 
     @property
     def together(self) -> bool:
-        """--concurrent: runs share the GPU, so none is timed (and none is a warm-up run)."""
+        """--concurrent: runs share the GPU, so none is timed (and none is a warm-up run: the
+        compile warm-up runs only fill the compile caches)."""
         return self.runs.spec.concurrent > 1
+
+    @property
+    def warmup_wave(self) -> list[Run]:
+        """The compile warm-up runs this call makes, with the common starts: those not done in an
+        earlier call, and none where every run of the blocks is done (nothing left to warm up for)."""
+        return to_warm(self.compile_warmups, self.blocks[:self.runs.spec.repeats], self.done)
 
 
 def scheduled(runs: Runs, prior_seconds: Sequence[float] = (), say: Callable[[str], None] | None = None) -> Schedule:
@@ -154,13 +169,34 @@ def scheduled(runs: Runs, prior_seconds: Sequence[float] = (), say: Callable[[st
     if line:
         note(line)
     warmup = runs.warmup if spec.warmup_run and not together else None
-    # the warm-up run's status too, where it is not run: a resumed call may have had one earlier
-    every = [*(r for block in blocks for r in block), *runs.starts, *([] if together else [runs.warmup])]
+    warmups = compile_warmups(runs, at_once)
+    # the warm-up runs' statuses too, where they are not run: a resumed call may have had them earlier
+    every = [*(r for block in blocks for r in block), *runs.starts, *([] if together else [runs.warmup]), *warmups]
     done = {r.directory: s for r in every if (s := finished_earlier(r.directory, r.env, r.command)) is not None}
-    planned = spec.repeats * len(runs.design.arms) + (1 if warmup else 0)
-    schedule = Schedule(runs, blocks, warmup, dict(enumerate(runs.starts)), at_once, done, list(prior_seconds), planned)
+    planned = (spec.repeats * len(runs.design.arms) + (1 if warmup else 0)
+               + len(to_warm(warmups, blocks[:spec.repeats], done)))
+    schedule = Schedule(runs, blocks, warmup, dict(enumerate(runs.starts)), at_once, done, list(prior_seconds), planned,
+                        warmups)
     note(plan_words(schedule))
     return schedule
+
+
+def compile_warmups(runs: Runs, at_once: int) -> list[Run]:
+    """The compile warm-up runs of runs at once: each arm's (runs.py makes them), less the
+    baseline's where the common starts (the baseline's runs too) compile its code first; none with
+    ``--no-warmup-run``, or where runs go one at a time (the first of each arm compiles alone)."""
+    if not runs.spec.warmup_run or at_once <= 1:
+        return []
+    base = runs.design.baseline.name
+    return [r for r in runs.compile_warmups if not (runs.starts and r.arm == base)]
+
+
+def to_warm(warmups: Sequence[Run], blocks: Sequence[Sequence[Run]], done: Mapping[Path, Any]) -> list[Run]:
+    """The compile warm-up runs still to make: those not done in an earlier call, where some run of
+    ``blocks`` is still to do (none where every run is done: resuming only reports)."""
+    if all(r.directory in done for block in blocks for r in block):
+        return []
+    return [r for r in warmups if r.directory not in done]
 
 
 # --- in words, for the notes and a dry run -------------------------------------------------------------
@@ -175,10 +211,28 @@ def _seeds_words(spec: ExperimentSpec) -> str:
     return words + (" (and on, where --target-ci adds blocks)" if more else "")
 
 
+def warmup_words(schedule: Schedule) -> str:
+    """The compile warm-up of runs at once in words ("" where there is none this call), e.g. "1
+    compile warm-up run of each arm first, at once with the common starts"."""
+    wave, design = schedule.warmup_wave, schedule.runs.design
+    if not wave:
+        return ""
+    missing = [a.name for a in design.arms if a.name not in {r.arm for r in wave}]
+    starts = len(schedule.starts)
+    base = bool(starts) and missing == [design.baseline.name]  # the starts are the baseline's
+    who = "each arm" if not missing or base else ", ".join(r.arm for r in wave)
+    why = " (the baseline's: the starts themselves)" if base else " (the others' done earlier)" if missing else ""
+    waves = math.ceil((len(wave) + starts) / max(schedule.at_once, 1))
+    split = f", in {waves} waves of at most {schedule.at_once}" if waves > 1 else ""
+    return (f"1 compile warm-up run of {who} first, {'at once with the common starts' if starts else 'all at once'}"
+            f"{why}{split}, {COMPILE_WARMUP_ITERS} iterations each, unmeasured")
+
+
 def plan_words(schedule: Schedule) -> str:
     """The plan in one line: runs, blocks and arms, both seeds by name, iterations and what is measured."""
     spec, runs = schedule.runs.spec, schedule.runs
-    warm = "1 unmeasured warm-up run, then " if schedule.warmup else ""
+    compile_first = warmup_words(schedule)
+    warm = "1 unmeasured warm-up run, then " if schedule.warmup else f"{compile_first}; then " if compile_first else ""
     seeds = f"arm order: --seed {spec.seed}"
     if spec.block_seeds is not None:
         seeds += f"; Megatron's --seed {_seeds_words(spec)}, one per block (--block-seeds {spec.block_seeds})"
@@ -234,8 +288,9 @@ def loss_test_words(schedule: Schedule) -> str:
 
 
 def dry_run_lines(schedule: Schedule) -> list[str]:
-    """--dry-run: each block's order, (with --common-start) the run that saves block 1's start, then
-    each arm's environment and command, what the baseline is, and what the loss test will do."""
+    """--dry-run: each block's order, (with --common-start) the run that saves block 1's start, (with
+    --concurrent) the compile warm-up in words and its first run, then each arm's environment and
+    command, what the baseline is, and what the loss test will do."""
     import shlex
 
     runs = schedule.runs
@@ -244,6 +299,11 @@ def dry_run_lines(schedule: Schedule) -> list[str]:
         start = schedule.starts[0]
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in start.env.items())
         lines.append(f"common start of block 1 (the baseline, one iteration, saved):\n  {env} {shlex.join(start.command)}")
+    if schedule.warmup_wave:
+        first = schedule.warmup_wave[0]
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in first.env.items())
+        lines.append(f"compile warm-up: {warmup_words(schedule)}, no checkpoint loaded or saved; {first.arm}'s:"
+                     f"\n  {env} {shlex.join(first.command)}")
     for run in schedule.blocks[0]:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in run.env.items())
         what = f" (baseline: {baseline_words(runs)})" if run.arm == runs.design.baseline.name else ""

@@ -118,7 +118,8 @@ class ExperimentSpec:
     warmup: int = field(default=3, metadata=_opt(
         "--warmup", "iterations left out of each run's steady-state medians (default %(default)s)", type=int))
     warmup_run: bool = field(default=True, metadata=_opt(
-        "--no-warmup-run", "skip the unmeasured warm-up run before the first block", action="store_false"))
+        "--no-warmup-run", "skip the unmeasured warm-up run before the first block (with --concurrent: the compile "
+        "warm-up, one short run of each arm at once before the runs)", action="store_false"))
     confidence: float = field(default=0.95, metadata=_opt(
         "--confidence", "confidence of the intervals (default %(default)s)", type=float))
     budget: float | None = field(default=None, metadata=_opt(
@@ -159,7 +160,9 @@ class ExperimentSpec:
         "another way", action="store_true"))
     concurrent: int = field(default=1, metadata=_opt(
         "--concurrent", "run K runs at once (for loss-only experiments: runs that share a GPU time the "
-        "sharing, so the result then carries no speed figures; no warm-up run); each run gets its own "
+        "sharing, so the result then carries no speed figures; instead of the warm-up run, a compile warm-up: one "
+        "short run of each arm, at once (with the common starts), that fills the compile caches first); each run "
+        "gets its own "
         "MASTER_PORT; where K runs' planned peak plus each process's own overhead does not fit the GPU's "
         "memory, as many as fit (one line says so) (default %(default)s: one at a time)", type=int, metavar="K"))
     split_blocks: bool = field(default=False, metadata=_opt(
