@@ -6,7 +6,7 @@
 set -uo pipefail
 tree=${1:?usage: layers_gpu.sh MEGATRON_TREE OUT [SWEEP_BUDGET_S]} out=${2:?OUT} budget=${3:-200}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NO_VCS_VERSION=1  # else Megatron appends the enclosing checkout's git revision to its version
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
 for shape in moe/speed-a ablate/one-at-a-time; do
   name=$(basename "$shape")

@@ -8,8 +8,11 @@ argument parsing and the plugin's plan, up to Megatron's first timestamp), libra
 Megatron's initialisation (distributed, compile of helpers), model and optimizer (a checkpoint
 load included), data loaders, the first two iterations (warm-up: kernel selection, allocator
 growth) and the remaining iterations; start-up and exit together (the log stamps neither).
-Prints the median of each phase over the runs, and
-the share of the total.
+Prints, for each arm (a common start's runs apart: they train one iteration and save), the number
+of runs, the median total and the median of each phase; ``--json FILE`` also writes every run's
+phases and the medians, so that a before and an after can be committed and set side by side.
+
+    python bench/run_breakdown.py DIR [--json FILE]
 """
 
 from __future__ import annotations
@@ -57,27 +60,60 @@ def phases(log: str, total_s: float) -> dict[str, float] | None:
             "iterations 3-N": (last - second).total_seconds()}
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(__doc__)
-        return 2
-    rows = []
-    for status in sorted(Path(argv[0]).glob("runs/*/*/status.json")):
+def runs_of(directory: Path) -> list[dict]:
+    """Every finished run under ``directory``'s runs/ (the warm-up and start runs too): its arm, label,
+    total seconds and phases (None where the log lacks Megatron's marks, as a start run's may)."""
+    out = []
+    for status in sorted(directory.glob("runs/*/*/status.json")):
         data = json.loads(status.read_text())
         log = status.with_name("log.txt")
         if data.get("status") != "done" or not log.is_file():
             continue
-        got = phases(log.read_text(errors="replace"), float(data["seconds"]))
-        if got:
-            rows.append((data.get("label") or status.parent.name, float(data["seconds"]), got))
-    if not rows:
-        print(f"no finished run with Megatron's timestamps under {argv[0]}/runs")
+        seconds = float(data["seconds"])
+        out.append({"arm": data.get("arm") or status.parent.name, "label": data.get("label") or status.parent.name,
+                    "block": data.get("block"), "seconds": round(seconds, 2),
+                    "phases": phases(log.read_text(errors="replace"), seconds)})
+    return out
+
+
+def by_arm(runs: list[dict]) -> dict[str, dict]:
+    """Per arm: how many runs, the median total and the median of each phase (over the runs with phases)."""
+    out: dict[str, dict] = {}
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        mine = [r for r in runs if r["arm"] == arm]
+        timed = [r["phases"] for r in mine if r["phases"]]
+        out[arm] = {"runs": len(mine), "median_s": round(statistics.median(r["seconds"] for r in mine), 1),
+                    "phases_median_s": {ph: round(statistics.median(t[ph] for t in timed), 1) for ph in PHASES}
+                    if timed else None}
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = list(argv)
+    json_out = None
+    if "--json" in args:
+        i = args.index("--json")
+        if i + 1 >= len(args):
+            print("--json needs a FILE", file=sys.stderr)
+            return 2
+        json_out = Path(args[i + 1])
+        del args[i:i + 2]
+    if len(args) != 1:
+        print(__doc__)
+        return 2
+    runs = runs_of(Path(args[0]))
+    if not any(r["phases"] for r in runs):
+        print(f"no finished run with Megatron's timestamps under {args[0]}/runs")
         return 1
-    total = statistics.median(r[1] for r in rows)
-    print(f"{len(rows)} runs; median total {total:.1f} s")
-    for phase in PHASES:
-        med = statistics.median(r[2][phase] for r in rows)
-        print(f"  {phase:<22} {med:6.1f} s  {100 * med / total:5.1f} %")
+    arms = by_arm(runs)
+    for arm, row in arms.items():
+        print(f"{arm}: {row['runs']} runs, median total {row['median_s']:.1f} s")
+        for phase, med in (row["phases_median_s"] or {}).items():
+            print(f"  {phase:<22} {med:6.1f} s  {100 * med / row['median_s']:5.1f} %")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"source": args[0], "by_arm": arms, "runs": runs}, indent=1) + "\n")
+        print(f"wrote {json_out}")
     return 0
 
 
