@@ -160,7 +160,8 @@ class Toggle:
     # On, it draws the initial weights in another order than off under one seed (a loss test cannot
     # pair its runs by seed: ablate compares them unpaired)
     redraws_init: bool = False
-    acts_in: str = ""  # the unit `megatron-perf-toggles layers` times it in (tools/layers/units.py; "": a choice)
+    # the units `megatron-perf-toggles layers` times it in (tools/layers/units.py; (): a choice)
+    acts_in: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.flag:
@@ -190,7 +191,7 @@ class Toggle:
 
 TOGGLES: tuple[Toggle, ...] = (
     Toggle(
-        dest="gradient_accumulation_fusion", acts_in="layer_wgrad",
+        dest="gradient_accumulation_fusion", acts_in=("layer_wgrad", "output_wgrad"),
         env="GRADIENT_ACCUMULATION_FUSION",
         title="gradient accumulation fusion",
         kind="bool",
@@ -204,7 +205,7 @@ TOGGLES: tuple[Toggle, ...] = (
         "fused_weight_gradient_mlp_cuda).",
     ),
     Toggle(
-        dest="grad_reduce_in_bf16", acts_in="dp_reduce",
+        dest="grad_reduce_in_bf16", acts_in=("dp_reduce",),
         env="GRAD_REDUCE_IN_BF16",
         title="gradient reduce in bf16",
         kind="bool",
@@ -214,7 +215,7 @@ TOGGLES: tuple[Toggle, ...] = (
         help="Keep the gradient buffer and the data-parallel reduction in bf16 instead of fp32.",
     ),
     Toggle(
-        dest="ddp_average_in_collective", acts_in="dp_reduce",
+        dest="ddp_average_in_collective", acts_in=("dp_reduce",),
         env="DDP_AVERAGE_IN_COLLECTIVE",
         title="DDP average in collective",
         kind="bool",
@@ -224,7 +225,7 @@ TOGGLES: tuple[Toggle, ...] = (
         help="Divide by the data-parallel size inside the reduction collective, not before it.",
     ),
     Toggle(
-        dest="cross_entropy_loss_fusion", acts_in="output_loss",
+        dest="cross_entropy_loss_fusion", acts_in=("output_loss",),
         env="CROSS_ENTROPY_LOSS_FUSION",
         title="cross-entropy loss fusion",
         kind="bool",
@@ -249,7 +250,7 @@ TOGGLES: tuple[Toggle, ...] = (
         "own (native).",
     ),
     Toggle(
-        dest="fused_single_qkv_rope", acts_in="attention",
+        dest="fused_single_qkv_rope", acts_in=("attention",),
         env="FUSED_SINGLE_QKV_ROPE",
         title="fused single-QKV RoPE",
         kind="bool",
@@ -260,7 +261,7 @@ TOGGLES: tuple[Toggle, ...] = (
         help="Apply RoPE to the packed QKV tensor in one TE kernel, with no split and concat.",
     ),
     Toggle(
-        dest="moe_grouped_gemm", acts_in="moe_layer",
+        dest="moe_grouped_gemm", acts_in=("moe_layer",),
         env="MOE_GROUPED_GEMM",
         title="MoE grouped GEMM",
         kind="bool",
@@ -274,7 +275,7 @@ TOGGLES: tuple[Toggle, ...] = (
         "per expert (MoE models only).",
     ),
     Toggle(
-        dest="moe_permute_fusion", acts_in="dispatcher",
+        dest="moe_permute_fusion", acts_in=("dispatcher",),
         env="MOE_PERMUTE_FUSION",
         title="MoE permute fusion",
         kind="bool",
@@ -287,7 +288,7 @@ TOGGLES: tuple[Toggle, ...] = (
         "(MoE models only).",
     ),
     Toggle(
-        dest="moe_router_fusion", acts_in="router",
+        dest="moe_router_fusion", acts_in=("router",),
         env="MOE_ROUTER_FUSION",
         title="MoE router fusion",
         kind="bool",

@@ -43,6 +43,7 @@ def validate(toggles: Iterable[Any], settings: Iterable[Any], groups: Mapping[st
             raise RegistryError(f"{where}: scope must be all or moe")
         if not t.help or "\n" in t.help:
             raise RegistryError(f"{where}: help must be one line")
+        _validate_units(where, t.acts_in)
     _validate_capabilities(list(records))
     fields: set[str] = set()
     for s in settings:
@@ -50,6 +51,13 @@ def validate(toggles: Iterable[Any], settings: Iterable[Any], groups: Mapping[st
             raise RegistryError(f"setting {s.env!r}: env var or field declared twice")
         seen_env.add(s.env)
         fields.add(s.field)
+
+
+def _validate_units(where: str, acts_in: Any) -> None:
+    """``acts_in`` is a tuple of unit names, each once: a bare string would read as its letters."""
+    if not isinstance(acts_in, tuple) or not all(isinstance(u, str) and u for u in acts_in) \
+            or len(set(acts_in)) != len(acts_in):
+        raise RegistryError(f"{where}: acts_in must be a tuple of distinct unit names (tools/layers/units.py)")
 
 
 _DETECTED = ("import:", "installed:", "probe:", "megatron:")

@@ -221,9 +221,7 @@ class Controller:
             return
         from . import wgrad_fallback
 
-        # A fallback that is only assumed (MEGATRON_PERF_TOGGLES_ASSUME) goes in only where it can run.
-        if not outcome.capabilities.is_assumed("wgrad_fallback") or wgrad_fallback.usable()[0]:
-            wgrad_fallback.activate()
+        wgrad_fallback.install_for(outcome.plan.wgrad_path, outcome.capabilities.is_assumed("wgrad_fallback"))
 
     def _arm_rank_check(self, ns: argparse.Namespace, outcome: Outcome) -> None:
         from . import rank_check

@@ -102,6 +102,17 @@ def is_fallback(module: object) -> bool:
     return bool(getattr(module, "__megatron_perf_toggles_fallback__", False))
 
 
+def install_for(wgrad_path: str, assumed: bool) -> list[str]:
+    """What a real run does with its plan's wgrad path before Megatron builds the model (the
+    controller's apply, and the layer check, which sets its process up the same way): the fallback
+    goes in where the plan chose it (``fallback``), and where the capability was only assumed
+    (MEGATRON_PERF_TOGGLES_ASSUME, a planned machine) only if it can run here. Returns the places
+    patched ([] where nothing went in)."""
+    if wgrad_path != "fallback" or (assumed and not usable()[0]):
+        return []
+    return activate()
+
+
 def activate() -> list[str]:
     """Put the fallback where Megatron looks for APEX's module. Never replaces a real APEX.
 

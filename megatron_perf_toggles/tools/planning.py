@@ -116,8 +116,16 @@ def validated_arguments(tree: str, megatron_args: Sequence[str], target: planned
                         ) -> tuple[Plan, str, Any]:
     """The plan and the namespace Megatron's validate_args left (its own types, not the record's text)
     of a dry run of the tree's pretrain_gpt.py: what a tool that builds Megatron's modules needs."""
+    plan, _caps, label, ns = validated_run(tree, megatron_args, target)
+    return plan, label, ns
+
+
+def validated_run(tree: str, megatron_args: Sequence[str], target: planned.Target | None
+                  ) -> tuple[Plan, Capabilities, str, Any]:
+    """``validated_arguments`` with the capabilities the plan rests on: a tool that sets its process up
+    as a run of the plan would (the wgrad fallback) needs to know which of them were only assumed."""
     ctx = _captured(tree, megatron_args, target)
-    return ctx.plan, checkout_label(ctx.capabilities), ctx.args
+    return ctx.plan, ctx.capabilities, checkout_label(ctx.capabilities), ctx.args
 
 
 def plan_command_line(

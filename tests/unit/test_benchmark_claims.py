@@ -14,6 +14,8 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 import report_h200  # the one reader of which raw files hold ablate results (the report's own)
 
+from megatron_perf_toggles.tools.layers.report import unit_results
+
 # an interval may wrap across a line of the README
 CLAIM = re.compile(r"(\d\.\d{3})\s+\[(\d\.\d{3}),\s+(\d\.\d{3})\]")
 
@@ -23,7 +25,7 @@ def _layer_intervals() -> set[tuple[str, str, str]]:
     out = set()
     for path in sorted((REPO / "docs" / "benchmarks" / "raw" / "layers").glob("*.json")):
         data = json.loads(path.read_text())
-        results = [*data.get("results", {}).values()]
+        results = [r for _dest, _unit, r in unit_results(data)]  # each unit's, in either schema of layers.json
         results += [r for shape in data.get("shapes", {}).values() for k, r in shape.items() if k != "shape"]
         for result in results:
             for clock in ("gpu", "wall"):

@@ -30,13 +30,33 @@ MOE_SHAPE = {"hidden_size": 2048, "num_attention_heads": 16, "group_query_attent
 
 
 def test_every_unit_a_toggle_names_exists():
-    named = {t.acts_in for t in TOGGLES if t.acts_in}
+    named = {u for t in TOGGLES for u in t.acts_in}
     assert named <= set(units.UNITS), named - set(units.UNITS)
 
 
 def test_the_data_parallel_toggles_need_ranks_and_the_others_do_not():
-    needs = {t.dest for t in units.measurable() if units.unit_of(t).needs_ranks}
+    needs = {t.dest for t in units.measurable() if any(u.needs_ranks for u in units.units_of(t))}
     assert needs == {"grad_reduce_in_bf16", "ddp_average_in_collective"}
+
+
+def test_gradient_accumulation_fusion_acts_in_every_layer_and_in_the_output_layer():
+    gaf = BY_DEST["gradient_accumulation_fusion"]
+    assert [u.name for u in units.units_of(gaf)] == ["layer_wgrad", "output_wgrad"]
+    assert (units.UNITS["layer_wgrad"].per, units.UNITS["output_wgrad"].per) == ("layer", "model")
+    assert "tied embeddings" in units.UNITS["output_wgrad"].what
+
+
+@pytest.mark.parametrize("acts_in", ["layer_wgrad", ("layer_wgrad", "layer_wgrad"), ("",)])
+def test_a_malformed_acts_in_stops_the_registry(acts_in):
+    """A bare string would read as its letters; a unit named twice would be counted twice."""
+    from dataclasses import replace
+
+    from megatron_perf_toggles.core import registry, registry_check
+    from megatron_perf_toggles.errors import RegistryError
+
+    bad = replace(BY_DEST["gradient_accumulation_fusion"], acts_in=acts_in)
+    with pytest.raises(RegistryError, match="acts_in must be a tuple of distinct unit names"):
+        registry_check.validate([bad], [], registry.GROUPS, registry.BY_CAPABILITY, registry.CAPABILITY_RECORDS)
 
 
 def test_a_choice_between_implementations_is_not_measured_alone():
@@ -182,6 +202,21 @@ def test_check_mode_lists_each_toggles_unit_on_the_recorded_surface():
         assert dest in done.stdout
     assert "router, 4 per micro-batch" in done.stdout and "needs 2 or more ranks" in done.stdout
     assert "not timed: --check" in done.stdout and "500 ms (--step-ms)" in done.stdout
+    gaf = [line.split(None, 1)[1] for line in done.stdout.splitlines() if line.startswith("gradient_accumulation_fusion")]
+    assert gaf == ["layer_wgrad, 4 per micro-batch", "output_wgrad, 1 per micro-batch"]
+
+
+@pytest.mark.own_process
+def test_check_mode_says_why_one_of_a_toggles_units_cannot_be_built():
+    """TP 2 and CP 2: the output layer is built with half the vocabulary; a layer, which needs the CP ring, is not."""
+    line = [w for w in MOE_LINE if w != "--disable-bias-linear"]
+    line = line[:line.index("--num-experts")] + line[line.index("--tokenizer-type"):]  # dense
+    done = _layers("--check", "--", *line, "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                   "--untie-embeddings-and-output-weights")
+    assert done.returncode == 0, done.stderr
+    gaf = [line.split(None, 1)[1] for line in done.stdout.splitlines() if line.startswith("gradient_accumulation_fusion")]
+    assert len(gaf) == 2 and gaf[0].startswith("layer_wgrad: CP 2:") and gaf[1] == "output_wgrad, 1 per micro-batch"
+    assert f"vocabulary slice {32000 // 2}" in done.stdout
 
 
 @pytest.mark.own_process
@@ -253,27 +288,174 @@ def test_the_rule_is_in_the_guard_table_as_no_megatron_rule():
     assert BY_DEST["moe_permute_fusion"].default is True  # the rule, not the default, turns it off
 
 
+def _summary(stock_ms, toggle_ms, per_step=None, step_ms=None):
+    """A unit's result as the command makes it (step share where a step time is given)."""
+    out = analysis.summarise({"stock_gpu": stock_ms, "toggle_gpu": toggle_ms, "stock_wall": stock_ms,
+                              "toggle_wall": toggle_ms})
+    out.update(peak_mb={"stock": 100.0, "toggle": 120.0})
+    if per_step:
+        out["step_share"] = analysis.step_share(out["gpu"]["saved_ms"], per_step, step_ms)
+    return out
+
+
+def _row(dest, unit, per_microbatch, status=design.MEASURE):
+    return design.Row(BY_DEST[dest], units.UNITS[unit], status, per_microbatch)
+
+
 def test_the_result_table_fits_the_screen_and_says_a_failure_in_one_row():
     from megatron_perf_toggles.launcher.screen import fit
-    from megatron_perf_toggles.tools.layers.report import result_lines
+    from megatron_perf_toggles.tools.layers.report import grouped, result_lines
 
     stock, toggle = [2.0 + 0.001 * (i % 5) for i in range(30)], [1.5 + 0.001 * (i % 3) for i in range(30)]
-    ok = analysis.summarise({"stock_gpu": stock, "toggle_gpu": toggle, "stock_wall": stock, "toggle_wall": stock})
-    ok.update(peak_mb={"stock": 100.0, "toggle": 120.0},
-              step_share=analysis.step_share(ok["gpu"]["saved_ms"], 4, 200.0))
-    lines = fit(result_lines({"moe_router_fusion": ok, "moe_permute_fusion": {"error": "ValueError: nope"}}, 80), 80)
+    todo = [_row("moe_router_fusion", "router", 4), _row("moe_permute_fusion", "dispatcher", 4)]
+    results = grouped(todo, {("moe_router_fusion", "router"): _summary(stock, toggle, 4, 200.0),
+                             ("moe_permute_fusion", "dispatcher"): {"error": "ValueError: nope"}})
+    lines = fit(result_lines(results, 80), 80)
     assert max(map(len, lines)) <= 80
     text = "\n".join(lines)
     assert "x1.33" in text and "faster" in text and "+1.00" in text and "100 -> 120 MB" in text
     assert "failed" in text and "ValueError: nope" in text
+    assert "sum of" not in text  # one unit each: no sum line
+
+
+# --- a toggle acting in several units -------------------------------------------------------------
+
+
+def test_summed_share_adds_the_estimates_and_combines_the_half_widths_in_quadrature():
+    layer = {"estimate": 0.010, "low": 0.008, "high": 0.012, "calls_per_step": 32, "step_ms": 500.0}
+    output = {"estimate": 0.004, "low": 0.001, "high": 0.007, "calls_per_step": 8, "step_ms": 500.0}
+    got = analysis.summed_share([layer, output])
+    assert got["estimate"] == pytest.approx(0.014)
+    assert got["high"] - got["estimate"] == pytest.approx(math.sqrt(0.002 ** 2 + 0.003 ** 2))
+    assert got["estimate"] - got["low"] == pytest.approx(math.sqrt(0.002 ** 2 + 0.003 ** 2))
+    one = analysis.summed_share([layer])
+    assert (one["estimate"], one["low"], one["high"]) == pytest.approx((0.010, 0.008, 0.012))
+
+
+def test_no_sum_without_every_units_share_and_no_interval_without_every_units_interval():
+    share = {"estimate": 0.01, "low": 0.008, "high": 0.012, "calls_per_step": 4, "step_ms": 100.0}
+    assert analysis.summed_share([share, None]) is None and analysis.summed_share([]) is None
+    few = analysis.summed_share([share, {**share, "low": None, "high": None}])
+    assert few["estimate"] == pytest.approx(0.02) and few["low"] is None and few["high"] is None
+
+
+def test_a_toggle_of_two_units_has_a_line_each_and_their_summed_share():
+    from megatron_perf_toggles.launcher.screen import fit
+    from megatron_perf_toggles.tools.layers.report import grouped, result_lines
+
+    n = 30
+    layer_stock, layer_toggle = [3.0 + 0.002 * (i % 7) for i in range(n)], [2.9 + 0.002 * (i % 5) for i in range(n)]
+    out_stock, out_toggle = [6.0 + 0.003 * (i % 4) for i in range(n)], [5.5 + 0.003 * (i % 6) for i in range(n)]
+    step_ms, per_step = 800.0, 8  # 8 micro-batches a step: 4 layers x 8 and one output layer x 8 calls
+    todo = [_row(GAF, "layer_wgrad", 4), _row(GAF, "output_wgrad", 1)]
+    results = grouped(todo, {(GAF, "layer_wgrad"): _summary(layer_stock, layer_toggle, 4 * per_step, step_ms),
+                             (GAF, "output_wgrad"): _summary(out_stock, out_toggle, per_step, step_ms)})
+    saved = (sum(layer_stock) - sum(layer_toggle)) / n * 4 * per_step + (sum(out_stock) - sum(out_toggle)) / n * per_step
+    entry = results[GAF]
+    assert list(entry["units"]) == ["layer_wgrad", "output_wgrad"] and entry["not_measured"] == []
+    assert entry["step_share"]["estimate"] == pytest.approx(saved / step_ms)
+    halves = [(u["step_share"]["high"] - u["step_share"]["low"]) / 2 for u in entry["units"].values()]
+    assert entry["step_share"]["high"] - entry["step_share"]["estimate"] == pytest.approx(math.hypot(*halves))
+    text = "\n".join(fit(result_lines(results, 200), 200))
+    lines = [line for line in text.splitlines() if line.startswith(GAF)]
+    assert [line.split()[1] for line in lines] == ["layer_wgrad", "output_wgrad", "sum"]
+    assert f"{saved / step_ms * 100:+.2f} [" in lines[2] and "sum of 2" in lines[2]
+
+
+def test_a_toggle_with_a_unit_not_measured_sums_the_others_and_says_which_is_missing():
+    from megatron_perf_toggles.tools.layers.report import grouped, result_lines
+
+    stock, toggle = [2.0 + 0.001 * (i % 5) for i in range(20)], [1.5 + 0.001 * (i % 3) for i in range(20)]
+    todo = [_row(GAF, "layer_wgrad", 4, "CP 2: ..."), _row(GAF, "output_wgrad", 1)]
+    results = grouped(todo, {(GAF, "output_wgrad"): _summary(stock, toggle, 8, 400.0)})
+    assert results[GAF]["not_measured"] == ["layer_wgrad"]
+    assert results[GAF]["step_share"]["estimate"] == pytest.approx(results[GAF]["units"]["output_wgrad"]["step_share"]["estimate"])
+    assert "without layer_wgrad" in "\n".join(result_lines(results))
+    both = [_row(GAF, "layer_wgrad", 4), _row(GAF, "output_wgrad", 1)]
+    failed = grouped(both, {(GAF, "output_wgrad"): _summary(stock, toggle, 8, 400.0),
+                            (GAF, "layer_wgrad"): {"error": "RuntimeError: x"}})
+    assert failed[GAF]["step_share"] is None and "a unit failed" in "\n".join(result_lines(failed))
+
+
+def _dense_te(**over):
+    dense = {k: v for k, v in MOE_SHAPE.items() if not k.startswith(("num_experts", "moe_"))}
+    return {**dense, "transformer_impl": "transformer_engine", "position_embedding_type": "rope", "world_size": 1,
+            "global_batch_size": 16, **over}
+
+
+def test_measure_times_each_unit_installs_the_fallback_as_a_run_does_and_records_the_sum(monkeypatch, tmp_path):
+    """The command's loop with the GPU stood in for: each unit of each toggle timed, the plan's wgrad
+    path handed to the run's own installer first, the toggle's share summed, the record readable."""
+    import argparse
+    import statistics
+
+    from megatron_perf_toggles.runtime import wgrad_fallback
+    from megatron_perf_toggles.tools.layers import command, gpu_build, gpu_units, report
+
+    args = _dense_te(num_layers=4)
+    caps = full_caps()
+    plan = decide(args, {}, read_env({}), caps)
+    shard = shard_of(args)
+    todo = design.rows(plan, args, shard, [GAF, "cross_entropy_loss_fusion"])
+    timings = {"layer_wgrad": ([3.0 + 0.002 * (i % 7) for i in range(20)], [2.9 + 0.002 * (i % 5) for i in range(20)]),
+               "output_wgrad": ([6.0 + 0.003 * (i % 4) for i in range(20)], [5.5 + 0.003 * (i % 6) for i in range(20)]),
+               "output_loss": ([9.0 + 0.001 * (i % 3) for i in range(20)], [8.0 + 0.001 * (i % 4) for i in range(20)])}
+    installed, built = [], []
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(gpu_build, "init_one_rank", lambda seed: built.append("init"))
+    monkeypatch.setattr(wgrad_fallback, "install_for", lambda path, assumed: installed.append((path, assumed, built[:])))
+
+    def measured(job, unit, blocks, warmup, seed):
+        built.append((job.toggle.dest, unit))
+        return analysis.summarise(dict(zip(("stock_gpu", "toggle_gpu"), timings[unit], strict=True),
+                                       stock_wall=timings[unit][0], toggle_wall=timings[unit][1]))
+
+    monkeypatch.setattr(gpu_units, "measured", measured)
+    ns = argparse.Namespace(megatron=str(tmp_path), seed=1, blocks=20, warmup=1)
+    results = command.measure(ns, todo, args, shard, {"ms": 400.0}, (plan, caps))
+    assert installed == [(plan.wgrad_path, caps.is_assumed("wgrad_fallback"), ["init"])]  # before any unit
+    assert built[1:] == [(GAF, "layer_wgrad"), (GAF, "output_wgrad"), ("cross_entropy_loss_fusion", "output_loss")]
+    per_step = 16 // 2  # global batch 16, micro-batch 2, one rank
+
+    def share(unit, calls):
+        stock, toggle = timings[unit]
+        return statistics.fmean(s - t for s, t in zip(stock, toggle, strict=True)) * calls * per_step / 400.0
+
+    gaf = results[GAF]
+    assert gaf["units"]["layer_wgrad"]["step_share"]["estimate"] == pytest.approx(share("layer_wgrad", 4))
+    assert gaf["units"]["output_wgrad"]["step_share"]["estimate"] == pytest.approx(share("output_wgrad", 1))
+    assert gaf["step_share"]["estimate"] == pytest.approx(share("layer_wgrad", 4) + share("output_wgrad", 1))
+    assert results["cross_entropy_loss_fusion"]["step_share"]["estimate"] == pytest.approx(share("output_loss", 1))
+
+    path = report.write(tmp_path / "out", {"rows": report.rows_record(todo), "results": results})
+    record = json.loads(path.read_text())
+    assert record["schema"] == 2 and record["format"] == "megatron-perf-toggles/layers"
+    assert {u: r["per_microbatch"] for u, r in record["rows"][GAF]["units"].items()} == {"layer_wgrad": 4,
+                                                                                         "output_wgrad": 1}
+    assert [(d, u) for d, u, _r in report.unit_results(record)] == [
+        ("cross_entropy_loss_fusion", "output_loss"), (GAF, "layer_wgrad"), (GAF, "output_wgrad")]  # sorted keys
+    assert record["results"][GAF]["step_share"]["estimate"] == pytest.approx(gaf["step_share"]["estimate"])
+
+
+def test_a_record_of_one_unit_per_toggle_still_reads():
+    """The records under docs/benchmarks/raw/layers (schema 1): one result per toggle, its fields flat."""
+    from conftest import REPO
+
+    from megatron_perf_toggles.tools.layers.report import unit_results
+
+    old = json.loads((REPO / "docs" / "benchmarks" / "raw" / "layers" / "dense-run1.json").read_text())
+    assert "schema" not in old
+    read = {dest: (unit, r) for dest, unit, r in unit_results(old)}
+    assert read["cross_entropy_loss_fusion"][0] == "output_loss" and "gpu" in read["cross_entropy_loss_fusion"][1]
 
 
 # --- what one GPU cannot build, and the review's cases ---------------------------------------------
 
 
 def _rows(args, environ=None):
+    """The check's rows keyed by (toggle, unit)."""
     args = {"transformer_impl": "transformer_engine", "position_embedding_type": "rope", **args}
-    return {r.toggle.dest: r for r in design.rows(_plan(args, environ), args, shard_of(args))}
+    return {(r.toggle.dest, r.unit.name): r for r in design.rows(_plan(args, environ), args, shard_of(args))}
 
 
 def test_moe_layers_per_stage_round_up_as_megatron_counts_them():
@@ -301,17 +483,42 @@ def test_each_unit_sees_its_experts():
     assert unit_changes("attention", s)["num_experts"] is None and unit_changes("output_loss", s) == DENSE
 
 
-@pytest.mark.parametrize(("over", "dest", "words"), [
-    ({"context_parallel_size": 2}, "fused_single_qkv_rope", "CP 2"),
-    ({"context_parallel_size": 2}, "gradient_accumulation_fusion", "CP 2"),
-    ({"vocab_size": None}, "cross_entropy_loss_fusion", "pass --vocab-size"),
-    ({"expert_model_parallel_size": 16}, "moe_grouped_gemm", "top-6 over the rank's 4 local experts"),
-    ({"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"}, "moe_permute_fusion",
+GAF = "gradient_accumulation_fusion"
+
+
+@pytest.mark.parametrize(("over", "dest", "unit", "words"), [
+    ({"context_parallel_size": 2}, "fused_single_qkv_rope", "attention", "CP 2"),
+    ({"context_parallel_size": 2}, GAF, "layer_wgrad", "CP 2"),
+    ({"vocab_size": None}, "cross_entropy_loss_fusion", "output_loss", "pass --vocab-size"),
+    ({"vocab_size": None}, GAF, "output_wgrad", "pass --vocab-size"),
+    ({"defer_embedding_wgrad_compute": True, "pipeline_model_parallel_size": 2}, GAF, "output_wgrad",
+     "--defer-embedding-wgrad-compute"),
+    ({"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_output_proj": True}, GAF, "output_wgrad", "Transformer Engine's"),
+    ({"expert_model_parallel_size": 16}, "moe_grouped_gemm", "moe_layer", "top-6 over the rank's 4 local experts"),
+    ({"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"}, "moe_permute_fusion", "dispatcher",
      "allgather dispatcher permutes the tokens gathered"),
 ])
-def test_a_unit_one_gpu_cannot_build_says_why(over, dest, words):
-    row = _rows({**MOE_ARGS, **MOE_SHAPE, **over}, {"MOE_PERMUTE_FUSION": "1"})[dest]
-    assert not row.measured and words in row.status, row.status
+def test_a_unit_one_gpu_cannot_build_says_why(over, dest, unit, words):
+    row = _rows({**MOE_ARGS, **MOE_SHAPE, **over}, {"MOE_PERMUTE_FUSION": "1"})[dest, unit]
+    assert not row.measured and words in row.status and "\n" not in row.status, row.status
+
+
+def test_gradient_accumulation_fusion_has_a_row_per_unit_counted_per_micro_batch():
+    """Each layer of the rank's pipeline stage runs layer_wgrad; the output layer (the last stage's) runs once."""
+    args = {**MOE_ARGS, **MOE_SHAPE, "num_layers": 12, "pipeline_model_parallel_size": 3}
+    got = [(u, r.status, r.per_microbatch) for (dest, u), r in _rows(args).items() if dest == GAF]
+    assert got == [("layer_wgrad", design.MEASURE, 12 // 3), ("output_wgrad", design.MEASURE, 1)]
+
+
+def test_the_output_layer_is_measured_where_a_layer_cannot_be():
+    """Under CP a layer's attention needs the ring, the output layer does not: one of GAF's two units is measured."""
+    rows = _rows({**MOE_ARGS, **MOE_SHAPE, "context_parallel_size": 2})
+    assert not rows[GAF, "layer_wgrad"].measured and rows[GAF, "output_wgrad"].measured
+
+
+def test_an_unfused_plan_measures_neither_unit():
+    rows = _rows({**MOE_ARGS, **MOE_SHAPE}, {"GRADIENT_ACCUMULATION_FUSION": "0"})
+    assert all(rows[GAF, u].status.startswith("off in this plan (env)") for u in ("layer_wgrad", "output_wgrad"))
 
 
 def test_a_missing_size_is_one_line():

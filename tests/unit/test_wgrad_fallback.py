@@ -84,6 +84,23 @@ def test_install_patches_megatron_sites(monkeypatch):
     monkeypatch.delitem(sys.modules, wgrad_fallback.MODULE_NAME)
 
 
+@pytest.mark.parametrize(("path", "assumed", "usable", "goes_in"), [
+    ("fallback", False, False, True),  # detected here: the plan's choice stands
+    ("fallback", True, True, True),
+    ("fallback", True, False, False),  # only assumed, and it cannot run here
+    ("apex", False, True, False),
+    ("off", False, True, False),
+    ("missing", False, True, False),
+])
+def test_a_run_installs_the_fallback_where_its_plan_chose_it(monkeypatch, path, assumed, usable, goes_in):
+    """The one rule the controller's apply and the layer check both follow (install_for)."""
+    calls = []
+    monkeypatch.setattr(wgrad_fallback, "usable", lambda: (usable, "why"))
+    monkeypatch.setattr(wgrad_fallback, "activate", lambda: calls.append(1) or ["here"])
+    assert wgrad_fallback.install_for(path, assumed) == (["here"] if goes_in else [])
+    assert calls == ([1] if goes_in else [])
+
+
 def test_usable_follows_the_device():
     ok, why = wgrad_fallback.usable()
     has_dtype_out = hasattr(torch.ops.aten.addmm, "dtype_out")

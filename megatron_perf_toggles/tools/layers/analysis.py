@@ -5,7 +5,9 @@ The statistics are ``ablate``'s (``tools.ablate.stats``): each block ran both ar
 random order, so the pair shares that moment's clocks; the unit of evidence is the per-block log
 ratio. The time saved is the mean per-block difference with its own paired t-interval. The step
 share multiplies it by how often the unit runs in a step and divides by the step's time, which
-comes from the user (``--step-ms``) or from an ``ablate`` result, and says which.
+comes from the user (``--step-ms``) or from an ``ablate`` result, and says which. A toggle that acts
+in several units (gradient accumulation fusion: every layer's weight gradients and the output
+layer's) saves the sum of their shares (``summed_share``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,27 @@ def step_share(saved: Mapping[str, Any], per_step: int, step_ms: float | None) -
     share = {k: (saved[k] * per_step / step_ms if saved.get(k) is not None else None)
              for k in ("estimate", "low", "high")}
     return {**share, "calls_per_step": per_step, "step_ms": step_ms}
+
+
+def summed_share(shares: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """A toggle's step share over the units it acts in (``step_share`` of each): the estimates add.
+
+    The units are measured one after another, each over its own blocks, so their errors are
+    independent; each unit's 95 % interval is symmetric (a paired t-interval, scaled), and the sum's
+    half-width is the units' half-widths combined in quadrature, sqrt(h1^2 + h2^2 + ...), which is
+    exact for normal errors and a close approximation for t-intervals over tens of blocks. Without a
+    share for every unit (no step time, a failed unit) there is no sum; without an interval for
+    every unit (too few blocks), the sum has no interval."""
+    if not shares or any(s is None or s.get("estimate") is None for s in shares):
+        return None
+    known = [s for s in shares if s is not None]
+    estimate = math.fsum(s["estimate"] for s in known)
+    out: dict[str, Any] = {"estimate": estimate, "low": None, "high": None, "units": len(known),
+                           "step_ms": known[0]["step_ms"], "combined": "estimates summed, half-widths in quadrature"}
+    if all(s.get("low") is not None and s.get("high") is not None for s in known):
+        half = math.sqrt(math.fsum(((s["high"] - s["low"]) / 2) ** 2 for s in known))
+        out.update(low=estimate - half, high=estimate + half)
+    return out
 
 
 def summarise(timings: Mapping[str, Sequence[float]]) -> dict[str, Any]:

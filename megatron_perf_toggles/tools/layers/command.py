@@ -1,9 +1,10 @@
 """``megatron-perf-toggles layers``: which toggles help on my shape, measured where each acts.
 
 It plans the user's Megatron command line as the launcher's dry run does (the checkout's own parse
-and validate), lists each default-on toggle's unit (or why it is not measured), and on a GPU builds
-and times each unit stock and with the toggle. ``--check`` (and any machine without a GPU) stops
-after the list: the commands and the plan, checked, as ``ablate --dry-run`` does.
+and validate), lists each default-on toggle's units (or why one is not measured), and on a GPU builds
+and times each unit stock and with the toggle, a toggle's step share summed over its units.
+``--check`` (and any machine without a GPU) stops after the list: the commands and the plan,
+checked, as ``ablate --dry-run`` does.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from .design import Row, bf16_main_grads, microbatches_per_step, rows
 from .shard import shard_of
 
 DESCRIPTION = (
-    "Time each default-on toggle where it acts, on one GPU: the module it changes (the router, the "
-    "dispatcher, the MoE layer, attention, the output layer and loss, an MLP's weight gradients) is built "
-    "from your Megatron arguments, as one rank of your layout holds it, once stock and once with the "
-    "toggle, and both are timed forward and backward in one process, interleaved in a seeded order, with a "
-    "95 %% interval per toggle and the share of a training step it saves. --check (or a machine without a "
-    "GPU) checks the command line and prints what would be built.")
+    "Time each default-on toggle where it acts, on one GPU: each module it changes (the router, the "
+    "dispatcher, the MoE layer, attention, the output layer and loss, a transformer layer's and the output "
+    "layer's weight gradients) is built from your Megatron arguments, as one rank of your layout holds it, "
+    "once stock and once with the toggle, and both are timed forward and backward in one process, "
+    "interleaved in a seeded order, with a 95 %% interval per module and the share of a training step the "
+    "toggle saves (summed over its modules where it acts in several: gradient accumulation fusion in every "
+    "layer and in the output layer). --check (or a machine without a GPU) checks the command line and "
+    "prints what would be built.")
 EPILOG = ("example: megatron-perf-toggles layers --megatron /path/to/Megatron-LM --step-ms 850 -- "
           "--num-layers 16 --hidden-size 2048 --num-experts 64 --moe-router-topk 6 ... (your pretrain_gpt.py "
           "arguments)")
@@ -117,10 +120,11 @@ def step_time(ns: argparse.Namespace, ablated: Ablated | None = None) -> dict[st
     return {"ms": None, "source": None, "text": "none given (--step-ms or --ablate-results): no step share"}
 
 
-def _plan(ns: argparse.Namespace, ablated_world: int | None) -> tuple[Any, str, dict[str, Any]]:
-    """The plan and the validated arguments: a checkout's own (Megatron's types, which the modules are
-    built from), else the recorded surface's parse (enough to list what would be built)."""
-    from ..planning import checkout_script, plan_command_line, validated_arguments
+def _plan(ns: argparse.Namespace, ablated_world: int | None) -> tuple[Any, Any, str, dict[str, Any]]:
+    """The plan, the capabilities it rests on and the validated arguments: a checkout's own (Megatron's
+    types, which the modules are built from), else the recorded surface's parse (enough to list what
+    would be built)."""
+    from ..planning import checkout_script, plan_command_line, validated_run
 
     if ns.megatron:
         checkout_script(ns.megatron)
@@ -131,10 +135,10 @@ def _plan(ns: argparse.Namespace, ablated_world: int | None) -> tuple[Any, str, 
         world = layout_world(ns.megatron_args)
         target = replace(target, world_size=world, world_source="the smallest world of the layout")
     if ns.megatron:
-        plan, label, validated = validated_arguments(ns.megatron, ns.megatron_args, target)
-        return plan, label, vars(validated)
-    plan, _caps, label, args, _launch = plan_command_line(ns.megatron_args, target=target)
-    return plan, label, args
+        plan, caps, label, validated = validated_run(ns.megatron, ns.megatron_args, target)
+        return plan, caps, label, vars(validated)
+    plan, caps, label, args, _launch = plan_command_line(ns.megatron_args, target=target)
+    return plan, caps, label, args
 
 
 def run_layers(ns: argparse.Namespace) -> int:
@@ -150,26 +154,24 @@ def run_layers(ns: argparse.Namespace) -> int:
                                "--ablate-results FILE: its baseline's)")
     step = step_time(ns, ablated)
     gpu_reason = _why_no_gpu(ns)  # a mistake is one line before the seconds of planning
-    plan, label, args = _plan(ns, ablated[2] if ablated else None)
+    plan, caps, label, args = _plan(ns, ablated[2] if ablated else None)
     shard = shard_of(args)
     todo = rows(plan, args, shard, ns.toggles)
     from ...launcher.screen import fit, width
-    from .report import plan_lines, result_lines, write
+    from .report import plan_lines, result_lines, rows_record, unit_results, write
 
     size = width(sys.stdout)
     print("\n".join(fit(plan_lines(todo, shard.describe(), label, step, size), size)))
-    record: dict[str, Any] = {"command": [str(w) for w in ns.megatron_args], "planned_with": label, "layout": shard.describe(),
-                              "step": step, "rows": {r.toggle.dest: {"unit": r.unit.name, "status": r.status,
-                                                                     "per_microbatch": r.per_microbatch}
-                                                     for r in todo}}
+    record: dict[str, Any] = {"command": [str(w) for w in ns.megatron_args], "planned_with": label,
+                              "layout": shard.describe(), "step": step, "rows": rows_record(todo)}
     if gpu_reason:
         print(f"\nnot timed: {gpu_reason}")
         return 0
-    results = measure(ns, todo, args, shard, step, plan)
+    results = measure(ns, todo, args, shard, step, (plan, caps))
     print("\n".join(fit(result_lines(results, size), size)))
     record.update(results=results, versions=_versions(), blocks=ns.blocks, warmup=ns.warmup, seed=ns.seed)
     print(f"\nrecord: {write(Path(ns.out), record)}")
-    if results and all("error" in r for r in results.values()):
+    if results and all("error" in r for _dest, _unit, r in unit_results({"results": results})):
         print(f"{PREFIX} error: no unit could be built and timed (each row says why)", file=sys.stderr)
         return 1
     return 0
@@ -190,17 +192,24 @@ def _why_no_gpu(ns: argparse.Namespace) -> str:
 
 
 def measure(ns: argparse.Namespace, todo: list[Row], args: dict[str, Any], shard: Any, step: dict[str, Any],
-            plan: Any) -> dict[str, Any]:
-    """Build and time each measured row on this GPU; a row that fails says why in one line."""
+            planned: tuple[Any, Any]) -> dict[str, Any]:
+    """Build and time each measured unit on this GPU (one that fails says why in one line), grouped by
+    toggle with each toggle's summed step share (``report.grouped``). The process is set up first as
+    a run of the plan (``planned``: the plan and its capabilities) sets up its own: one rank, and the
+    plugin's wgrad fallback where the plan has it (the output layer's fused weight gradient runs on it)."""
+    from ...runtime import wgrad_fallback
     from . import gpu_build, gpu_units
     from .analysis import resolved_within, step_share
+    from .report import grouped
     from .shard import one_gpu_args
 
+    plan, caps = planned
     sys.path.insert(0, str(Path(ns.megatron).resolve()))
     gpu_build.init_one_rank(ns.seed)
+    wgrad_fallback.install_for(plan.wgrad_path, caps.is_assumed("wgrad_fallback"))
     one = one_gpu_args(args, shard)
     per_step = microbatches_per_step(args)
-    out: dict[str, Any] = {}
+    done: dict[tuple[str, str], dict[str, Any]] = {}
     measured = [r for r in todo if r.measured]
     for i, row in enumerate(measured, 1):
         started = time.monotonic()
@@ -209,10 +218,10 @@ def measure(ns: argparse.Namespace, todo: list[Row], args: dict[str, Any], shard
         if "error" not in result:
             result.update(unit=row.unit.name, resolved_within_1pct=resolved_within(result),
                           step_share=step_share(result["gpu"]["saved_ms"], row.per_microbatch * per_step, step["ms"]))
-        out[row.toggle.dest] = result
+        done[row.toggle.dest, row.unit.name] = result
         print(f"[{i}/{len(measured)}] {row.toggle.dest}: {row.unit.name}, {time.monotonic() - started:.0f} s",
               file=sys.stderr, flush=True)
-    return out
+    return grouped(todo, done)
 
 
 def _versions() -> dict[str, Any]:

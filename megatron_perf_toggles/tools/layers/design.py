@@ -1,5 +1,6 @@
-"""What the layer-level check will measure for one plan: a row per toggle asked about, each either
-a measurement (the toggle, its unit, the two arms) or the one-line reason it is not measured.
+"""What the layer-level check will measure for one plan: a row per unit of each toggle asked about
+(a toggle acting in two modules has two rows), each either a measurement (the toggle, the unit, the
+two arms) or the one-line reason it is not measured.
 
 Pure: it reads the plan's decisions and the parsed arguments, never Megatron or a GPU, so the
 check's CPU mode prints exactly the list the GPU mode then runs.
@@ -15,14 +16,14 @@ from ...core.decision.plan import Plan
 from ...core.registry import Toggle
 from ...errors import PerfTogglesError, did_you_mean
 from .shard import Shard
-from .units import Unit, measurable, unit_of, units_per_microbatch
+from .units import Unit, measurable, units_of, units_per_microbatch
 
 MEASURE = "measure"
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One toggle: measured (``status`` MEASURE) or why not, with the unit and its count per micro-batch."""
+    """One unit of one toggle: measured (``status`` MEASURE) or why not, with its count per micro-batch."""
 
     toggle: Toggle
     unit: Unit
@@ -69,8 +70,10 @@ def _unit_cannot(unit: str, args: Mapping[str, Any], shard: Shard) -> str:
     if unit in ("attention", "layer_wgrad") and shard.cp > 1:
         return (f"CP {shard.cp}: a rank attends its share of the queries to keys passed round the ring, which one "
                 "GPU does not build")
-    if unit == "output_loss" and not shard.vocab:
+    if unit in ("output_loss", "output_wgrad") and not shard.vocab:
         return "the vocabulary's size is not known before the tokenizer is built: pass --vocab-size"
+    if unit == "output_wgrad":
+        return _output_layer_cannot(args)
     topk = int(args.get("moe_router_topk") or 2)
     if unit in ("moe_layer", "layer_wgrad") and shard.experts and topk > shard.local_experts:
         return (f"top-{topk} over the rank's {shard.local_experts} local experts cannot be built at EP 1: "
@@ -81,14 +84,30 @@ def _unit_cannot(unit: str, args: Mapping[str, Any], shard: Shard) -> str:
     return ""
 
 
+def _output_layer_cannot(args: Mapping[str, Any]) -> str:
+    """Why the output layer's unit cannot set stock against the fusion ("" where it can). Under TP the
+    check builds the last stage's slice of the vocabulary (``shard``), so no layout is out of reach
+    for its size; two settings change the layer itself."""
+    if args.get("defer_embedding_wgrad_compute"):
+        return ("--defer-embedding-wgrad-compute: the output layer's weight gradient waits for the pipeline flush "
+                "and Megatron refuses it without the fusion, so there is no stock arm")
+    if args.get("fp8_output_proj") and args.get("fp8") and str(args.get("fp8_recipe")).endswith("mxfp8"):
+        return ("--fp8-output-proj with the mxfp8 recipe: the output layer is Transformer Engine's, which this "
+                "unit does not build")
+    return ""
+
+
 def rows(plan: Plan, args: Mapping[str, Any], shard: Shard, names: Sequence[str] | None = None) -> list[Row]:
-    """A row per toggle asked about, in registry order."""
-    out = []
-    for toggle in asked(names):
-        unit = unit_of(toggle)
-        assert unit is not None  # measurable() keeps toggles with a unit
-        reason = why_not(toggle, unit, plan, args, shard)
-        out.append(Row(toggle, unit, reason or MEASURE, units_per_microbatch(unit, args)))
+    """A row per unit of each toggle asked about, in registry order (a toggle's units in its order)."""
+    return [Row(toggle, unit, why_not(toggle, unit, plan, args, shard) or MEASURE, units_per_microbatch(unit, args))
+            for toggle in asked(names) for unit in units_of(toggle)]
+
+
+def by_toggle(todo: Sequence[Row]) -> dict[str, list[Row]]:
+    """The rows of each toggle, in order: what the record and the step-share sum group by."""
+    out: dict[str, list[Row]] = {}
+    for row in todo:
+        out.setdefault(row.toggle.dest, []).append(row)
     return out
 
 

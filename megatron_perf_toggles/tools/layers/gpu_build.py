@@ -38,7 +38,7 @@ def init_one_rank(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def _megatron_value(value: Any) -> Any:
+def megatron_value(value: Any) -> Any:
     """A value of the plan's recorded arguments as Megatron holds it (dtypes were recorded as text)."""
     import torch
 
@@ -52,7 +52,7 @@ def config_for(args: Mapping[str, Any], **changes: Any) -> Any:
     """Megatron's TransformerConfig for the shard's arguments with ``changes`` (the arm's toggle)."""
     from megatron.training.arguments import core_transformer_config_from_args
 
-    ns = argparse.Namespace(**{k: _megatron_value(v) for k, v in args.items()})
+    ns = argparse.Namespace(**{k: megatron_value(v) for k, v in args.items()})
     for name, value in changes.items():
         setattr(ns, name, value)
     return core_transformer_config_from_args(ns)
@@ -117,6 +117,19 @@ def with_main_grads(module: Any, step: Step, bf16: bool) -> Step:
                 p.main_grad.add_(p.grad)
                 p.grad = None
     return ddp_step
+
+
+def fused_wgrad_kernel() -> str:
+    """What Megatron's own linear layers call for a fused weight gradient in this process, for the
+    record: APEX's kernel, the plugin's torch fallback, or none (Megatron then refuses the fused arm)."""
+    from megatron.core.tensor_parallel import layers
+
+    from ...runtime.wgrad_fallback import is_fallback
+
+    kernel = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
+    if kernel is None or not getattr(layers, "_grad_accum_fusion_available", False):
+        return "no kernel (APEX's fused_weight_gradient_mlp_cuda is missing and the fallback is not installed)"
+    return "the plugin's torch fallback" if is_fallback(kernel) else "APEX's fused_weight_gradient_mlp_cuda"
 
 
 def on_gpu(module: Any, config: Any) -> Any:

@@ -3,8 +3,8 @@ same seed (and the same weights where the two have the same layout), draws the i
 hands back a ``Pair`` of steps, each one forward and backward.
 
 These follow the code paths Megatron's training takes: its TransformerConfig from the arguments,
-the Transformer Engine layer spec pretrain_gpt builds, its router, dispatcher functions, MoE layer
-and loss function; only the communication between ranks is left out (one rank here).
+the Transformer Engine layer spec pretrain_gpt builds, its router, dispatcher functions, MoE layer,
+output layer and loss function; only the communication between ranks is left out (one rank here).
 """
 
 from __future__ import annotations
@@ -215,9 +215,37 @@ def layer_wgrad(job: Job) -> Pair:
                  **more)
 
 
+def output_wgrad(job: Job) -> Pair:
+    """The output layer as GPTModel builds it on the last stage: Megatron's ColumnParallelLinear from
+    the hidden size to the rank's vocabulary slice, no bias, its output left split over TP (the loss
+    is vocab-parallel), in the logits' dtype where this Megatron takes one. Its weight carries a
+    main_grad buffer; the fused arm's weight gradient goes through what Megatron finds as APEX's
+    kernel: APEX's own, or the plugin's fallback, which ``command.measure`` installed as a run of the
+    plan does (nothing here installs it). Tied or untied embeddings: the same GEMM (``units``)."""
+    import inspect
+
+    from megatron.core import tensor_parallel
+
+    s = job.shard
+    hidden = int(job.args["hidden_size"])
+    x = gb.randn((s.seq, s.micro_batch, hidden), gb.generator(job.seed), requires_grad=True)
+    cls = tensor_parallel.ColumnParallelLinear
+    extra: dict[str, Any] = {}
+    if "output_dtype" in inspect.signature(cls).parameters:
+        extra["output_dtype"] = gb.megatron_value(job.args.get("logit_dtype"))
+
+    def make(config: Any) -> Any:
+        return cls(hidden, s.vocab, config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
+                   gather_output=False, **extra)
+
+    pair = _pair(job, make, lambda m: _forward_backward(lambda t: m(t), x), **unit_changes("output_wgrad", s))
+    pair.note = f"vocabulary slice {s.vocab}; the fused arm's weight gradient by {gb.fused_wgrad_kernel()}"
+    return pair
+
+
 BUILDERS: dict[str, Callable[[Job], Pair]] = {
     "router": router, "dispatcher": dispatcher, "moe_layer": moe_layer, "attention": attention,
-    "output_loss": output_loss, "layer_wgrad": layer_wgrad,
+    "output_loss": output_loss, "layer_wgrad": layer_wgrad, "output_wgrad": output_wgrad,
 }
 
 

@@ -116,12 +116,14 @@ def one_gpu_args(args: Mapping[str, Any], shard: Shard) -> dict[str, Any]:
     """The arguments a module of the shard is built from: every parallel size 1 and the sizes one
     rank holds (the shared expert split over TP as its MLP is), what needs another rank off (the
     expert-parallel overlap, the flex dispatcher's all-to-all, which asserts TP x EP > 1: the
-    alltoall dispatcher's calls stand in), the rest as the user's plan has them."""
+    alltoall dispatcher's calls stand in; the deferred embedding wgrad, which Megatron's config
+    refuses at PP 1), the rest as the user's plan has them."""
     out = dict(args)
     out.update({d: 1 for d in PARALLEL})
     out.update(sequence_parallel=False, num_attention_heads=shard.heads, num_query_groups=shard.query_groups,
                kv_channels=shard.kv_channels, ffn_hidden_size=shard.ffn, seq_length=shard.seq,
-               world_size=1, data_parallel_size=1, overlap_moe_expert_parallel_comm=False)
+               world_size=1, data_parallel_size=1, overlap_moe_expert_parallel_comm=False,
+               defer_embedding_wgrad_compute=False)
     if shard.experts:
         out.update(moe_ffn_hidden_size=shard.moe_ffn)
         shared = args.get("moe_shared_expert_intermediate_size")

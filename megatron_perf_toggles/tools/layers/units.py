@@ -1,8 +1,9 @@
-"""Where each toggle acts: the unit the layer-level check builds and times for it.
+"""Where each toggle acts: the units the layer-level check builds and times for it.
 
-A toggle names its unit in the registry (``Toggle.acts_in``); this table says what the unit is, how
-often it runs in one micro-batch's forward and backward on one rank (so that the time it saves per
-call becomes a share of a step), and whether one GPU can measure it at all.
+A toggle names its units in the registry (``Toggle.acts_in``: most act in one module, gradient
+accumulation fusion in two, every layer's weight gradients and the output layer's); this table says
+what each unit is, how often it runs in one micro-batch's forward and backward on one rank (so that
+the time it saves per call becomes a share of a step), and whether one GPU can measure it at all.
 """
 
 from __future__ import annotations
@@ -38,14 +39,19 @@ UNITS: dict[str, Unit] = {u.name: u for u in (
          "function), forward and backward", "model"),
     Unit("layer_wgrad", "one transformer layer (attention and its MLP, or its MoE block with the rank's local "
          "experts), forward and backward, weight gradients accumulated into fp32 (or bf16) main_grad buffers as "
-         "Megatron's DDP does; the output layer's weight gradient (Megatron's own linear) is not in it", "layer"),
+         "Megatron's DDP does; the output layer's weight gradient is the output_wgrad unit", "layer"),
+    Unit("output_wgrad", "the output layer as the last stage builds it (Megatron's ColumnParallelLinear over the "
+         "rank's vocabulary slice, its weight with a main_grad buffer), forward and backward, the fused arm's weight "
+         "gradient through APEX's kernel or the plugin's torch fallback as a run installs it; tied embeddings "
+         "(no --untie-embeddings-and-output-weights) lend it the word embedding's weight and accumulate into that "
+         "weight's main_grad through the same GEMM, so it acts either way", "model"),
     Unit("dp_reduce", "the data-parallel gradient reduction", "ranks", needs_ranks=True),
 )}
 
 
-def unit_of(toggle: Toggle) -> Unit | None:
-    """The unit a toggle acts in (None: a choice measured with its toggle)."""
-    return UNITS[toggle.acts_in] if toggle.acts_in else None
+def units_of(toggle: Toggle) -> tuple[Unit, ...]:
+    """The units a toggle acts in, in the registry's order (none: a choice measured with its toggle)."""
+    return tuple(UNITS[name] for name in toggle.acts_in)
 
 
 def measurable() -> tuple[Toggle, ...]:
