@@ -381,8 +381,8 @@ class _Execution:
         blocks = self.schedule.blocks[:spec.repeats]
         todo = [r for block in blocks for r in block]
         self.orders = [[r.arm for r in block] for block in blocks]
-        first = warmup_words(self.schedule)
-        plan = f"{first}; then {len(todo)} runs, {k} at a time" if first else f"{len(todo)} runs, {k} at a time, no warm-up run"
+        ahead = warmup_words(self.schedule)
+        plan = f"{ahead}; then {len(todo)} runs, {k} at a time" if ahead else f"{len(todo)} runs, {k} at a time, no warm-up run"
         say(f"--concurrent {spec.concurrent}: {plan}; they share the GPU, so the result keeps losses and memory but "
             "no speed figures")
         port = int(self.environ.get("MASTER_PORT", "29500")) + 1

@@ -178,8 +178,8 @@ def arm_difference(name: str, mine: Mapping[str, Any], theirs: Mapping[str, Any]
     launch_b, args_b = megatron_words(theirs.get("argv", []))
     if launch_a != launch_b:
         return f"arm {name}'s launcher: {' '.join(launch_a)} against {' '.join(launch_b)}"
-    apart = flag_difference(args_a, args_b)
-    return None if apart is None else f"arm {name}'s Megatron arguments: {apart}"
+    flags = flag_difference(args_a, args_b)
+    return None if flags is None else f"arm {name}'s Megatron arguments: {flags}"
 
 
 def design_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
