@@ -20,8 +20,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..megatron_log import ITERATION, parse_file, parse_lines
@@ -424,18 +425,21 @@ class _Execution:
         todo = [b for b in blocks if b in self.schedule.starts and b not in self.starts]
         made, wave = [self.schedule.starts[b] for b in todo], self.schedule.warmup_wave
         ordered = [*made[:1], *wave, *made[1:]]
-        statuses = dict(zip([r.directory for r in ordered], self._in_waves(ordered), strict=True))
+        statuses = dict(zip([r.directory for r in ordered], self._in_waves(ordered, {r.directory for r in wave}),
+                            strict=True))
         self.warmups = {r.arm: s for r in self.schedule.compile_warmups
                         if (s := statuses.get(r.directory) or self.schedule.done.get(r.directory)) is not None}
         if wave:
             say(warmed_words([statuses[r.directory] for r in wave]))
         return self._started(todo, [statuses[r.directory] for r in made])
 
-    def _in_waves(self, runs: Sequence[Run]) -> list[dict[str, Any]]:
-        """``runs`` at once, K at a time, each wave after the last has ended; their statuses in order."""
+    def _in_waves(self, runs: Sequence[Run], again: Set[Path] = frozenset()) -> list[dict[str, Any]]:
+        """``runs`` at once, K at a time, each wave after the last has ended; their statuses in order.
+        ``again``: runs made even where an earlier call finished them (the compile warm-ups)."""
         port, k = int(self.environ.get("MASTER_PORT", "29500")) + 1, self.schedule.at_once
+        earlier = {d: s for d, s in self.schedule.done.items() if d not in again}
         return [s for i in range(0, len(runs), k)
-                for s in execute_together(runs[i:i + k], self.environ, port, i, len(runs), self.schedule.done)]
+                for s in execute_together(runs[i:i + k], self.environ, port, i, len(runs), earlier)]
 
     def _starts(self, blocks: Sequence[int], progress: Progress) -> str | None:
         """--common-start, one at a time: the start runs of ``blocks`` not made yet (None: made, or

@@ -152,8 +152,9 @@ class Schedule:
 
     @property
     def warmup_wave(self) -> list[Run]:
-        """The compile warm-up runs this call makes, with the common starts: those not done in an
-        earlier call, and none where every run of the blocks is done (nothing left to warm up for)."""
+        """The compile warm-up runs this call makes, with the common starts: all of them, also those
+        made in an earlier call (the caches are a machine's), and none where every run of the blocks
+        is done (nothing left to warm up for)."""
         return to_warm(self.compile_warmups, self.blocks[:self.runs.spec.repeats], self.done)
 
 
@@ -192,11 +193,12 @@ def compile_warmups(runs: Runs, at_once: int) -> list[Run]:
 
 
 def to_warm(warmups: Sequence[Run], blocks: Sequence[Sequence[Run]], done: Mapping[Path, Any]) -> list[Run]:
-    """The compile warm-up runs still to make: those not done in an earlier call, where some run of
-    ``blocks`` is still to do (none where every run is done: resuming only reports)."""
+    """The compile warm-up runs this call makes: every one, where some run of ``blocks`` is still to
+    do (none where every run is done: resuming only reports). One made in an earlier call is made
+    again: the caches it filled are that machine's, and a resumed call may run on another."""
     if all(r.directory in done for block in blocks for r in block):
         return []
-    return [r for r in warmups if r.directory not in done]
+    return list(warmups)
 
 
 # --- in words, for the notes and a dry run -------------------------------------------------------------
