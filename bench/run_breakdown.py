@@ -8,7 +8,8 @@ argument parsing and the plugin's plan, up to Megatron's first timestamp), libra
 Megatron's initialisation (distributed, compile of helpers), model and optimizer (a checkpoint
 load included), data loaders, the first two iterations (warm-up: kernel selection, allocator
 growth) and the remaining iterations; start-up and exit together (the log stamps neither).
-Prints, for each arm (a common start's runs apart: they train one iteration and save), the number
+Prints, for each arm (a common start's runs apart: they train one iteration and save; warm-up runs
+apart too, as "warm-up (ARM)"), the number
 of runs, the median total and the median of each phase; ``--json FILE`` also writes every run's
 phases and the medians, so that a before and an after can be committed and set side by side.
 
@@ -70,7 +71,10 @@ def runs_of(directory: Path) -> list[dict]:
         if data.get("status") != "done" or not log.is_file():
             continue
         seconds = float(data["seconds"])
-        out.append({"arm": data.get("arm") or status.parent.name, "label": data.get("label") or status.parent.name,
+        arm = data.get("arm") or status.parent.name
+        if isinstance(data.get("block"), int) and data["block"] < 0:  # a warm-up run: never an arm's median
+            arm = f"warm-up ({arm})"
+        out.append({"arm": arm, "label": data.get("label") or status.parent.name,
                     "block": data.get("block"), "seconds": round(seconds, 2),
                     "phases": phases(log.read_text(errors="replace"), seconds)})
     return out
@@ -98,9 +102,9 @@ def main(argv: list[str]) -> int:
             return 2
         json_out = Path(args[i + 1])
         del args[i:i + 2]
-    if len(args) != 1:
+    if len(args) != 1 or args[0] in ("-h", "--help"):
         print(__doc__)
-        return 2
+        return 0 if args[:1] in (["-h"], ["--help"]) else 2
     runs = runs_of(Path(args[0]))
     if not any(r["phases"] for r in runs):
         print(f"no finished run with Megatron's timestamps under {args[0]}/runs")

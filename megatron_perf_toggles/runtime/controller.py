@@ -217,9 +217,7 @@ class Controller:
             self._persist(ns, outcome)
 
     def _install_wgrad_fallback(self, outcome: Outcome) -> None:
-        if outcome.plan.wgrad_path != "fallback":
-            return
-        from . import wgrad_fallback
+        from . import wgrad_fallback  # install_for decides: the plan's path, and whether it can run here
 
         wgrad_fallback.install_for(outcome.plan.wgrad_path, outcome.capabilities.is_assumed("wgrad_fallback"))
 

@@ -238,3 +238,19 @@ def test_a_bad_command_line_is_one_line_exit_2(tmp_path, capsys, argv, words):
     with pytest.raises(SystemExit) as info:
         _pool(*argv(a, b, tmp_path))
     assert info.value.code == 2 and words in _error(capsys)
+
+
+def test_a_run_of_a_block_a_part_left_unfinished_is_not_paired_with_the_next_parts_seed(tmp_path, capsys):
+    """A budget stop mid-block leaves a run of a block past the part's seeds: it must not be numbered
+    as the next part's first seed, where it would pair with that part's run of the other arm."""
+    first, later = _real(), _later(4)
+    leftover = copy.deepcopy(next(r for r in first["runs"] if r["arm"] == "all-on" and r["block"] == 3))
+    first["runs"].append({**leftover, "block": first["blocks_run"]})  # the unfinished fifth block's one run
+    later["runs"] = [r for r in later["runs"] if not (r["arm"] == "all-on" and r["block"] == 0)]  # it failed there
+    a, b = _write(tmp_path, "a", first), _write(tmp_path, "b", later)
+    assert _pool(a, "--with", b, "--out", tmp_path / "pooled") == 0
+    result = json.loads((tmp_path / "pooled" / "results.json").read_text())
+    test = next(r["loss_test"] for r in result["rows"] if r["arm"] == "all-on")
+    assert test["seeds_compared"] == 7  # the later part's first seed has no all-on run: not the leftover
+    assert all(0 <= r["block"] < 8 for r in result["runs"])
+    assert sum(1 for r in result["runs"] if r["arm"] == "all-on") == 7

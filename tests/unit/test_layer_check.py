@@ -369,6 +369,7 @@ def test_a_toggle_with_a_unit_not_measured_sums_the_others_and_says_which_is_mis
     todo = [_row(GAF, "layer_wgrad", 4, "CP 2: ..."), _row(GAF, "output_wgrad", 1)]
     results = grouped(todo, {(GAF, "output_wgrad"): _summary(stock, toggle, 8, 400.0)})
     assert results[GAF]["not_measured"] == ["layer_wgrad"]
+    assert results[GAF]["step_share"]["partial"] is True and results[GAF]["step_share"]["without"] == ["layer_wgrad"]
     assert results[GAF]["step_share"]["estimate"] == pytest.approx(results[GAF]["units"]["output_wgrad"]["step_share"]["estimate"])
     assert "without layer_wgrad" in "\n".join(result_lines(results))
     both = [_row(GAF, "layer_wgrad", 4), _row(GAF, "output_wgrad", 1)]

@@ -48,14 +48,18 @@ def rows_record(todo: Sequence[Row]) -> dict[str, Any]:
 
 def grouped(todo: Sequence[Row], measured: Mapping[tuple[str, str], Mapping[str, Any]]) -> dict[str, Any]:
     """Each toggle with a measured unit: its units' results (``measured``, keyed by toggle and unit),
-    the units not measured, and its step share, the sum of its units' (``summed_share``)."""
+    the units not measured, and its step share, the sum of its units' (``summed_share``); where a
+    unit was not measured, the sum is marked ``partial`` with the units it is ``without``."""
     out: dict[str, Any] = {}
     for dest, rows in by_toggle(todo).items():
         units = {r.unit.name: dict(measured[dest, r.unit.name]) for r in rows if (dest, r.unit.name) in measured}
         if not units:
             continue
-        out[dest] = {"units": units, "not_measured": [r.unit.name for r in rows if r.unit.name not in units],
-                     "step_share": summed_share([u.get("step_share") for u in units.values()])}
+        missing = [r.unit.name for r in rows if r.unit.name not in units]
+        share = summed_share([u.get("step_share") for u in units.values()])
+        if share is not None and missing:  # the measured units' sum: a part of the toggle's share, said so
+            share = {**share, "partial": True, "without": missing}
+        out[dest] = {"units": units, "not_measured": missing, "step_share": share}
     return out
 
 

@@ -236,15 +236,19 @@ def part_record(part: Part) -> dict[str, Any]:
 
 def pooled(parts: Sequence[Part], window: int | None) -> dict[str, Any]:
     """One result of every part's runs: each part's blocks after those of the parts before it, the
-    first part's commands (one experiment's: :func:`check_one_experiment`), a row per arm."""
+    first part's commands (one experiment's: :func:`check_one_experiment`), a row per arm. Only the
+    blocks a part finished (its seeds) count: a run of a block it left unfinished would otherwise be
+    numbered as the next part's first seed and paired with that part's runs."""
     first = parts[0].result
     runs: list[dict[str, Any]] = []
     starts: dict[str, Any] = {}
     offset = 0
     for part in parts:
-        runs += [{**r, "block": r["block"] + offset} for r in part.result["runs"] if r.get("block", -1) >= 0]
-        starts.update({str(int(k) + offset): s for k, s in (part.result.get("common_start") or {}).items()})
-        offset += len(part.seeds)
+        n = len(part.seeds)  # a block the part did not finish (a budget stop mid-block) is not its
+        runs += [{**r, "block": r["block"] + offset} for r in part.result["runs"] if 0 <= int(r.get("block", -1)) < n]
+        starts.update({str(int(k) + offset): s for k, s in (part.result.get("common_start") or {}).items()
+                       if 0 <= int(k) < n})
+        offset += n
     rows = [{"arm": r["arm"], "baseline": bool(r.get("baseline")), "env": r.get("env", {})} for r in first["rows"]]
     return {"design": first.get("design"), "iters": first.get("iters"), "blocks_run": offset,
             "block_seeds": [s for p in parts for s in p.seeds], "loss_window": window,
