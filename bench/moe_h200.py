@@ -28,8 +28,9 @@ micro-batch a step: at micro-batch 1 the step was launch-bound and runs of one a
 third), mock data, bf16, distributed optimizer, aux-loss load balancing, Transformer Engine, one
 fixed --seed in every arm. --headline narrows a speed part to stock against the defaults (2 arms);
 --no-warmup-run drops the warm-up run where a part ran just before on the same machine (for a loss
-part: ablate's compile warm-up, one short run of each arm before the runs at once, which fills the
-compile caches so that the runs starting together do not all compile the fused kernels at once).
+part: ablate's compile warm-up, one short run of each arm that fills the compile caches so that the
+runs starting together do not all compile the fused kernels at once; ablate makes it only where it
+rides in the common starts' waves without adding one, so here in loss-common alone).
 --force-balance gives every speed arm random, on-average balanced routing: with learnt routing the
 step time follows how balanced the routing happens to be, which changes within a run and differs
 between arms (their numerics differ, so their routing does); on speed-a at micro-batch 4 the same
@@ -55,6 +56,7 @@ flags added to stock) and there is no defaults arm.
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import shutil
 import subprocess
@@ -187,10 +189,21 @@ def estimate_s(part: str, repeats: int, iters: int | None = None, headline: bool
     p = PARTS[part]
     iters_s = (iters or p.iters) * p.seconds_per_iter
     if p.loss:  # one batch of every run at once: about as long as one run, slowed by the sharing
-        # the compile warm-up is a wave of its own, about one start-up, unless it rides with the common starts
-        warm_s = STARTUP_S if warmup_run and not p.common_start else 0.0
-        return DRY_RUNS_S + warm_s + LOSS_STARTUP_S + iters_s
+        # ablate's compile warm-up costs no wave: it rides in the common starts' waves or is not made
+        return DRY_RUNS_S + LOSS_STARTUP_S + iters_s
     return DRY_RUNS_S + (int(warmup_run) + repeats * arms(headline, part=part)) * (STARTUP_S + iters_s)
+
+
+def compile_warmed(part: str, ns: argparse.Namespace) -> bool:
+    """Whether ablate makes a loss part's compile warm-up: with --common-start, one warm-up per arm
+    riding in the waves of the starts (one per seed), where that adds no wave (ablate's rule,
+    schedule.compile_warmups; a memory check that runs fewer at once may still drop it)."""
+    p = PARTS[part]
+    if not p.loss or not p.common_start or ns.no_warmup_run:
+        return False
+    starts, warmups = ns.repeats, arms(part=part)
+    k = ns.concurrent or ns.repeats * arms(part=part)
+    return k > 1 and math.ceil((starts + warmups) / k) == math.ceil(starts / k)
 
 
 def ablate_command(part: str, ns: argparse.Namespace, budget_min: float | None) -> tuple[list[str], dict[str, str]]:
@@ -293,7 +306,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-warmup-run", action="store_true",
                     help="speed parts: no unmeasured warm-up run (where a part ran just before on the same machine); "
                     "loss parts: no compile warm-up (one short run of each arm that fills the compile caches before "
-                    "the runs start at once)")
+                    "the runs start at once; ablate makes it only in the common starts' waves: loss-common)")
     ap.add_argument("--smoke", action="store_true", help="CPU: stand-in runs (tests/support/fake_megatron_run.py)")
     ap.add_argument("--print-only", action="store_true", help="print the plan and the commands, run nothing")
     ap.add_argument("--collect", metavar="DIR", help="copy each part's results, each run's status and log to DIR; run nothing")
@@ -325,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         warm = not ns.no_warmup_run
         est = estimate_s(part, ns.repeats, ns.iters, headline, warm)
         total += est
-        how = (("all at once, after a compile warm-up" if warm else "all at once") if loss else
-               ("1 warm-up run, then " if warm else "") + "one at a time")
+        how = (("all at once, after a compile warm-up with the common starts" if compile_warmed(part, ns)
+                else "all at once") if loss else ("1 warm-up run, then " if warm else "") + "one at a time")
         print(f"  {part:<8} {ns.repeats * arms(headline, part=part) + int(warm and not loss):>3} runs ({how})  "
               f"~{est / 60:5.1f} min  -> {out / part}")
     print(f"expected: ~{total / 60:.1f} min on the H200" + (f" (budget {ns.budget:g} min)" if ns.budget else ""),

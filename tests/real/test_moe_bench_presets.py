@@ -36,8 +36,8 @@ def test_smoke_runs_the_loss_preset_seeds_at_once(smoke):
     assert text.index("expected: ~") < text.index("[loss]")
     data = json.loads((out / "loss" / "results.json").read_text())
     assert data["blocks_run"] == 2 and data["block_seeds"] == [1234, 1235] and data["concurrent"] == 10
-    assert data["loss_window"] == 50 and data["warmup_run"] is True  # after a compile warm-up of each arm
-    assert sorted(data["compile_warmup"]) == sorted(r["arm"] for r in data["rows"])
+    # no common start in the loss part, so no compile warm-up (it would need a wave of its own)
+    assert data["loss_window"] == 50 and data["warmup_run"] is False and data["compile_warmup"] is None
     base = data["rows"][0]
     assert base["baseline"] and base["loss_test"]["toggle"] == "baseline" and data["loss_test"]["margin"] == 1.0
     assert all("speedup" not in r and r["loss_test"]["values"] for r in data["rows"])

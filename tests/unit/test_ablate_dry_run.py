@@ -96,5 +96,6 @@ def test_one_process_is_not_said_to_come_from_a_launch_not_given(tmp_path, capsy
 
 def test_runs_at_once_are_not_said_to_have_medians(tmp_path, capsys):
     line = _plan_line(_dry_run(tmp_path, capsys, "--block-seeds", "1", "--concurrent", "2").err)
-    assert "medians" not in line and line.endswith("2 at once share the GPU, so no step time is measured")
+    assert "medians" not in line and line.endswith("2 at once share the GPU, so no step time is measured; "
+                                                   "no compile warm-up: no common starts to ride with")
     assert _plan_line(_dry_run(tmp_path, capsys, "--warmup", "2").err).endswith("the first 2 left out of the medians")

@@ -37,7 +37,8 @@ def test_the_plan_comes_first_with_the_expected_time(tmp_path, capsys):
     out, cmds = _plan(tmp_path, capsys, "--budget", "9")
     assert set(cmds) == {"loss", "speed-a", "speed-b"}
     assert out.index("expected: ~") < out.index("[loss]") and "min on the H200 (budget 9 min)" in out
-    assert "loss      15 runs (all at once, after a compile warm-up)" in out and "speed-a   16 runs (1 warm-up run" in out
+    # no common start in the loss part: ablate makes no compile warm-up (it would need a wave of its own)
+    assert "loss      15 runs (all at once)  " in out and "speed-a   16 runs (1 warm-up run" in out
     for cmd in cmds.values():
         flags = [w for w in _megatron(cmd) if w.startswith("--")]
         assert len(flags) == len(set(flags))  # each Megatron argument once
@@ -84,7 +85,7 @@ def test_the_loss_part_runs_seeds_at_once_on_real_text(tmp_path, capsys):
     cmd = cmds["loss"]
     assert (_value(cmd, "--iters"), _value(cmd, "--block-seeds"), _value(cmd, "--loss-window")) == ("300", "1234", "40")
     assert _value(cmd, "--concurrent") == str(2 * moe_h200.arms())
-    assert "--no-warmup-run" not in cmd  # ablate's compile warm-up fills the caches before the runs at once
+    assert "--no-warmup-run" not in cmd  # ablate decides the compile warm-up (none here: no common start)
     args = _megatron(cmd)
     assert "--mock-data" not in args and _value(args, "--vocab-size") == "257"
     assert _value(args, "--data-path") == str(tmp_path / "out" / "corpus" / "stdlib")
@@ -95,10 +96,19 @@ def test_no_warmup_run_turns_off_the_loss_parts_compile_warm_up_and_the_speed_pa
     out, cmds = _plan(tmp_path, capsys, "--parts", "loss,loss-common,speed-a", "--no-warmup-run")
     assert all(cmd.count("--no-warmup-run") == 1 for cmd in cmds.values())
     assert "loss      15 runs (all at once)  " in out and "speed-a   15 runs (one at a time)" in out
-    warm, cold = moe_h200.estimate_s("loss", 3), moe_h200.estimate_s("loss", 3, warmup_run=False)
-    assert warm > cold  # the warm-up is a wave of its own
-    # with a common start it rides in the starts' wave: no time of its own
-    assert moe_h200.estimate_s("loss-common", 3) == moe_h200.estimate_s("loss-common", 3, warmup_run=False)
+    assert "loss-common   6 runs (all at once)  " in out
+    # the compile warm-up never costs a wave of its own: it rides in the starts' waves, or ablate makes none
+    for part in ("loss", "loss-common"):
+        assert moe_h200.estimate_s(part, 3) == moe_h200.estimate_s(part, 3, warmup_run=False)
+    assert moe_h200.estimate_s("speed-a", 3) > moe_h200.estimate_s("speed-a", 3, warmup_run=False)
+
+
+def test_the_loss_common_part_warms_up_with_its_starts_where_that_adds_no_wave(tmp_path, capsys):
+    out, _ = _plan(tmp_path, capsys, "--parts", "loss-common,loss")
+    assert "loss-common   6 runs (all at once, after a compile warm-up with the common starts)" in out
+    assert "loss      15 runs (all at once)  " in out  # no common start to ride with
+    out, _ = _plan(tmp_path, capsys, "--parts", "loss-common", "--concurrent", "3")  # 3 starts, 2 warm-ups: a wave more
+    assert "loss-common   6 runs (all at once)  " in out
 
 
 def test_the_dense_loss_part_is_the_same_model_without_experts_and_every_dense_toggle_alone(tmp_path, capsys):
@@ -129,8 +139,7 @@ def test_the_controls_run_the_loss_model_with_a_known_harm_and_a_known_null(tmp_
     assert _value(control, "--concurrent") == str(8 * 3) and _value(null, "--concurrent") == str(8 * 2)
     assert _value(null, "--toggles") == "ddp_average_in_collective" and _value(null, "--others") == "off"
     assert _value(control, "--block-seeds") == "1234" and _megatron(control) == _megatron(cmds["loss-null"])
-    assert "loss-control  24 runs (all at once, after a compile warm-up)" in out
-    assert "loss-null  16 runs (all at once, after a compile warm-up)" in out
+    assert "loss-control  24 runs (all at once)  " in out and "loss-null  16 runs (all at once)  " in out
 
 
 def test_eval_iters_holds_out_text_for_the_validation_measure(tmp_path, capsys):

@@ -4,12 +4,13 @@ One run at a time: the unmeasured warm-up run, then blocks until a stopping rule
 after ``--repeats`` blocks, or with ``--target-ci`` once every speed interval is that narrow or
 ``--max-repeats`` is reached; no block starts that would end after ``--budget`` (with
 ``--split-blocks``, no run). Runs at once go K at a time in block order, no batch starting that
-would end after the budget, after a compile warm-up: one short run of each arm, unmeasured, at
-once with the common starts (in waves of at most K), so that the runs that start together find
-the compile caches warm; a warm-up that fails is said in one line, and the runs compile for
-themselves. A run the schedule found finished in an earlier call is not run again; a crashed run
-is reported with its last lines and never stops the others. Each run's log
-is parsed once, as the run ends (or is found done): that is its measurement.
+would end after the budget, after the common starts (in waves of at most K) and, riding in their
+waves where the schedule found room, a compile warm-up: one short run of each arm with runs left,
+unmeasured, so that the runs that start together find the compile caches warm; a warm-up that
+fails is said in one line, and the runs compile for themselves. A run the schedule found finished
+in an earlier call is not run again; a crashed run is reported with its last lines and never stops
+the others. Each run's log is parsed once, as the run ends (or is found done): that is its
+measurement.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..megatron_log import ITERATION, parse_file, parse_lines
@@ -201,9 +201,10 @@ class Measurements:
     ran: the warm-up run, then the blocks' runs), the blocks run and their orders, the blocks whose
     runs ran in two calls, each seed's start run (--common-start), why it stopped early (None:
     it did not), how long it took, whether a warm-up run finished before the blocks (this call's or
-    an earlier one's; runs at once: every compile warm-up run), the world size Megatron printed in
-    one of the baseline's finished runs, each arm's finished run in each block (stats.by_block),
-    and (runs at once) each arm's compile warm-up run's status, this call's or an earlier one's."""
+    an earlier one's; runs at once: every compile warm-up run this call made, False where it made
+    none), the world size Megatron printed in one of the baseline's finished runs, each arm's
+    finished run in each block (stats.by_block), and (runs at once) the status of each compile
+    warm-up run this call made, by arm (none where it made none: an earlier call's are not its)."""
 
     schedule: Schedule
     runs: list[dict[str, Any]]
@@ -237,7 +238,7 @@ class _Execution:
         self.orders: list[list[str]] = []
         self.across_calls: list[int] = []  # blocks (1-based) whose runs ran in two calls (--split-blocks)
         self.starts: dict[int, dict[str, Any]] = {}  # --common-start: each seed's start run's status
-        self.warmups: dict[str, dict[str, Any]] = {}  # --concurrent: each arm's compile warm-up run's status
+        self.warmups: dict[str, dict[str, Any]] = {}  # --concurrent: this call's compile warm-ups' statuses
 
     def carry_out(self) -> Measurements:
         start = self.clock()
@@ -250,7 +251,7 @@ class _Execution:
 
     def _warmed(self) -> bool:
         """Whether the runs came after a warm-up: one at a time, the warm-up run finished (this call
-        or an earlier one); at once, every compile warm-up run did."""
+        or an earlier one); at once, this call made compile warm-ups and every one finished."""
         if self.schedule.together:
             planned = self.schedule.compile_warmups
             return bool(planned) and all(self.warmups.get(r.arm, {}).get("status") == "done" for r in planned)
@@ -375,15 +376,17 @@ class _Execution:
     # --- runs at once, and the common starts -----------------------------------------------------------
 
     def _run_together(self, start: float) -> str | None:
-        """--concurrent K: the common starts and the compile warm-up, then every block's runs, K at
-        a time (fewer where K do not fit the GPU's memory), in block order; no batch starts that
-        would end after --budget (priced by the batches before it). The stop reason, if any."""
+        """--concurrent K: the common starts and (in their waves) the compile warm-up, then every
+        block's runs, K at a time (fewer where K do not fit the GPU's memory), in block order; no
+        batch starts that would end after --budget (priced by the batches before it). The stop
+        reason, if any."""
         spec, k = self.spec, self.schedule.at_once
         blocks = self.schedule.blocks[:spec.repeats]
         todo = [r for block in blocks for r in block]
         self.orders = [[r.arm for r in block] for block in blocks]
         ahead = warmup_words(self.schedule)
-        plan = f"{ahead}; then {len(todo)} runs, {k} at a time" if ahead else f"{len(todo)} runs, {k} at a time, no warm-up run"
+        none = self.schedule.no_warmup or "no warm-up run"
+        plan = f"{ahead}; then {len(todo)} runs, {k} at a time" if ahead else f"{len(todo)} runs, {k} at a time, {none}"
         say(f"--concurrent {spec.concurrent}: {plan}; they share the GPU, so the result keeps losses and memory but "
             "no speed figures")
         port = int(self.environ.get("MASTER_PORT", "29500")) + 1
@@ -418,28 +421,34 @@ class _Execution:
                 f"would not fit after {used / 60:.1f} min")
 
     def _first_wave(self, blocks: Sequence[int]) -> str | None:
-        """--concurrent: the start runs of ``blocks`` (--common-start) and the compile warm-up runs,
-        at once in waves of at most K: first one process of each arm where K allows (a start, then
-        the warm-ups), then the other starts. A failed warm-up is said in one line and stops
-        nothing; a failed start stops the experiment (the reason, as :meth:`_starts`)."""
+        """--concurrent: the start runs of ``blocks`` (--common-start) and this call's compile
+        warm-up runs (the schedule makes them only where they ride in the starts' waves and add
+        none), at once in waves of at most K: a start, the warm-ups, then the other starts; a start
+        finished in an earlier call takes no place in a wave. A failed warm-up is said in one line
+        and stops nothing; a failed start stops the experiment (the reason, as :meth:`_starts`)."""
         todo = [b for b in blocks if b in self.schedule.starts and b not in self.starts]
-        made, wave = [self.schedule.starts[b] for b in todo], self.schedule.warmup_wave
+        made, wave = [self.schedule.starts[b] for b in todo], self.schedule.compile_warmups
         ordered = [*made[:1], *wave, *made[1:]]
-        statuses = dict(zip([r.directory for r in ordered], self._in_waves(ordered, {r.directory for r in wave}),
-                            strict=True))
-        self.warmups = {r.arm: s for r in self.schedule.compile_warmups
-                        if (s := statuses.get(r.directory) or self.schedule.done.get(r.directory)) is not None}
+        statuses = dict(zip([r.directory for r in ordered], self._in_waves(ordered), strict=True))
+        self.warmups = {r.arm: statuses[r.directory] for r in wave}
         if wave:
-            say(warmed_words([statuses[r.directory] for r in wave]))
+            say(warmed_words(list(self.warmups.values())))
         return self._started(todo, [statuses[r.directory] for r in made])
 
-    def _in_waves(self, runs: Sequence[Run], again: Set[Path] = frozenset()) -> list[dict[str, Any]]:
+    def _in_waves(self, runs: Sequence[Run]) -> list[dict[str, Any]]:
         """``runs`` at once, K at a time, each wave after the last has ended; their statuses in order.
-        ``again``: runs made even where an earlier call finished them (the compile warm-ups)."""
-        port, k = int(self.environ.get("MASTER_PORT", "29500")) + 1, self.schedule.at_once
-        earlier = {d: s for d, s in self.schedule.done.items() if d not in again}
-        return [s for i in range(0, len(runs), k)
-                for s in execute_together(runs[i:i + k], self.environ, port, i, len(runs), earlier)]
+        A run finished in an earlier call is only reported (done earlier) and takes no place in a wave."""
+        port, k, done = int(self.environ.get("MASTER_PORT", "29500")) + 1, self.schedule.at_once, self.schedule.done
+        earlier = [r for r in runs if r.directory in done]
+        fresh = [r for r in runs if r.directory not in done]
+        statuses = dict(zip([r.directory for r in earlier],
+                            execute_together(earlier, self.environ, port, 0, len(runs), done), strict=True))
+        for i in range(0, len(fresh), k):
+            batch = fresh[i:i + k]
+            statuses.update(zip([r.directory for r in batch],
+                                execute_together(batch, self.environ, port, len(earlier) + i, len(runs), done),
+                                strict=True))
+        return [statuses[r.directory] for r in runs]
 
     def _starts(self, blocks: Sequence[int], progress: Progress) -> str | None:
         """--common-start, one at a time: the start runs of ``blocks`` not made yet (None: made, or

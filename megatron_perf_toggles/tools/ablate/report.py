@@ -31,14 +31,14 @@ RECORDED_ENV = ("MEGATRON_PERF_TOGGLES", "CUDA", "NCCL", "NVTE", "PYTORCH_", "TO
 
 def warmup_text(result: Mapping[str, Any]) -> str:
     """What came before the blocks, in the report's first sentence: the warm-up run, or (runs at
-    once) the compile warm-up, with its failures, or neither."""
+    once) this call's compile warm-up, "after" it only where every one finished, or neither."""
     compiled = result.get("compile_warmup") or {}
     if compiled:
         failed = [arm for arm, s in compiled.items() if s.get("status") != "done"]
+        if failed:
+            return f"with a compile warm-up that failed for {', '.join(failed)}, whose runs compiled for themselves. "
         took = max((s.get("seconds") or 0.0 for s in compiled.values()), default=0.0)
-        how = (f"failed for {', '.join(failed)}, whose runs compiled for themselves" if failed else
-               f"{len(compiled)} short unmeasured run(s) at once, {took:.0f} s")
-        return f"after a compile warm-up ({how}). "
+        return f"after a compile warm-up ({len(compiled)} short unmeasured run(s) at once with the common starts, {took:.0f} s). "
     return "after 1 unmeasured warm-up run. " if result.get("warmup_run") else "with no warm-up run. "
 
 

@@ -7,7 +7,8 @@ candidate's additions after them) and its environment (the arm's plugin variable
 candidate's, over the caller's). Before any run, every arm (and each single-change probe) is
 dry-run and checked for confounds (confounds.py), the launcher and the output directory are
 checked, and the iterations a run makes must leave some to measure. Runs at once (``--concurrent``)
-also get a short compile warm-up run of each arm. :func:`resolved` is the stage.
+also get a short compile warm-up run of each arm (the schedule says which this call makes).
+:func:`resolved` is the stage.
 """
 
 from __future__ import annotations
@@ -100,14 +101,16 @@ class Run:
     (and a candidate's) that set it apart from the other arms' runs."""
 
     arm: str
-    block: int  # 0-based; -1 for the unmeasured warm-up run
+    block: int  # 0-based; -1 for the unmeasured warm-up run and the compile warm-ups
     directory: Path
     command: list[str]
     env: dict[str, str]
 
     @property
     def label(self) -> str:
-        return f"{self.arm} (warm-up)" if self.block < 0 else f"{self.arm} (block {self.block + 1})"
+        if self.block >= 0:
+            return f"{self.arm} (block {self.block + 1})"
+        return f"{self.arm} ({'compile ' if self.directory.parent.name == COMPILE_WARMUP_DIR else ''}warm-up)"
 
 
 def arm_command(launch: str | None, script: str, megatron_args: Sequence[str], arm: Arm,
@@ -139,8 +142,18 @@ def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in name)
 
 
+COMPILE_WARMUP_DIR = "compile-warmup"  # under runs/, beside warmup/ (the one-at-a-time warm-up run's)
+
+
 def run_dir(out: Path, arm: Arm, block: int) -> Path:
+    """A run's directory: ``runs/blockNN/ARM``, or for the one-at-a-time warm-up run (block -1)
+    ``runs/warmup/ARM``."""
     return out / "runs" / ("warmup" if block < 0 else f"block{block + 1:02d}") / _slug(arm.name)
+
+
+def compile_warmup_dir(out: Path, arm: Arm) -> Path:
+    """A compile warm-up's directory, ``runs/compile-warmup/ARM``: its own, never the warm-up run's."""
+    return out / "runs" / COMPILE_WARMUP_DIR / _slug(arm.name)
 
 
 def make_run(out: Path, arm: Arm, block: int, launch: str | None, script: str, megatron_args: Sequence[str],
@@ -162,7 +175,8 @@ def block_args(spec: ExperimentSpec, args: Sequence[str], block: int) -> list[st
 
 # A compile warm-up stops after this many iterations: the first compiles what the arm's fusions
 # compile on first use (torch.compile's Inductor code, Triton kernels), the second what is only
-# compiled then. It keeps the arguments' --train-iters, since Megatron sizes the learning-rate
+# compiled then. So every arm gets one, the baseline too: its common start runs stop after the
+# first iteration. It keeps the arguments' --train-iters, since Megatron sizes the learning-rate
 # schedule from it (a --train-iters under the learning-rate warm-up would fail Megatron's check).
 COMPILE_WARMUP_ITERS = 2
 
@@ -170,11 +184,10 @@ COMPILE_WARMUP_ITERS = 2
 def compile_warmup_run(spec: ExperimentSpec, arm: Arm, args: Sequence[str], effective: dict[str, Any]) -> Run:
     """--concurrent: ``arm``'s compile warm-up, unmeasured: its command as block 1 has it, but
     stopping after :data:`COMPILE_WARMUP_ITERS` iterations and loading and saving no checkpoint (a
-    common start it would load may not be saved yet), in its own directory (``runs/warmup/ARM``).
-    It fills the compile caches on disk (shared by the processes of one machine) before the runs
-    that start at once would all miss them and compile together."""
-    out = Path(spec.out)
-    here = run_dir(out, arm, -1)
+    common start it would load may not be saved yet), in its own directory
+    (``runs/compile-warmup/ARM``). It fills the compile caches on disk (shared by the processes of
+    one machine) before the runs that start at once would all miss them and compile together."""
+    here = compile_warmup_dir(Path(spec.out), arm)
     words = set_args(args, {"--seed": str(spec.block_seeds)}) if spec.block_seeds is not None else list(args)
     words = set_args(words, {"--exit-interval": str(COMPILE_WARMUP_ITERS)})
     paths = {**arm_paths(effective, here, together=True), "--save": None, "--load": None}
@@ -291,7 +304,8 @@ class Runs:
     variable derives), every run's environment and arguments, the iterations a run makes, and the
     runs themselves: each block's, one per arm in the design's order, for every block the
     experiment may run; the baseline's warm-up run; with --common-start, each block's start run;
-    with --concurrent, each arm's compile warm-up run (in the design's order; the schedule picks)."""
+    with --concurrent, each arm's compile warm-up run, the baseline's too (in the design's order;
+    the schedule picks those this call makes)."""
 
     spec: ExperimentSpec
     design: Design

@@ -4,15 +4,16 @@ Runs go in blocks: each block runs every arm once, in an order shuffled by ``--s
 every block (drift and warm-up hit every arm alike), after one unmeasured warm-up run; with
 ``--common-start`` each block's seed first saves its start. ``--concurrent K`` runs K at a time
 where K runs fit the GPU's memory (the memory model's planned peak of each run plus one process's
-own overhead, measured: ``docs/benchmarks/process_overhead.json``), else as many as fit; there, a
-compile warm-up comes first instead of the warm-up run: one short run of each arm, all at once (in
-the common starts' wave, which already compiles the baseline's code), so that the runs that then
-start together find the compile caches warm rather than all compiling at the same time. Nothing
-is timed there, so a warm-up only saves time: none where runs go one at a time, or where every
-run is done. A run whose status says done with the same command and the same plugin variables was
-finished in an earlier call and is not run again (resume); the schedule knows which. It carries
-the stopping rules (``--budget``, ``--target-ci``, ``--max-repeats``) to the execution, and says
-itself in words for a dry run. :func:`scheduled` is the stage.
+own overhead, measured: ``docs/benchmarks/process_overhead.json``), else as many as fit; there,
+instead of the warm-up run, a compile warm-up may come first: one short run of each arm with runs
+left (the baseline's too), riding in the waves of the common starts this call makes, so that the
+runs that then start together find the compile caches warm rather than all compiling at the same
+time. Its gain is modest (warm caches saved about 10 s of a run), so it never costs a wave of its
+own: none without common starts to make in this call, or where the warm-ups would add a wave to
+theirs; none either where runs go one at a time, or where every run is done. A run whose status
+says done with the same command and the same plugin variables was finished in an earlier call and
+is not run again (resume); the schedule knows which. It carries the stopping rules (``--budget``,
+``--target-ci``, ``--max-repeats``) to the execution, and says itself in words for a dry run. :func:`scheduled` is the stage.
 """
 
 from __future__ import annotations
@@ -130,9 +131,9 @@ class Schedule:
     run), the warm-up run (None: none, as with ``--no-warmup-run`` or runs at once), each block's
     start run (``--common-start``), how many run at once, the runs finished in an earlier call (by
     directory), the run times that price a block before this call has timed one (tune's later
-    phases), the runs the experiment plans, and (runs at once) the compile warm-up runs: one of
-    each arm, but the baseline's where the common starts compile its code (none: ``--no-warmup-run``,
-    one at a time, or nothing runs at once)."""
+    phases), the runs the experiment plans, and (runs at once) the compile warm-up runs this call
+    makes (see :func:`compile_warmups`) and, where it makes none, why in a few words (None: nothing
+    to say, as with ``--no-warmup-run``, one at a time, or every run done)."""
 
     runs: Runs
     blocks: list[list[Run]]
@@ -143,6 +144,7 @@ class Schedule:
     prior_seconds: list[float]
     planned_runs: int
     compile_warmups: list[Run]
+    no_warmup: str | None = None
 
     @property
     def together(self) -> bool:
@@ -151,11 +153,9 @@ class Schedule:
         return self.runs.spec.concurrent > 1
 
     @property
-    def warmup_wave(self) -> list[Run]:
-        """The compile warm-up runs this call makes, with the common starts: all of them, also those
-        made in an earlier call (the caches are a machine's), and none where every run of the blocks
-        is done (nothing left to warm up for)."""
-        return to_warm(self.compile_warmups, self.blocks[:self.runs.spec.repeats], self.done)
+    def starts_made(self) -> list[Run]:
+        """The common start runs this call makes (those of --repeats blocks not finished earlier)."""
+        return starts_to_make(self.runs.starts, self.runs.spec.repeats, self.done)
 
 
 def scheduled(runs: Runs, prior_seconds: Sequence[float] = (), say: Callable[[str], None] | None = None) -> Schedule:
@@ -170,35 +170,50 @@ def scheduled(runs: Runs, prior_seconds: Sequence[float] = (), say: Callable[[st
     if line:
         note(line)
     warmup = runs.warmup if spec.warmup_run and not together else None
-    warmups = compile_warmups(runs, at_once)
-    # the warm-up runs' statuses too, where they are not run: a resumed call may have had them earlier
-    every = [*(r for block in blocks for r in block), *runs.starts, *([] if together else [runs.warmup]), *warmups]
+    # the warm-up run's status too, where it is not run: a resumed call may have had it earlier (the
+    # compile warm-ups' are not read: a call makes its own, the caches being a machine's)
+    every = [*(r for block in blocks for r in block), *runs.starts, *([] if together else [runs.warmup])]
     done = {r.directory: s for r in every if (s := finished_earlier(r.directory, r.env, r.command)) is not None}
-    planned = (spec.repeats * len(runs.design.arms) + (1 if warmup else 0)
-               + len(to_warm(warmups, blocks[:spec.repeats], done)))
+    warmups, why = compile_warmups(runs, blocks[:spec.repeats], at_once, done)
+    planned = spec.repeats * len(runs.design.arms) + (1 if warmup else 0) + len(warmups)
     schedule = Schedule(runs, blocks, warmup, dict(enumerate(runs.starts)), at_once, done, list(prior_seconds), planned,
-                        warmups)
+                        warmups, why)
     note(plan_words(schedule))
     return schedule
 
 
-def compile_warmups(runs: Runs, at_once: int) -> list[Run]:
-    """The compile warm-up runs of runs at once: each arm's (runs.py makes them), less the
-    baseline's where the common starts (the baseline's runs too) compile its code first; none with
-    ``--no-warmup-run``, or where runs go one at a time (the first of each arm compiles alone)."""
+def starts_to_make(starts: Sequence[Run], repeats: int, done: Mapping[Path, Any]) -> list[Run]:
+    """The common start runs a call makes: those of the first ``repeats`` blocks not finished earlier."""
+    return [r for r in starts[:repeats] if r.directory not in done]
+
+
+def compile_warmups(runs: Runs, blocks: Sequence[Sequence[Run]], at_once: int, done: Mapping[Path, Any]
+                    ) -> tuple[list[Run], str | None]:
+    """The compile warm-up runs this call makes (runs.py makes one per arm), and where it makes
+    none, why in a few words (None: nothing to say).
+
+    One for each arm with a run of ``blocks`` still to do, the baseline's too (its start runs stop
+    after one iteration, a warm-up after two), and only where they ride in the waves of the common
+    starts this call makes without adding one: S starts and W warm-ups, K at a time, where
+    ceil((S + W) / K) == ceil(S / K). A warm-up saves a run some seconds, a wave of its own would
+    cost a whole start-up, so none without starts to make in this call or where they would need a
+    wave more. None either with ``--no-warmup-run``, where runs go one at a time (the first of each
+    arm compiles alone) or where every run is done. One made in an earlier call is made again: the
+    caches it filled are that machine's, and a resumed call may run on another."""
     if not runs.spec.warmup_run or at_once <= 1:
-        return []
-    base = runs.design.baseline.name
-    return [r for r in runs.compile_warmups if not (runs.starts and r.arm == base)]
-
-
-def to_warm(warmups: Sequence[Run], blocks: Sequence[Sequence[Run]], done: Mapping[Path, Any]) -> list[Run]:
-    """The compile warm-up runs this call makes: every one, where some run of ``blocks`` is still to
-    do (none where every run is done: resuming only reports). One made in an earlier call is made
-    again: the caches it filled are that machine's, and a resumed call may run on another."""
-    if all(r.directory in done for block in blocks for r in block):
-        return []
-    return list(warmups)
+        return [], None
+    left = {r.arm for block in blocks for r in block if r.directory not in done}
+    warmups = [r for r in runs.compile_warmups if r.arm in left]
+    if not warmups:
+        return [], None
+    if not runs.starts:
+        return [], "no compile warm-up: no common starts to ride with"
+    starts = len(starts_to_make(runs.starts, len(blocks), done))
+    if not starts:
+        return [], "no compile warm-up: the common starts were made earlier"
+    if math.ceil((starts + len(warmups)) / at_once) > math.ceil(starts / at_once):
+        return [], "no compile warm-up: it would need a wave of its own"
+    return warmups, None
 
 
 # --- in words, for the notes and a dry run -------------------------------------------------------------
@@ -215,19 +230,16 @@ def _seeds_words(spec: ExperimentSpec) -> str:
 
 def warmup_words(schedule: Schedule) -> str:
     """The compile warm-up of runs at once in words ("" where there is none this call), e.g. "1
-    compile warm-up run of each arm first, at once with the common starts"."""
-    wave, design = schedule.warmup_wave, schedule.runs.design
+    compile warm-up run of each arm first, at once with the common starts (no wave of its own)"."""
+    wave, design = schedule.compile_warmups, schedule.runs.design
     if not wave:
         return ""
-    missing = [a.name for a in design.arms if a.name not in {r.arm for r in wave}]
-    starts = len(schedule.starts)
-    base = bool(starts) and missing == [design.baseline.name]  # the starts are the baseline's
-    who = "each arm" if not missing or base else ", ".join(r.arm for r in wave)
-    why = " (the baseline's: the starts themselves)" if base else " (the others' done earlier)" if missing else ""
-    waves = math.ceil((len(wave) + starts) / max(schedule.at_once, 1))
+    every = len(wave) == len(design.arms)
+    who = "each arm" if every else ", ".join(r.arm for r in wave) + " (the other arms' runs are done)"
+    waves = math.ceil((len(wave) + len(schedule.starts_made)) / max(schedule.at_once, 1))
     split = f", in {waves} waves of at most {schedule.at_once}" if waves > 1 else ""
-    return (f"1 compile warm-up run of {who} first, {'at once with the common starts' if starts else 'all at once'}"
-            f"{why}{split}, {COMPILE_WARMUP_ITERS} iterations each, unmeasured")
+    return (f"1 compile warm-up run of {who} first, at once with the common starts (no wave of its own){split}, "
+            f"{COMPILE_WARMUP_ITERS} iterations each, unmeasured")
 
 
 def plan_words(schedule: Schedule) -> str:
@@ -240,8 +252,9 @@ def plan_words(schedule: Schedule) -> str:
         seeds += f"; Megatron's --seed {_seeds_words(spec)}, one per block (--block-seeds {spec.block_seeds})"
     measured = (f"{schedule.at_once} at once share the GPU, so no step time is measured" if schedule.together
                 else f"the first {spec.warmup} left out of the medians")
+    why = f"; {schedule.no_warmup}" if schedule.no_warmup else ""
     return (f"{schedule.planned_runs} runs: {warm}{spec.repeats} block(s) x {len(runs.design.arms)} arms ({seeds}); "
-            f"{runs.iters} iterations per run, {measured}")
+            f"{runs.iters} iterations per run, {measured}{why}")
 
 
 def baseline_words(runs: Runs) -> str:
@@ -291,7 +304,7 @@ def loss_test_words(schedule: Schedule) -> str:
 
 def dry_run_lines(schedule: Schedule) -> list[str]:
     """--dry-run: each block's order, (with --common-start) the run that saves block 1's start, (with
-    --concurrent) the compile warm-up in words and its first run, then each arm's environment and
+    --concurrent) the compile warm-up in words and its first run, or why there is none, then each arm's environment and
     command, what the baseline is, and what the loss test will do."""
     import shlex
 
@@ -301,11 +314,13 @@ def dry_run_lines(schedule: Schedule) -> list[str]:
         start = schedule.starts[0]
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in start.env.items())
         lines.append(f"common start of block 1 (the baseline, one iteration, saved):\n  {env} {shlex.join(start.command)}")
-    if schedule.warmup_wave:
-        first = schedule.warmup_wave[0]
+    if schedule.compile_warmups:
+        first = schedule.compile_warmups[0]
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in first.env.items())
         lines.append(f"compile warm-up: {warmup_words(schedule)}, no checkpoint loaded or saved; {first.arm}'s:"
                      f"\n  {env} {shlex.join(first.command)}")
+    elif schedule.no_warmup:
+        lines.append(schedule.no_warmup)
     for run in schedule.blocks[0]:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in run.env.items())
         what = f" (baseline: {baseline_words(runs)})" if run.arm == runs.design.baseline.name else ""
