@@ -160,9 +160,9 @@ class ExperimentSpec:
         "another way", action="store_true"))
     concurrent: int = field(default=1, metadata=_opt(
         "--concurrent", "run K runs at once (for loss-only experiments: runs that share a GPU time the "
-        "sharing, so the result then carries no speed figures; instead of the warm-up run, a compile warm-up: one "
-        "short run of each arm, at once (with the common starts), that fills the compile caches first); each run "
-        "gets its own "
+        "sharing, so the result then carries no speed figures; instead of the warm-up run, with --common-start, a "
+        "compile warm-up: one short run of each arm with runs left, in the common starts' waves where it adds no "
+        "wave of its own, that fills the compile caches first); each run gets its own "
         "MASTER_PORT; where K runs' planned peak plus each process's own overhead does not fit the GPU's "
         "memory, as many as fit (one line says so) (default %(default)s: one at a time)", type=int, metavar="K"))
     split_blocks: bool = field(default=False, metadata=_opt(
