@@ -364,7 +364,7 @@ def test_tied_embeddings_keep_the_output_layers_placeholder():
     untied = memory.layout_from_args(memory_validation.args_of(REFERENCE_ARGV))
     tied = replace(untied, untied=False)
     assert memory.dummy_wgrads_mb(tied) == memory.dummy_wgrads_mb(untied)
-    assert memory.dummy_wgrads_mb(tied) - memory.dummy_wgrads_mb(tied, last_stage=False) == 2 * 128256 * 4096 / 2**20
+    assert memory.dummy_wgrads_mb(tied) - memory.dummy_wgrads_mb(tied, stage="first") == 2 * 128256 * 4096 / 2**20
 
 
 def test_the_distributed_optimizer_shards_over_data_and_context_parallel_ranks():
