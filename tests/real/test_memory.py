@@ -88,7 +88,7 @@ def test_layout_terms_follow_tp_cp_and_pipeline():
     cp2 = replace(base, cp=2)
     assert memory.fp32_logits_mb(tp2) == memory.fp32_logits_mb(base) / 2  # the vocabulary is split
     assert memory.fp32_logits_mb(cp2) == memory.fp32_logits_mb(base) / 2  # the sequence is split
-    pp2 = replace(base, pp=2)
+    pp2 = replace(base, pp=2, split=None)  # the even split of the same layers
     assert pp2.last_stage_params() < base.last_stage_params()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -58,7 +59,7 @@ def ids(*ranks: range | tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     ({"pipeline_model_parallel_layout": "E|t*3|t*3|t*2,L"}, 8, 4, ids((), range(0, 3), range(3, 6), (6, 7))),
     # eight stages over four ranks: stage k is chunk k // 4 of rank k % 4
     ({"pipeline_model_parallel_layout": "Et|tt|tt|t|t|tt|tt|tL"}, 12, 4, ids((0, 6), (1, 2, 7, 8), (3, 4, 9, 10), (5, 11))),
-    ({"pipeline_model_parallel_layout": [["embedding", "decoder"], ["decoder", "decoder", "loss"]]}, 3, 2,
+    ({"pipeline_model_parallel_layout": [["embedding", "decoder"], [" Decoder", "decoder", "LOSS"]]}, 3, 2,
      ids((0,), (1, 2))),
 ])
 def test_each_rank_holds_the_layers_megatron_builds_there(args, layers, pp, expected):
@@ -95,6 +96,8 @@ def test_a_built_layout_object_is_read_per_rank_and_chunk():
     ({"pipeline_model_parallel_layout": "tE|tL"}, 2, 2, "embedding (E) first"),
     ({"pipeline_model_parallel_layout": "|Et|tL"}, 2, 3, "first stage holds the embedding"),
     ({"pipeline_model_parallel_layout": {"stages": 2}}, 2, 2, "of type dict is not read"),
+    ({"pipeline_model_parallel_layout": [["E", "t"], ["t", "L"]]}, 2, 2, "names a layer 'E'"),  # a list names kinds
+    ({"pipeline_model_parallel_layout": [["embedding", "encoder"], ["decoder", "loss"]]}, 1, 2, "'encoder'"),
     ({"pipeline_model_parallel_layout": "Et|tL", "decoder_first_pipeline_num_layers": 1}, 2, 2, "other pipeline split"),
     ({"decoder_first_pipeline_num_layers": 3, "decoder_last_pipeline_num_layers": 2}, 12, 4, "leave 7 layers for 2"),
     ({"decoder_first_pipeline_num_layers": 0}, 12, 4, "needs 1 or more"),
@@ -108,6 +111,13 @@ def test_a_split_megatron_would_refuse_or_the_model_cannot_read_is_unknown(args,
     with pytest.raises(SplitUnknown) as why:
         rank_layers(args, layers, pp)
     assert words in str(why.value) and "\n" not in str(why.value)
+
+
+def test_a_layout_keeps_only_its_own_split():
+    lay = memory.layout_from_args({**SMALL, "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1})
+    with pytest.raises(ValueError, match="not this layout's"):
+        replace(lay, pp=2)
+    assert [replace(lay, pp=2, split=None).layer_count(s) for s in ("first", "last")] == [6, 6]
 
 
 # --- the busiest stage, priced with its own layers -------------------------------------------------

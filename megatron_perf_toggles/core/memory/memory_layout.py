@@ -51,6 +51,13 @@ class Layout:
     # per pipeline rank, the decoder layers it builds (core.memory.pipeline_split); None: an even split
     split: tuple[tuple[int, ...], ...] | None = None
 
+    def __post_init__(self) -> None:
+        """A split must be this layout's (a ``dataclasses.replace`` of PP or the layer count drops it
+        with ``split=None``): a stale one would price another job's stages."""
+        if self.split is not None and (len(self.split) != self.pp or sum(map(len, self.split)) != self.layers):
+            raise ValueError(f"a pipeline split of {len(self.split)} ranks and {sum(map(len, self.split))} layers "
+                             f"is not this layout's ({self.pp} stages, {self.layers} layers)")
+
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch on one rank: the logits' rows (the output layer gathers the

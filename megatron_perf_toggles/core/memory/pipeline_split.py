@@ -63,15 +63,11 @@ def parse_layout(text: str) -> list[str]:
 
 
 def _letter(item: Any) -> str:
-    """One layer of a layout given as a list: a letter, a LayerType name, or an enum member with
-    that name (a configuration object's layout)."""
+    """One layer of a layout given as a list, as its letter: a LayerType name in any case (Megatron
+    reads a list's strings so), or an enum member with that name (a configuration object's layout)."""
     name = getattr(item, "name", item)
-    if isinstance(name, str):
-        key = name.strip()
-        if key in LETTERS:
-            return key
-        if key.lower() in _BY_NAME:
-            return _BY_NAME[key.lower()]
+    if isinstance(name, str) and name.strip().lower() in _BY_NAME:
+        return _BY_NAME[name.strip().lower()]
     raise SplitUnknown(f"the pipeline layout names a layer {item!r} the memory model does not read")
 
 
