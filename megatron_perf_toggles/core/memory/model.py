@@ -159,9 +159,9 @@ def moe_toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str
                         te_installed: bool, stage: str = "last") -> float | None:
     """An MoE toggle's change (``core.memory.memory_moe.toggle_delta_mb``) on the stage's MoE layers, each
     holding the activations of the micro-batches in flight there (``Layout.in_flight``: one on the
-    last stage, PP on the first): 0 where the
-    stage has no MoE layer (a dense model included); None without Transformer Engine, whose kernels
-    all three toggles run (Megatron's own fallbacks are not modelled)."""
+    last stage, PP on the first, PP - rank on a middle one): 0 where the stage has no MoE layer (a
+    dense model included); None without Transformer Engine, whose kernels all three toggles run
+    (Megatron's own fallbacks are not modelled)."""
     moe_layers = layout.moe_layers(stage)
     if layout.moe is None or not moe_layers or bool(values.get(dest)) == bool(stock.get(dest)):
         return 0.0
