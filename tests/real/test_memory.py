@@ -88,7 +88,7 @@ def test_layout_terms_follow_tp_cp_and_pipeline():
     cp2 = replace(base, cp=2)
     assert memory.fp32_logits_mb(tp2) == memory.fp32_logits_mb(base) / 2  # the vocabulary is split
     assert memory.fp32_logits_mb(cp2) == memory.fp32_logits_mb(base) / 2  # the sequence is split
-    pp2 = replace(base, pp=2)
+    pp2 = replace(base, pp=2, split=None)  # the even split of the same layers
     assert pp2.last_stage_params() < base.last_stage_params()
 
 
@@ -364,7 +364,7 @@ def test_tied_embeddings_keep_the_output_layers_placeholder():
     untied = memory.layout_from_args(memory_validation.args_of(REFERENCE_ARGV))
     tied = replace(untied, untied=False)
     assert memory.dummy_wgrads_mb(tied) == memory.dummy_wgrads_mb(untied)
-    assert memory.dummy_wgrads_mb(tied) - memory.dummy_wgrads_mb(tied, last_stage=False) == 2 * 128256 * 4096 / 2**20
+    assert memory.dummy_wgrads_mb(tied) - memory.dummy_wgrads_mb(tied, stage="first") == 2 * 128256 * 4096 / 2**20
 
 
 def test_the_distributed_optimizer_shards_over_data_and_context_parallel_ranks():

@@ -20,7 +20,8 @@ A case is a dict with a ``name`` and a ``kind``, which picks the code that runs 
 - ``launcher`` / ``cli`` / ``script``: the launcher's ``main``, the command line's ``main`` or a script
   as ``python SCRIPT`` (launcher_cases.py);
 - ``parse`` / ``wgrad_sites``: parse + validate + TransformerConfig, the wgrad fallback's sites (parse_cases.py);
-- ``corpus``: a batch of functional-test configs or fuzz samples, stock against the plugin (corpus_cases.py).
+- ``corpus``: a batch of functional-test configs or fuzz samples, stock against the plugin (corpus_cases.py);
+- ``pp_split``: each pipeline rank's layers, Megatron's own count against the memory model's (pp_split_cases.py).
 
 Every case runs inside ``PROCESS_CHANGES.scope()``: what the plugin patches during one case is undone
 before the next. A worker that dies fails only its own tree's tests, with the end of its log.
@@ -53,6 +54,7 @@ FDS_ENV = "PTT_DRIVER_FDS"  # the worker's request and reply pipes
 DROP = ("MEGATRON_PERF_TOGGLES", "PTT_", "FP4_")
 # Which module runs a case of each kind, in the worker (the function ``run_case(case)``).
 KINDS = {"launcher": "launcher_cases", "script": "launcher_cases", "cli": "launcher_cases", "parse": "parse_cases",
+         "pp_split": "pp_split_cases",
          "wgrad_sites": "parse_cases", "corpus": "corpus_cases"}
 # Kinds that answer Megatron's device probes like a GPU machine for their batch run after the others.
 LAST_KINDS = frozenset({"corpus"})

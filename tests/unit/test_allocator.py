@@ -92,7 +92,7 @@ def test_the_need_is_the_neediest_stages():
             "num_query_groups": 8, "num_layers": 32, "seq_length": 8192, "micro_batch_size": 1,
             "pipeline_model_parallel_size": 8, "world_size": 8}
     layout = memory.layout_from_args(args)
-    assert "logits" not in allocator.largest_allocation(layout, {}, last_stage=False).what
+    assert "logits" not in allocator.largest_allocation(layout, {}, stage="first").what
     p = plan(args, gpu_mb=None)
     need = p.memory["allocator_need_mb"]
     assert need["expandable_segments"] == p.memory["planned_peak_mb"]  # the first stage peaks ...

@@ -48,7 +48,7 @@ def test_expert_parameters_follow_ep_and_etp(ep, etp, local, split):
 
 def test_stage_parameters_count_the_experts_once_per_moe_layer():
     lay = layout()
-    dense, experts = lay.stage_param_split(last=True)
+    dense, experts = lay.stage_param_split("last")
     assert experts == LAYERS * E * EXPERT
     # dense: each layer's attention, norms and router, the final norm, the embedding and the output layer
     assert dense == LAYERS * (ATTENTION + 2 * H + E * H) + H + 2 * VOCAB * H
@@ -59,14 +59,14 @@ def test_distributed_optimizer_shards_expert_state_over_the_expert_data_parallel
     # world 16, EP 4, ETP 1, PP 1: DP 16, expert DP 16 / 4 = 4
     lay = layout(world_size=16, expert_model_parallel_size=4)
     assert lay.moe.edp == 4
-    dense, experts = lay.stage_param_split(last=True)
+    dense, experts = lay.stage_param_split("last")
     expected = (dense * (6 + 12 / 16) + experts * (6 + 12 / 4)) / MB
     est = memory.stock_peak(lay, False, True)
     assert est.parts["weights_and_optimizer"] == pytest.approx(expected, abs=0.1)
     # without the distributed optimizer every parameter costs 18 B
     plain = layout(world_size=16, expert_model_parallel_size=4, use_distributed_optimizer=False)
     assert memory.stock_peak(plain, False, True).parts["weights_and_optimizer"] == pytest.approx(
-        sum(plain.stage_param_split(True)) * 18 / MB, abs=0.1)
+        sum(plain.stage_param_split("last")) * 18 / MB, abs=0.1)
 
 
 def test_expert_data_parallel_counts_etp_and_pipeline_stages():
@@ -91,7 +91,7 @@ def test_moe_layer_frequency_and_patterns():
     assert memory_moe.layer_pattern("([0]+[1]*3)", 4) == (False, True, True, True)  # the first layer dense
     assert memory_moe.layer_pattern([1, 1, 0, 0], 4) == (True, True, False, False)
     first_dense = layout(moe_layer_freq="([0]+[1]*3)")
-    dense, experts = first_dense.stage_param_split(True)
+    dense, experts = first_dense.stage_param_split("last")
     assert experts == 3 * E * EXPERT
     dense_layer = ATTENTION + 2 * H + 2 * FFN * H + H * FFN
     assert dense == dense_layer + 3 * (ATTENTION + 2 * H + E * H) + H + 2 * VOCAB * H
@@ -102,8 +102,8 @@ def test_moe_layer_frequency_and_patterns():
 
 def test_pipeline_stages_hold_their_own_moe_layers():
     lay = layout(moe_layer_freq=[0, 0, 1, 1], pipeline_model_parallel_size=2, world_size=2)
-    assert (lay.moe_layers(last=False), lay.moe_layers(last=True)) == (0, 2)
-    assert lay.stage_param_split(last=False)[1] == 0
+    assert (lay.moe_layers("first"), lay.moe_layers("last")) == (0, 2)
+    assert lay.stage_param_split("first")[1] == 0
 
 
 def test_a_dense_model_is_unchanged():
@@ -202,7 +202,7 @@ def test_permute_and_router_fusion_per_moe_layer(experts, topk):
     assert delta("moe_router_fusion", lay) == pytest.approx(router)
     # the first pipeline stage holds PP micro-batches of its MoE layers
     pp = layout(num_experts=experts, moe_router_topk=topk, pipeline_model_parallel_size=2, world_size=2)
-    assert delta("moe_router_fusion", pp, last_stage=False) == pytest.approx(2 * (LAYERS // 2) * router / LAYERS)
+    assert delta("moe_router_fusion", pp, stage="first") == pytest.approx(2 * (LAYERS // 2) * router / LAYERS)
     # recomputed MoE layers keep neither
     recomputed = layout(num_experts=experts, recompute_granularity="selective", recompute_modules=["moe"])
     assert delta("moe_router_fusion", recomputed) == 0.0

@@ -85,32 +85,37 @@ class Largest:
     what: str
 
 
-def largest_allocation(layout: Layout, values: Mapping[str, Any], last_stage: bool = True) -> Largest:
+def largest_allocation(layout: Layout, values: Mapping[str, Any], stage: str = "last") -> Largest:
     """The step's largest single transient allocation under these toggle values, on a rank of the
-    last pipeline stage (``last_stage=False``: of the first, which computes no logits).
+    pipeline stage (the last by default; another computes no logits).
 
     Candidates, each a tensor made and freed once per micro-batch: the logits' fp32 copy (stock's
     cross entropy and the native fusion upcast the bf16 logits), or with Transformer Engine's cross
     entropy only the bf16 logits and their gradient; the first MLP projection's output (a dense
     layer's; an MoE layer's experts': ``core.memory.memory_moe.largest_candidates``, their permuted tokens
-    too); and with attention outside a fused kernel (``--transformer-impl local``) the attention scores."""
+    too); and with attention outside a fused kernel (``--transformer-impl local``) the attention
+    scores. A stage holding none of these (a first stage with the embedding alone, as a pipeline
+    layout may give it) has the embedding's output."""
     tokens_vocab = layout.tokens * layout.vocab_per_rank
     te_ce = bool(values.get("cross_entropy_loss_fusion")) and values.get("cross_entropy_fusion_impl") == "te"
     logits = (BF16 * tokens_vocab / MB, "the bf16 logits (Transformer Engine's cross entropy)") if te_ce \
         else (FP32 * tokens_vocab / MB, "the fp32 copy of the logits in the cross entropy")
     fc1 = layout.ffn * (2 if layout.swiglu else 1) // layout.tp
+    count, moe_n = layout.layer_count(stage), layout.moe_layers(stage)
     candidates = []
-    if layout.moe_layers(last_stage) < layout.stage_layers:  # a dense layer's MLP on this stage
+    if moe_n < count:  # a dense layer's MLP on this stage
         candidates.append((BF16 * layout.tokens * fc1 / MB, "the first MLP projection's output"))
-    if layout.moe is not None and layout.moe_layers(last_stage):
+    if layout.moe is not None and moe_n:
         candidates += largest_candidates(layout.moe, layout.hidden, layout.tokens, layout.tp,
                                          layout.sequence_parallel, layout.swiglu, values)
-    if last_stage:
+    if stage == "last":
         candidates.append(logits)
-    if layout.unfused_attention:
+    if layout.unfused_attention and count:
         seq = layout.seq // layout.cp
         scores = BF16 * layout.micro_batch * (layout.heads // layout.tp) * seq * seq / MB
         candidates.append((scores, "the attention scores (attention outside a fused kernel)"))
+    if not candidates:
+        candidates.append((BF16 * layout.tokens * layout.hidden / MB, "the embedding's output"))
     mb, what = max(candidates)
     return Largest(round(mb, 1), what)
 

@@ -84,14 +84,17 @@ class MemoryPlan:
     terms: dict[str, float | None] = field(default_factory=dict)
     stock: Estimate | None = None
     stock_at: Spot | None = None  # where stock peaks, and by how much
-    planned_at: Spot | None = None  # where the plan peaks (the busier pipeline stage, or its optimizer step)
+    planned_at: Spot | None = None  # where the plan peaks (the busiest pipeline stage, or its optimizer step)
     moved: dict[str, Spot] = field(default_factory=dict)  # the toggles whose share moved the peak: where to
     stages: int = 1  # pipeline stages (PP): where more than one, the places name the stage
+    # each pipeline rank's transformer layers, as the split read from the arguments gives them
+    # (core.memory.pipeline_split): the plan priced these, so a reader can hold them against the run's
+    stage_layers: list[int] | None = None
     gpu_memory_mb: float | None = None
     limit_mb: float | None = None
     note: str = ""
     largest: Largest | None = None  # the plan's largest allocation per step, on its neediest stage (core.memory.allocator)
-    largest_stage: str | None = None  # that stage: last | first
+    largest_stage: str | None = None  # that stage: last | first | rank N
     needs: dict[str, float] | None = None  # what the allocator needs: fixed_segments, expandable_segments
     stock_largest: Largest | None = None
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # "stock" and "plan"
@@ -136,7 +139,7 @@ class MemoryPlan:
             "stock_parts_mb": None if stock is None else stock.parts,
             "planned_peak_mb": None if at is None else round(at.mb, 1),
             "planned_peak_at": None if at is None else at.words(self.stages),
-            "pipeline_stages": self.stages,
+            "pipeline_stages": self.stages, "pipeline_stage_layers": self.stage_layers,
             "largest_allocation_mb": None if self.largest is None else self.largest.mb,
             "largest_allocation": None if self.largest is None else self.largest.what,
             "largest_allocation_stage": self.largest_stage,
@@ -161,9 +164,9 @@ def _deltas(values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any, te
 
 def allocator_stages(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
                      te: bool) -> list[tuple[str, float, Largest]]:
-    """Each stage's name, peak and own largest allocation (the first stage holds no logits), for
+    """Each priced stage's name, peak and own largest allocation (only the last holds logits), for
     what the caching allocator needs (``allocator.need_mb``)."""
-    return [(name, peak, largest_allocation(layout, values, last_stage=name == "last"))
+    return [(name, peak, largest_allocation(layout, values, stage=name))
             for name, peak in stage_peaks(estimate, values, stock, layout, te).items()]
 
 
@@ -237,6 +240,7 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     memory.stock = estimate = stock_peak(layout, bool(base["gradient_accumulation_fusion"]), te,
                                          {d: base[d] for d in MOE_DESTS})
     memory.stages = layout.pp
+    memory.stage_layers = [len(layout.rank_layers(rank)) for rank in range(layout.pp)]
     refused = expandable_segments_refused(args, caps)
     memory.expandable_refused = None if env.expandable_segments else refused
     limit = None if caps.gpu_memory_mb is None else caps.gpu_memory_mb - headroom_mb(env, caps.gpu_memory_mb)

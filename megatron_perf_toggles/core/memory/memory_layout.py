@@ -1,8 +1,12 @@
 """The layout of a GPT job, per rank, as the peak-memory model reads it from Megatron's parsed arguments.
 
 Split from ``core.memory.model`` (which re-exports every name here): the few facts peak memory depends on
-(sizes, parallel layout, precision, recompute, the MoE layers of ``core.memory.memory_moe``) and the
-parameters each pipeline stage holds. Pure arithmetic over the parsed namespace.
+(sizes, parallel layout, precision, recompute, the MoE layers of ``core.memory.memory_moe``, each
+pipeline rank's layers from ``core.memory.pipeline_split``) and the parameters each pipeline stage
+holds. Pure arithmetic over the parsed namespace.
+
+A stage is named ``last``, ``first`` (with PP > 1) or ``rank N`` (a middle pipeline rank, counted
+from 0 as Megatron counts them): the plan's records and words use these names.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 from . import memory_moe
 from .memory_moe import Moe, MoeUnknown, moe_from_args
+from .pipeline_split import SplitUnknown, rank_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,15 @@ class Layout:
     fp32_grad_buffer: bool = True  # stock's gradient buffer is fp32 (bf16 training with fp32 main grads)
     unfused_attention: bool = False  # --transformer-impl local: attention scores are materialised
     moe: Moe | None = None  # the mixture-of-experts layers (core.memory.memory_moe); None: a dense model
+    # per pipeline rank, the decoder layers it builds (core.memory.pipeline_split); None: an even split
+    split: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        """A split must be this layout's (a ``dataclasses.replace`` of PP or the layer count drops it
+        with ``split=None``): a stale one would price another job's stages."""
+        if self.split is not None and (len(self.split) != self.pp or sum(map(len, self.split)) != self.layers):
+            raise ValueError(f"a pipeline split of {len(self.split)} ranks and {sum(map(len, self.split))} layers "
+                             f"is not this layout's ({self.pp} stages, {self.layers} layers)")
 
     @property
     def tokens(self) -> int:
@@ -54,9 +68,61 @@ class Layout:
     def vocab_per_rank(self) -> int:
         return self.padded_vocab // self.tp
 
-    @property
-    def stage_layers(self) -> int:
-        return math.ceil(self.layers / self.pp)
+    # --- the pipeline stages: which layers each holds, how the plan names it ---------------------
+
+    def rank_layers(self, rank: int) -> tuple[int, ...]:
+        """The decoder layers pipeline rank ``rank`` builds: the split read from the arguments
+        (``core.memory.pipeline_split``), or without one an even split (each rank ceil(N / PP)
+        layers, the last rank the last ones)."""
+        if self.split is not None:
+            return tuple(self.split[rank])
+        per = math.ceil(self.layers / self.pp)
+        start = max(self.layers - per, 0) if rank == self.pp - 1 else rank * per
+        return tuple(range(start, min(start + per, self.layers)))
+
+    def stage_rank(self, stage: str) -> int:
+        """The pipeline rank a stage name means: ``last``, ``first`` (with PP > 1) or ``rank N``."""
+        if stage == "last":
+            return self.pp - 1
+        if stage == "first":
+            return 0
+        rank = int(stage.removeprefix("rank "))
+        if not 0 <= rank < self.pp:
+            raise ValueError(f"no pipeline stage {stage!r} with PP {self.pp}")
+        return rank
+
+    def stage_name(self, rank: int) -> str:
+        """The name the plan gives pipeline rank ``rank``'s stage (``stage_rank`` reads it back)."""
+        return "last" if rank == self.pp - 1 else "first" if rank == 0 else f"rank {rank}"
+
+    def stage_layer_ids(self, stage: str = "last") -> tuple[int, ...]:
+        return self.rank_layers(self.stage_rank(stage))
+
+    def layer_count(self, stage: str = "last") -> int:
+        """The decoder layers the stage builds."""
+        return len(self.stage_layer_ids(stage))
+
+    def in_flight(self, stage: str = "last") -> int:
+        """Micro-batches whose activations the stage holds at once in the 1F1B schedule: PP on the
+        first, one fewer on each later rank, one on the last."""
+        return self.pp - self.stage_rank(stage)
+
+    def priced_stages(self) -> list[str]:
+        """The stages a peak is worked out for: the last, the first (PP > 1), and a middle rank whose
+        layers (their number, its MoE layers among them) no earlier rank's match. A middle rank whose
+        layers an earlier one (the first included) matches holds no more than that one in any term:
+        the same weights and shapes, no more micro-batches in flight, no embedding, no logits."""
+        if self.pp == 1:
+            return ["last"]
+        seen = {(self.layer_count("first"), self.moe_layers("first"))}
+        out = ["last", "first"]
+        for rank in range(1, self.pp - 1):
+            name = self.stage_name(rank)
+            kind = (self.layer_count(name), self.moe_layers(name))
+            if kind not in seen:
+                seen.add(kind)
+                out.append(name)
+        return out
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Each distinct weight matrix of one transformer layer on this rank (rows, columns)."""
@@ -84,51 +150,48 @@ class Layout:
         dense = self.attention_params() + 2 * self.hidden + memory_moe.moe_dense_params(moe, self.hidden, self.swiglu, self.tp)
         return dense, memory_moe.expert_params(moe, self.hidden, self.swiglu)
 
-    def stage_start(self, last: bool) -> int:
-        """The first layer of the last (or the first) pipeline stage."""
-        return max(self.layers - self.stage_layers, 0) if last else 0
+    def moe_layers(self, stage: str = "last") -> int:
+        """The MoE layers among the stage's layers."""
+        return 0 if self.moe is None else self.moe.layers_among(self.stage_layer_ids(stage))
 
-    def moe_layers(self, last: bool = True) -> int:
-        """The MoE layers on the last (or the first) pipeline stage."""
-        return 0 if self.moe is None else self.moe.layers_in(self.stage_start(last), self.stage_layers)
-
-    def stage_param_split(self, last: bool) -> tuple[int, int]:
-        """Parameters on one rank of the last (or the first) stage: (dense, expert). Dense: its
-        layers outside the experts, the final norm and the output layer on the last stage (its own
-        weight when untied; a copy of the embedding when tied and PP > 1), the input embedding on
-        the first (both when PP == 1)."""
-        moe_n = self.moe_layers(last)
-        dense = (self.stage_layers - moe_n) * self.layer_params()
+    def stage_param_split(self, stage: str = "last") -> tuple[int, int]:
+        """Parameters on one rank of the stage: (dense, expert). Dense: its layers outside the
+        experts, the final norm and the output layer on the last stage (its own weight when untied;
+        a copy of the embedding when tied and PP > 1), the input embedding on the first (both when
+        PP == 1)."""
+        rank = self.stage_rank(stage)
+        moe_n = self.moe_layers(stage)
+        dense = (self.layer_count(stage) - moe_n) * self.layer_params()
         expert = 0
         if moe_n:
             moe_dense, expert_layer = self.moe_layer_params()
             dense, expert = dense + moe_n * moe_dense, moe_n * expert_layer
-        if last:
+        if rank == self.pp - 1:
             dense += self.hidden + self.embedding_params()
             if self.pp == 1 and self.untied:
                 dense += self.embedding_params()
-        elif self.pp > 1:
+        elif rank == 0:
             dense += self.embedding_params()
-        else:
-            return self.stage_param_split(True)
         return dense, expert
 
-    def weight_shapes(self) -> set[tuple[int, int]]:
-        """Each distinct linear weight shape of the model's layers on this rank: attention's, the
-        dense MLP's where a dense layer exists, the experts' and the shared experts' where MoE layers do."""
+    def weight_shapes(self, stage: str = "last") -> set[tuple[int, int]]:
+        """Each distinct linear weight shape of the stage's layers on this rank: attention's where it
+        holds a layer, the dense MLP's where it holds a dense layer, the experts' and the shared
+        experts' where it holds an MoE layer."""
+        count, moe_n = self.layer_count(stage), self.moe_layers(stage)
         shapes = self.linear_shapes()
-        out = {shapes["qkv"], shapes["proj"]}
-        if self.moe is None or not all(self.moe.pattern):
+        out = {shapes["qkv"], shapes["proj"]} if count else set()
+        if count > moe_n:
             out |= {shapes["fc1"], shapes["fc2"]}
-        if self.moe is not None:
+        if self.moe is not None and moe_n:
             out |= set(memory_moe.expert_shapes(self.moe, self.hidden, self.swiglu).values())
             out |= set(memory_moe.shared_shapes(self.moe, self.hidden, self.swiglu, self.tp).values())
         return out
 
-    def stage_linear_weights(self, last: bool) -> int:
+    def stage_linear_weights(self, stage: str = "last") -> int:
         """The linear layers' weights of the stage's layers (what FP8 keeps a 1-byte copy of)."""
-        moe_n = self.moe_layers(last)
-        dense = (self.stage_layers - moe_n) * sum(r * c for r, c in self.linear_shapes().values())
+        moe_n = self.moe_layers(stage)
+        dense = (self.layer_count(stage) - moe_n) * sum(r * c for r, c in self.linear_shapes().values())
         if self.moe is None or not moe_n:
             return dense
         shared = sum(r * c for r, c in memory_moe.shared_shapes(self.moe, self.hidden, self.swiglu, self.tp).values())
@@ -138,12 +201,15 @@ class Layout:
     def embedding_params(self) -> int:
         return self.vocab_per_rank * self.hidden
 
+    def stage_params(self, stage: str = "last") -> int:
+        """Parameters on one rank of the stage (``stage_param_split``), experts included."""
+        return sum(self.stage_param_split(stage))
+
     def last_stage_params(self) -> int:
-        """Parameters on one rank of the last stage (``stage_param_split``), experts included."""
-        return sum(self.stage_param_split(True))
+        return self.stage_params("last")
 
     def first_stage_params(self) -> int:
-        return sum(self.stage_param_split(False))
+        return self.stage_params("first" if self.pp > 1 else "last")
 
 
 class Unknown(Exception):
@@ -175,7 +241,8 @@ def padded_vocab(args: Mapping[str, Any]) -> int:
 def layout_from_args(args: Mapping[str, Any]) -> Layout:
     """The layout Megatron's parsed (and validated) namespace describes; raises Unknown for what the
     model does not cover (MLA, hybrid models, a vocabulary not known yet, the MoE variants
-    ``core.memory.memory_moe`` leaves out)."""
+    ``core.memory.memory_moe`` leaves out, a pipeline split ``core.memory.pipeline_split`` cannot
+    read: pricing it as an even split would name the wrong stage and the wrong peak)."""
     for dest, words in (("multi_latent_attention", "multi-latent attention"),
                         ("hybrid_override_pattern", "hybrid (Mamba) layers"), ("mtp_num_layers", "multi-token prediction")):
         if args.get(dest):
@@ -193,7 +260,8 @@ def layout_from_args(args: Mapping[str, Any]) -> Layout:
     ffn, layers = _int(args, "ffn_hidden_size", 4 * hidden), _int(args, "num_layers")
     try:
         moe = moe_from_args(args, layers, ffn, tp, pp, dp * tp * pp * cp)
-    except MoeUnknown as why:
+        split = rank_layers(args, layers, pp)
+    except (MoeUnknown, SplitUnknown) as why:
         raise Unknown(str(why)) from None
     return Layout(
         hidden=hidden, ffn=ffn, layers=layers,
@@ -206,7 +274,7 @@ def layout_from_args(args: Mapping[str, Any]) -> Layout:
         recompute=recompute if recompute in ("selective", "full") else None,
         bias=bool(args.get("add_bias_linear", False)), fp8=bool(args.get("fp8") or args.get("fp8_format")),
         fp32_grad_buffer=_fp32_grad_buffer(args), unfused_attention=args.get("transformer_impl") == "local",
-        moe=moe,
+        moe=moe, split=split,
     )
 
 

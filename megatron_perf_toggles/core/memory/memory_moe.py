@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,11 @@ class Moe:
     def layers_in(self, first: int, count: int) -> int:
         """How many of ``count`` layers from ``first`` on are MoE layers."""
         return sum(self.pattern[first:first + count])
+
+    def layers_among(self, layers: Iterable[int]) -> int:
+        """How many of these layers (a pipeline stage's, not always contiguous: virtual stages
+        interleave them) are MoE layers."""
+        return sum(1 for i in layers if 0 <= i < len(self.pattern) and self.pattern[i])
 
 
 # --- from the parsed arguments -------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 from ...errors import DoesNotFitError
 from .allocator import VERDICT_WORDS
-from .peaks import PHASE_WORDS, STAGE_WORDS
+from .peaks import PHASE_WORDS, is_stage, stage_words
 
 PLAIN = PHASE_WORDS["training"]  # one stage peaking in forward and backward, as stock's does: not said
 
@@ -56,8 +56,8 @@ def largest_words(memory: Mapping[str, Any]) -> str:
     if memory.get("largest_allocation_mb") is None:
         return ""
     stage = memory.get("largest_allocation_stage")
-    staged = isinstance(stage, str) and stage in STAGE_WORDS and memory.get("pipeline_stages", 1) > 1
-    on = f" on {STAGE_WORDS[str(stage)]}" if staged else ""
+    staged = is_stage(stage) and memory.get("pipeline_stages", 1) > 1
+    on = f" on {stage_words(str(stage))}" if staged else ""
     what = f" ({memory['largest_allocation']})" if staged and memory.get("largest_allocation") else ""
     return f"; largest allocation {size_words(memory['largest_allocation_mb'])}{on}{what}"
 

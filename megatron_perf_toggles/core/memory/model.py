@@ -2,9 +2,11 @@
 
 Pure arithmetic over the parsed arguments (no torch, no Megatron): a plan can show, before anything
 runs, what every decision costs in memory. Units are MB of 2**20 bytes, as torch's
-``max_memory_allocated`` and Megatron's memory report count them. Every figure is for the GPU that
-holds the most, which for the toggles' terms is a rank of the last pipeline stage (it holds the
-output layer and the logits).
+``max_memory_allocated`` and Megatron's memory report count them. Every figure is for one GPU of a
+pipeline stage (``stage``: ``last``, ``first`` or ``rank N``, ``core.memory.memory_layout``), by
+default the last (it holds the output layer and the logits); stock's peak is worked out for every
+stage that may hold the most (``Layout.priced_stages``), with each stage's own layers, so an uneven
+pipeline split is priced as it is built.
 
 Each term below names the code path in Megatron-LM (and Transformer Engine) that creates the tensor
 it counts; docs/memory.md has the derivations and the H200 validation.
@@ -59,7 +61,7 @@ def cross_entropy_mb(layout: Layout, fused: bool, impl: str) -> float:
     return fp32_logits_mb(layout) if impl == "native" else -fp32_logits_mb(layout) / 2
 
 
-def dummy_wgrads_mb(layout: Layout, last_stage: bool = True) -> float:
+def dummy_wgrads_mb(layout: Layout, stage: str = "last") -> float:
     """What gradient accumulation fusion adds where Transformer Engine is installed.
 
     With fusion, a linear layer's weight-gradient GEMM accumulates into ``main_grad`` directly, and
@@ -67,21 +69,22 @@ def dummy_wgrads_mb(layout: Layout, last_stage: bool = True) -> float:
     activations' dtype) so the DDP backward hooks fire on the main thread. Megatron's own layers
     (the output layer, tensor_parallel/layers.py) and TE's linear modules take that placeholder from
     TE's ``get_dummy_wgrad``, which caches ONE tensor per (shape, dtype) for the rest of the job. So
-    the cost is one bf16 weight-sized tensor per distinct weight shape: the output layer's
-    (vocab/TP x hidden) plus one of each of a layer's QKV, projection, FC1 and FC2 weights.
+    the cost is one bf16 weight-sized tensor per distinct weight shape on the stage's rank: the
+    output layer's (vocab/TP x hidden) on the last stage plus one of each of its layers' QKV,
+    projection, FC1 and FC2 weights.
 
     Without fusion the weight gradient is a transient bf16 tensor that the hook adds into
     ``main_grad`` and frees: nothing persists. Reference model (hidden 4096, ffn 14336, 32 heads,
     8 KV groups, vocab 128256, TP 1): 2 B x (128256x4096 + 6144x4096 + 4096x4096 + 28672x4096 +
     4096x14336) = 1002 + 416 = 1418 MB.
     """
-    shapes = layout.weight_shapes()  # experts too: TE's grouped linear asks the same one-per-shape cache
-    if last_stage:  # tied too: the output layer then runs the shared embedding weight through the same path
+    shapes = layout.weight_shapes(stage)  # experts too: TE's grouped linear asks the same one-per-shape cache
+    if stage == "last":  # tied too: the output layer then runs the shared embedding weight through the same path
         shapes.add((layout.vocab_per_rank, layout.hidden))
     return BF16 * sum(r * c for r, c in shapes) / MB
 
 
-def grad_reduce_bf16_mb(layout: Layout, last_stage: bool = True) -> float:
+def grad_reduce_bf16_mb(layout: Layout, stage: str = "last") -> float:
     """bf16 gradient reduction: the distributed data-parallel gradient buffers
     (distributed/param_and_grad_buffer.py) hold every parameter's gradient in bf16 instead of fp32
     (stock bf16 training sets accumulate_allreduce_grads_in_fp32). -2 B x parameters on the rank.
@@ -91,11 +94,10 @@ def grad_reduce_bf16_mb(layout: Layout, last_stage: bool = True) -> float:
     (``step_peak``), so the term here is the buffer's saving alone."""
     if not layout.fp32_grad_buffer:  # fp16/fp32 training, or bf16 main grads: the flag changes nothing
         return 0.0
-    params = layout.last_stage_params() if last_stage else layout.first_stage_params()
-    return -BF16 * params / MB
+    return -BF16 * layout.stage_params(stage) / MB
 
 
-def step_upcast_mb(layout: Layout, values: Mapping[str, Any], last_stage: bool = True) -> float:
+def step_upcast_mb(layout: Layout, values: Mapping[str, Any], stage: str = "last") -> float:
     """The optimizer step's fp32 copies of bf16 gradients: with a bf16 gradient buffer, Megatron's
     optimizers hand each main parameter ``grad.float()`` (optimizer/distrib_optimizer.py
     ``_copy_model_grads_to_main_grads``: the rank's shard, over DP x CP for dense parameters and over
@@ -103,7 +105,7 @@ def step_upcast_mb(layout: Layout, values: Mapping[str, Any], last_stage: bool =
     until the step ends. With stock's fp32 buffer ``.float()`` is the buffer itself: nothing."""
     if not layout.fp32_grad_buffer or not values.get("grad_reduce_in_bf16"):
         return 0.0
-    dense, expert = layout.stage_param_split(last_stage)
+    dense, expert = layout.stage_param_split(stage)
     if layout.distributed_optimizer:
         shard = dense / (layout.dp * layout.cp) + (expert / layout.moe.edp if layout.moe is not None else 0)
     else:
@@ -122,26 +124,26 @@ PERSISTENT_PARTS = ("weights_and_optimizer", "fp8_weights", "placeholder_wgrads"
 
 
 def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Layout,
-                    te_installed: bool, last_stage: bool = True) -> float | None:
+                    te_installed: bool, stage: str = "last") -> float | None:
     """The change in peak MB that ``values[dest]`` makes against ``stock[dest]`` on a rank of the
-    last pipeline stage (``last_stage=False``: of the first, which holds no logits). The terms add
+    pipeline stage (the last by default; another holds no logits). The terms add
     up to the plan's change: the cross-entropy pair is priced as the fusion (with this plan's
     implementation) plus the implementation (where stock fuses too). None: not modelled."""
     if dest in ZERO_TERMS:
         return 0.0
     if dest in MOE_DESTS:
-        return moe_toggle_delta_mb(dest, values, stock, layout, te_installed, last_stage)
+        return moe_toggle_delta_mb(dest, values, stock, layout, te_installed, stage)
     if dest == "gradient_accumulation_fusion":
         now, before = bool(values.get(dest)), bool(stock.get(dest))
         if now == before:
             return 0.0
         if not te_installed:
             return None  # without TE, Megatron makes a fresh placeholder per call: not modelled
-        return (now - before) * dummy_wgrads_mb(layout, last_stage)
+        return (now - before) * dummy_wgrads_mb(layout, stage)
     if dest == "grad_reduce_in_bf16":
         now, before = bool(values.get(dest)), bool(stock.get(dest))
-        return (now - before) * grad_reduce_bf16_mb(layout, last_stage)
-    if not last_stage and dest in ("cross_entropy_loss_fusion", "cross_entropy_fusion_impl"):
+        return (now - before) * grad_reduce_bf16_mb(layout, stage)
+    if stage != "last" and dest in ("cross_entropy_loss_fusion", "cross_entropy_fusion_impl"):
         return 0.0  # only the last stage computes the loss
     fused, impl = bool(values.get("cross_entropy_loss_fusion")), str(values.get("cross_entropy_fusion_impl", "native"))
     stock_fused = bool(stock.get("cross_entropy_loss_fusion"))
@@ -154,17 +156,18 @@ def toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, An
 
 
 def moe_toggle_delta_mb(dest: str, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Layout,
-                        te_installed: bool, last_stage: bool = True) -> float | None:
+                        te_installed: bool, stage: str = "last") -> float | None:
     """An MoE toggle's change (``core.memory.memory_moe.toggle_delta_mb``) on the stage's MoE layers, each
-    holding one micro-batch's activations on the last stage and PP of them on the first: 0 where the
-    stage has no MoE layer (a dense model included); None without Transformer Engine, whose kernels
-    all three toggles run (Megatron's own fallbacks are not modelled)."""
-    moe_layers = layout.moe_layers(last_stage)
+    holding the activations of the micro-batches in flight there (``Layout.in_flight``: one on the
+    last stage, PP on the first, PP - rank on a middle one): 0 where the stage has no MoE layer (a
+    dense model included); None without Transformer Engine, whose kernels all three toggles run
+    (Megatron's own fallbacks are not modelled)."""
+    moe_layers = layout.moe_layers(stage)
     if layout.moe is None or not moe_layers or bool(values.get(dest)) == bool(stock.get(dest)):
         return 0.0
     if not te_installed:
         return None
-    in_flight = moe_layers * (1 if last_stage else layout.pp)
+    in_flight = moe_layers * layout.in_flight(stage)
     return memory_moe.toggle_delta_mb(dest, values, stock, layout.moe, layout.hidden, layout.tokens, layout.tp,
                                       layout.sequence_parallel, in_flight)
 
@@ -179,7 +182,8 @@ class Estimate:
     peak_mb: float
     source: str
     parts: dict[str, float]
-    stages: dict[str, float] = field(default_factory=dict)  # "last" (and "first" where PP > 1): each one's peak
+    # each priced stage's peak (Layout.priced_stages): "last", and "first" and any "rank N" where PP > 1
+    stages: dict[str, float] = field(default_factory=dict)
     kept: dict[str, float] = field(default_factory=dict)  # each stage's memory that outlives a step (PERSISTENT_PARTS)
 
 
@@ -193,7 +197,7 @@ def step_peak(estimate: Estimate, deltas: Mapping[str, float | None], layout: La
     if kept is None:
         return None
     persistent = sum(v for d, v in deltas.items() if v is not None and d in PERSISTENT_TERMS)
-    return kept + persistent + step_upcast_mb(layout, values, last_stage=stage == "last")
+    return kept + persistent + step_upcast_mb(layout, values, stage)
 
 
 MEGATRON_FORMULA = ("Megatron's theoretical memory formula (training/theoretical_memory_usage.py) for weights, "
@@ -240,28 +244,32 @@ def moe_layer_activation_bytes(layout: Layout, values: Mapping[str, Any]) -> flo
                                                   layout.sequence_parallel, layout.swiglu, values)
 
 
-def _stage_parts(layout: Layout, last: bool, in_flight: int, grad_accum_fusion: bool, te_installed: bool,
+def _stage_parts(layout: Layout, stage: str, grad_accum_fusion: bool, te_installed: bool,
                  moe_values: Mapping[str, Any]) -> dict[str, float]:
-    """One pipeline stage's parts of stock's peak (``stock_peak``)."""
+    """One pipeline stage's parts of stock's peak (``stock_peak``): its own layers (``Layout``'s
+    split), the micro-batches in flight there, the embedding's output on the first stage and the
+    logits on the last."""
+    rank = layout.stage_rank(stage)
+    last, first, in_flight = rank == layout.pp - 1, rank == 0, layout.in_flight(stage)
     per_layer = layer_activation_bytes(layout)[0]
     sbh = layout.tokens * layout.hidden
-    dense, expert = layout.stage_param_split(last)
-    moe_n = layout.moe_layers(last)
+    dense, expert = layout.stage_param_split(stage)
+    moe_n = layout.moe_layers(stage)
     weights = dense * bytes_per_param(layout)
     if layout.moe is not None:
         weights += expert * memory_moe.expert_bytes_per_param(layout.moe, layout.distributed_optimizer)
-    activations = (layout.stage_layers - moe_n) * per_layer
+    activations = (layout.layer_count(stage) - moe_n) * per_layer
     if moe_n:
         activations += moe_n * moe_layer_activation_bytes(layout, moe_values)
     parts = {"weights_and_optimizer": weights / MB, "activations": in_flight * activations / MB}
     if last:
         parts["logits"] = (FP32 + BF16) * layout.tokens * layout.vocab_per_rank / MB + FP32 * sbh / MB
-    if not last or layout.pp == 1:
+    if first:
         parts["embedding_output"] = in_flight * BF16 * sbh / MB
     if layout.fp8:  # 1 B per linear weight of the stage's layers (the output layer stays bf16)
-        parts["fp8_weights"] = layout.stage_linear_weights(last) / MB
+        parts["fp8_weights"] = layout.stage_linear_weights(stage) / MB
     if grad_accum_fusion and te_installed:
-        parts["placeholder_wgrads"] = dummy_wgrads_mb(layout, last_stage=last)
+        parts["placeholder_wgrads"] = dummy_wgrads_mb(layout, stage)
     if moe_n and layout.moe is not None:
         buffers = memory_moe.persistent_mb(layout.moe, layout.hidden, layout.tokens, layout.tp,
                                            layout.sequence_parallel, moe_values)
@@ -272,21 +280,18 @@ def _stage_parts(layout: Layout, last: bool, in_flight: int, grad_accum_fusion: 
 
 def stock_peak(layout: Layout, grad_accum_fusion: bool, te_installed: bool,
                moe_values: Mapping[str, Any] | None = None) -> Estimate:
-    """Stock's peak on the busier of the first and last pipeline stage: weights and optimizer state,
-    saved activations (PP micro-batches in flight on the first stage, one on the last; MoE layers
-    priced under stock's MoE toggles, ``moe_values``, Megatron's defaults (all off) where not given),
-    on the last stage the logits as stock's unfused cross entropy holds them (the bf16 output plus
-    its fp32 copy, 6 B x tokens x vocab / TP), the placeholder gradients if fusion is on, and the
-    buffers MoE layers keep."""
+    """Stock's peak on the busiest pipeline stage (of ``Layout.priced_stages``: the last, the first,
+    and a middle rank whose layers differ from theirs): weights and optimizer state of its layers,
+    their saved activations (PP - rank micro-batches in flight: PP on the first stage, one on the
+    last; MoE layers priced under stock's MoE toggles, ``moe_values``, Megatron's defaults (all off)
+    where not given), on the last stage the logits as stock's unfused cross entropy holds them (the
+    bf16 output plus its fp32 copy, 6 B x tokens x vocab / TP), the placeholder gradients if fusion
+    is on, and the buffers MoE layers keep."""
     megatron_applies = layer_activation_bytes(layout)[1] and layout.moe is None
-    stages: list[dict[str, float]] = []
-    for last, in_flight in ((True, 1), (False, layout.pp)):
-        stages.append(_stage_parts(layout, last, in_flight, grad_accum_fusion, te_installed, moe_values or {}))
-        if layout.pp == 1:
-            break
-    parts = max(stages, key=lambda p: sum(p.values()))
+    stages = {name: _stage_parts(layout, name, grad_accum_fusion, te_installed, moe_values or {})
+              for name in layout.priced_stages()}
+    parts = max(stages.values(), key=lambda p: sum(p.values()))
     source = MEGATRON_FORMULA if megatron_applies else PLUGIN_ESTIMATE
-    totals = {name: round(sum(p.values()), 1) for name, p in zip(("last", "first"), stages, strict=False)}
-    kept = {name: round(sum(v for k, v in p.items() if k in PERSISTENT_PARTS), 1)
-            for name, p in zip(("last", "first"), stages, strict=False)}
+    totals = {name: round(sum(p.values()), 1) for name, p in stages.items()}
+    kept = {name: round(sum(v for k, v in p.items() if k in PERSISTENT_PARTS), 1) for name, p in stages.items()}
     return Estimate(round(sum(parts.values()), 1), source, {k: round(v, 1) for k, v in parts.items()}, totals, kept)

@@ -1,8 +1,9 @@
 """Where a plan's peak is (which pipeline stage, which phase of the step), and each toggle's share of
 its change against stock's peak.
 
-The peak a plan reports is the largest of a few figures. For each pipeline stage (the last, and the
-first where PP > 1) there are two: forward and backward (the stage's stock peak plus every toggle's
+The peak a plan reports is the largest of a few figures. For each pipeline stage priced (the last,
+and where PP > 1 the first and any middle rank an uneven split gives other layers:
+``Layout.priced_stages``) there are two: forward and backward (the stage's stock peak plus every toggle's
 term on that stage) and the optimizer step (what outlives a step, the persistent toggles' terms and
 the step's fp32 gradient copies: ``model.step_peak``). A toggle's term (``model.toggle_delta_mb``) is
 what it changes where it acts, and that is not always what it changes in the reported peak: a term
@@ -26,6 +27,17 @@ from ..registry import TOGGLES
 from .model import PRICED_WITH, Estimate, step_peak, toggle_delta_mb
 
 STAGE_WORDS = {"last": "the last pipeline stage", "first": "the first pipeline stage"}
+
+
+def stage_words(stage: str) -> str:
+    """``the first pipeline stage``; a middle one by its pipeline rank, counted from 0 as Megatron
+    counts them: ``the rank 2 pipeline stage`` (an uneven split can make it the busiest)."""
+    return STAGE_WORDS.get(stage) or f"the {stage} pipeline stage"
+
+
+def is_stage(name: object) -> bool:
+    """Whether a record's value names a pipeline stage (``last``, ``first``, ``rank N``)."""
+    return isinstance(name, str) and (name in STAGE_WORDS or (name.startswith("rank ") and name[5:].isdigit()))
 PHASE_WORDS = {"training": "in forward and backward", "step": "at the optimizer step"}
 PLACE_WORDS = {"training": "forward and backward", "step": "the optimizer step"}
 
@@ -34,18 +46,18 @@ PLACE_WORDS = {"training": "forward and backward", "step": "the optimizer step"}
 class Spot:
     """One figure a plan's peak is the largest of: a pipeline stage, a phase of the step, its MB."""
 
-    stage: str  # last | first
+    stage: str  # last | first | rank N (core.memory.memory_layout names them)
     phase: str  # training (forward and backward) | step (the optimizer step)
     mb: float
 
     def words(self, pp: int) -> str:
         """``at the optimizer step``; with pipeline parallelism ``on the first pipeline stage, in
         forward and backward``."""
-        return PHASE_WORDS[self.phase] if pp == 1 else f"on {STAGE_WORDS[self.stage]}, {PHASE_WORDS[self.phase]}"
+        return PHASE_WORDS[self.phase] if pp == 1 else f"on {stage_words(self.stage)}, {PHASE_WORDS[self.phase]}"
 
     def place(self, pp: int) -> str:
         """Where to, for a peak that moves: ``the optimizer step``; with pipeline parallelism
-        ``the first stage's forward and backward``."""
+        ``the first stage's forward and backward`` (``the rank 2 stage's ...`` for a middle one)."""
         phase = PLACE_WORDS[self.phase]
         return phase if pp == 1 else f"the {self.stage} stage's {phase.removeprefix('the ')}"
 
@@ -60,7 +72,7 @@ def spots(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any
     names = list(dests) if dests is not None else [t.dest for t in TOGGLES]
     out = []
     for stage, stage_mb in (estimate.stages or {"last": estimate.peak_mb}).items():
-        deltas = {d: toggle_delta_mb(d, values, stock, layout, te, last_stage=stage == "last") for d in names}
+        deltas = {d: toggle_delta_mb(d, values, stock, layout, te, stage=stage) for d in names}
         out.append(Spot(stage, "training", stage_mb + sum(d for d in deltas.values() if d is not None)))
         step = step_peak(estimate, deltas, layout, values, stage)
         if step is not None:
@@ -83,7 +95,8 @@ def peak(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any]
 
 def stage_peaks(estimate: Estimate, values: Mapping[str, Any], stock: Mapping[str, Any], layout: Any,
                 te: bool, dests: Iterable[str] | None = None) -> dict[str, float]:
-    """Each pipeline stage's peak, the larger of its two phases: ``last``, and ``first`` where PP > 1."""
+    """Each priced pipeline stage's peak, the larger of its two phases: ``last``, and ``first`` (and
+    any ``rank N``) where PP > 1."""
     out: dict[str, float] = {}
     for spot in spots(estimate, values, stock, layout, te, dests):
         out[spot.stage] = max(out.get(spot.stage, spot.mb), spot.mb)
