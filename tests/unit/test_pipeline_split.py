@@ -67,7 +67,8 @@ def test_each_rank_holds_the_layers_megatron_builds_there(args, layers, pp, expe
 
 
 def test_the_layout_grammar_unrolls_groups_then_letters():
-    assert parse_layout("Et*3|(tt|)*29,m|L") == ["Ettt", *["tt"] * 29, "m", "L"]
+    assert parse_layout("Et*2|(t|)*3,tt|L") == ["Ett", "t", "t", "t", "tt", "L"]
+    assert parse_layout("E|(t*2|)*2,L") == ["E", "tt", "tt", "L"]  # a group's letters repeat inside it first
     assert parse_layout("Et*2|(tt|)*2,tL") == ["Ett", "tt", "tt", "tL"]
     assert parse_layout("E|t*0|L") == ["E", "", "L"]
 
@@ -89,7 +90,10 @@ def test_a_built_layout_object_is_read_per_rank_and_chunk():
 
 @pytest.mark.parametrize(("args", "layers", "pp", "words"), [
     ({"pipeline_model_parallel_layout": "Et*2|x*2|L"}, 4, 3, "holds 'x', outside the layout's letters"),
-    ({"pipeline_model_parallel_layout": "((t)*2)*2"}, 4, 1, "holds '()', outside"),  # nested: Megatron refuses it too
+    ({"pipeline_model_parallel_layout": "((t)*2)*2"}, 4, 1, "nested (...) group"),  # Megatron refuses it too
+    ({"pipeline_model_parallel_layout": "(t*1000)*2000000"}, 4, 1, "count of 1 to 6 digits"),  # refused unread
+    ({"pipeline_model_parallel_layout": "(t*999)*999999"}, 4, 1, "more than 100000 letters"),
+    ({"pipeline_model_parallel_layout": "E(tt)|L"}, 2, 2, "needs a *n repeat"),
     ({"pipeline_model_parallel_layout": "Et|t|tm|L"}, 3, 4, "multi-token prediction"),
     ({"pipeline_model_parallel_layout": "Et|t*5|t*5|tL"}, 10, 4, "names 12 transformer layers, the model has 10"),
     ({"pipeline_model_parallel_layout": "Et|tt|tL"}, 4, 2, "3 stages, not a multiple of the 2"),
@@ -269,3 +273,12 @@ def test_decide_prices_no_split_it_cannot_read():
     assert not any(d.reason.startswith("memory:") for d in result.decisions.values())
     tight = decide({**args, "decoder_first_pipeline_num_layers": 2}, {}, read_env({}), full_caps(gpu_memory_mb=1.0))
     assert tight.memory is not None and tight.memory["verdict"]["stock"] == "does_not_fit"  # read, so judged
+
+
+def test_a_layout_that_would_unroll_past_any_model_is_refused_at_once():
+    """Its size is counted before it is unrolled (a billion letters would take seconds and
+    gigabytes to build); the reason is one short line."""
+    for text in ("(t*999)*999999", "t*" + "9" * 5000, "(tt)*900000"):
+        with pytest.raises(SplitUnknown) as error:
+            parse_layout(text)
+        assert "\n" not in str(error.value) and len(str(error.value)) < 200

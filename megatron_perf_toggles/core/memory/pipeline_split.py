@@ -26,16 +26,16 @@ gives no estimate rather than an even split that is not the job's.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 # The layout's letters (Megatron's LayerType names for them, for a layout given as a list).
 LETTERS = {"E": "embedding", "t": "decoder", "m": "mtp", "L": "loss"}
 _BY_NAME = {name: letter for letter, name in LETTERS.items()}
-# One pass over parenthesised groups (not nested), then one over single characters, each ``*n``.
-_GROUP = re.compile(r"\((?P<body>[^)]+)\)\*(?P<times>\d+)")
-_CHAR = re.compile(r"(?P<body>.)\*(?P<times>\d+)")
+# No real layout unrolls to more letters than this (a model has at most a few thousand layers and
+# stages); a string that would is refused before it is unrolled, so a plan stays instant.
+MAX_UNROLLED = 100_000
+MAX_REPEAT_DIGITS = 6
 
 Split = tuple[tuple[int, ...], ...]  # per pipeline rank, the decoder layers it builds (Megatron's numbering)
 
@@ -44,21 +44,74 @@ class SplitUnknown(ValueError):
     """The flags do not describe a pipeline split the memory model can read; the message says why."""
 
 
-def _repeat(match: re.Match[str]) -> str:
-    return match.group("body") * int(match.group("times"))
+def _shown(layout: str) -> str:
+    """The layout as a message quotes it: whole where short, its start where long (one line)."""
+    return repr(layout) if len(layout) <= 60 else repr(layout[:57] + "...")
+
+
+def _times(text: str, at: int, kind: str, layout: str) -> tuple[int, int]:
+    """The repeat count ``*n`` at ``text[at:]`` (1 where none follows a letter), and where it ends."""
+    if at >= len(text) or text[at] != "*":
+        if kind == "group":
+            raise SplitUnknown(f"--pipeline-model-parallel-layout {_shown(layout)}: a (...) group needs a *n repeat")
+        return 1, at
+    end = at + 1
+    while end < len(text) and text[end].isdigit():
+        end += 1
+    digits = text[at + 1:end]
+    if not digits or len(digits) > MAX_REPEAT_DIGITS:
+        raise SplitUnknown(f"--pipeline-model-parallel-layout {_shown(layout)}: a repeat needs a count of 1 to "
+                           f"{MAX_REPEAT_DIGITS} digits after *")
+    return int(digits), end
+
+
+Piece = tuple["str | list[Piece]", int]  # a letter, or a group's own pieces, with its repeat
+
+
+def _pieces(text: str, layout: str, inside: bool = False) -> list[Piece]:
+    """``text`` as pieces in order: a (...) group (its body read as letters, each with its own
+    repeat) or one character, each with its repeat. A group inside a group is not read (Megatron
+    refuses it too)."""
+    out: list[Piece] = []
+    at = 0
+    while at < len(text):
+        if text[at] == "(":
+            close = text.find(")", at)
+            if inside or close < 0 or "(" in text[at + 1:close]:
+                raise SplitUnknown(f"--pipeline-model-parallel-layout {_shown(layout)}: an unclosed or nested (...) group")
+            body: str | list[Piece] = _pieces(text[at + 1:close], layout, inside=True)
+            kind, at = "group", close + 1
+        else:
+            body, kind, at = text[at], "letter", at + 1
+        times, at = _times(text, at, kind, layout)
+        out.append((body, times))
+    return out
+
+
+def _size(pieces: list[Piece]) -> int:
+    """How many letters ``pieces`` unroll to, counted without unrolling them."""
+    return sum((len(body) if isinstance(body, str) else _size(body)) * times for body, times in pieces)
+
+
+def _unrolled(pieces: list[Piece]) -> str:
+    return "".join((body if isinstance(body, str) else _unrolled(body)) * times for body, times in pieces)
 
 
 def parse_layout(text: str) -> list[str]:
     """A ``--pipeline-model-parallel-layout`` string as its stages, each a string of the letters
-    E, t, m and L, in the order the string gives them. The repeats unroll as Megatron's parser
-    does (a group inside a group is not read: Megatron refuses it too)."""
-    unrolled = _CHAR.sub(_repeat, _GROUP.sub(_repeat, text.replace(",", "")))
-    stages = unrolled.split("|")
+    E, t, m and L, in the order the string gives them (``|`` ends a stage; ``(...)*n`` and ``x*n``
+    repeat; commas are decoration). Its size is counted from the pieces before anything is
+    unrolled, so a string that would unroll past any real model's is refused at once."""
+    pieces = _pieces(text.replace(",", ""), text)
+    if _size(pieces) > MAX_UNROLLED:
+        raise SplitUnknown(f"--pipeline-model-parallel-layout unrolls to more than {MAX_UNROLLED} letters: "
+                           "not a layout the memory model reads")
+    stages = _unrolled(pieces).split("|")
     for stage in stages:
         odd = sorted(set(stage) - set(LETTERS))
         if odd:
-            raise SplitUnknown(f"--pipeline-model-parallel-layout {text!r} holds {''.join(odd)!r}, outside the layout's "
-                               "letters E, t, m, L once its repeats unroll (Megatron refuses it)")
+            raise SplitUnknown(f"--pipeline-model-parallel-layout {_shown(text)} holds {''.join(odd)!r}, outside the "
+                               "layout's letters E, t, m, L once its repeats unroll (Megatron refuses it)")
     return stages
 
 
