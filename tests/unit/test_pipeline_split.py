@@ -258,6 +258,7 @@ def test_an_unreadable_split_is_unknown_and_no_guard_acts(capsys):
     code, record, err = plan(capsys, "--pipeline-model-parallel-layout", "Et|t*19|t*19|tXL")
     assert code == 0, err
     assert record["stock_peak_mb"] is None and record["verdict"] is None and fit_failure(record) is None
+    assert record["pipeline_stages"] == 4  # the job's pipeline, said though no estimate follows
     assert record["note"].startswith("no memory estimate: --pipeline-model-parallel-layout 'Et|t*19|t*19|tXL' holds 'X'")
     assert set(record["peak_memory_delta_mb"].values()) == {None}
     assert summary(record).count("\n") == 0
@@ -273,6 +274,23 @@ def test_decide_prices_no_split_it_cannot_read():
     assert not any(d.reason.startswith("memory:") for d in result.decisions.values())
     tight = decide({**args, "decoder_first_pipeline_num_layers": 2}, {}, read_env({}), full_caps(gpu_memory_mb=1.0))
     assert tight.memory is not None and tight.memory["verdict"]["stock"] == "does_not_fit"  # read, so judged
+
+
+def test_virtual_stages_over_uneven_ranks_are_unknown_even_ones_priced():
+    """The interleaved schedule keeps more passes on the first ranks than 1F1B's PP - rank, so where
+    the ranks hold different layer counts which one peaks is not known; with every rank alike the
+    count is the one the model has always used (the even split, priced)."""
+    even = {**SMALL, "num_virtual_stages_per_pipeline_rank": 3}
+    assert memory.layout_from_args(even).rank_layers(0) == (0, 4, 8)
+    for uneven in ({"decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 2},
+                   {"pipeline_model_parallel_layout": "Et|tt|tt|t|t|tt|tt|tL"}):
+        args = {**SMALL, **uneven, **({} if "pipeline_model_parallel_layout" in uneven
+                                      else {"num_virtual_stages_per_pipeline_rank": 2})}
+        assert len({len(r) for r in rank_layers(args, 12, 4)}) > 1  # Megatron builds it: the split reads
+        with pytest.raises(memory.Unknown, match="virtual pipeline stages over ranks of different layer counts"):
+            memory.layout_from_args(args)
+    one_chunk = {**SMALL, "decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 2}
+    assert memory.layout_from_args(one_chunk).rank_layers(1) == (2, 3, 4, 5)  # no virtual stages: priced
 
 
 def test_a_layout_that_would_unroll_past_any_model_is_refused_at_once():

@@ -226,6 +226,8 @@ def guard_memory(args: Mapping[str, Any], decisions: dict[str, Decision], caps: 
     (``decisions`` is changed in place). Returns the memory record and the messages for the table."""
     headroom_mb(env, 1.0)  # a bad setting is reported on every plan, not only where the guard gets to use it
     memory = MemoryPlan(gpu_memory_mb=caps.gpu_memory_mb, expandable_set=env.expandable_segments)
+    pp = args.get("pipeline_model_parallel_size")
+    memory.stages = pp if isinstance(pp, int) and pp > 0 else memory.stages  # said even where no estimate follows
     base = stock_values(stock, caps, args)
     te = caps.te_version is not None
     try:

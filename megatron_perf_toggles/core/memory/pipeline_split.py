@@ -231,7 +231,8 @@ def _from_first_last(first: int | None, last: int | None, layers: int, pp: int,
     rest = layers - (first or 0) - (last or 0)
     if middle_ranks < 0 or rest < 0 or bool(rest) != bool(middle_ranks) or (middle_ranks and rest % middle_ranks):
         raise SplitUnknown(f"the first and last pipeline stages' layers leave {rest} layers for {max(middle_ranks, 0)} "
-                           "middle stages, which Megatron cannot share out equally (it refuses it)")
+                           "middle stages, not an equal share each (Megatron's recent cores refuse it; the memory model "
+                           "does not read it)")
     middle = rest // middle_ranks if middle_ranks else 0
     virtual = _virtual(args, None)
     per_rank = [middle] * pp
@@ -286,3 +287,20 @@ def rank_layers(args: Mapping[str, Any], layers: int, pp: int) -> Split:
         return _from_first_last(first, last, layers, pp, args)
     return _even(layers, pp, args)
 
+
+
+def chunks_per_rank(args: Mapping[str, Any], layers: int, pp: int) -> int:
+    """How many model chunks (virtual pipeline stages) each rank holds for the split
+    :func:`rank_layers` reads: a layout's stages over PP, else the virtual-stage flags (1 without).
+    Call it after rank_layers, which has refused what it cannot read."""
+    layout = args.get("pipeline_model_parallel_layout")
+    if layout is not None:
+        return len(layout_stages(layout, pp)) // pp
+    if pp == 1:
+        return 1
+    if _count(args, "decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage") is not None or \
+            _count(args, "decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage") is not None:
+        return _virtual(args, None)
+    accounted = bool(args.get("account_for_embedding_in_pipeline_split")) + \
+        bool(args.get("account_for_loss_in_pipeline_split"))
+    return _virtual(args, (layers + accounted) // pp)
