@@ -18,7 +18,7 @@ from typing import Any
 
 from . import memory_moe
 from .memory_moe import Moe, MoeUnknown, moe_from_args
-from .pipeline_split import SplitUnknown, chunks_per_rank, rank_layers
+from .pipeline_split import SplitUnknown, read_split
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,8 +260,8 @@ def layout_from_args(args: Mapping[str, Any]) -> Layout:
     ffn, layers = _int(args, "ffn_hidden_size", 4 * hidden), _int(args, "num_layers")
     try:
         moe = moe_from_args(args, layers, ffn, tp, pp, dp * tp * pp * cp)
-        split = rank_layers(args, layers, pp)
-        if chunks_per_rank(args, layers, pp) > 1 and len({len(r) for r in split}) > 1:
+        split, chunks = read_split(args, layers, pp)
+        if chunks > 1 and len({len(r) for r in split}) > 1:
             raise SplitUnknown("virtual pipeline stages over ranks of different layer counts: the interleaved "
                                "schedule keeps a different number of micro-batch passes on each rank than the 1F1B "
                                "count the memory model uses, so which rank peaks is not known")

@@ -38,6 +38,7 @@ MAX_UNROLLED = 100_000
 MAX_REPEAT_DIGITS = 6
 
 Split = tuple[tuple[int, ...], ...]  # per pipeline rank, the decoder layers it builds (Megatron's numbering)
+Grid = list[list[int]]  # layer counts, grid[chunk][rank]
 
 
 class SplitUnknown(ValueError):
@@ -163,7 +164,7 @@ def _positive(args: Mapping[str, Any], dest: str) -> int | None:
     return value
 
 
-def _number(grid: list[list[int]]) -> Split:
+def _number(grid: Grid) -> Split:
     """Each rank's layers from the layer counts per chunk and rank (``grid[chunk][rank]``),
     numbered chunk by chunk over the ranks, as Megatron numbers them."""
     ranks: list[list[int]] = [[] for _ in grid[0]]
@@ -175,7 +176,7 @@ def _number(grid: list[list[int]]) -> Split:
     return tuple(tuple(r) for r in ranks)
 
 
-def _from_layout(value: Any, layers: int, pp: int) -> Split:
+def _from_layout(value: Any, layers: int, pp: int) -> Grid:
     stages = layout_stages(value, pp)
     if len(stages) % pp:
         raise SplitUnknown(f"the pipeline layout has {len(stages)} stages, not a multiple of the {pp} pipeline "
@@ -193,7 +194,7 @@ def _from_layout(value: Any, layers: int, pp: int) -> Split:
         raise SplitUnknown(f"the pipeline layout names {text.count('t')} transformer layers, the model has {layers} "
                            "(Megatron refuses it)")
     counts = [stage.count("t") for stage in stages]
-    return _number([counts[chunk * pp:(chunk + 1) * pp] for chunk in range(len(stages) // pp)])
+    return [counts[chunk * pp:(chunk + 1) * pp] for chunk in range(len(stages) // pp)]
 
 
 def _virtual(args: Mapping[str, Any], per_rank: int | None) -> int:
@@ -223,7 +224,7 @@ def _chunks(count: int, virtual: int, where: str) -> list[int]:
 
 
 def _from_first_last(first: int | None, last: int | None, layers: int, pp: int,
-                     args: Mapping[str, Any]) -> Split:
+                     args: Mapping[str, Any]) -> Grid:
     for count, flag in ((first, "--decoder-first-pipeline-num-layers"), (last, "--decoder-last-pipeline-num-layers")):
         if count is not None and count <= 0:
             raise SplitUnknown(f"{flag} {count}: Megatron needs 1 or more")
@@ -241,10 +242,10 @@ def _from_first_last(first: int | None, last: int | None, layers: int, pp: int,
     if last is not None:
         per_rank[-1] = last
     columns = [_chunks(count, virtual, f"pipeline rank {rank}") for rank, count in enumerate(per_rank)]
-    return _number([[column[chunk] for column in columns] for chunk in range(virtual)])
+    return [[column[chunk] for column in columns] for chunk in range(virtual)]
 
 
-def _even(layers: int, pp: int, args: Mapping[str, Any]) -> Split:
+def _even(layers: int, pp: int, args: Mapping[str, Any]) -> Grid:
     embedding = bool(args.get("account_for_embedding_in_pipeline_split"))
     loss = bool(args.get("account_for_loss_in_pipeline_split"))
     total = layers + embedding + loss
@@ -264,13 +265,13 @@ def _even(layers: int, pp: int, args: Mapping[str, Any]) -> Split:
     if min(min(row) for row in grid) < 0:
         raise SplitUnknown("a pipeline stage holding the embedding or the loss has no layer left for it "
                            "(Megatron refuses it)")
-    return _number(grid)
+    return grid
 
 
-def rank_layers(args: Mapping[str, Any], layers: int, pp: int) -> Split:
-    """Each pipeline rank's decoder layers for a parsed namespace (Megatron's flags) or a
-    configuration object's fields (TransformerConfig's names for the first and last counts).
-    Raises SplitUnknown where Megatron would refuse the flags or the layout is not readable."""
+def _grid(args: Mapping[str, Any], layers: int, pp: int) -> Grid:
+    """The layer counts per chunk and rank the flags describe (a namespace's, or a configuration
+    object's fields: TransformerConfig's names for the first and last counts). Raises SplitUnknown
+    where Megatron would refuse the flags or the layout is not readable."""
     layout = args.get("pipeline_model_parallel_layout")
     first = _count(args, "decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage")
     last = _count(args, "decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")
@@ -288,19 +289,15 @@ def rank_layers(args: Mapping[str, Any], layers: int, pp: int) -> Split:
     return _even(layers, pp, args)
 
 
+def read_split(args: Mapping[str, Any], layers: int, pp: int) -> tuple[Split, int]:
+    """Each pipeline rank's decoder layers (:func:`rank_layers`) and how many model chunks (virtual
+    pipeline stages) each rank holds, from one reading of the flags."""
+    grid = _grid(args, layers, pp)
+    return _number(grid), len(grid)
 
-def chunks_per_rank(args: Mapping[str, Any], layers: int, pp: int) -> int:
-    """How many model chunks (virtual pipeline stages) each rank holds for the split
-    :func:`rank_layers` reads: a layout's stages over PP, else the virtual-stage flags (1 without).
-    Call it after rank_layers, which has refused what it cannot read."""
-    layout = args.get("pipeline_model_parallel_layout")
-    if layout is not None:
-        return len(layout_stages(layout, pp)) // pp
-    if pp == 1:
-        return 1
-    if _count(args, "decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage") is not None or \
-            _count(args, "decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage") is not None:
-        return _virtual(args, None)
-    accounted = bool(args.get("account_for_embedding_in_pipeline_split")) + \
-        bool(args.get("account_for_loss_in_pipeline_split"))
-    return _virtual(args, (layers + accounted) // pp)
+
+def rank_layers(args: Mapping[str, Any], layers: int, pp: int) -> Split:
+    """Each pipeline rank's decoder layers for a parsed namespace (Megatron's flags) or a
+    configuration object's fields. Raises SplitUnknown where Megatron would refuse the flags or the
+    layout is not readable."""
+    return _number(_grid(args, layers, pp))
