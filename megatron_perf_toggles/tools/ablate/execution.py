@@ -389,7 +389,7 @@ class _Execution:
         plan = f"{ahead}; then {len(todo)} runs, {k} at a time" if ahead else f"{len(todo)} runs, {k} at a time, {none}"
         say(f"--concurrent {spec.concurrent}: {plan}; they share the GPU, so the result keeps losses and memory but "
             "no speed figures")
-        port = int(self.environ.get("MASTER_PORT", "29500")) + 1
+        port = self._first_port
         reason = self._first_wave(range(spec.repeats))
         if reason:
             say(f"stopped: {reason}")
@@ -420,6 +420,11 @@ class _Execution:
         return (f"--budget {budget:g} min: the next {len(to_run)} runs at once (about {max(seconds) / 60:.1f} min) "
                 f"would not fit after {used / 60:.1f} min")
 
+    @property
+    def _first_port(self) -> int:
+        """The MASTER_PORT of a wave's first run at once (each next run takes the next port)."""
+        return int(self.environ.get("MASTER_PORT", "29500")) + 1
+
     def _first_wave(self, blocks: Sequence[int]) -> str | None:
         """--concurrent: the start runs of ``blocks`` (--common-start) and this call's compile
         warm-up runs (the schedule makes them only where they ride in the starts' waves and add
@@ -438,7 +443,7 @@ class _Execution:
     def _in_waves(self, runs: Sequence[Run]) -> list[dict[str, Any]]:
         """``runs`` at once, K at a time, each wave after the last has ended; their statuses in order.
         A run finished in an earlier call is only reported (done earlier) and takes no place in a wave."""
-        port, k, done = int(self.environ.get("MASTER_PORT", "29500")) + 1, self.schedule.at_once, self.schedule.done
+        port, k, done = self._first_port, self.schedule.at_once, self.schedule.done
         earlier = [r for r in runs if r.directory in done]
         fresh = [r for r in runs if r.directory not in done]
         statuses = dict(zip([r.directory for r in earlier],
