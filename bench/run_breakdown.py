@@ -93,31 +93,25 @@ def by_arm(runs: list[dict]) -> dict[str, dict]:
 
 
 def main(argv: list[str]) -> int:
-    args = list(argv)
-    json_out = None
-    if "--json" in args:
-        i = args.index("--json")
-        if i + 1 >= len(args):
-            print("--json needs a FILE", file=sys.stderr)
-            return 2
-        json_out = Path(args[i + 1])
-        del args[i:i + 2]
-    if len(args) != 1 or args[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if args[:1] in (["-h"], ["--help"]) else 2
-    runs = runs_of(Path(args[0]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", help="an ablate --out directory (its runs/*/*/), or a copy of it")
+    ap.add_argument("--json", metavar="FILE", type=Path, help="also write every run's phases and the medians here")
+    ns = ap.parse_args(argv)
+    runs = runs_of(Path(ns.dir))
     if not any(r["phases"] for r in runs):
-        print(f"no finished run with Megatron's timestamps under {args[0]}/runs")
+        print(f"no finished run with Megatron's timestamps under {ns.dir}/runs")
         return 1
     arms = by_arm(runs)
     for arm, row in arms.items():
         print(f"{arm}: {row['runs']} runs, median total {row['median_s']:.1f} s")
         for phase, med in (row["phases_median_s"] or {}).items():
             print(f"  {phase:<22} {med:6.1f} s  {100 * med / row['median_s']:5.1f} %")
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"source": args[0], "by_arm": arms, "runs": runs}, indent=1) + "\n")
-        print(f"wrote {json_out}")
+    if ns.json is not None:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        ns.json.write_text(json.dumps({"source": ns.dir, "by_arm": arms, "runs": runs}, indent=1) + "\n")
+        print(f"wrote {ns.json}")
     return 0
 
 
